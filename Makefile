@@ -1,0 +1,49 @@
+# Two commands do everything on a fresh Debian machine (as root):
+#   make demo   set up if needed, then a toy training run evaluated by diffmon
+#   make test   set up if needed, then every test
+# `make setup` is idempotent and cheap once done.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+VENV := .venv
+PY := $(VENV)/bin/python
+BIN := target/release/diffmon
+TORCH_VERSION := 2.13.0
+APT_PACKAGES := build-essential pkg-config libhdf5-dev python3-venv prometheus prometheus-alertmanager
+export CARGO_TERM_COLOR := never
+
+.PHONY: setup apt venv build test demo bench clean-demo lint
+
+setup: apt venv build
+
+apt:
+	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
+	  echo "setup: installing Debian packages: $(APT_PACKAGES)"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(APT_PACKAGES); \
+	fi
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: python/requirements.txt
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION) -r python/requirements.txt
+	@# tch's build reads libtorch from this link (see .cargo/config.toml).
+	ln -sfn "$$($(PY) -c 'import os, torch; print(os.path.dirname(torch.__file__))')" $(VENV)/libtorch
+	touch $@
+
+build: venv
+	cargo build --release --locked
+
+test: setup
+	scripts/run-tests
+
+demo: setup
+	scripts/demo
+
+bench: setup
+	@echo "benchmarks: not written yet (see the performance issue)"; exit 1
+
+lint: setup
+	cargo fmt --check
+	cargo clippy --release --all-targets --locked -- -D warnings

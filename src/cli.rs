@@ -1,0 +1,292 @@
+//! The command line (DESIGN.md §2.3), logging set-up, and the one place that maps errors to exit
+//! codes: 0 ok, 2 bad usage or config, 1 runtime failure.
+
+use crate::config::{self, Config, ConfigError};
+use crate::eval::{Evaluator, step_of};
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "diffmon",
+    version,
+    about = "Monitor diffusion-model training: ICR, PFD, memorization, early stop"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run the daemon: watch the checkpoint folder and evaluate every new checkpoint.
+    Watch {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Evaluate checkpoints once.
+    Eval {
+        #[arg(long)]
+        config: PathBuf,
+        /// Checkpoint files.
+        #[arg(required = true)]
+        checkpoints: Vec<PathBuf>,
+        /// One JSON object per line instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// ICR from precomputed features (`/h1`, `/h2` `[n,d]`), printed as JSON.
+    IcrFeatures {
+        #[arg(long)]
+        input: PathBuf,
+        /// Relative ridge on the residual covariance.
+        #[arg(long, default_value_t = 1e-4)]
+        ridge: f64,
+    },
+    /// The PF-ODE map: integrate latents through a model (or the empirical flow of --data).
+    Sample(SampleArgs),
+    /// Tail metrics RMSQE and LOADER of two sample sets, as JSON.
+    Tail {
+        #[arg(long)]
+        samples: PathBuf,
+        #[arg(long)]
+        reference: PathBuf,
+        #[arg(long, default_value = "samples")]
+        reference_dataset: String,
+        #[arg(long, default_value = "max")]
+        observable: String,
+        #[arg(long, default_value_t = 0.975)]
+        eta: f64,
+    },
+    /// E_gen per student, E_bias and E_var, as JSON.
+    BiasVariance {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long, num_args = 2.., required = true)]
+        students: Vec<PathBuf>,
+    },
+    /// Plots of the history (html, svg or png by the extension of --out).
+    Report {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Validate a config file and report every problem.
+    CheckConfig { file: PathBuf },
+    /// Print an annotated example config.
+    Init {
+        /// Fill the run folder's paths in (default: runs/demo).
+        #[arg(long)]
+        run_dir: Option<PathBuf>,
+    },
+}
+
+#[derive(Args, Debug)]
+pub struct SampleArgs {
+    /// A TorchScript model, or `empirical`.
+    #[arg(long)]
+    pub model: String,
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    #[arg(long, default_value = "images")]
+    pub dataset: String,
+    #[arg(long)]
+    pub latents: PathBuf,
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, default_value_t = 18)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 0.002)]
+    pub sigma_min: f64,
+    #[arg(long, default_value_t = 80.0)]
+    pub sigma_max: f64,
+    #[arg(long, default_value_t = 7.0)]
+    pub rho: f64,
+}
+
+/// Entry point of the binary.
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    init_logging();
+    match run(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(exit_code(&e))
+        }
+    }
+}
+
+/// 2 for configuration problems, 1 for everything else.
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    if e.chain().any(|c| c.downcast_ref::<ConfigError>().is_some()) {
+        2
+    } else {
+        1
+    }
+}
+
+/// Logs go to stderr, filtered by `DIFFMON_LOG` (default `info`).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("DIFFMON_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .try_init();
+}
+
+pub fn run(command: Command) -> Result<()> {
+    match command {
+        Command::CheckConfig { file } => {
+            let config = Config::load(&file)?;
+            println!(
+                "{}: ok (run `{}`, watching {})",
+                file.display(),
+                config.run_name(),
+                config.run.dir.display()
+            );
+            Ok(())
+        }
+        Command::Init { run_dir } => {
+            let text = match run_dir {
+                Some(dir) => config::EXAMPLE.replace("runs/demo", &dir.display().to_string()),
+                None => config::EXAMPLE.to_string(),
+            };
+            print!("{text}");
+            Ok(())
+        }
+        Command::Eval {
+            config,
+            checkpoints,
+            json,
+        } => eval(&config, &checkpoints, json),
+        Command::Watch { .. } => not_yet("watch"),
+        Command::IcrFeatures { input, ridge } => icr_features(&input, ridge),
+        Command::Sample(_) => not_yet("sample"),
+        Command::Tail { .. } => not_yet("tail"),
+        Command::BiasVariance { .. } => not_yet("bias-variance"),
+        Command::Report { .. } => not_yet("report"),
+    }
+}
+
+fn not_yet(command: &str) -> Result<()> {
+    anyhow::bail!("`diffmon {command}` is not available in this version yet")
+}
+
+fn eval(config_path: &std::path::Path, checkpoints: &[PathBuf], json: bool) -> Result<()> {
+    let config = Config::load(config_path)?;
+    let step_regex =
+        regex::Regex::new(&config.checkpoints.step_regex).context("checkpoints.step_regex")?;
+    let mut evaluator = Evaluator::new(&config)?;
+    let mut out = std::io::stdout().lock();
+    let mut failures = 0;
+    for (k, path) in checkpoints.iter().enumerate() {
+        let step = step_of(path, &step_regex).unwrap_or(k as i64);
+        match evaluator.evaluate(path, step) {
+            Ok(record) => {
+                if json {
+                    writeln!(out, "{}", serde_json::to_string(&record)?)?;
+                } else {
+                    writeln!(out, "{}", summary_line(&record))?;
+                }
+                out.flush()?;
+            }
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(checkpoint = %path.display(), "{e}");
+            }
+        }
+    }
+    if failures > 0 {
+        anyhow::bail!(
+            "{failures} of {} checkpoint(s) could not be evaluated",
+            checkpoints.len()
+        );
+    }
+    Ok(())
+}
+
+/// `diffmon icr-features`: ICR of the feature pairs `/h1`, `/h2` of an HDF5 file.
+fn icr_features(input: &std::path::Path, ridge: f64) -> Result<()> {
+    let file = hdf5::File::open(input)
+        .with_context(|| format!("{}: cannot open HDF5 file", input.display()))?;
+    let read = |name: &str| -> Result<tch::Tensor> {
+        let ds = file.dataset(name).with_context(|| {
+            format!(
+                "{}: no dataset `{name}` (expected /h1 and /h2, [n,d])",
+                input.display()
+            )
+        })?;
+        let shape = ds.shape();
+        if shape.len() != 2 {
+            anyhow::bail!(
+                "{}: dataset `{name}` has shape {shape:?}, expected [n,d]",
+                input.display()
+            );
+        }
+        let values: Vec<f64> = ds.read_raw().with_context(|| {
+            format!(
+                "{}: dataset `{name}` is not float32/float64",
+                input.display()
+            )
+        })?;
+        Ok(tch::Tensor::from_slice(&values).view([shape[0] as i64, shape[1] as i64]))
+    };
+    let (h1, h2) = (read("h1")?, read("h2")?);
+    if h1.size() != h2.size() {
+        anyhow::bail!(
+            "{}: /h1 {:?} and /h2 {:?} differ in shape",
+            input.display(),
+            h1.size(),
+            h2.size()
+        );
+    }
+    let r = crate::icr::icr_of_features(&h1, &h2, ridge, &input.display().to_string())?;
+    let json = serde_json::json!({
+        "icr": r.icr,
+        "invariant_trace": r.invariant_trace,
+        "residual_trace": r.residual_trace,
+        "eigenvalues": r.eigenvalues,
+    });
+    println!("{json}");
+    Ok(())
+}
+
+/// One human-readable line per evaluation.
+pub fn summary_line(r: &crate::record::Evaluation) -> String {
+    let mut parts = vec![format!("step {:>7}", r.step)];
+    let mut field = |name: &str, v: Option<f64>| {
+        if let Some(v) = v {
+            parts.push(format!("{name} {v:.5}"));
+        }
+    };
+    field("icr", r.icr);
+    field("loss_train", r.loss_train);
+    field("loss_heldout", r.loss_heldout);
+    field("gap", r.generalization_gap);
+    field("E_gen", r.pfd_generalization);
+    field("E_mem", r.pfd_memorization);
+    field("mem", r.memorization_ratio);
+    parts.push(format!("{:.2}s", r.seconds));
+    parts.push(r.checkpoint.clone());
+    parts.join("  ")
+}

@@ -1,0 +1,1137 @@
+//! The YAML configuration (DESIGN.md §2.4): typed sections with defaults, parsed straight from the
+//! text so that errors carry the key path, line and column, then a validation pass that reports
+//! every problem with its key. Relative paths are resolved against the config file's folder.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+/// The annotated example printed by `diffmon init`.
+pub const EXAMPLE: &str = include_str!("../config/diffmon.example.yaml");
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: cannot read the config file: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{file}: {location}{key}: {message}")]
+    Parse {
+        file: String,
+        /// `line L, column C: ` when the parser knows where.
+        location: String,
+        /// The key path (`icr.samples`), or `(top level)`.
+        key: String,
+        message: String,
+    },
+    #[error("{file}: {} problem{}:\n{}", problems.len(), if problems.len() == 1 { "" } else { "s" },
+        problems.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
+    Invalid {
+        file: String,
+        problems: Vec<Problem>,
+    },
+}
+
+/// One problem found by validation, with the key it concerns.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Problem {
+    pub key: String,
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.key, self.message)
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub run: RunConfig,
+    /// Where diffmon keeps its history, detector state, outbox and caches.
+    /// Default: `<run.dir>/.diffmon`.
+    #[serde(default)]
+    pub state_dir: Option<PathBuf>,
+    #[serde(default)]
+    pub checkpoints: CheckpointsConfig,
+    pub model: ModelConfig,
+    #[serde(default)]
+    pub device: DeviceSpec,
+    pub data: DataConfig,
+    #[serde(default)]
+    pub icr: IcrConfig,
+    #[serde(default)]
+    pub pfd: PfdConfig,
+    #[serde(default)]
+    pub memorization: MemorizationConfig,
+    #[serde(default)]
+    pub tail: TailConfig,
+    #[serde(default)]
+    pub early_stop: EarlyStopConfig,
+    #[serde(default)]
+    pub alerts: AlertsConfig,
+    #[serde(default)]
+    pub http: HttpConfig,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    /// Label `run` on every metric. Default: the name of `run.dir`.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// The folder the training job writes checkpoints into.
+    pub dir: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backlog {
+    /// Evaluate every checkpoint, in step order.
+    All,
+    /// When evaluation falls behind, evaluate only the newest pending checkpoint.
+    Latest,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointsConfig {
+    #[serde(default = "default_pattern")]
+    pub pattern: String,
+    #[serde(default = "default_step_regex")]
+    pub step_regex: String,
+    #[serde(default)]
+    pub weights_key: Option<String>,
+    #[serde(default)]
+    pub strip_prefix: Option<String>,
+    #[serde(default = "default_settle_secs")]
+    pub settle_secs: f64,
+    #[serde(default = "default_poll_secs")]
+    pub poll_secs: f64,
+    #[serde(default = "default_backlog")]
+    pub backlog: Backlog,
+    /// Use filesystem notifications (inotify) besides the periodic rescan.
+    #[serde(default = "default_true")]
+    pub inotify: bool,
+}
+
+fn default_pattern() -> String {
+    "*.{pt,pth,ckpt,safetensors,ts}".into()
+}
+fn default_step_regex() -> String {
+    r"(\d+)\D*$".into()
+}
+fn default_settle_secs() -> f64 {
+    2.0
+}
+fn default_poll_secs() -> f64 {
+    10.0
+}
+fn default_backlog() -> Backlog {
+    Backlog::All
+}
+fn default_true() -> bool {
+    true
+}
+
+impl Default for CheckpointsConfig {
+    fn default() -> Self {
+        CheckpointsConfig {
+            pattern: default_pattern(),
+            step_regex: default_step_regex(),
+            weights_key: None,
+            strip_prefix: None,
+            settle_secs: default_settle_secs(),
+            poll_secs: default_poll_secs(),
+            backlog: default_backlog(),
+            inotify: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// TorchScript file of the model contract (DESIGN.md §2.1).
+    pub architecture: PathBuf,
+}
+
+/// `auto` (CUDA when available), `cpu`, `cuda` (device 0) or `cuda:N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceSpec {
+    #[default]
+    Auto,
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(DeviceSpec::Auto),
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "cuda" => Ok(DeviceSpec::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(DeviceSpec::Cuda)
+                .ok_or_else(|| format!("must be auto, cpu, cuda or cuda:N, got `{s}`")),
+        }
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceSpec::Auto => write!(f, "auto"),
+            DeviceSpec::Cpu => write!(f, "cpu"),
+            DeviceSpec::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for DeviceSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl Serialize for DeviceSpec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// HDF5 file of training images (DESIGN.md §2.2).
+    pub path: PathBuf,
+    #[serde(default = "default_dataset")]
+    pub dataset: String,
+    /// Held-out images for the denoising generalization gap (DESIGN.md §1.6).
+    #[serde(default)]
+    pub heldout_path: Option<PathBuf>,
+    #[serde(default = "default_dataset")]
+    pub heldout_dataset: String,
+}
+
+fn default_dataset() -> String {
+    "images".into()
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct IcrConfig {
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    #[serde(default = "default_icr_sigma")]
+    pub sigma: f64,
+    /// Noise-level sweep: ICR at each of these sigmas (absent: no sweep).
+    #[serde(default)]
+    pub sigmas: Option<Vec<f64>>,
+    #[serde(default = "default_icr_samples")]
+    pub samples: usize,
+    #[serde(default = "default_ridge")]
+    pub ridge: f64,
+    #[serde(default)]
+    pub seed: u64,
+    #[serde(default = "default_batch_size")]
+    pub batch_size: usize,
+    #[serde(default)]
+    pub augment: AugmentConfig,
+}
+
+fn default_icr_sigma() -> f64 {
+    0.29
+}
+fn default_icr_samples() -> usize {
+    4096
+}
+fn default_ridge() -> f64 {
+    1e-4
+}
+fn default_batch_size() -> usize {
+    256
+}
+
+impl Default for IcrConfig {
+    fn default() -> Self {
+        IcrConfig {
+            enabled: true,
+            sigma: default_icr_sigma(),
+            sigmas: None,
+            samples: default_icr_samples(),
+            ridge: default_ridge(),
+            seed: 0,
+            batch_size: default_batch_size(),
+            augment: AugmentConfig::default(),
+        }
+    }
+}
+
+/// The two-view augmentations of ICR (DESIGN.md §1.1); 0 or false switches one off.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AugmentConfig {
+    /// Random crop with reflect padding of this fraction of the side.
+    #[serde(default = "default_crop")]
+    pub crop: f64,
+    /// Horizontal flip with probability 0.5.
+    #[serde(default = "default_true")]
+    pub flip: bool,
+    /// Brightness, contrast and saturation jitter strength.
+    #[serde(default = "default_jitter")]
+    pub jitter: f64,
+}
+
+fn default_crop() -> f64 {
+    0.125
+}
+fn default_jitter() -> f64 {
+    0.4
+}
+
+impl Default for AugmentConfig {
+    fn default() -> Self {
+        AugmentConfig {
+            crop: default_crop(),
+            flip: true,
+            jitter: default_jitter(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PfdConfig {
+    #[serde(default)]
+    pub enabled: bool,
+    /// Teacher TorchScript (same contract as the model); E_gen is computed only with one.
+    #[serde(default)]
+    pub teacher: Option<PathBuf>,
+    #[serde(default = "default_pfd_samples")]
+    pub samples: usize,
+    #[serde(default = "default_steps")]
+    pub steps: usize,
+    #[serde(default = "default_sigma_min")]
+    pub sigma_min: f64,
+    #[serde(default = "default_sigma_max")]
+    pub sigma_max: f64,
+    #[serde(default = "default_rho")]
+    pub rho: f64,
+    /// Image descriptor Ψ: a TorchScript `[B,C,H,W] → [B,k]`; absent: identity (pixels).
+    #[serde(default)]
+    pub descriptor: Option<PathBuf>,
+    #[serde(default)]
+    pub seed: u64,
+    /// HDF5 file whose `/latents` `[M,C,H,W]` are used instead of seeded ones.
+    #[serde(default)]
+    pub latents: Option<PathBuf>,
+    /// Evaluate the PF-ODE metrics every k-th checkpoint.
+    #[serde(default = "default_every")]
+    pub every: usize,
+    #[serde(default = "default_batch_size")]
+    pub batch_size: usize,
+}
+
+fn default_pfd_samples() -> usize {
+    10_000
+}
+fn default_steps() -> usize {
+    18
+}
+fn default_sigma_min() -> f64 {
+    0.002
+}
+fn default_sigma_max() -> f64 {
+    80.0
+}
+fn default_rho() -> f64 {
+    7.0
+}
+fn default_every() -> usize {
+    1
+}
+
+impl Default for PfdConfig {
+    fn default() -> Self {
+        PfdConfig {
+            enabled: false,
+            teacher: None,
+            samples: default_pfd_samples(),
+            steps: default_steps(),
+            sigma_min: default_sigma_min(),
+            sigma_max: default_sigma_max(),
+            rho: default_rho(),
+            descriptor: None,
+            seed: 0,
+            latents: None,
+            every: default_every(),
+            batch_size: default_batch_size(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemorizationCriterion {
+    /// Nearest / second-nearest training image distance ratio below the threshold.
+    NnRatio,
+    /// Best cosine similarity in the descriptor space above the threshold.
+    Cosine,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemorizationConfig {
+    #[serde(default)]
+    pub enabled: bool,
+    #[serde(default = "default_criterion")]
+    pub criterion: MemorizationCriterion,
+    /// Default: 1/3 for `nn_ratio`, 0.6 for `cosine`.
+    #[serde(default)]
+    pub threshold: Option<f64>,
+}
+
+fn default_criterion() -> MemorizationCriterion {
+    MemorizationCriterion::NnRatio
+}
+
+impl Default for MemorizationConfig {
+    fn default() -> Self {
+        MemorizationConfig {
+            enabled: false,
+            criterion: default_criterion(),
+            threshold: None,
+        }
+    }
+}
+
+impl MemorizationConfig {
+    pub fn threshold(&self) -> f64 {
+        self.threshold.unwrap_or(match self.criterion {
+            MemorizationCriterion::NnRatio => 1.0 / 3.0,
+            MemorizationCriterion::Cosine => 0.6,
+        })
+    }
+}
+
+/// A scalar observable of a sample (DESIGN.md §1.5).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Observable {
+    Max,
+    Min,
+    Mean,
+    Sum,
+    Quantile(f64),
+}
+
+impl std::str::FromStr for Observable {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "max" => Ok(Observable::Max),
+            "min" => Ok(Observable::Min),
+            "mean" => Ok(Observable::Mean),
+            "sum" => Ok(Observable::Sum),
+            _ => match s.strip_prefix("quantile:").map(str::parse::<f64>) {
+                Some(Ok(q)) if (0.0..=1.0).contains(&q) => Ok(Observable::Quantile(q)),
+                _ => Err(format!(
+                    "must be max, min, mean, sum or quantile:q with q in [0, 1], got `{s}`"
+                )),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Observable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Observable::Max => write!(f, "max"),
+            Observable::Min => write!(f, "min"),
+            Observable::Mean => write!(f, "mean"),
+            Observable::Sum => write!(f, "sum"),
+            Observable::Quantile(q) => write!(f, "quantile:{q}"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Observable {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl Serialize for Observable {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TailReference {
+    /// The teacher's samples from the same latents.
+    Teacher,
+    /// The training images.
+    Training,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TailConfig {
+    #[serde(default)]
+    pub enabled: bool,
+    #[serde(default = "default_observable")]
+    pub observable: Observable,
+    #[serde(default = "default_eta")]
+    pub eta: f64,
+    #[serde(default = "default_tail_reference")]
+    pub reference: TailReference,
+    /// Affine map to physical units applied to the observable: `scale · o + offset`.
+    #[serde(default = "default_scale")]
+    pub scale: f64,
+    #[serde(default)]
+    pub offset: f64,
+}
+
+fn default_observable() -> Observable {
+    Observable::Max
+}
+fn default_eta() -> f64 {
+    0.975
+}
+fn default_tail_reference() -> TailReference {
+    TailReference::Teacher
+}
+fn default_scale() -> f64 {
+    1.0
+}
+
+impl Default for TailConfig {
+    fn default() -> Self {
+        TailConfig {
+            enabled: false,
+            observable: default_observable(),
+            eta: default_eta(),
+            reference: default_tail_reference(),
+            scale: default_scale(),
+            offset: 0.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EarlyStopMetric {
+    Icr,
+    PfdGeneralization,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Confirm {
+    None,
+    GeneralizationGap,
+    MemorizationRatio,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct EarlyStopConfig {
+    #[serde(default = "default_es_metric")]
+    pub metric: EarlyStopMetric,
+    #[serde(default = "default_window")]
+    pub window: usize,
+    #[serde(default = "default_warmup")]
+    pub warmup: usize,
+    #[serde(default = "default_patience")]
+    pub patience: usize,
+    #[serde(default = "default_min_rise")]
+    pub min_rise: f64,
+    #[serde(default = "default_confirm")]
+    pub confirm: Confirm,
+    #[serde(default = "default_confirm_rise")]
+    pub confirm_rise: f64,
+}
+
+fn default_es_metric() -> EarlyStopMetric {
+    EarlyStopMetric::Icr
+}
+fn default_window() -> usize {
+    3
+}
+fn default_warmup() -> usize {
+    3
+}
+fn default_patience() -> usize {
+    2
+}
+fn default_min_rise() -> f64 {
+    0.02
+}
+fn default_confirm() -> Confirm {
+    Confirm::None
+}
+fn default_confirm_rise() -> f64 {
+    0.5
+}
+
+impl Default for EarlyStopConfig {
+    fn default() -> Self {
+        EarlyStopConfig {
+            metric: default_es_metric(),
+            window: default_window(),
+            warmup: default_warmup(),
+            patience: default_patience(),
+            min_rise: default_min_rise(),
+            confirm: default_confirm(),
+            confirm_rise: default_confirm_rise(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WebhookFormat {
+    Json,
+    Slack,
+    Alertmanager,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookConfig {
+    pub url: String,
+    #[serde(default = "default_webhook_format")]
+    pub format: WebhookFormat,
+    /// Name of the environment variable holding the signing secret (never the secret itself).
+    #[serde(default)]
+    pub secret_env: Option<String>,
+}
+
+fn default_webhook_format() -> WebhookFormat {
+    WebhookFormat::Json
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AlertmanagerConfig {
+    pub url: String,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AlertsConfig {
+    #[serde(default)]
+    pub webhooks: Vec<WebhookConfig>,
+    #[serde(default)]
+    pub alertmanager: Option<AlertmanagerConfig>,
+    /// File name inside `run.dir` written when the early stop fires.
+    #[serde(default = "default_stop_file")]
+    pub stop_file: String,
+}
+
+fn default_stop_file() -> String {
+    "EARLY_STOP".into()
+}
+
+impl Default for AlertsConfig {
+    fn default() -> Self {
+        AlertsConfig {
+            webhooks: Vec::new(),
+            alertmanager: None,
+            stop_file: default_stop_file(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    #[serde(default = "default_listen")]
+    pub listen: String,
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:9464".into()
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            listen: default_listen(),
+        }
+    }
+}
+
+impl Config {
+    /// Reads, parses and validates a config file; relative paths become relative to its folder.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        let mut config = Config::parse(&text, &path.display().to_string())?;
+        config.resolve_paths(base);
+        let problems = config.validate();
+        if problems.is_empty() {
+            Ok(config)
+        } else {
+            Err(ConfigError::Invalid {
+                file: path.display().to_string(),
+                problems,
+            })
+        }
+    }
+
+    /// Parses YAML text; `file` names the source in errors. No validation, no path resolution.
+    pub fn parse(text: &str, file: &str) -> Result<Config, ConfigError> {
+        let de = serde_yaml::Deserializer::from_str(text);
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            let key = match e.path().to_string() {
+                p if p == "." => "(top level)".to_string(),
+                p => p,
+            };
+            let inner = e.into_inner();
+            let location = inner
+                .location()
+                .map(|l| format!("line {}, column {}: ", l.line(), l.column()))
+                .unwrap_or_default();
+            // serde_yaml appends " at line L column C" itself; keep the message clean.
+            let mut message = inner.to_string();
+            if let Some(i) = message.find(" at line ") {
+                message.truncate(i);
+            }
+            // It also starts nested messages with its own (shorter) path: `icr: unknown field`.
+            if let Some((head, rest)) = message.split_once(": ") {
+                if !head.contains(char::is_whitespace) {
+                    message = rest.to_string();
+                }
+            }
+            ConfigError::Parse {
+                file: file.to_string(),
+                location,
+                key,
+                message,
+            }
+        })
+    }
+
+    fn resolve_paths(&mut self, base: &Path) {
+        let fix = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        };
+        fix(&mut self.run.dir);
+        if let Some(p) = self.state_dir.as_mut() {
+            fix(p);
+        }
+        fix(&mut self.model.architecture);
+        fix(&mut self.data.path);
+        for p in [
+            self.data.heldout_path.as_mut(),
+            self.pfd.teacher.as_mut(),
+            self.pfd.descriptor.as_mut(),
+            self.pfd.latents.as_mut(),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            fix(p);
+        }
+    }
+
+    /// The label `run` on every metric.
+    pub fn run_name(&self) -> String {
+        self.run.name.clone().unwrap_or_else(|| {
+            self.run
+                .dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "run".into())
+        })
+    }
+
+    pub fn state_dir(&self) -> PathBuf {
+        self.state_dir
+            .clone()
+            .unwrap_or_else(|| self.run.dir.join(".diffmon"))
+    }
+
+    /// Every problem of the config, each with its key; empty when it is valid.
+    pub fn validate(&self) -> Vec<Problem> {
+        let mut v = Validator::default();
+        if let Some(name) = &self.run.name {
+            v.check(!name.trim().is_empty(), "run.name", "must not be empty");
+        }
+
+        let c = &self.checkpoints;
+        if let Err(e) = globset::Glob::new(&c.pattern) {
+            v.problem("checkpoints.pattern", format!("is not a valid glob: {e}"));
+        }
+        match regex::Regex::new(&c.step_regex) {
+            Ok(re) if re.captures_len() < 2 => v.problem(
+                "checkpoints.step_regex",
+                "needs a capture group for the step, e.g. `(\\d+)`",
+            ),
+            Ok(_) => {}
+            Err(e) => v.problem(
+                "checkpoints.step_regex",
+                format!("is not a valid regex: {e}"),
+            ),
+        }
+        v.non_negative("checkpoints.settle_secs", c.settle_secs);
+        v.positive("checkpoints.poll_secs", c.poll_secs);
+
+        v.file("model.architecture", &self.model.architecture);
+        v.file("data.path", &self.data.path);
+        v.check(
+            !self.data.dataset.is_empty(),
+            "data.dataset",
+            "must not be empty",
+        );
+        if let Some(p) = &self.data.heldout_path {
+            v.file("data.heldout_path", p);
+        }
+
+        let i = &self.icr;
+        v.positive("icr.sigma", i.sigma);
+        if let Some(sigmas) = &i.sigmas {
+            v.check(
+                !sigmas.is_empty(),
+                "icr.sigmas",
+                "must list at least one sigma",
+            );
+            for (k, s) in sigmas.iter().enumerate() {
+                v.positive(&format!("icr.sigmas[{k}]"), *s);
+            }
+        }
+        v.at_least("icr.samples", i.samples, 2);
+        v.non_negative("icr.ridge", i.ridge);
+        v.at_least("icr.batch_size", i.batch_size, 1);
+        v.check(
+            (0.0..0.5).contains(&i.augment.crop),
+            "icr.augment.crop",
+            format!("must be in [0, 0.5), got {}", i.augment.crop),
+        );
+        v.check(
+            (0.0..=1.0).contains(&i.augment.jitter),
+            "icr.augment.jitter",
+            format!("must be in [0, 1], got {}", i.augment.jitter),
+        );
+
+        let p = &self.pfd;
+        v.at_least("pfd.samples", p.samples, 1);
+        v.at_least("pfd.steps", p.steps, 2);
+        v.positive("pfd.sigma_min", p.sigma_min);
+        v.check(
+            p.sigma_max > p.sigma_min,
+            "pfd.sigma_max",
+            format!(
+                "must be greater than pfd.sigma_min ({}), got {}",
+                p.sigma_min, p.sigma_max
+            ),
+        );
+        v.positive("pfd.rho", p.rho);
+        v.at_least("pfd.every", p.every, 1);
+        v.at_least("pfd.batch_size", p.batch_size, 1);
+        for (key, path) in [
+            ("pfd.teacher", &p.teacher),
+            ("pfd.descriptor", &p.descriptor),
+            ("pfd.latents", &p.latents),
+        ] {
+            if let Some(path) = path {
+                v.file(key, path);
+            }
+        }
+
+        let m = &self.memorization;
+        if m.enabled {
+            v.check(
+                p.enabled,
+                "memorization.enabled",
+                "needs pfd.enabled: the ratio is computed from the PFD samples",
+            );
+            if m.criterion == MemorizationCriterion::Cosine {
+                v.check(
+                    p.descriptor.is_some(),
+                    "memorization.criterion",
+                    "`cosine` needs a descriptor model in pfd.descriptor",
+                );
+            }
+        }
+        let t = m.threshold();
+        v.check(
+            t > 0.0 && t <= 1.0,
+            "memorization.threshold",
+            format!("must be in (0, 1], got {t}"),
+        );
+
+        let tl = &self.tail;
+        if tl.enabled {
+            v.check(
+                p.enabled,
+                "tail.enabled",
+                "needs pfd.enabled: tail metrics use the PFD samples",
+            );
+            if tl.reference == TailReference::Teacher {
+                v.check(
+                    p.teacher.is_some(),
+                    "tail.reference",
+                    "`teacher` needs pfd.teacher (or use `training`)",
+                );
+            }
+        }
+        v.check(
+            tl.eta > 0.0 && tl.eta < 1.0,
+            "tail.eta",
+            format!("must be in (0, 1), got {}", tl.eta),
+        );
+        v.check(
+            tl.scale != 0.0 && tl.scale.is_finite(),
+            "tail.scale",
+            "must be a non-zero number",
+        );
+
+        let e = &self.early_stop;
+        v.at_least("early_stop.window", e.window, 1);
+        v.at_least("early_stop.patience", e.patience, 1);
+        v.non_negative("early_stop.min_rise", e.min_rise);
+        v.positive("early_stop.confirm_rise", e.confirm_rise);
+        match e.metric {
+            EarlyStopMetric::Icr => v.check(
+                i.enabled,
+                "early_stop.metric",
+                "is `icr` but icr.enabled is false",
+            ),
+            EarlyStopMetric::PfdGeneralization => v.check(
+                p.enabled && p.teacher.is_some(),
+                "early_stop.metric",
+                "`pfd_generalization` needs pfd.enabled and pfd.teacher",
+            ),
+        }
+        match e.confirm {
+            Confirm::None => {}
+            Confirm::GeneralizationGap => v.check(
+                self.data.heldout_path.is_some(),
+                "early_stop.confirm",
+                "`generalization_gap` needs data.heldout_path",
+            ),
+            Confirm::MemorizationRatio => v.check(
+                m.enabled,
+                "early_stop.confirm",
+                "`memorization_ratio` needs memorization.enabled",
+            ),
+        }
+
+        let a = &self.alerts;
+        for (k, w) in a.webhooks.iter().enumerate() {
+            v.url(&format!("alerts.webhooks[{k}].url"), &w.url);
+            if let Some(var) = &w.secret_env {
+                v.env_var(&format!("alerts.webhooks[{k}].secret_env"), var);
+            }
+        }
+        if let Some(am) = &a.alertmanager {
+            v.url("alerts.alertmanager.url", &am.url);
+        }
+        v.check(
+            !a.stop_file.is_empty()
+                && Path::new(&a.stop_file)
+                    .components()
+                    .all(|c| matches!(c, std::path::Component::Normal(_))),
+            "alerts.stop_file",
+            format!(
+                "must be a file name inside run.dir (no `..`, no absolute path), got `{}`",
+                a.stop_file
+            ),
+        );
+
+        if let Err(e) = self.http.listen.parse::<SocketAddr>() {
+            v.problem(
+                "http.listen",
+                format!(
+                    "must be an address:port such as 127.0.0.1:9464 ({e}), got `{}`",
+                    self.http.listen
+                ),
+            );
+        }
+        v.problems
+    }
+}
+
+#[derive(Default)]
+struct Validator {
+    problems: Vec<Problem>,
+}
+
+impl Validator {
+    fn problem(&mut self, key: &str, message: impl Into<String>) {
+        self.problems.push(Problem {
+            key: key.to_string(),
+            message: message.into(),
+        });
+    }
+
+    fn check(&mut self, ok: bool, key: &str, message: impl Into<String>) {
+        if !ok {
+            self.problem(key, message);
+        }
+    }
+
+    fn positive(&mut self, key: &str, x: f64) {
+        self.check(
+            x > 0.0 && x.is_finite(),
+            key,
+            format!("must be > 0, got {x}"),
+        );
+    }
+
+    fn non_negative(&mut self, key: &str, x: f64) {
+        self.check(
+            x >= 0.0 && x.is_finite(),
+            key,
+            format!("must be ≥ 0, got {x}"),
+        );
+    }
+
+    fn at_least(&mut self, key: &str, x: usize, min: usize) {
+        self.check(x >= min, key, format!("must be ≥ {min}, got {x}"));
+    }
+
+    fn file(&mut self, key: &str, path: &Path) {
+        if !path.is_file() {
+            let what = if path.exists() {
+                "is not a file"
+            } else {
+                "does not exist"
+            };
+            self.problem(key, format!("names {}, which {what}", path.display()));
+        }
+    }
+
+    fn url(&mut self, key: &str, url: &str) {
+        self.check(
+            url.starts_with("http://") || url.starts_with("https://"),
+            key,
+            format!("must be an http:// or https:// URL, got `{url}`"),
+        );
+    }
+
+    fn env_var(&mut self, key: &str, var: &str) {
+        if std::env::var_os(var).is_none() {
+            self.problem(
+                key,
+                format!("names the environment variable {var}, which is not set"),
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = "run: {dir: r}\nmodel: {architecture: m.ts}\ndata: {path: d.h5}\n";
+
+    #[test]
+    fn defaults_follow_the_design() {
+        let c = Config::parse(MINIMAL, "t.yaml").unwrap();
+        assert_eq!(c.icr.samples, 4096);
+        assert_eq!(c.icr.sigma, 0.29);
+        assert_eq!(c.icr.ridge, 1e-4);
+        assert_eq!(c.pfd.samples, 10_000);
+        assert_eq!(
+            (c.pfd.steps, c.pfd.sigma_min, c.pfd.sigma_max, c.pfd.rho),
+            (18, 0.002, 80.0, 7.0)
+        );
+        assert_eq!(c.early_stop.window, 3);
+        assert_eq!(c.early_stop.min_rise, 0.02);
+        assert_eq!(c.data.dataset, "images");
+        assert_eq!(c.alerts.stop_file, "EARLY_STOP");
+        assert_eq!(c.http.listen, "127.0.0.1:9464");
+        assert_eq!(c.device, DeviceSpec::Auto);
+        assert_eq!(c.run_name(), "r");
+        assert_eq!(c.memorization.threshold(), 1.0 / 3.0);
+    }
+
+    #[test]
+    fn unknown_key_names_path_line_and_column() {
+        let text = format!("{MINIMAL}icr:\n  sigma: 0.3\n  sampels: 12\n");
+        let err = Config::parse(&text, "t.yaml").unwrap_err().to_string();
+        assert!(
+            err.starts_with("t.yaml: line 6, column 3: icr.sampels: unknown field `sampels`"),
+            "{err}"
+        );
+        assert!(err.contains("unknown field `sampels`"), "{err}");
+    }
+
+    #[test]
+    fn wrong_type_names_the_key() {
+        let text = format!("{MINIMAL}pfd:\n  samples: many\n");
+        let err = Config::parse(&text, "t.yaml").unwrap_err().to_string();
+        assert!(err.contains("line 5, column 12: pfd.samples:"), "{err}");
+        let text = format!("{MINIMAL}device: gpu\n");
+        let err = Config::parse(&text, "t.yaml").unwrap_err().to_string();
+        assert!(
+            err.contains("device: must be auto, cpu, cuda or cuda:N, got `gpu`"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn validation_reports_every_problem_with_its_key() {
+        let text = format!(
+            "{MINIMAL}pfd: {{samples: 0, sigma_min: 1, sigma_max: 0.5}}\nicr: {{sigma: -1}}\n\
+             http: {{listen: nowhere}}\nalerts: {{stop_file: ../x, webhooks: [{{url: ftp://a, secret_env: DIFFMON_TEST_UNSET_VAR}}]}}\n"
+        );
+        let c = Config::parse(&text, "t.yaml").unwrap();
+        let keys: Vec<String> = c.validate().into_iter().map(|p| p.to_string()).collect();
+        let has = |s: &str| keys.iter().any(|k| k.starts_with(s));
+        assert!(has("pfd.samples must be ≥ 1, got 0"), "{keys:?}");
+        assert!(
+            has("pfd.sigma_max must be greater than pfd.sigma_min"),
+            "{keys:?}"
+        );
+        assert!(has("icr.sigma must be > 0, got -1"), "{keys:?}");
+        assert!(has("http.listen"), "{keys:?}");
+        assert!(has("alerts.stop_file"), "{keys:?}");
+        assert!(has("alerts.webhooks[0].url"), "{keys:?}");
+        assert!(
+            has(
+                "alerts.webhooks[0].secret_env names the environment variable DIFFMON_TEST_UNSET_VAR"
+            ),
+            "{keys:?}"
+        );
+        assert!(
+            has("model.architecture names m.ts, which does not exist"),
+            "{keys:?}"
+        );
+        assert!(has("data.path names d.h5"), "{keys:?}");
+    }
+
+    #[test]
+    fn observables_and_devices_parse() {
+        assert_eq!(
+            "quantile:0.99".parse::<Observable>(),
+            Ok(Observable::Quantile(0.99))
+        );
+        assert!("quantile:2".parse::<Observable>().is_err());
+        assert_eq!("cuda:1".parse::<DeviceSpec>(), Ok(DeviceSpec::Cuda(1)));
+        assert_eq!("cuda".parse::<DeviceSpec>(), Ok(DeviceSpec::Cuda(0)));
+    }
+
+    #[test]
+    fn example_parses() {
+        Config::parse(EXAMPLE, "example").unwrap();
+    }
+}

@@ -1,0 +1,229 @@
+//! Evaluation of one checkpoint: loads its weights into the architecture and computes the
+//! enabled metrics into an [`Evaluation`] record. The `Evaluator` owns the model and the data
+//! (libtorch and HDF5 objects), so it lives on one thread.
+
+use crate::config::Config;
+use crate::data::{DataError, ImageSet};
+use crate::icr::{IcrError, ViewProbe};
+use crate::model::{ContractInfo, Model, ModelError};
+use crate::record::{Evaluation, SweepPoint};
+use crate::weights::ReadOptions;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EvalError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Icr(#[from] IcrError),
+    #[error("{checkpoint}: {message}")]
+    Invalid {
+        checkpoint: PathBuf,
+        message: String,
+    },
+    #[error("{path}: image shape {data:?} of the data does not match {other_path}'s {other:?}")]
+    ShapeMismatch {
+        path: PathBuf,
+        data: [usize; 3],
+        other_path: PathBuf,
+        other: [usize; 3],
+    },
+}
+
+/// σ_data of the EDM loss weighting.
+const SIGMA_DATA: f64 = 0.5;
+
+/// Fixed, seeded inputs of the denoising loss: the same images and noise at every checkpoint.
+struct LossProbe {
+    images: Tensor,
+    noise: Tensor,
+}
+
+impl LossProbe {
+    /// `n` images of `set` chosen by `seed`, with fixed noise.
+    fn new(set: &ImageSet, n: usize, seed: u64, device: Device) -> Result<LossProbe, DataError> {
+        let images = set.gather(&seeded_subset(set.len(), n, seed))?;
+        let noise = Tensor::randn(images.size(), (Kind::Float, Device::Cpu));
+        Ok(LossProbe {
+            images: images.to_device(device),
+            noise: noise.to_device(device),
+        })
+    }
+
+    /// Mean EDM-weighted denoising loss λ(σ)‖D(x0 + σn; σ) − x0‖²/dim (DESIGN.md §1.6).
+    fn loss(&self, model: &Model, sigma: f64, batch: usize) -> Result<f64, ModelError> {
+        let n = self.images.size()[0];
+        let weight = (sigma * sigma + SIGMA_DATA * SIGMA_DATA) / (sigma * SIGMA_DATA).powi(2);
+        let mut total = 0.0;
+        let mut start = 0;
+        while start < n {
+            let len = (batch as i64).min(n - start);
+            let x0 = self.images.narrow(0, start, len);
+            let x = &x0 + self.noise.narrow(0, start, len) * sigma;
+            let s = Tensor::full([len], sigma, (Kind::Float, model.device()));
+            let (d, _) = model.forward(&x, &s)?;
+            let err = (d.to_kind(Kind::Double) - x0.to_kind(Kind::Double)).square();
+            // Sum over images of the per-image mean over dimensions.
+            total += err
+                .flatten(1, -1)
+                .mean_dim(1, false, Kind::Double)
+                .sum(Kind::Double)
+                .double_value(&[]);
+            start += len;
+        }
+        Ok(weight * total / n as f64)
+    }
+}
+
+/// `min(n, len)` distinct indices of `0..len` chosen by `seed`, in ascending order.
+fn seeded_subset(len: usize, n: usize, seed: u64) -> Vec<usize> {
+    tch::manual_seed(seed as i64);
+    let perm = Tensor::randperm(len as i64, (Kind::Int64, Device::Cpu));
+    let mut idx: Vec<usize> = Vec::<i64>::try_from(perm.narrow(0, 0, n.min(len) as i64))
+        .expect("int64 indices")
+        .into_iter()
+        .map(|i| i as usize)
+        .collect();
+    idx.sort_unstable();
+    idx
+}
+
+/// Evaluates checkpoints against one architecture and data set.
+pub struct Evaluator {
+    config: Config,
+    model: Model,
+    contract: ContractInfo,
+    views: Option<ViewProbe>,
+    train_probe: Option<LossProbe>,
+    heldout_probe: Option<LossProbe>,
+}
+
+impl Evaluator {
+    /// Loads the architecture on the configured device, checks it against the data's image
+    /// shape, and prepares the fixed inputs of every metric.
+    pub fn new(config: &Config) -> Result<Evaluator, EvalError> {
+        let device = crate::model::select_device(config.device)?;
+        let train = ImageSet::open(&config.data.path, &config.data.dataset)?;
+        let model = Model::load(&config.model.architecture, device)?;
+        let shape: Vec<i64> = train.image_shape().iter().map(|&d| d as i64).collect();
+        let contract = model.check_contract(&shape)?;
+        tracing::info!(
+            architecture = %config.model.architecture.display(),
+            ?device,
+            images = train.len(),
+            image_shape = ?train.image_shape(),
+            feature_shape = ?contract.feature_shape,
+            "model loaded"
+        );
+        let views = if config.icr.enabled {
+            let n = config.icr.samples;
+            let images = train.gather(&seeded_subset(train.len(), n, config.icr.seed))?;
+            if n < 2 * contract.feature_dim {
+                tracing::warn!(
+                    samples = n,
+                    feature_dim = contract.feature_dim,
+                    "icr.samples is below twice the feature dimension: the ICR estimate is dominated by the ridge"
+                );
+            }
+            Some(ViewProbe::new(images.to_device(device), &config.icr))
+        } else {
+            None
+        };
+        let (train_probe, heldout_probe) = match &config.data.heldout_path {
+            Some(path) => {
+                let heldout = ImageSet::open(path, &config.data.heldout_dataset)?;
+                if heldout.image_shape() != train.image_shape() {
+                    return Err(EvalError::ShapeMismatch {
+                        path: path.clone(),
+                        data: heldout.image_shape(),
+                        other_path: config.data.path.clone(),
+                        other: train.image_shape(),
+                    });
+                }
+                let n = config.icr.samples.min(train.len()).min(heldout.len());
+                let seed = config.icr.seed;
+                (
+                    Some(LossProbe::new(&train, n, seed, device)?),
+                    Some(LossProbe::new(&heldout, n, seed.wrapping_add(1), device)?),
+                )
+            }
+            None => (None, None),
+        };
+        Ok(Evaluator {
+            config: config.clone(),
+            model,
+            contract,
+            views,
+            train_probe,
+            heldout_probe,
+        })
+    }
+
+    pub fn contract(&self) -> &ContractInfo {
+        &self.contract
+    }
+
+    /// Loads `checkpoint`'s weights and computes the enabled metrics.
+    pub fn evaluate(&mut self, checkpoint: &Path, step: i64) -> Result<Evaluation, EvalError> {
+        let started = Instant::now();
+        let c = &self.config.checkpoints;
+        let opts = ReadOptions {
+            weights_key: c.weights_key.clone(),
+            strip_prefix: c.strip_prefix.clone(),
+        };
+        self.model.load_weights(checkpoint, &opts)?;
+        let mut record = Evaluation {
+            step,
+            checkpoint: checkpoint.display().to_string(),
+            ..Evaluation::default()
+        };
+        if let Some(views) = &self.views {
+            let what = checkpoint.display().to_string();
+            let icr = &self.config.icr;
+            let r = views.run(&self.model, icr.sigma, icr.ridge, &what)?;
+            record.icr = Some(r.icr);
+            record.icr_invariant_trace = Some(r.invariant_trace);
+            record.icr_residual_trace = Some(r.residual_trace);
+            record.icr_invariant_trace_normalized = Some(r.invariant_trace_normalized);
+            record.icr_residual_trace_normalized = Some(r.residual_trace_normalized);
+            record.icr_eigenvalues = Some(r.eigenvalues);
+            if let Some(sigmas) = &icr.sigmas {
+                let mut sweep = Vec::with_capacity(sigmas.len());
+                for &sigma in sigmas {
+                    let r = views.run(&self.model, sigma, icr.ridge, &what)?;
+                    sweep.push(SweepPoint { sigma, icr: r.icr });
+                }
+                record.icr_sweep = Some(sweep);
+            }
+        }
+        if let (Some(train), Some(heldout)) = (&self.train_probe, &self.heldout_probe) {
+            let sigma = self.config.icr.sigma;
+            let batch = self.config.icr.batch_size;
+            let lt = train.loss(&self.model, sigma, batch)?;
+            let lh = heldout.loss(&self.model, sigma, batch)?;
+            for (what, v) in [("training loss", lt), ("held-out loss", lh)] {
+                if !v.is_finite() {
+                    return Err(EvalError::Invalid {
+                        checkpoint: checkpoint.to_path_buf(),
+                        message: format!("{what} is {v}: the weights produce non-finite outputs"),
+                    });
+                }
+            }
+            record.loss_train = Some(lt);
+            record.loss_heldout = Some(lh);
+            record.generalization_gap = Some(lh - lt);
+        }
+        record.seconds = started.elapsed().as_secs_f64();
+        Ok(record)
+    }
+}
+
+/// The training step of a checkpoint: the first capture group of `step_regex` on its file name.
+pub fn step_of(path: &Path, step_regex: &regex::Regex) -> Option<i64> {
+    let name = path.file_name()?.to_str()?;
+    step_regex.captures(name)?.get(1)?.as_str().parse().ok()
+}

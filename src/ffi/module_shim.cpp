@@ -1,0 +1,101 @@
+// A small C ABI over libtorch's TorchScript module, for what tch does not expose: the module's
+// buffers (normalization statistics, fixed tables) next to its parameters, and a forward that
+// checks the model contract's output shape. Tensors cross the boundary as `torch::Tensor*`
+// allocated with `new`, the representation tch uses, so Rust takes ownership with
+// `tch::Tensor::from_ptr`.
+#include <torch/script.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace {
+
+char *copy_message(const std::string &message) {
+  char *out = static_cast<char *>(std::malloc(message.size() + 1));
+  if (out != nullptr) {
+    std::memcpy(out, message.c_str(), message.size() + 1);
+  }
+  return out;
+}
+
+}  // namespace
+
+// Runs `body`, turning a C++ exception into an error message and `on_error`.
+template <typename R, typename F>
+R guarded(char **err, R on_error, F body) {
+  try {
+    return body();
+  } catch (const c10::Error &e) {
+    *err = copy_message(e.what_without_backtrace());
+  } catch (const std::exception &e) {
+    *err = copy_message(e.what());
+  }
+  return on_error;
+}
+
+extern "C" {
+
+typedef void (*dm_named_tensor_cb)(void *data, const char *name, torch::Tensor *tensor);
+
+void dm_free_string(char *s) { std::free(s); }
+
+// device_index < 0: CPU; otherwise the CUDA device of that index.
+void *dm_module_load(const char *path, int device_index, char **err) {
+  return guarded<void *>(err, nullptr, [&]() -> void * {
+        torch::Device device = device_index < 0
+                                   ? torch::Device(torch::kCPU)
+                                   : torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(device_index));
+        auto *module = new torch::jit::Module(torch::jit::load(path, device));
+        module->eval();
+        return module;
+      });
+}
+
+void dm_module_free(void *module) { delete static_cast<torch::jit::Module *>(module); }
+
+// Calls `cb` for every parameter, then every buffer, with its dotted name. The tensors alias the
+// module's own storage: writing into them (under no-grad) changes the module.
+int dm_module_named_tensors(void *module, void *data, dm_named_tensor_cb cb, char **err) {
+  return guarded<int>(err, -1, [&]() -> int {
+        auto *m = static_cast<torch::jit::Module *>(module);
+        for (const auto &p : m->named_parameters(/*recurse=*/true)) {
+          cb(data, p.name.c_str(), new torch::Tensor(p.value));
+        }
+        for (const auto &b : m->named_buffers(/*recurse=*/true)) {
+          cb(data, b.name.c_str(), new torch::Tensor(b.value));
+        }
+        return 0;
+      });
+}
+
+// forward(x, sigma) must return a tuple (denoised, features) of two tensors.
+int dm_module_forward(void *module, torch::Tensor *x, torch::Tensor *sigma, torch::Tensor **denoised,
+                      torch::Tensor **features, char **err) {
+  return guarded<int>(err, -1, [&]() -> int {
+        auto *m = static_cast<torch::jit::Module *>(module);
+        torch::NoGradGuard no_grad;
+        std::vector<torch::jit::IValue> inputs{*x, *sigma};
+        torch::jit::IValue out = m->forward(inputs);
+        if (!out.isTuple()) {
+          *err = copy_message("forward returned " + out.tagKind() +
+                              ", expected a tuple (denoised, features)");
+          return -1;
+        }
+        const auto &elements = out.toTupleRef().elements();
+        if (elements.size() != 2 || !elements[0].isTensor() || !elements[1].isTensor()) {
+          std::string kinds;
+          for (const auto &e : elements) {
+            kinds += (kinds.empty() ? "" : ", ") + e.tagKind();
+          }
+          *err = copy_message("forward returned a tuple of (" + kinds +
+                              "), expected (denoised: Tensor, features: Tensor)");
+          return -1;
+        }
+        *denoised = new torch::Tensor(elements[0].toTensor());
+        *features = new torch::Tensor(elements[1].toTensor());
+        return 0;
+      });
+}
+
+}  // extern "C"

@@ -1,0 +1,444 @@
+//! The model runtime: a TorchScript architecture of the model contract (DESIGN.md §2.1) on a
+//! device, checked at load time, and checkpoint weights loaded into it by name, parameters and
+//! buffers alike. A `Model` owns libtorch objects and is confined to the thread that made it.
+
+use crate::config::DeviceSpec;
+use crate::weights::{self, CheckpointFormat, DType, RawTensor, ReadOptions};
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::path::{Path, PathBuf};
+use tch::{Device, Kind, Tensor};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: cannot load the TorchScript module: {message}")]
+    Load { path: PathBuf, message: String },
+    #[error("{path}: does not follow the model contract: {message}")]
+    Contract { path: PathBuf, message: String },
+    #[error("{path}: forward failed: {message}")]
+    Forward { path: PathBuf, message: String },
+    #[error(transparent)]
+    Weights(#[from] weights::WeightsError),
+    #[error("{checkpoint}: weights do not fit the architecture {architecture}: {details}")]
+    Mismatch {
+        checkpoint: PathBuf,
+        architecture: PathBuf,
+        details: String,
+    },
+    #[error("device {spec}: {message}")]
+    Device { spec: DeviceSpec, message: String },
+}
+
+/// Resolves `auto|cpu|cuda|cuda:N` to a libtorch device.
+pub fn select_device(spec: DeviceSpec) -> Result<Device, ModelError> {
+    let count = if spec == DeviceSpec::Cpu {
+        0
+    } else {
+        load_cuda_backend();
+        tch::Cuda::device_count() as usize
+    };
+    match spec {
+        DeviceSpec::Cpu => Ok(Device::Cpu),
+        DeviceSpec::Auto if count > 0 => Ok(Device::Cuda(0)),
+        DeviceSpec::Auto => Ok(Device::Cpu),
+        DeviceSpec::Cuda(n) if n < count => Ok(Device::Cuda(n)),
+        DeviceSpec::Cuda(_) => Err(ModelError::Device {
+            spec,
+            message: format!("not available ({count} CUDA device(s) visible)"),
+        }),
+    }
+}
+
+/// libtorch registers its CUDA backend from `libtorch_cuda.so`'s static initializers; the linker
+/// may drop that library as unused, so load it explicitly (a no-op for CPU-only libtorch).
+fn load_cuda_backend() {
+    unsafe extern "C" {
+        fn dlopen(filename: *const c_char, flag: c_int) -> *mut c_void;
+    }
+    const RTLD_NOW: c_int = 2;
+    const RTLD_GLOBAL: c_int = 0x100;
+    // The binary's rpath names libtorch's folder, so the bare name resolves there.
+    unsafe {
+        dlopen(c"libtorch_cuda.so".as_ptr(), RTLD_NOW | RTLD_GLOBAL);
+    }
+}
+
+type NamedTensorCb = unsafe extern "C" fn(*mut c_void, *const c_char, *mut tch::Tensor);
+
+unsafe extern "C" {
+    fn dm_free_string(s: *mut c_char);
+    fn dm_module_load(
+        path: *const c_char,
+        device_index: c_int,
+        err: *mut *mut c_char,
+    ) -> *mut c_void;
+    fn dm_module_free(module: *mut c_void);
+    fn dm_module_named_tensors(
+        module: *mut c_void,
+        data: *mut c_void,
+        cb: NamedTensorCb,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    fn dm_module_forward(
+        module: *mut c_void,
+        x: *const c_void,
+        sigma: *const c_void,
+        denoised: *mut *mut c_void,
+        features: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
+}
+
+fn take_error(err: *mut c_char) -> String {
+    if err.is_null() {
+        return "unknown libtorch error".into();
+    }
+    let message = unsafe { CStr::from_ptr(err) }
+        .to_string_lossy()
+        .into_owned();
+    unsafe { dm_free_string(err) };
+    // libtorch messages can carry a long TorchScript traceback; the first lines say what broke.
+    message.lines().take(8).collect::<Vec<_>>().join("\n")
+}
+
+unsafe extern "C" fn collect_named(data: *mut c_void, name: *const c_char, t: *mut tch::Tensor) {
+    let out = unsafe { &mut *(data as *mut Vec<(String, Tensor)>) };
+    let name = unsafe { CStr::from_ptr(name) }
+        .to_string_lossy()
+        .into_owned();
+    out.push((name, unsafe { Tensor::from_ptr(t as *mut _) }));
+}
+
+/// A loaded TorchScript module (raw handle; not `Send`, so it stays on its thread).
+struct Module {
+    ptr: *mut c_void,
+    path: PathBuf,
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        unsafe { dm_module_free(self.ptr) }
+    }
+}
+
+impl Module {
+    fn load(path: &Path, device: Device) -> Result<Module, ModelError> {
+        let load_err = |message: String| ModelError::Load {
+            path: path.to_path_buf(),
+            message,
+        };
+        if !path.is_file() {
+            return Err(load_err("no such file".into()));
+        }
+        let c_path = CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| load_err("path contains a NUL byte".into()))?;
+        let index = match device {
+            Device::Cuda(n) => n as c_int,
+            _ => -1,
+        };
+        let mut err = std::ptr::null_mut();
+        let ptr = unsafe { dm_module_load(c_path.as_ptr(), index, &mut err) };
+        if ptr.is_null() {
+            return Err(load_err(take_error(err)));
+        }
+        Ok(Module {
+            ptr,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Parameters then buffers, aliasing the module's storage.
+    fn named_tensors(&self) -> Result<Vec<(String, Tensor)>, ModelError> {
+        let mut out: Vec<(String, Tensor)> = Vec::new();
+        let mut err = std::ptr::null_mut();
+        let rc = unsafe {
+            dm_module_named_tensors(
+                self.ptr,
+                &mut out as *mut _ as *mut c_void,
+                collect_named,
+                &mut err,
+            )
+        };
+        if rc != 0 {
+            return Err(ModelError::Load {
+                path: self.path.clone(),
+                message: take_error(err),
+            });
+        }
+        Ok(out)
+    }
+
+    fn forward(&self, x: &Tensor, sigma: &Tensor) -> Result<(Tensor, Tensor), String> {
+        let mut denoised = std::ptr::null_mut();
+        let mut features = std::ptr::null_mut();
+        let mut err = std::ptr::null_mut();
+        let rc = unsafe {
+            dm_module_forward(
+                self.ptr,
+                x.as_ptr() as *const c_void,
+                sigma.as_ptr() as *const c_void,
+                &mut denoised,
+                &mut features,
+                &mut err,
+            )
+        };
+        if rc != 0 {
+            return Err(take_error(err));
+        }
+        unsafe {
+            Ok((
+                Tensor::from_ptr(denoised as *mut _),
+                Tensor::from_ptr(features as *mut _),
+            ))
+        }
+    }
+}
+
+/// What the load-time contract check found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ContractInfo {
+    /// Shape of the features of one image: `[d]` or `[C',H',W']`.
+    pub feature_shape: Vec<i64>,
+    /// Feature dimension after mean-pooling: `d` or `C'`.
+    pub feature_dim: usize,
+}
+
+/// The denoiser of the model contract with its weights.
+pub struct Model {
+    module: Module,
+    device: Device,
+    /// Parameters and buffers by name, aliasing the module's storage.
+    tensors: Vec<(String, Tensor)>,
+    index: HashMap<String, usize>,
+}
+
+impl Model {
+    /// Loads the architecture on `device` (its own initial weights stay until a checkpoint is loaded).
+    pub fn load(path: &Path, device: Device) -> Result<Model, ModelError> {
+        let module = Module::load(path, device)?;
+        let tensors = module.named_tensors()?;
+        let index = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, (n, _))| (n.clone(), i))
+            .collect();
+        Ok(Model {
+            module,
+            device,
+            tensors,
+            index,
+        })
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.module.path
+    }
+
+    /// Names and shapes of the parameters and buffers, in module order.
+    pub fn state_shapes(&self) -> Vec<(String, Vec<i64>)> {
+        self.tensors
+            .iter()
+            .map(|(n, t)| (n.clone(), t.size()))
+            .collect()
+    }
+
+    /// `D(x; sigma)` and the features, for `x: [B,C,H,W]` f32 and `sigma: [B]` f32 on the model's device.
+    pub fn forward(&self, x: &Tensor, sigma: &Tensor) -> Result<(Tensor, Tensor), ModelError> {
+        self.module
+            .forward(x, sigma)
+            .map_err(|message| ModelError::Forward {
+                path: self.module.path.clone(),
+                message,
+            })
+    }
+
+    /// Runs the model on two noisy images of `image_shape` `[C,H,W]` and checks the outputs'
+    /// shapes against the contract.
+    pub fn check_contract(&self, image_shape: &[i64]) -> Result<ContractInfo, ModelError> {
+        let contract = |message: String| ModelError::Contract {
+            path: self.module.path.clone(),
+            message,
+        };
+        let mut shape = vec![2];
+        shape.extend_from_slice(image_shape);
+        let x = Tensor::zeros(shape.as_slice(), (Kind::Float, self.device));
+        let sigma = Tensor::ones([2], (Kind::Float, self.device));
+        let (denoised, features) = self.module.forward(&x, &sigma).map_err(|m| {
+            contract(format!(
+                "forward(x: {shape:?} f32, sigma: [2] f32) failed: {m}"
+            ))
+        })?;
+        if denoised.size() != shape {
+            return Err(contract(format!(
+                "denoised output has shape {:?}, expected the input's shape {shape:?}",
+                denoised.size()
+            )));
+        }
+        let fs = features.size();
+        let ok_rank = fs.len() == 2 || fs.len() == 4;
+        if !ok_rank || fs[0] != 2 || fs[1] < 1 {
+            return Err(contract(format!(
+                "features output has shape {fs:?}, expected [B,d] or [B,C',H',W'] with B = 2"
+            )));
+        }
+        for (what, t) in [("denoised", &denoised), ("features", &features)] {
+            if !t.is_floating_point() {
+                return Err(contract(format!(
+                    "{what} output has dtype {:?}, expected a float type",
+                    t.kind()
+                )));
+            }
+        }
+        Ok(ContractInfo {
+            feature_shape: fs[1..].to_vec(),
+            feature_dim: fs[1] as usize,
+        })
+    }
+
+    /// Loads a checkpoint's weights (TorchScript, safetensors or torch.save zip) into the
+    /// architecture. All names and shapes are checked before anything is written, so a failed
+    /// load leaves the previous weights in place.
+    pub fn load_weights(
+        &mut self,
+        checkpoint: &Path,
+        opts: &ReadOptions,
+    ) -> Result<(), ModelError> {
+        match weights::detect_format(checkpoint)? {
+            CheckpointFormat::TorchScript => {
+                let source = Module::load(checkpoint, self.device)?;
+                let named = source.named_tensors()?;
+                self.check_names(
+                    checkpoint,
+                    named.iter().map(|(n, t)| (n.as_str(), t.size())),
+                )?;
+                tch::no_grad(|| {
+                    for (name, src) in &named {
+                        self.tensors[self.index[name]].1.copy_(src);
+                    }
+                });
+            }
+            CheckpointFormat::TorchZip | CheckpointFormat::SafeTensors => {
+                let state = weights::read_checkpoint(checkpoint, opts)?;
+                self.check_names(
+                    checkpoint,
+                    state
+                        .tensors
+                        .iter()
+                        .map(|(n, t)| (n.as_str(), t.shape.iter().map(|&d| d as i64).collect())),
+                )?;
+                tch::no_grad(|| {
+                    for (name, raw) in &state.tensors {
+                        let src = raw_view(raw);
+                        self.tensors[self.index[name]].1.copy_(&src);
+                    }
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// One error listing missing, unexpected and shape-mismatched names (first few of each).
+    fn check_names<'a>(
+        &self,
+        checkpoint: &Path,
+        found: impl Iterator<Item = (&'a str, Vec<i64>)>,
+    ) -> Result<(), ModelError> {
+        let mut seen = vec![false; self.tensors.len()];
+        let mut unexpected = Vec::new();
+        let mut mismatched = Vec::new();
+        for (name, shape) in found {
+            match self.index.get(name) {
+                Some(&i) => {
+                    seen[i] = true;
+                    let want = self.tensors[i].1.size();
+                    if want != shape {
+                        mismatched.push(format!(
+                            "{name}: checkpoint {shape:?}, architecture {want:?}"
+                        ));
+                    }
+                }
+                None => unexpected.push(name.to_string()),
+            }
+        }
+        let missing: Vec<String> = self
+            .tensors
+            .iter()
+            .zip(&seen)
+            .filter(|(_, s)| !**s)
+            .map(|((n, _), _)| n.clone())
+            .collect();
+        if missing.is_empty() && unexpected.is_empty() && mismatched.is_empty() {
+            return Ok(());
+        }
+        let mut parts = Vec::new();
+        for (what, list) in [
+            ("missing", &missing),
+            ("unexpected", &unexpected),
+            ("shape mismatch", &mismatched),
+        ] {
+            if !list.is_empty() {
+                let shown: Vec<&str> = list.iter().take(5).map(String::as_str).collect();
+                let more = if list.len() > 5 {
+                    format!(" and {} more", list.len() - 5)
+                } else {
+                    String::new()
+                };
+                parts.push(format!(
+                    "{what} ({}): {}{more}",
+                    list.len(),
+                    shown.join(", ")
+                ));
+            }
+        }
+        let hint = if !unexpected.is_empty() && !missing.is_empty() {
+            "; if the names differ by a prefix such as `module.`, set checkpoints.strip_prefix, \
+             and if the weights sit under a key such as `ema`, set checkpoints.weights_key"
+        } else {
+            ""
+        };
+        Err(ModelError::Mismatch {
+            checkpoint: checkpoint.to_path_buf(),
+            architecture: self.module.path.clone(),
+            details: format!("{}{hint}", parts.join("; ")),
+        })
+    }
+}
+
+fn kind_of(dtype: DType) -> Kind {
+    match dtype {
+        DType::Bool => Kind::Bool,
+        DType::U8 => Kind::Uint8,
+        DType::I8 => Kind::Int8,
+        DType::I16 => Kind::Int16,
+        DType::I32 => Kind::Int,
+        DType::I64 => Kind::Int64,
+        DType::F16 => Kind::Half,
+        DType::BF16 => Kind::BFloat16,
+        DType::F32 => Kind::Float,
+        DType::F64 => Kind::Double,
+    }
+}
+
+/// A CPU tensor viewing the raw bytes without copying them; valid while `raw` lives.
+fn raw_view(raw: &RawTensor) -> Tensor {
+    let shape: Vec<i64> = raw.shape.iter().map(|&d| d as i64).collect();
+    let mut strides = vec![1i64; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1].max(1);
+    }
+    // SAFETY: `read_checkpoint` guarantees `data` holds exactly numel × element size bytes in
+    // row-major order; the view is only read (copied from) while `raw` is borrowed.
+    unsafe {
+        Tensor::from_blob(
+            raw.data.as_ptr(),
+            &shape,
+            &strides,
+            kind_of(raw.dtype),
+            Device::Cpu,
+        )
+    }
+}

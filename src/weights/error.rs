@@ -1,0 +1,189 @@
+//! Errors of the `weights` module. Every variant names the checkpoint file.
+
+use std::path::PathBuf;
+
+/// Why a checkpoint could not be detected, validated or read.
+///
+/// Every message starts with the file's path and says what to do where something can be done.
+#[derive(Debug, thiserror::Error)]
+pub enum WeightsError {
+    /// The file could not be opened or read (permissions, vanished, I/O error).
+    #[error("{}: cannot read file: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The file has zero bytes (typically a checkpoint that is still being written).
+    #[error("{}: empty file", path.display())]
+    EmptyFile { path: PathBuf },
+
+    /// Shorter than any checkpoint's fixed header (typically still being written).
+    #[error(
+        "{}: file is only {len} bytes, too short for any checkpoint format (still being written?)",
+        path.display()
+    )]
+    TooShort { path: PathBuf, len: u64 },
+
+    /// Neither a zip archive nor a safetensors file.
+    #[error(
+        "{}: not a checkpoint diffmon can read ({detail}); expected a torch.save zip archive, \
+         a safetensors file or a TorchScript archive",
+        path.display()
+    )]
+    UnknownFormat { path: PathBuf, detail: String },
+
+    /// The zip container is damaged or incomplete (e.g. still being written).
+    #[error("{}: truncated or corrupt zip archive: {detail}", path.display())]
+    CorruptZip { path: PathBuf, detail: String },
+
+    /// The safetensors header is invalid or does not match the file length.
+    #[error("{}: truncated or corrupt safetensors file: {detail}", path.display())]
+    CorruptSafeTensors { path: PathBuf, detail: String },
+
+    /// A zip archive that lacks an entry torch.save always writes, or that a tensor refers to.
+    #[error(
+        "{}: zip archive has no entry `{entry}`{context}; the file is incomplete or was not \
+         written by torch.save",
+        path.display()
+    )]
+    MissingEntry {
+        path: PathBuf,
+        entry: String,
+        /// Extra context such as " (storage of tensor `w`)"; may be empty.
+        context: String,
+    },
+
+    /// The file is a TorchScript archive; the caller loads it with libtorch instead.
+    #[error(
+        "{}: is a TorchScript archive, not a state dict; it is loaded with libtorch \
+         (torch.jit.load), not read as weights",
+        path.display()
+    )]
+    IsTorchScript { path: PathBuf },
+
+    /// The pickle names a Python global outside the allow-list. Nothing is executed; reading
+    /// stops at the first such global.
+    #[error(
+        "{}: pickle refers to global `{global}`, which diffmon does not load (only tensors, \
+         storages and plain containers are read; no code from a checkpoint is ever executed)",
+        path.display()
+    )]
+    ForbiddenGlobal { path: PathBuf, global: String },
+
+    /// An opcode outside the subset torch.save uses.
+    #[error(
+        "{}: unsupported pickle opcode {name} (0x{code:02x}) at byte {offset} of `{entry}`; \
+         diffmon reads only the pickle subset that torch.save writes",
+        path.display()
+    )]
+    UnsupportedOpcode {
+        path: PathBuf,
+        entry: String,
+        offset: usize,
+        code: u8,
+        name: &'static str,
+    },
+
+    /// The pickle stream is malformed, truncated, or exceeds a resource limit.
+    #[error("{}: malformed pickle `{entry}` at byte {offset}: {detail}", path.display())]
+    Pickle {
+        path: PathBuf,
+        entry: String,
+        offset: usize,
+        detail: String,
+    },
+
+    /// The archive's `byteorder` entry is not `little`.
+    #[error(
+        "{}: checkpoint byte order is `{order}`; diffmon reads only little-endian checkpoints \
+         (load and re-save it with torch on a little-endian machine)",
+        path.display()
+    )]
+    ByteOrder { path: PathBuf, order: String },
+
+    /// A tensor's shape, strides or offset do not fit its storage, or its sizes overflow.
+    #[error("{}: tensor `{name}`: {detail}", path.display())]
+    BadTensor {
+        path: PathBuf,
+        name: String,
+        detail: String,
+    },
+
+    /// A selected tensor has a dtype outside [`super::DType`].
+    #[error(
+        "{}: tensor `{name}` has dtype {dtype}, which diffmon does not read (supported: bool, \
+         uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64)",
+        path.display()
+    )]
+    UnsupportedDtype {
+        path: PathBuf,
+        name: String,
+        dtype: String,
+    },
+
+    /// `weights_key` names no entry of the checkpoint.
+    #[error("{}: no state dict under key `{key}` (top-level keys: {keys})", path.display())]
+    NoStateDict {
+        path: PathBuf,
+        key: String,
+        keys: String,
+    },
+
+    /// The selected object is not a dict holding tensors.
+    #[error("{}: {what}, not a dict of tensors", path.display())]
+    NotAStateDict { path: PathBuf, what: String },
+
+    /// No `weights_key` given, and the top-level dict does not contain exactly one state dict.
+    #[error(
+        "{}: cannot tell which entry holds the weights: {reason} (top-level keys: {keys}); \
+         set `checkpoints.weights_key` to the entry to use",
+        path.display()
+    )]
+    AmbiguousStateDict {
+        path: PathBuf,
+        reason: String,
+        keys: String,
+    },
+}
+
+impl WeightsError {
+    /// The checkpoint file the error is about.
+    pub fn path(&self) -> &std::path::Path {
+        match self {
+            WeightsError::Io { path, .. }
+            | WeightsError::EmptyFile { path }
+            | WeightsError::TooShort { path, .. }
+            | WeightsError::UnknownFormat { path, .. }
+            | WeightsError::CorruptZip { path, .. }
+            | WeightsError::CorruptSafeTensors { path, .. }
+            | WeightsError::MissingEntry { path, .. }
+            | WeightsError::IsTorchScript { path }
+            | WeightsError::ForbiddenGlobal { path, .. }
+            | WeightsError::UnsupportedOpcode { path, .. }
+            | WeightsError::Pickle { path, .. }
+            | WeightsError::ByteOrder { path, .. }
+            | WeightsError::BadTensor { path, .. }
+            | WeightsError::UnsupportedDtype { path, .. }
+            | WeightsError::NoStateDict { path, .. }
+            | WeightsError::NotAStateDict { path, .. }
+            | WeightsError::AmbiguousStateDict { path, .. } => path,
+        }
+    }
+
+    /// True for errors that typically mean the file is still being written (or was cut off):
+    /// empty or too short, a zip without a readable central directory (written last), a
+    /// safetensors file shorter than its header says. The caller may retry later instead of
+    /// counting a failure. (A zip whose directory is readable is complete; a missing entry there
+    /// is not "incomplete".)
+    pub fn is_incomplete(&self) -> bool {
+        matches!(
+            self,
+            WeightsError::EmptyFile { .. }
+                | WeightsError::TooShort { .. }
+                | WeightsError::CorruptZip { .. }
+                | WeightsError::CorruptSafeTensors { .. }
+        )
+    }
+}

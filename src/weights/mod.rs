@@ -1,0 +1,380 @@
+//! Reading checkpoint weights without Python and without libtorch.
+//!
+//! diffmon evaluates checkpoints that a training job writes. A checkpoint is one of:
+//!
+//! - a **`torch.save` zip archive** holding a state dict (`torch.save(model.state_dict())`) or a
+//!   dict nesting one under a key (`{"ema": ..., "model": ..., "step": 7}`);
+//! - a **safetensors** file;
+//! - a **TorchScript** archive (`torch.jit.save`), which is *not* read here: [`read_checkpoint`]
+//!   returns [`WeightsError::IsTorchScript`] and the caller loads it with libtorch.
+//!
+//! The format is detected from the content (zip magic and archive layout, or the safetensors
+//! length-prefixed JSON header), never from the file name. [`validate_structure`] is the cheap
+//! check the watcher uses to decide that a file is completely written; [`read_checkpoint`]
+//! returns the tensors, in file order, as contiguous little-endian bytes ([`RawTensor`]).
+//!
+//! # Safety model: a checkpoint is data, never code
+//!
+//! A `torch.save` file stores its object tree as a Python pickle (`<archive>/data.pkl`) next to
+//! raw storage bytes (`<archive>/data/<key>`). A pickle is a small program that may call any
+//! Python function it names; `torch.load(weights_only=False)` therefore executes whatever a
+//! malicious checkpoint asks for. diffmon never does. It runs the pickle in its own interpreter
+//! (`pickle.rs`), which
+//!
+//! - implements only the opcodes `torch.save` emits (protocol 2, plus the framing and
+//!   string/memo opcodes of protocols 4–5); any other opcode stops the read with an error naming
+//!   it;
+//! - resolves globals against a fixed allow-list: `collections.OrderedDict`,
+//!   `torch._utils._rebuild_tensor_v2` / `_rebuild_tensor_v3` / `_rebuild_parameter` /
+//!   `_rebuild_parameter_with_state`, the `torch.*Storage` types, `torch.storage.UntypedStorage`,
+//!   torch dtype names, and `_codecs.encode` (how protocol 2 spells a `bytes` literal). Any
+//!   other global (`os.system`, `builtins.eval`, a pickled `nn.Module` class, ...) stops the read
+//!   with [`WeightsError::ForbiddenGlobal`] as soon as it is read, before anything else runs;
+//! - never calls anything: "calling" an allowed global builds plain data (a dict, a description
+//!   of a tensor as a strided view of a named storage). Storages are only named by the pickle
+//!   (persistent ids); their bytes are read afterwards from the zip, only for the tensors of the
+//!   selected state dict, each storage entry once;
+//! - bounds every resource that grows with the input (pickle size, stack, MARK nesting, memo,
+//!   objects, container items), keeps objects in a flat arena (so self-referencing or deeply
+//!   nested input cannot overflow the Rust stack, not even when dropped), and checks every size
+//!   computation (`numel * elem_size`, the last element a shape/stride/offset reaches) against
+//!   the storage length with checked arithmetic. Hostile input yields an error, never a panic.
+//!
+//! safetensors files are parsed with the `safetensors` crate (JSON header, validated offsets);
+//! tensor bytes are read straight from the file into their final buffers.
+//!
+//! # Selecting the state dict
+//!
+//! - With [`ReadOptions::weights_key`] set, that entry of the top-level dict is used; a dotted
+//!   path (`state.ema`) walks nested dicts (a key containing dots literally is tried first).
+//!   Entries of the selected dict that are not tensors are skipped.
+//! - Without it, a top-level dict whose values are all tensors is the state dict; otherwise the
+//!   one entry whose value is a non-empty dict of tensors is used, and if there are none or
+//!   several, the error lists the top-level keys.
+//! - [`ReadOptions::strip_prefix`] (e.g. `module.`) is removed from every name that starts with
+//!   it.
+//! - safetensors files are flat: there `weights_key = k` keeps only the tensors named `k.*` and
+//!   removes that `k.` prefix, *if any tensor has it*; otherwise `weights_key` is ignored, so one
+//!   configuration serves both `.pt` checkpoints with an `ema` entry and plain safetensors.
+//!
+//! Supported dtypes are those of [`DType`]; a selected tensor of another dtype (complex,
+//! uint16, float8, quantized) is an error naming it, while such tensors elsewhere in the file
+//! (e.g. optimizer state) do not matter. Checkpoints written on big-endian machines are refused.
+
+mod error;
+mod pickle;
+mod safetensors_file;
+#[cfg(test)]
+mod tests;
+mod torchzip;
+
+use std::fmt;
+use std::fs::File;
+use std::io::{BufReader, Read, Seek, SeekFrom};
+use std::path::Path;
+
+pub use error::WeightsError;
+
+/// Element type of a tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    Bool,
+    U8,
+    I8,
+    I16,
+    I32,
+    I64,
+    F16,
+    BF16,
+    F32,
+    F64,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::Bool | DType::U8 | DType::I8 => 1,
+            DType::I16 | DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::F32 => 4,
+            DType::I64 | DType::F64 => 8,
+        }
+    }
+
+    /// The torch name (`float32`, `bfloat16`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::Bool => "bool",
+            DType::U8 => "uint8",
+            DType::I8 => "int8",
+            DType::I16 => "int16",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+            DType::F32 => "float32",
+            DType::F64 => "float64",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A tensor's bytes: contiguous, row-major, little-endian, exactly `numel * dtype.size()` bytes
+/// (a 0-d tensor has an empty `shape` and one element).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawTensor {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+impl RawTensor {
+    /// Number of elements (product of `shape`; 1 for a 0-d tensor).
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// Named tensors in file order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StateDict {
+    pub tensors: Vec<(String, RawTensor)>,
+}
+
+impl StateDict {
+    /// The tensor called `name`, if any.
+    pub fn get(&self, name: &str) -> Option<&RawTensor> {
+        self.tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t)
+    }
+
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    /// Tensor names in file order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.iter().map(|(n, _)| n.as_str())
+    }
+}
+
+/// Container format of a checkpoint file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CheckpointFormat {
+    /// A `torch.save` zip archive (`<archive>/data.pkl` + `<archive>/data/<key>`).
+    TorchZip,
+    /// A safetensors file.
+    SafeTensors,
+    /// A TorchScript archive (`torch.jit.save`): also a zip, with `constants.pkl` / `code/`.
+    TorchScript,
+}
+
+impl fmt::Display for CheckpointFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CheckpointFormat::TorchZip => "torch.save zip",
+            CheckpointFormat::SafeTensors => "safetensors",
+            CheckpointFormat::TorchScript => "TorchScript",
+        })
+    }
+}
+
+/// How to pick the weights out of a checkpoint (config keys `checkpoints.weights_key` and
+/// `checkpoints.strip_prefix`). See the module docs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReadOptions {
+    /// Entry of the top-level dict holding the state dict (`ema`, `model`, `state.ema`).
+    pub weights_key: Option<String>,
+    /// Prefix removed from every tensor name that has it (`module.`).
+    pub strip_prefix: Option<String>,
+}
+
+/// Detects the format by content (zip magic + archive layout; safetensors 8-byte header length
+/// + JSON), never by extension.
+pub fn detect_format(path: &Path) -> Result<CheckpointFormat, WeightsError> {
+    let (file, len) = open(path)?;
+    detect_format_from(file, len, path)
+}
+
+/// Reads the named tensors of a torch.save zip or a safetensors file. For TorchScript
+/// checkpoints returns [`WeightsError::IsTorchScript`] (the caller loads those with libtorch).
+pub fn read_checkpoint(path: &Path, opts: &ReadOptions) -> Result<StateDict, WeightsError> {
+    let (file, len) = open(path)?;
+    read_checkpoint_from(file, len, path, opts)
+}
+
+/// Cheap structural validity check used to decide a file is complete (zip central directory
+/// readable and data.pkl present / safetensors header parses and file length matches the
+/// header's offsets). Reads no tensor data.
+pub fn validate_structure(path: &Path) -> Result<CheckpointFormat, WeightsError> {
+    let (file, len) = open(path)?;
+    validate_structure_from(file, len, path)
+}
+
+fn open(path: &Path) -> Result<(BufReader<File>, u64), WeightsError> {
+    let io = |source| WeightsError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = File::open(path).map_err(io)?;
+    let len = file.metadata().map_err(io)?.len();
+    Ok((BufReader::with_capacity(64 << 10, file), len))
+}
+
+/// The container, from the first bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Container {
+    Zip,
+    SafeTensors,
+}
+
+/// Longest safetensors header accepted (the `safetensors` crate's own limit).
+const MAX_SAFETENSORS_HEADER: u64 = 100_000_000;
+
+fn sniff<R: Read + Seek>(r: &mut R, len: u64, path: &Path) -> Result<Container, WeightsError> {
+    if len == 0 {
+        return Err(WeightsError::EmptyFile {
+            path: path.to_path_buf(),
+        });
+    }
+    let io = |source| WeightsError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    r.seek(SeekFrom::Start(0)).map_err(io)?;
+    let mut head = [0u8; 16];
+    let mut n = 0;
+    while n < head.len() {
+        match r.read(&mut head[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io(e)),
+        }
+    }
+    r.seek(SeekFrom::Start(0)).map_err(io)?;
+    let head = &head[..n];
+    if head.starts_with(b"PK\x03\x04") || head.starts_with(b"PK\x05\x06") {
+        return Ok(Container::Zip);
+    }
+    if let (Some(len8), Some(b'{')) = (head.get(..8), head.get(8)) {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(len8);
+        let header_len = u64::from_le_bytes(a);
+        if (2..=MAX_SAFETENSORS_HEADER).contains(&header_len) {
+            return Ok(Container::SafeTensors);
+        }
+    }
+    if n < 9 {
+        return Err(WeightsError::TooShort {
+            path: path.to_path_buf(),
+            len,
+        });
+    }
+    let detail = if head.starts_with(&[0x80, 0x02, 0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46]) {
+        "legacy torch.save format from before PyTorch 1.6; load and re-save it with a recent \
+         torch"
+            .to_string()
+    } else if head.first() == Some(&0x80) {
+        "a bare pickle stream, not a torch.save zip archive".to_string()
+    } else {
+        let hex: Vec<String> = head.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        format!("unrecognized content, first bytes {}", hex.join(" "))
+    };
+    Err(WeightsError::UnknownFormat {
+        path: path.to_path_buf(),
+        detail,
+    })
+}
+
+pub(crate) fn detect_format_from<R: Read + Seek>(
+    mut r: R,
+    len: u64,
+    path: &Path,
+) -> Result<CheckpointFormat, WeightsError> {
+    match sniff(&mut r, len, path)? {
+        Container::Zip => {
+            let archive = torchzip::open(r, path)?;
+            Ok(torchzip::layout(&archive, path)?.1)
+        }
+        Container::SafeTensors => {
+            safetensors_file::read_header(&mut r, len, path)?;
+            Ok(CheckpointFormat::SafeTensors)
+        }
+    }
+}
+
+pub(crate) fn validate_structure_from<R: Read + Seek>(
+    mut r: R,
+    len: u64,
+    path: &Path,
+) -> Result<CheckpointFormat, WeightsError> {
+    match sniff(&mut r, len, path)? {
+        Container::Zip => {
+            let archive = torchzip::open(r, path)?;
+            Ok(torchzip::layout(&archive, path)?.1)
+        }
+        Container::SafeTensors => {
+            let header = safetensors_file::read_header(&mut r, len, path)?;
+            safetensors_file::check_length(&header, len, path)?;
+            Ok(CheckpointFormat::SafeTensors)
+        }
+    }
+}
+
+pub(crate) fn read_checkpoint_from<R: Read + Seek>(
+    mut r: R,
+    len: u64,
+    path: &Path,
+    opts: &ReadOptions,
+) -> Result<StateDict, WeightsError> {
+    let mut sd = match sniff(&mut r, len, path)? {
+        Container::Zip => {
+            let mut archive = torchzip::open(r, path)?;
+            match torchzip::layout(&archive, path)? {
+                (_, CheckpointFormat::TorchScript) => {
+                    return Err(WeightsError::IsTorchScript {
+                        path: path.to_path_buf(),
+                    });
+                }
+                (prefix, _) => torchzip::read(&mut archive, &prefix, len, path, opts)?,
+            }
+        }
+        Container::SafeTensors => safetensors_file::read(r, len, path, opts)?,
+    };
+    if let Some(prefix) = opts.strip_prefix.as_deref().filter(|p| !p.is_empty()) {
+        for (name, _) in &mut sd.tensors {
+            if let Some(rest) = name.strip_prefix(prefix) {
+                *name = rest.to_string();
+            }
+        }
+    }
+    Ok(sd)
+}
+
+/// `a, b, c` (at most 20 names, then a count) for messages.
+fn list_names<'a>(names: impl IntoIterator<Item = &'a str>) -> String {
+    const MAX: usize = 20;
+    let names: Vec<&str> = names.into_iter().collect();
+    if names.is_empty() {
+        return "none".to_string();
+    }
+    let mut out = names
+        .iter()
+        .take(MAX)
+        .map(|n| n.chars().take(80).collect::<String>())
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > MAX {
+        out.push_str(&format!(", … ({} more)", names.len() - MAX));
+    }
+    out
+}

@@ -1,0 +1,167 @@
+//! safetensors files, through the `safetensors` crate's header type (which validates that the
+//! tensors' byte ranges are contiguous and match their shapes).
+
+use std::io::{Read, Seek, SeekFrom};
+use std::path::Path;
+
+use safetensors::Dtype;
+use safetensors::tensor::Metadata;
+
+use super::{DType, MAX_SAFETENSORS_HEADER, RawTensor, ReadOptions, StateDict, WeightsError};
+
+pub(crate) struct Header {
+    /// File offset of the data section.
+    data_start: u64,
+    meta: Metadata,
+}
+
+fn corrupt(path: &Path, detail: String) -> WeightsError {
+    WeightsError::CorruptSafeTensors {
+        path: path.to_path_buf(),
+        detail,
+    }
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> WeightsError + '_ {
+    move |source| {
+        if source.kind() == std::io::ErrorKind::UnexpectedEof {
+            corrupt(path, "file ends early".to_string())
+        } else {
+            WeightsError::Io {
+                path: path.to_path_buf(),
+                source,
+            }
+        }
+    }
+}
+
+/// Reads and validates the JSON header.
+pub(crate) fn read_header<R: Read + Seek>(
+    r: &mut R,
+    len: u64,
+    path: &Path,
+) -> Result<Header, WeightsError> {
+    if len < 8 {
+        return Err(corrupt(path, format!("file is only {len} bytes")));
+    }
+    r.seek(SeekFrom::Start(0)).map_err(io(path))?;
+    let mut n8 = [0u8; 8];
+    r.read_exact(&mut n8).map_err(io(path))?;
+    let n = u64::from_le_bytes(n8);
+    if n > MAX_SAFETENSORS_HEADER {
+        return Err(corrupt(path, format!("header length {n} is implausible")));
+    }
+    let data_start = 8 + n;
+    if data_start > len {
+        return Err(corrupt(
+            path,
+            format!(
+                "the header needs {n} bytes but the file ends after {}",
+                len - 8
+            ),
+        ));
+    }
+    let mut header = vec![0u8; n as usize]; // n <= 100 MB, checked above
+    r.read_exact(&mut header).map_err(io(path))?;
+    let meta: Metadata = serde_json::from_slice(&header)
+        .map_err(|e| corrupt(path, format!("invalid header: {e}")))?;
+    Ok(Header { data_start, meta })
+}
+
+/// The file is exactly as long as the header says.
+pub(crate) fn check_length(h: &Header, len: u64, path: &Path) -> Result<(), WeightsError> {
+    let expected = u64::try_from(h.meta.data_len())
+        .ok()
+        .and_then(|d| h.data_start.checked_add(d));
+    if expected != Some(len) {
+        let what = expected.map_or_else(
+            || "an impossible size".to_string(),
+            |e| format!("{e} bytes"),
+        );
+        return Err(corrupt(
+            path,
+            format!("the header describes {what} but the file has {len} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+fn map_dtype(d: Dtype) -> Result<DType, String> {
+    Ok(match d {
+        Dtype::BOOL => DType::Bool,
+        Dtype::U8 => DType::U8,
+        Dtype::I8 => DType::I8,
+        Dtype::I16 => DType::I16,
+        Dtype::I32 => DType::I32,
+        Dtype::I64 => DType::I64,
+        Dtype::F16 => DType::F16,
+        Dtype::BF16 => DType::BF16,
+        Dtype::F32 => DType::F32,
+        Dtype::F64 => DType::F64,
+        other => return Err(format!("{other:?}")),
+    })
+}
+
+/// Reads the tensors in data-offset (file) order; see the module docs for `weights_key`.
+pub(crate) fn read<R: Read + Seek>(
+    mut r: R,
+    len: u64,
+    path: &Path,
+    opts: &ReadOptions,
+) -> Result<StateDict, WeightsError> {
+    let h = read_header(&mut r, len, path)?;
+    check_length(&h, len, path)?;
+    let names = h.meta.offset_keys();
+    let filter = opts
+        .weights_key
+        .as_deref()
+        .map(|k| format!("{k}."))
+        .filter(|p| names.iter().any(|n| n.starts_with(p.as_str())));
+    let mut tensors = Vec::with_capacity(names.len());
+    let mut pos: Option<u64> = None; // current read position, relative to data_start
+    for name in names {
+        let Some(info) = h.meta.info(&name) else {
+            continue;
+        };
+        let short = match &filter {
+            Some(p) => match name.strip_prefix(p.as_str()) {
+                Some(rest) => rest.to_string(),
+                None => continue,
+            },
+            None => name.clone(),
+        };
+        let dtype = map_dtype(info.dtype).map_err(|dtype| WeightsError::UnsupportedDtype {
+            path: path.to_path_buf(),
+            name: name.clone(),
+            dtype,
+        })?;
+        let (s, e) = (info.data_offsets.0 as u64, info.data_offsets.1 as u64);
+        if pos != Some(s) {
+            r.seek(SeekFrom::Start(h.data_start + s))
+                .map_err(io(path))?;
+        }
+        let n = e - s; // the header validation guarantees e >= s and the file length
+        let mut data = Vec::new();
+        usize::try_from(n)
+            .ok()
+            .and_then(|n| data.try_reserve_exact(n).ok())
+            .ok_or_else(|| corrupt(path, format!("cannot allocate {n} bytes for `{name}`")))?;
+        r.by_ref()
+            .take(n)
+            .read_to_end(&mut data)
+            .map_err(io(path))?;
+        if data.len() as u64 != n {
+            return Err(corrupt(path, "file ends early".to_string()));
+        }
+        pos = Some(e);
+        tensors.push((
+            short,
+            RawTensor {
+                dtype,
+                shape: info.shape.clone(),
+                data,
+            },
+        ));
+    }
+    Ok(StateDict { tensors })
+}

@@ -1,0 +1,708 @@
+//! End-to-end tests of the `weights` module: fixtures written by `testdata/make.py` (real
+//! torch 2.13 output, embedded), and hostile archives assembled here.
+
+use std::io::{Cursor, Write};
+use std::path::Path;
+
+use super::pickle::tests::PickleWriter;
+use super::*;
+
+const DTYPES_PT: &[u8] = include_bytes!("testdata/dtypes.pt");
+const NESTED_ONE_PT: &[u8] = include_bytes!("testdata/nested_one.pt");
+const NESTED_TWO_PT: &[u8] = include_bytes!("testdata/nested_two.pt");
+const DDP_PT: &[u8] = include_bytes!("testdata/ddp.pt");
+const MODEL_SAFETENSORS: &[u8] = include_bytes!("testdata/model.safetensors");
+const TORCHSCRIPT_PT: &[u8] = include_bytes!("testdata/torchscript.pt");
+
+const MEM: &str = "mem/ckpt.pt";
+
+fn read(bytes: &[u8], opts: &ReadOptions) -> Result<StateDict, WeightsError> {
+    read_checkpoint_from(Cursor::new(bytes), bytes.len() as u64, Path::new(MEM), opts)
+}
+
+fn read_default(bytes: &[u8]) -> Result<StateDict, WeightsError> {
+    read(bytes, &ReadOptions::default())
+}
+
+fn validate(bytes: &[u8]) -> Result<CheckpointFormat, WeightsError> {
+    validate_structure_from(Cursor::new(bytes), bytes.len() as u64, Path::new(MEM))
+}
+
+fn detect(bytes: &[u8]) -> Result<CheckpointFormat, WeightsError> {
+    detect_format_from(Cursor::new(bytes), bytes.len() as u64, Path::new(MEM))
+}
+
+fn key(k: &str) -> ReadOptions {
+    ReadOptions {
+        weights_key: Some(k.to_string()),
+        strip_prefix: None,
+    }
+}
+
+fn f32s(t: &RawTensor) -> Vec<f32> {
+    assert_eq!(t.dtype, DType::F32);
+    t.data
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn le<const N: usize, T>(v: &[T], f: impl Fn(&T) -> [u8; N]) -> Vec<u8> {
+    v.iter().flat_map(f).collect()
+}
+
+/// A zip with stored entries, as torch writes them.
+fn zip_bytes(entries: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut w = zip::ZipWriter::new(Cursor::new(Vec::new()));
+    let opts =
+        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    for (name, data) in entries {
+        w.start_file(*name, opts).unwrap();
+        w.write_all(data).unwrap();
+    }
+    w.finish().unwrap().into_inner()
+}
+
+fn unzip(bytes: &[u8]) -> Vec<(String, Vec<u8>)> {
+    let mut a = zip::ZipArchive::new(Cursor::new(bytes)).unwrap();
+    (0..a.len())
+        .map(|i| {
+            let mut f = a.by_index(i).unwrap();
+            let mut v = Vec::new();
+            std::io::Read::read_to_end(&mut f, &mut v).unwrap();
+            (f.name().to_string(), v)
+        })
+        .collect()
+}
+
+/// A torch.save-like archive `a/` with the given pickle and storages.
+fn archive(pkl: &[u8], storages: &[(&str, &[u8])]) -> Vec<u8> {
+    let names: Vec<String> = storages
+        .iter()
+        .map(|(k, _)| format!("a/data/{k}"))
+        .collect();
+    let mut entries: Vec<(&str, &[u8])> = vec![("a/data.pkl", pkl), ("a/byteorder", b"little")];
+    for (name, (_, data)) in names.iter().zip(storages) {
+        entries.push((name, data));
+    }
+    entries.push(("a/version", b"3\n"));
+    zip_bytes(&entries)
+}
+
+/// `OrderedDict(name=tensor_v2(...))` with a single tensor.
+fn one_tensor_pickle(ty: &str, numel: i64, offset: i64, size: &[i64], stride: &[i64]) -> Vec<u8> {
+    let mut w = PickleWriter::new();
+    w.ordered_dict().op(b'(').str("t");
+    w.tensor_v2(ty, "0", numel, offset, size, stride);
+    w.op(b'u');
+    w.finish()
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    le(v, |x| x.to_le_bytes())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Positive cases on real torch.save output.
+
+#[test]
+fn reads_every_dtype_and_view_from_torch_save() {
+    let sd = read_default(DTYPES_PT).unwrap();
+    let names: Vec<&str> = sd.names().collect();
+    assert_eq!(
+        names,
+        [
+            "weight", "bias", "f32", "f32_t", "f32_view", "f64", "f16", "bf16", "i64", "i32",
+            "i16", "i8", "u8", "bool", "scalar", "empty", "param"
+        ]
+    );
+    let t = |n: &str| sd.get(n).unwrap();
+    assert_eq!(t("weight").shape, [2, 3]);
+    assert_eq!(f32s(t("weight")), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+    assert_eq!(f32s(t("bias")), [-1.0, 0.5]);
+    assert_eq!(f32s(t("f32")), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+    // Transposed view of the same storage: materialized row-major.
+    assert_eq!(t("f32_t").shape, [3, 2]);
+    assert_eq!(f32s(t("f32_t")), [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
+    // View with storage_offset 2.
+    assert_eq!(t("f32_view").shape, [3]);
+    assert_eq!(f32s(t("f32_view")), [2.0, 3.0, 4.0]);
+    assert_eq!(t("f64").dtype, DType::F64);
+    assert_eq!(t("f64").data, le(&[1.5f64, -2.25], |x| x.to_le_bytes()));
+    assert_eq!(t("f16").dtype, DType::F16);
+    assert_eq!(
+        t("f16").data,
+        le(&[0x3c00u16, 0xb800, 0x7bff], |x| x.to_le_bytes())
+    );
+    assert_eq!(t("bf16").dtype, DType::BF16);
+    assert_eq!(
+        t("bf16").data,
+        le(&[0x3fc0u16, 0xc000, 0x3e80], |x| x.to_le_bytes())
+    );
+    assert_eq!(t("i64").dtype, DType::I64);
+    assert_eq!(t("i64").data, le(&[-(1i64 << 40), 7], |x| x.to_le_bytes()));
+    // arange(24).reshape(2,3,4).permute(2,0,1): element [k,i,j] = 12i + 4j + k.
+    let i32t = t("i32");
+    assert_eq!(
+        (i32t.dtype, i32t.shape.as_slice()),
+        (DType::I32, &[4, 2, 3][..])
+    );
+    let mut want = Vec::new();
+    for k in 0..4 {
+        for i in 0..2 {
+            for j in 0..3 {
+                want.push(12 * i + 4 * j + k);
+            }
+        }
+    }
+    assert_eq!(i32t.data, le(&want, |x: &i32| x.to_le_bytes()));
+    assert_eq!(t("i16").data, le(&[-300i16, 300], |x| x.to_le_bytes()));
+    assert_eq!(
+        (t("i8").dtype, t("i8").data.as_slice()),
+        (DType::I8, &[0x80u8, 0x7f][..])
+    );
+    assert_eq!(
+        (t("u8").dtype, t("u8").data.as_slice()),
+        (DType::U8, &[0u8, 255][..])
+    );
+    assert_eq!(
+        (t("bool").dtype, t("bool").data.as_slice()),
+        (DType::Bool, &[1u8, 0, 1][..])
+    );
+    assert_eq!((t("scalar").shape.len(), f32s(t("scalar"))), (0, vec![3.0]));
+    assert_eq!(
+        (t("empty").shape.as_slice(), t("empty").data.len()),
+        (&[0, 4][..], 0)
+    );
+    assert_eq!(f32s(t("param")), [2.0, 4.0]);
+    for (name, t) in &sd.tensors {
+        assert_eq!(t.data.len(), t.numel() * t.dtype.size(), "{name}");
+    }
+}
+
+#[test]
+fn nested_dict_is_picked_automatically_when_unique() {
+    // {"step": 7, "ema": sd, "lr": 0.5, "name": "run", "u16": <uint16 tensor>}
+    let sd = read_default(NESTED_ONE_PT).unwrap();
+    assert_eq!(sd.names().collect::<Vec<_>>(), ["w", "b"]);
+    assert_eq!(f32s(sd.get("w").unwrap()), [10.0, 20.0]);
+    assert_eq!(read(NESTED_ONE_PT, &key("ema")).unwrap(), sd);
+    // The uint16 tensor (written by torch as _rebuild_tensor_v3 + UntypedStorage) only
+    // matters when selected.
+    let e = read(NESTED_ONE_PT, &key("u16")).unwrap_err();
+    assert!(matches!(e, WeightsError::NotAStateDict { .. }), "{e}");
+    assert!(
+        e.to_string()
+            .ends_with("entry `u16` holds a tensor, not a dict of tensors"),
+        "{e}"
+    );
+}
+
+#[test]
+fn weights_key_selects_among_several_state_dicts() {
+    // {"model": sd1, "ema": sd10, "step": 7, "state": {"ema": <same object as ema>, "big": 2**40}}
+    let e = read_default(NESTED_TWO_PT).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "mem/ckpt.pt: cannot tell which entry holds the weights: several entries hold state \
+         dicts (model, ema) (top-level keys: model, ema, step, state); set \
+         `checkpoints.weights_key` to the entry to use"
+    );
+    let model = read(NESTED_TWO_PT, &key("model")).unwrap();
+    assert_eq!(f32s(model.get("w").unwrap()), [1.0, 2.0]);
+    let ema = read(NESTED_TWO_PT, &key("ema")).unwrap();
+    assert_eq!(f32s(ema.get("w").unwrap()), [10.0, 20.0]);
+    assert_eq!(f32s(ema.get("b").unwrap()), [30.0]);
+    // Dotted path through a memo reference to the (already filled) ema dict.
+    assert_eq!(read(NESTED_TWO_PT, &key("state.ema")).unwrap(), ema);
+
+    let e = read(NESTED_TWO_PT, &key("emma")).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "mem/ckpt.pt: no state dict under key `emma` (top-level keys: model, ema, step, state)"
+    );
+    let e = read(NESTED_TWO_PT, &key("step")).unwrap_err();
+    assert!(e.to_string().contains("entry `step` holds an int"), "{e}");
+    let e = read(NESTED_TWO_PT, &key("state")).unwrap_err();
+    assert!(e.to_string().contains("dict without tensors"), "{e}");
+}
+
+#[test]
+fn strip_prefix_removes_module_prefix() {
+    let opts = ReadOptions {
+        weights_key: None,
+        strip_prefix: Some("module.".into()),
+    };
+    let sd = read(DDP_PT, &opts).unwrap();
+    assert_eq!(sd.names().collect::<Vec<_>>(), ["w", "b", "other"]);
+    assert_eq!(f32s(sd.get("b").unwrap()), [3.0]);
+    let plain = read_default(DDP_PT).unwrap();
+    assert_eq!(
+        plain.names().collect::<Vec<_>>(),
+        ["module.w", "module.b", "other"]
+    );
+}
+
+#[test]
+fn safetensors_in_file_order_with_key_filter_and_prefix() {
+    assert_eq!(
+        detect(MODEL_SAFETENSORS).unwrap(),
+        CheckpointFormat::SafeTensors
+    );
+    assert_eq!(
+        validate(MODEL_SAFETENSORS).unwrap(),
+        CheckpointFormat::SafeTensors
+    );
+    let sd = read_default(MODEL_SAFETENSORS).unwrap();
+    // The writer sorts by dtype then name; file (data offset) order is kept.
+    assert_eq!(
+        sd.names().collect::<Vec<_>>(),
+        ["m.i64", "ema.b", "ema.w", "z.f32", "a.bf16"]
+    );
+    let w = sd.get("ema.w").unwrap();
+    assert_eq!(
+        (w.shape.as_slice(), f32s(w)),
+        (&[2, 2][..], vec![1.0, 2.0, 3.0, 4.0])
+    );
+    assert_eq!(
+        sd.get("m.i64").unwrap().data,
+        le(&[5i64, -6], |x| x.to_le_bytes())
+    );
+    let bf = sd.get("a.bf16").unwrap();
+    assert_eq!(
+        (bf.dtype, bf.data.clone()),
+        (DType::BF16, le(&[0x3fc0u16, 0xc000], |x| x.to_le_bytes()))
+    );
+
+    // weights_key filters `ema.*` and drops the prefix...
+    let ema = read(MODEL_SAFETENSORS, &key("ema")).unwrap();
+    assert_eq!(ema.names().collect::<Vec<_>>(), ["b", "w"]);
+    // ...and is ignored when no tensor has that prefix.
+    assert_eq!(read(MODEL_SAFETENSORS, &key("model")).unwrap(), sd);
+    let opts = ReadOptions {
+        weights_key: None,
+        strip_prefix: Some("ema.".into()),
+    };
+    let stripped = read(MODEL_SAFETENSORS, &opts).unwrap();
+    assert_eq!(
+        stripped.names().collect::<Vec<_>>(),
+        ["m.i64", "b", "w", "z.f32", "a.bf16"]
+    );
+}
+
+#[test]
+fn safetensors_truncated_or_padded_is_invalid() {
+    for cut in [
+        MODEL_SAFETENSORS.len() - 1,
+        MODEL_SAFETENSORS.len() / 2,
+        20,
+        9,
+        4,
+    ] {
+        let bytes = &MODEL_SAFETENSORS[..cut];
+        let e = validate(bytes).unwrap_err();
+        assert!(e.is_incomplete(), "{cut}: {e}");
+        assert!(read_default(bytes).is_err(), "{cut}");
+    }
+    let mut longer = MODEL_SAFETENSORS.to_vec();
+    longer.push(0);
+    assert!(matches!(
+        validate(&longer),
+        Err(WeightsError::CorruptSafeTensors { .. })
+    ));
+}
+
+#[test]
+fn torchscript_is_detected_not_read() {
+    assert_eq!(
+        detect(TORCHSCRIPT_PT).unwrap(),
+        CheckpointFormat::TorchScript
+    );
+    assert_eq!(
+        validate(TORCHSCRIPT_PT).unwrap(),
+        CheckpointFormat::TorchScript
+    );
+    let e = read_default(TORCHSCRIPT_PT).unwrap_err();
+    assert!(matches!(e, WeightsError::IsTorchScript { .. }), "{e}");
+    assert_eq!(detect(DTYPES_PT).unwrap(), CheckpointFormat::TorchZip);
+    assert_eq!(validate(DTYPES_PT).unwrap(), CheckpointFormat::TorchZip);
+}
+
+#[test]
+fn public_functions_detect_by_content_not_extension() {
+    let dir = tempfile::tempdir().unwrap();
+    let st = dir.path().join("weights.pt"); // safetensors content, torch-like name
+    std::fs::write(&st, MODEL_SAFETENSORS).unwrap();
+    let pt = dir.path().join("weights.safetensors"); // zip content
+    std::fs::write(&pt, DTYPES_PT).unwrap();
+    assert_eq!(detect_format(&st).unwrap(), CheckpointFormat::SafeTensors);
+    assert_eq!(detect_format(&pt).unwrap(), CheckpointFormat::TorchZip);
+    assert_eq!(validate_structure(&pt).unwrap(), CheckpointFormat::TorchZip);
+    assert_eq!(
+        read_checkpoint(&st, &ReadOptions::default()).unwrap().len(),
+        5
+    );
+    assert_eq!(
+        read_checkpoint(&pt, &ReadOptions::default()).unwrap(),
+        read_default(DTYPES_PT).unwrap()
+    );
+
+    let missing = dir.path().join("nope.pt");
+    let e = read_checkpoint(&missing, &ReadOptions::default()).unwrap_err();
+    assert!(matches!(e, WeightsError::Io { .. }));
+    assert_eq!(e.path(), missing);
+
+    let empty = dir.path().join("empty.pt");
+    std::fs::write(&empty, b"").unwrap();
+    let e = validate_structure(&empty).unwrap_err();
+    assert_eq!(e.to_string(), format!("{}: empty file", empty.display()));
+}
+
+#[test]
+fn rebuild_tensor_v3_with_untyped_storage() {
+    // What torch 2.13 writes for dtypes without a legacy storage class, here with float32.
+    let mut w = PickleWriter::new();
+    w.op(b'}').op(b'(').str("x");
+    w.global("torch._utils", "_rebuild_tensor_v3").op(b'(');
+    w.storage(("torch.storage", "UntypedStorage"), "0", 16);
+    w.long(1).int_tuple(&[3]).int_tuple(&[1]).op(0x89);
+    w.ordered_dict()
+        .global("torch", "float32")
+        .op(b't')
+        .op(b'R');
+    w.op(b'u');
+    let data = f32_bytes(&[9.0, 1.0, 2.0, 3.0]);
+    let sd = read_default(&archive(&w.finish(), &[("0", &data)])).unwrap();
+    assert_eq!(f32s(sd.get("x").unwrap()), [1.0, 2.0, 3.0]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hostile and damaged input.
+
+fn forbidden_message(global: &str) -> String {
+    format!(
+        "mem/ckpt.pt: pickle refers to global `{global}`, which diffmon does not load (only \
+         tensors, storages and plain containers are read; no code from a checkpoint is ever \
+         executed)"
+    )
+}
+
+#[test]
+fn foreign_global_is_refused_via_global() {
+    let mut w = PickleWriter::new();
+    w.global("os", "system")
+        .str("touch /tmp/pwned")
+        .op(0x85)
+        .op(b'R');
+    let e = read_default(&archive(&w.finish(), &[])).unwrap_err();
+    assert!(matches!(e, WeightsError::ForbiddenGlobal { .. }));
+    assert_eq!(e.to_string(), forbidden_message("os.system"));
+}
+
+#[test]
+fn foreign_global_is_refused_via_stack_global() {
+    let mut w = PickleWriter::new();
+    w.str("os")
+        .str("system")
+        .op(0x93)
+        .str("touch /tmp/pwned")
+        .op(0x85)
+        .op(b'R');
+    let e = read_default(&archive(&w.finish(), &[])).unwrap_err();
+    assert_eq!(e.to_string(), forbidden_message("os.system"));
+}
+
+#[test]
+fn pickled_module_is_refused() {
+    // torch.save(model) pickles the class; the state dict inside is never reached.
+    let mut w = PickleWriter::new();
+    w.global("__main__", "Net").op(b')').op(0x81);
+    let e = read_default(&archive(&w.finish(), &[])).unwrap_err();
+    assert_eq!(e.to_string(), forbidden_message("__main__.Net"));
+}
+
+#[test]
+fn empty_random_and_truncated_files() {
+    let e = read_default(b"").unwrap_err();
+    assert_eq!(e.to_string(), "mem/ckpt.pt: empty file");
+    assert!(matches!(detect(b""), Err(WeightsError::EmptyFile { .. })));
+
+    let mut rng = Rng(7);
+    let noise: Vec<u8> = (0..4096).map(|_| rng.next() as u8).collect();
+    let e = read_default(&noise).unwrap_err();
+    assert!(matches!(e, WeightsError::UnknownFormat { .. }), "{e}");
+    assert!(e.to_string().contains("unrecognized content"), "{e}");
+
+    for cut in [
+        DTYPES_PT.len() - 1,
+        DTYPES_PT.len() - 30,
+        DTYPES_PT.len() / 2,
+        100,
+        3,
+    ] {
+        let bytes = &DTYPES_PT[..cut];
+        let e = validate(bytes).unwrap_err();
+        assert!(e.is_incomplete(), "{cut}: {e}");
+        let e = read_default(bytes).unwrap_err();
+        assert!(e.to_string().starts_with("mem/ckpt.pt: "), "{e}");
+    }
+    let e = validate(&DTYPES_PT[..DTYPES_PT.len() / 2]).unwrap_err();
+    assert!(
+        e.to_string().contains("truncated or corrupt zip archive"),
+        "{e}"
+    );
+}
+
+#[test]
+fn corrupted_storage_bytes_fail_the_crc() {
+    let mut bytes = DTYPES_PT.to_vec();
+    let needle = le(&[1.5f64, -2.25], |x| x.to_le_bytes()); // storage of "f64"
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .unwrap();
+    bytes[at] ^= 1;
+    assert_eq!(validate(&bytes).unwrap(), CheckpointFormat::TorchZip); // structure is intact
+    let e = read_default(&bytes).unwrap_err();
+    assert!(matches!(e, WeightsError::CorruptZip { .. }), "{e}");
+}
+
+#[test]
+fn zip_without_data_pkl() {
+    let bytes = zip_bytes(&[("a/version", b"3\n")]);
+    let e = validate(&bytes).unwrap_err();
+    assert!(matches!(e, WeightsError::MissingEntry { .. }), "{e}");
+    assert!(!e.is_incomplete());
+}
+
+#[test]
+fn storage_shorter_than_declared() {
+    let pkl = one_tensor_pickle("FloatStorage", 6, 0, &[2, 3], &[3, 1]);
+    let e = read_default(&archive(&pkl, &[("0", &[0u8; 16])])).unwrap_err();
+    assert!(matches!(e, WeightsError::BadTensor { .. }), "{e}");
+    assert!(
+        e.to_string()
+            .contains("holds 16 bytes but the checkpoint declares 24"),
+        "{e}"
+    );
+}
+
+#[test]
+fn shape_larger_than_storage() {
+    let pkl = one_tensor_pickle("FloatStorage", 4, 0, &[2, 3], &[3, 1]);
+    let e = read_default(&archive(&pkl, &[("0", &[0u8; 16])])).unwrap_err();
+    assert!(matches!(e, WeightsError::BadTensor { .. }), "{e}");
+    assert!(
+        e.to_string()
+            .starts_with("mem/ckpt.pt: tensor `t`: shape [2, 3]"),
+        "{e}"
+    );
+}
+
+#[test]
+fn stride_or_offset_out_of_range() {
+    for (offset, stride) in [(0, [3, 2]), (1, [3, 1]), (0, [1, 6])] {
+        let pkl = one_tensor_pickle("FloatStorage", 6, offset, &[2, 3], &stride);
+        let e = read_default(&archive(&pkl, &[("0", &f32_bytes(&[0.0; 6]))])).unwrap_err();
+        assert!(
+            matches!(e, WeightsError::BadTensor { .. }),
+            "{offset} {stride:?}: {e}"
+        );
+    }
+    // In range: a valid strided view.
+    let pkl = one_tensor_pickle("FloatStorage", 6, 1, &[2, 2], &[3, 1]);
+    let data = f32_bytes(&[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+    let sd = read_default(&archive(&pkl, &[("0", &data)])).unwrap();
+    assert_eq!(f32s(sd.get("t").unwrap()), [1.0, 2.0, 4.0, 5.0]);
+}
+
+#[test]
+fn huge_numel_overflow() {
+    let big = i64::MAX / 2;
+    for (numel, size, stride) in [
+        (big, vec![big, big], vec![0, 0]),
+        (6, vec![1 << 31, 1 << 31, 1 << 31], vec![0, 0, 0]),
+        (big, vec![big], vec![1]),
+    ] {
+        let pkl = one_tensor_pickle("DoubleStorage", numel, 0, &size, &stride);
+        let e = read_default(&archive(&pkl, &[("0", &[0u8; 48])])).unwrap_err();
+        assert!(matches!(e, WeightsError::BadTensor { .. }), "{size:?}: {e}");
+    }
+}
+
+#[test]
+fn deeply_nested_marks() {
+    let mut w = PickleWriter::new();
+    for _ in 0..50_000 {
+        w.op(b'(');
+    }
+    let e = read_default(&archive(&w.finish(), &[])).unwrap_err();
+    assert!(matches!(e, WeightsError::Pickle { .. }), "{e}");
+    assert!(e.to_string().contains("MARKs nested deeper than"), "{e}");
+}
+
+#[test]
+fn unknown_opcode_is_named() {
+    let mut w = PickleWriter::new();
+    w.op(b'}').op(0x8f); // EMPTY_SET
+    let e = read_default(&archive(&w.finish(), &[])).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "mem/ckpt.pt: unsupported pickle opcode EMPTY_SET (0x8f) at byte 3 of `a/data.pkl`; \
+         diffmon reads only the pickle subset that torch.save writes"
+    );
+}
+
+#[test]
+fn big_endian_checkpoint_is_refused() {
+    let pkl = one_tensor_pickle("FloatStorage", 1, 0, &[1], &[1]);
+    let bytes = zip_bytes(&[
+        ("a/data.pkl", &pkl),
+        ("a/byteorder", b"big"),
+        ("a/data/0", &[0, 0, 0, 1]),
+    ]);
+    let e = read_default(&bytes).unwrap_err();
+    assert!(matches!(e, WeightsError::ByteOrder { .. }), "{e}");
+    assert!(e.to_string().contains("byte order is `big`"), "{e}");
+}
+
+#[test]
+fn missing_storage_entry() {
+    let pkl = one_tensor_pickle("FloatStorage", 1, 0, &[1], &[1]);
+    let e = read_default(&archive(&pkl, &[])).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "mem/ckpt.pt: zip archive has no entry `a/data/0` (storage of tensor `t`); the file is \
+         incomplete or was not written by torch.save"
+    );
+}
+
+#[test]
+fn unsupported_dtype_is_named() {
+    let pkl = one_tensor_pickle("ComplexFloatStorage", 1, 0, &[1], &[1]);
+    let e = read_default(&archive(&pkl, &[("0", &[0u8; 8])])).unwrap_err();
+    assert!(matches!(e, WeightsError::UnsupportedDtype { .. }), "{e}");
+    assert!(e.to_string().contains("has dtype complex64"), "{e}");
+}
+
+#[test]
+fn shared_storage_is_read_once_and_each_view_is_right() {
+    // Three views of one storage; the last one takes the buffer over.
+    let mut w = PickleWriter::new();
+    w.ordered_dict().op(b'(');
+    w.str("a").tensor_v2("FloatStorage", "s", 4, 0, &[4], &[1]);
+    w.str("b")
+        .tensor_v2("FloatStorage", "s", 4, 0, &[2, 2], &[1, 2]);
+    w.str("c").tensor_v2("FloatStorage", "s", 4, 0, &[4], &[1]);
+    w.op(b'u');
+    let data = f32_bytes(&[1.0, 2.0, 3.0, 4.0]);
+    let sd = read_default(&archive(&w.finish(), &[("s", &data)])).unwrap();
+    assert_eq!(f32s(sd.get("a").unwrap()), [1.0, 2.0, 3.0, 4.0]);
+    assert_eq!(f32s(sd.get("b").unwrap()), [1.0, 3.0, 2.0, 4.0]);
+    assert_eq!(f32s(sd.get("c").unwrap()), [1.0, 2.0, 3.0, 4.0]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Robustness: mutated input never panics.
+
+/// xorshift64*: deterministic, good enough to pick mutations.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+fn mutate(rng: &mut Rng, src: &[u8]) -> Vec<u8> {
+    let mut v = src.to_vec();
+    for _ in 0..1 + rng.below(4) {
+        match rng.below(6) {
+            0 => {
+                let i = rng.below(v.len());
+                if let Some(b) = v.get_mut(i) {
+                    *b ^= 1 << rng.below(8);
+                }
+            }
+            1 => {
+                let i = rng.below(v.len());
+                if let Some(b) = v.get_mut(i) {
+                    *b = rng.next() as u8;
+                }
+            }
+            2 => v.truncate(rng.below(v.len() + 1)),
+            3 => {
+                let i = rng.below(v.len() + 1);
+                v.insert(i, rng.next() as u8);
+            }
+            4 if !v.is_empty() => {
+                let i = rng.below(v.len());
+                v.remove(i);
+            }
+            _ => {
+                // Interesting values (lengths, indices) in 4 consecutive bytes.
+                let i = rng.below(v.len());
+                let val: [u8; 4] = match rng.below(4) {
+                    0 => [0xff; 4],
+                    1 => [0x7f, 0xff, 0xff, 0xff],
+                    2 => [0, 0, 0, 0x80],
+                    _ => (rng.next() as u32).to_le_bytes(),
+                };
+                for (k, b) in val.iter().enumerate() {
+                    if let Some(x) = v.get_mut(i + k) {
+                        *x = *b;
+                    }
+                }
+            }
+        }
+    }
+    v
+}
+
+#[test]
+fn mutated_inputs_never_panic() {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let opts = [ReadOptions::default(), key("ema"), key("state.ema")];
+    let mut ok = 0;
+    // Whole files: zip container, safetensors header.
+    for src in [DTYPES_PT, NESTED_TWO_PT, MODEL_SAFETENSORS, TORCHSCRIPT_PT] {
+        for i in 0..1000 {
+            let bytes = mutate(&mut rng, src);
+            ok += read(&bytes, &opts[i % 3]).is_ok() as usize;
+            let _ = validate(&bytes);
+            let _ = detect(&bytes);
+        }
+    }
+    // The pickle itself (a mutated data.pkl in an otherwise valid archive, since the zip CRC
+    // would reject most mutations above before the interpreter runs).
+    for src in [DTYPES_PT, NESTED_TWO_PT, NESTED_ONE_PT] {
+        let entries = unzip(src);
+        let pkl_at = entries
+            .iter()
+            .position(|(n, _)| n.ends_with("data.pkl"))
+            .unwrap();
+        for i in 0..1500 {
+            let mut entries = entries.clone();
+            entries[pkl_at].1 = mutate(&mut rng, &entries[pkl_at].1);
+            let refs: Vec<(&str, &[u8])> = entries
+                .iter()
+                .map(|(n, d)| (n.as_str(), d.as_slice()))
+                .collect();
+            let bytes = zip_bytes(&refs);
+            if let Ok(sd) = read(&bytes, &opts[i % 3]) {
+                ok += 1;
+                for (_, t) in &sd.tensors {
+                    assert_eq!(t.data.len(), t.numel() * t.dtype.size());
+                }
+            }
+        }
+    }
+    // Some mutations are harmless; the test is that none of them panicked.
+    assert!(ok > 0);
+}

@@ -1,0 +1,576 @@
+//! `torch.save` zip archives: layout, state-dict selection and tensor materialization.
+
+use std::collections::HashMap;
+use std::io::{Read, Seek};
+use std::path::Path;
+
+use zip::ZipArchive;
+use zip::result::ZipError;
+
+use super::pickle::{self, Dict, ElemType, Pickle, PickleError, StorageKind, TensorMeta, Value};
+use super::{CheckpointFormat, DType, RawTensor, ReadOptions, StateDict, WeightsError, list_names};
+
+/// Opens the zip's central directory.
+pub(crate) fn open<R: Read + Seek>(r: R, path: &Path) -> Result<ZipArchive<R>, WeightsError> {
+    ZipArchive::new(r).map_err(|e| corrupt(path, e.to_string()))
+}
+
+fn corrupt(path: &Path, detail: String) -> WeightsError {
+    WeightsError::CorruptZip {
+        path: path.to_path_buf(),
+        detail,
+    }
+}
+
+/// The archive folder (`"name/"`, as a prefix of every entry) and whether this is a
+/// `torch.save` archive or a TorchScript one.
+pub(crate) fn layout<R: Read + Seek>(
+    archive: &ZipArchive<R>,
+    path: &Path,
+) -> Result<(String, CheckpointFormat), WeightsError> {
+    let prefix = archive.file_names().find_map(|name| {
+        if name == "data.pkl" {
+            return Some(String::new());
+        }
+        let dir = name.strip_suffix("/data.pkl")?;
+        (!dir.contains('/')).then(|| format!("{dir}/"))
+    });
+    let is_ts = |p: &str| {
+        archive.file_names().any(|n| {
+            n.strip_prefix(p)
+                .is_some_and(|rest| rest == "constants.pkl" || rest.starts_with("code/"))
+        })
+    };
+    match prefix {
+        Some(p) if is_ts(&p) => Ok((p, CheckpointFormat::TorchScript)),
+        Some(p) => Ok((p, CheckpointFormat::TorchZip)),
+        None => {
+            // A TorchScript archive without data.pkl is still TorchScript (constants only).
+            let ts = archive.file_names().any(|n| {
+                n.ends_with("/constants.pkl") && n.matches('/').count() == 1
+                    || n.split('/').nth(1) == Some("code")
+            });
+            if ts {
+                let p = archive
+                    .file_names()
+                    .find_map(|n| n.split_once('/').map(|(d, _)| format!("{d}/")))
+                    .unwrap_or_default();
+                return Ok((p, CheckpointFormat::TorchScript));
+            }
+            Err(WeightsError::MissingEntry {
+                path: path.to_path_buf(),
+                entry: "<archive>/data.pkl".to_string(),
+                context: String::new(),
+            })
+        }
+    }
+}
+
+/// Reads one zip entry completely (CRC-checked), refusing entries larger than `limit`.
+fn read_entry<R: Read + Seek>(
+    archive: &mut ZipArchive<R>,
+    name: &str,
+    limit: u64,
+    file_len: u64,
+    path: &Path,
+    context: &str,
+) -> Result<Vec<u8>, WeightsError> {
+    let mut entry = match archive.by_name(name) {
+        Ok(e) => e,
+        Err(ZipError::FileNotFound) => {
+            return Err(WeightsError::MissingEntry {
+                path: path.to_path_buf(),
+                entry: name.to_string(),
+                context: context.to_string(),
+            });
+        }
+        Err(e) => return Err(corrupt(path, format!("entry `{name}`: {e}"))),
+    };
+    let size = entry.size();
+    if size > limit {
+        return Err(corrupt(
+            path,
+            format!("entry `{name}` is {size} bytes, more than the {limit} expected"),
+        ));
+    }
+    // Stored entries (what torch writes) cannot be larger than the file; for compressed ones
+    // reserve at most a few times the file size up front and let the buffer grow.
+    let stored = entry.compression() == zip::CompressionMethod::Stored;
+    if stored && size > file_len {
+        return Err(corrupt(
+            path,
+            format!("entry `{name}` claims {size} bytes, more than the whole file"),
+        ));
+    }
+    let reserve = if stored {
+        size
+    } else {
+        size.min(file_len.saturating_mul(4))
+    };
+    let mut buf = Vec::new();
+    usize::try_from(reserve)
+        .ok()
+        .and_then(|n| buf.try_reserve_exact(n).ok())
+        .ok_or_else(|| corrupt(path, format!("cannot allocate {size} bytes for `{name}`")))?;
+    // Read one byte past the declared size: the zip reader checks the CRC when it reaches the
+    // end of the entry, and an over-long entry is detected.
+    entry
+        .by_ref()
+        .take(size.saturating_add(1))
+        .read_to_end(&mut buf)
+        .map_err(|e| corrupt(path, format!("reading `{name}`: {e}")))?;
+    if buf.len() as u64 != size {
+        return Err(corrupt(
+            path,
+            format!(
+                "entry `{name}` holds {} bytes, its directory entry says {size}",
+                buf.len()
+            ),
+        ));
+    }
+    Ok(buf)
+}
+
+fn pickle_error(e: PickleError, path: &Path, entry: &str) -> WeightsError {
+    let path = path.to_path_buf();
+    match e {
+        PickleError::Forbidden(global) => WeightsError::ForbiddenGlobal { path, global },
+        PickleError::Opcode { offset, code } => WeightsError::UnsupportedOpcode {
+            path,
+            entry: entry.to_string(),
+            offset,
+            code,
+            name: pickle::opcode_name(code),
+        },
+        PickleError::Malformed { offset, detail } => WeightsError::Pickle {
+            path,
+            entry: entry.to_string(),
+            offset,
+            detail,
+        },
+    }
+}
+
+/// Reads the selected state dict of a `torch.save` archive whose entries start with `prefix`.
+pub(crate) fn read<R: Read + Seek>(
+    archive: &mut ZipArchive<R>,
+    prefix: &str,
+    file_len: u64,
+    path: &Path,
+    opts: &ReadOptions,
+) -> Result<StateDict, WeightsError> {
+    let byteorder = format!("{prefix}byteorder");
+    if archive.index_for_name(&byteorder).is_some() {
+        let bytes = read_entry(archive, &byteorder, 64, file_len, path, "")?;
+        let order = String::from_utf8_lossy(&bytes);
+        let order = order.trim();
+        if order != "little" {
+            return Err(WeightsError::ByteOrder {
+                path: path.to_path_buf(),
+                order: order.chars().take(32).collect(),
+            });
+        }
+    }
+    let pkl = format!("{prefix}data.pkl");
+    let data = read_entry(archive, &pkl, pickle::MAX_PICKLE_BYTES, file_len, path, "")?;
+    let pickle = pickle::parse(&data).map_err(|e| pickle_error(e, path, &pkl))?;
+    drop(data);
+    let selected = select(&pickle, opts.weights_key.as_deref(), path)?;
+    let tensors = materialize_all(archive, prefix, file_len, path, selected)?;
+    Ok(StateDict { tensors })
+}
+
+fn key_name(p: &Pickle, k: &Value) -> String {
+    match k {
+        Value::Str(s) => s.to_string(),
+        Value::Int(i) => i.to_string(),
+        other => format!("<{}>", p.describe(other)),
+    }
+}
+
+fn dict_keys(p: &Pickle, d: &Dict) -> String {
+    let names: Vec<String> = d.items().iter().map(|(k, _)| key_name(p, k)).collect();
+    list_names(names.iter().map(String::as_str))
+}
+
+/// Non-empty and every value a tensor.
+fn is_tensor_dict(p: &Pickle, d: &Dict) -> bool {
+    !d.items().is_empty() && d.items().iter().all(|(_, v)| p.tensor(v).is_some())
+}
+
+/// `key` in `d`, where dots may also separate nested dicts (`state.ema`).
+fn find_path<'p>(p: &'p Pickle, d: &'p Dict, key: &str) -> Option<&'p Value> {
+    if let Some(v) = d.get_str(key) {
+        return Some(v);
+    }
+    for (i, _) in key.match_indices('.') {
+        let (head, tail) = (&key[..i], &key[i + 1..]);
+        if let Some(sub) = d.get_str(head).and_then(|v| p.dict(v))
+            && let Some(v) = find_path(p, sub, tail)
+        {
+            return Some(v);
+        }
+    }
+    None
+}
+
+/// The tensors of the state dict chosen by `weights_key` (see the module docs), in order.
+fn select<'p>(
+    p: &'p Pickle,
+    weights_key: Option<&str>,
+    path: &Path,
+) -> Result<Vec<(String, &'p TensorMeta)>, WeightsError> {
+    let Some(root) = p.dict(&p.root) else {
+        return Err(WeightsError::NotAStateDict {
+            path: path.to_path_buf(),
+            what: format!("the checkpoint holds {}", p.describe(&p.root)),
+        });
+    };
+    let chosen: &Dict = match weights_key {
+        Some(key) => {
+            let Some(v) = find_path(p, root, key) else {
+                return Err(WeightsError::NoStateDict {
+                    path: path.to_path_buf(),
+                    key: key.to_string(),
+                    keys: dict_keys(p, root),
+                });
+            };
+            let Some(d) = p.dict(v) else {
+                return Err(WeightsError::NotAStateDict {
+                    path: path.to_path_buf(),
+                    what: format!("entry `{key}` holds {}", p.describe(v)),
+                });
+            };
+            if !d.items().is_empty() && !d.items().iter().any(|(_, v)| p.tensor(v).is_some()) {
+                return Err(WeightsError::NotAStateDict {
+                    path: path.to_path_buf(),
+                    what: format!(
+                        "entry `{key}` is a dict without tensors (keys: {})",
+                        dict_keys(p, d)
+                    ),
+                });
+            }
+            d
+        }
+        None if root.items().iter().all(|(_, v)| p.tensor(v).is_some()) => root,
+        None => {
+            let candidates: Vec<(&Value, &Dict)> = root
+                .items()
+                .iter()
+                .filter_map(|(k, v)| p.dict(v).filter(|d| is_tensor_dict(p, d)).map(|d| (k, d)))
+                .collect();
+            match candidates.as_slice() {
+                [(_, d)] => d,
+                [] => {
+                    return Err(WeightsError::AmbiguousStateDict {
+                        path: path.to_path_buf(),
+                        reason: "no entry is a dict of tensors".to_string(),
+                        keys: dict_keys(p, root),
+                    });
+                }
+                several => {
+                    let names: Vec<String> = several.iter().map(|(k, _)| key_name(p, k)).collect();
+                    return Err(WeightsError::AmbiguousStateDict {
+                        path: path.to_path_buf(),
+                        reason: format!(
+                            "several entries hold state dicts ({})",
+                            list_names(names.iter().map(String::as_str))
+                        ),
+                        keys: dict_keys(p, root),
+                    });
+                }
+            }
+        }
+    };
+    Ok(chosen
+        .items()
+        .iter()
+        .filter_map(|(k, v)| p.tensor(v).map(|t| (key_name(p, k), t)))
+        .collect())
+}
+
+/// Reads the storages of `selected` (each once, dropped after its last tensor) and turns every
+/// tensor into contiguous bytes.
+fn materialize_all<R: Read + Seek>(
+    archive: &mut ZipArchive<R>,
+    prefix: &str,
+    file_len: u64,
+    path: &Path,
+    selected: Vec<(String, &TensorMeta)>,
+) -> Result<Vec<(String, RawTensor)>, WeightsError> {
+    let mut uses: HashMap<&str, usize> = HashMap::new();
+    for (_, t) in &selected {
+        *uses.entry(&*t.storage.key).or_default() += 1;
+    }
+    let mut loaded: HashMap<&str, Vec<u8>> = HashMap::new();
+    let mut out = Vec::with_capacity(selected.len());
+    for (name, t) in selected {
+        let bad = |detail: String| WeightsError::BadTensor {
+            path: path.to_path_buf(),
+            name: name.clone(),
+            detail,
+        };
+        let dtype = match t.dtype {
+            ElemType::Known(d) => d,
+            ElemType::Other(other) => {
+                return Err(WeightsError::UnsupportedDtype {
+                    path: path.to_path_buf(),
+                    name,
+                    dtype: other.to_string(),
+                });
+            }
+        };
+        let key: &str = &t.storage.key;
+        if !loaded.contains_key(key) {
+            let entry = format!("{prefix}data/{key}");
+            let context = format!(" (storage of tensor `{name}`)");
+            let bytes = read_entry(archive, &entry, u64::MAX, file_len, path, &context)?;
+            let declared = match t.storage.kind {
+                StorageKind::Typed(ElemType::Known(d)) => {
+                    t.storage.numel.checked_mul(d.size() as u64)
+                }
+                StorageKind::Typed(ElemType::Other(_)) => None,
+                StorageKind::Untyped => Some(t.storage.numel),
+            };
+            if let Some(declared) = declared.filter(|&d| d > bytes.len() as u64) {
+                return Err(bad(format!(
+                    "storage `{key}` holds {} bytes but the checkpoint declares {declared} \
+                     (truncated or corrupt file)",
+                    bytes.len()
+                )));
+            }
+            loaded.insert(key, bytes);
+        }
+        let remaining = uses.get_mut(key).map(|n| {
+            *n -= 1;
+            *n
+        });
+        let raw = if remaining == Some(0) {
+            let storage = loaded.remove(key).unwrap_or_default();
+            materialize(Storage::Owned(storage), t, dtype)
+        } else {
+            let storage = loaded.get(key).map(Vec::as_slice).unwrap_or_default();
+            materialize(Storage::Borrowed(storage), t, dtype)
+        }
+        .map_err(|detail| bad(format!("{detail} (storage `{key}`)")))?;
+        out.push((name, raw));
+    }
+    Ok(out)
+}
+
+enum Storage<'a> {
+    /// The last tensor using this storage: its buffer may be taken over.
+    Owned(Vec<u8>),
+    Borrowed(&'a [u8]),
+}
+
+/// A strided view of a storage, as contiguous bytes. Errors are details for
+/// [`WeightsError::BadTensor`].
+fn materialize(storage: Storage<'_>, t: &TensorMeta, dtype: DType) -> Result<RawTensor, String> {
+    let e = dtype.size();
+    let too_big = || format!("shape {:?} is too large", t.size);
+    let to_usize = |v: &[u64]| -> Result<Vec<usize>, String> {
+        v.iter()
+            .map(|&x| usize::try_from(x).map_err(|_| too_big()))
+            .collect()
+    };
+    let size = to_usize(&t.size)?;
+    let stride = to_usize(&t.stride)?;
+    let offset = usize::try_from(t.offset).map_err(|_| too_big())?;
+    let numel = size
+        .iter()
+        .try_fold(1usize, |a, &s| a.checked_mul(s))
+        .ok_or_else(too_big)?;
+    let nbytes = numel.checked_mul(e).ok_or_else(too_big)?;
+    let bytes: &[u8] = match &storage {
+        Storage::Owned(v) => v,
+        Storage::Borrowed(s) => s,
+    };
+    let raw = |data| RawTensor {
+        dtype,
+        shape: size.clone(),
+        data,
+    };
+    if numel == 0 {
+        return Ok(raw(Vec::new()));
+    }
+    // Index of the last element the view reaches; every element read lies in [offset, last].
+    let mut last = offset;
+    for (&s, &st) in size.iter().zip(&stride) {
+        last = (s - 1)
+            .checked_mul(st)
+            .and_then(|x| last.checked_add(x))
+            .ok_or_else(too_big)?;
+    }
+    let end = last.checked_add(1).and_then(|x| x.checked_mul(e));
+    if end.is_none_or(|end| end > bytes.len()) {
+        return Err(format!(
+            "shape {size:?} with stride {stride:?} at storage offset {offset} reads element \
+             {last}, but the storage holds {} {dtype} elements",
+            bytes.len() / e
+        ));
+    }
+    let start = offset * e; // offset <= last, so no overflow
+    if is_contiguous(&size, &stride) {
+        // One copy of the slice, or none when this view is the whole (last-used) storage.
+        let slice = |s: &[u8]| s.get(start..start + nbytes).map(<[u8]>::to_vec);
+        let data = match storage {
+            Storage::Owned(v) if start == 0 && nbytes == v.len() => Some(v),
+            Storage::Owned(v) => slice(&v),
+            Storage::Borrowed(s) => slice(s),
+        };
+        return data
+            .map(raw)
+            .ok_or_else(|| "internal error: slice outside storage".to_string());
+    }
+    let mut out = Vec::new();
+    out.try_reserve_exact(nbytes)
+        .map_err(|_| format!("cannot allocate {nbytes} bytes"))?;
+    gather(bytes, &size, &stride, offset, e, &mut out)?;
+    Ok(raw(out))
+}
+
+/// Row-major contiguity (dimensions of size 1 may have any stride, as in torch).
+fn is_contiguous(size: &[usize], stride: &[usize]) -> bool {
+    let mut expected = 1usize;
+    for (&s, &st) in size.iter().zip(stride).rev() {
+        if s != 1 {
+            if st != expected {
+                return false;
+            }
+            expected = expected.saturating_mul(s);
+        }
+    }
+    true
+}
+
+/// Copies a strided view element by element (or innermost run by run) in row-major order.
+/// The caller has checked that every index lies inside `src`.
+fn gather(
+    src: &[u8],
+    size: &[usize],
+    stride: &[usize],
+    offset: usize,
+    e: usize,
+    out: &mut Vec<u8>,
+) -> Result<(), String> {
+    let nd = size.len();
+    let (run, outer) = match (size.last(), stride.last()) {
+        (Some(&s), Some(1)) => (s, nd - 1),
+        _ => (1, nd),
+    };
+    let run_bytes = run * e;
+    let mut idx = vec![0usize; outer];
+    loop {
+        let pos = offset
+            + idx
+                .iter()
+                .zip(stride)
+                .map(|(&i, &st)| i * st)
+                .sum::<usize>();
+        let b = pos * e;
+        let chunk = src
+            .get(b..b + run_bytes)
+            .ok_or_else(|| "internal error: index outside storage".to_string())?;
+        out.extend_from_slice(chunk);
+        let mut d = outer;
+        loop {
+            if d == 0 {
+                return Ok(());
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < size[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pickle::StorageRef;
+    use std::rc::Rc;
+
+    fn meta(dtype: DType, offset: u64, size: &[u64], stride: &[u64]) -> TensorMeta {
+        TensorMeta {
+            storage: StorageRef {
+                key: Rc::from("0"),
+                kind: StorageKind::Typed(ElemType::Known(dtype)),
+                numel: 0,
+            },
+            dtype: ElemType::Known(dtype),
+            offset,
+            size: size.to_vec(),
+            stride: stride.to_vec(),
+        }
+    }
+
+    fn u8s(v: &[u8]) -> Storage<'_> {
+        Storage::Borrowed(v)
+    }
+
+    #[test]
+    fn strided_views() {
+        let s: Vec<u8> = (0..24).collect();
+        // 2x3 row-major.
+        let t = materialize(u8s(&s), &meta(DType::U8, 0, &[2, 3], &[3, 1]), DType::U8).unwrap();
+        assert_eq!(t.data, [0, 1, 2, 3, 4, 5]);
+        // Transposed.
+        let t = materialize(u8s(&s), &meta(DType::U8, 0, &[3, 2], &[1, 3]), DType::U8).unwrap();
+        assert_eq!(t.data, [0, 3, 1, 4, 2, 5]);
+        // Offset and step.
+        let t = materialize(u8s(&s), &meta(DType::U8, 5, &[3], &[2]), DType::U8).unwrap();
+        assert_eq!(t.data, [5, 7, 9]);
+        // Broadcast (stride 0) and 0-d.
+        let t = materialize(u8s(&s), &meta(DType::U8, 4, &[2, 2], &[0, 1]), DType::U8).unwrap();
+        assert_eq!(t.data, [4, 5, 4, 5]);
+        let t = materialize(u8s(&s), &meta(DType::U8, 9, &[], &[]), DType::U8).unwrap();
+        assert_eq!((t.data, t.shape), (vec![9], vec![]));
+        // 2-byte elements, inner run copy with an outer stride.
+        let t = materialize(u8s(&s), &meta(DType::I16, 1, &[2, 2], &[4, 1]), DType::I16).unwrap();
+        assert_eq!(t.data, [2, 3, 4, 5, 10, 11, 12, 13]);
+        // Size-1 dimensions with odd strides are still contiguous.
+        assert!(is_contiguous(&[1, 3], &[99, 1]));
+        assert!(!is_contiguous(&[2, 3], &[1, 2]));
+    }
+
+    #[test]
+    fn owned_whole_storage_is_moved() {
+        let v: Vec<u8> = (0..8).collect();
+        let ptr = v.as_ptr();
+        let t = materialize(
+            Storage::Owned(v),
+            &meta(DType::F32, 0, &[2], &[1]),
+            DType::F32,
+        )
+        .unwrap();
+        assert_eq!(t.data.as_ptr(), ptr);
+    }
+
+    #[test]
+    fn out_of_range_views_are_errors() {
+        let s = vec![0u8; 24]; // 6 f32
+        for (off, size, stride) in [
+            (0u64, &[7u64][..], &[1u64][..]),
+            (4, &[3], &[1]),
+            (0, &[2, 3], &[4, 1]),
+            (0, &[2], &[u64::MAX]),
+            (u64::MAX, &[1], &[1]),
+            (0, &[u64::MAX, u64::MAX], &[0, 0]),
+            (0, &[1 << 62], &[0]),
+        ] {
+            let r = materialize(u8s(&s), &meta(DType::F32, off, size, stride), DType::F32);
+            assert!(r.is_err(), "{off} {size:?} {stride:?}");
+        }
+        // Empty tensors never read.
+        let t = materialize(
+            u8s(&s),
+            &meta(DType::F32, 1000, &[0, 5], &[5, 1]),
+            DType::F32,
+        );
+        assert_eq!(t.unwrap().data.len(), 0);
+    }
+}

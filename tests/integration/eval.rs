@@ -1,0 +1,150 @@
+//! `diffmon eval` on a real toy training run.
+
+use crate::common::{diffmon, run_python, stderr, stdout, toy_run};
+use serde_json::Value;
+use std::fs;
+use std::path::Path;
+
+fn config(dir: &Path, extra: &str) -> std::path::PathBuf {
+    let path = dir.join(format!("diffmon-{}.yaml", extra.len()));
+    fs::write(
+        &path,
+        format!(
+            "run: {{dir: .}}\nmodel: {{architecture: model.ts}}\ndevice: cpu\n\
+             data: {{path: train.h5, heldout_path: heldout.h5}}\nicr: {{samples: 256, batch_size: 128, seed: 5}}\n{extra}"
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn records(out: &std::process::Output) -> Vec<Value> {
+    stdout(out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn eval_json_has_the_record_fields_and_is_deterministic() {
+    let dir = toy_run();
+    let cfg = config(dir, "");
+    let ckpt = dir.join("ckpt_000060.pt");
+    let args = [
+        "eval",
+        "--config",
+        cfg.to_str().unwrap(),
+        ckpt.to_str().unwrap(),
+        "--json",
+    ];
+    let first = diffmon(&args);
+    assert!(first.status.success(), "{}", stderr(&first));
+    let r = &records(&first)[0];
+    assert_eq!(r["step"], 60);
+    for key in [
+        "icr",
+        "icr_invariant_trace",
+        "icr_residual_trace",
+        "loss_train",
+        "loss_heldout",
+        "generalization_gap",
+        "seconds",
+    ] {
+        assert!(r[key].is_number(), "{key} missing in {r}");
+    }
+    for absent in [
+        "pfd_generalization",
+        "pfd_memorization",
+        "memorization_ratio",
+        "tail_rmsqe",
+        "tail_loader",
+    ] {
+        assert!(r.get(absent).is_none(), "disabled metric {absent} present");
+    }
+    let icr = r["icr"].as_f64().unwrap();
+    assert!(icr > 0.0 && icr < 1.5, "{icr}");
+    let gap = r["generalization_gap"].as_f64().unwrap();
+    let (lt, lh) = (
+        r["loss_train"].as_f64().unwrap(),
+        r["loss_heldout"].as_f64().unwrap(),
+    );
+    assert!((gap - (lh - lt)).abs() < 1e-12);
+    // Same seed, same views and noise: the very same numbers.
+    let second = records(&diffmon(&args));
+    assert_eq!(second[0]["icr"], r["icr"]);
+    assert_eq!(second[0]["loss_train"], r["loss_train"]);
+}
+
+/// The denoising loss of DESIGN.md §1.6 recomputed in PyTorch: same subset (seeded randperm),
+/// same noise (libtorch's CPU generator, same seed and call order), same checkpoint.
+#[test]
+fn denoising_losses_match_a_pytorch_reference() {
+    let dir = toy_run();
+    let cfg = config(dir, "");
+    let ckpt = dir.join("ckpt_000030.pt");
+    let out = diffmon(&[
+        "eval",
+        "--config",
+        cfg.to_str().unwrap(),
+        ckpt.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let r = &records(&out)[0];
+    let script = format!(
+        r#"
+import torch, h5py, json
+torch.set_num_threads(2)
+run = {dir:?}
+model = torch.jit.load(run + "/model.ts")
+sd = torch.load(run + "/ckpt_000030.pt", weights_only=True)
+with torch.no_grad():
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        t.copy_(sd[name])
+def loss(path, n, seed, sigma=0.29, sd_=0.5):
+    x = torch.from_numpy(h5py.File(path)["images"][:]).float()
+    torch.manual_seed(seed)
+    idx = torch.randperm(x.shape[0])[:n].sort().values
+    x0 = x[idx]
+    noise = torch.randn(x0.shape)
+    with torch.no_grad():
+        d, _ = model(x0 + sigma * noise, torch.full((x0.shape[0],), sigma))
+    w = (sigma**2 + sd_**2) / (sigma * sd_)**2
+    return w * ((d.double() - x0.double())**2).flatten(1).mean(1).mean().item()
+n = 64  # min(icr.samples, training images, held-out images)
+print(json.dumps({{"train": loss(run + "/train.h5", n, 5), "heldout": loss(run + "/heldout.h5", n, 6)}}))
+"#,
+        dir = dir.display().to_string()
+    );
+    let reference: Value = serde_json::from_str(&stdout(&run_python(&["-c", &script]))).unwrap();
+    for (ours, theirs) in [("loss_train", "train"), ("loss_heldout", "heldout")] {
+        let a = r[ours].as_f64().unwrap();
+        let b = reference[theirs].as_f64().unwrap();
+        // float32 forward in both, float64 reduction: agreement to float32 rounding of the sum.
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs(),
+            "{ours}: diffmon {a}, PyTorch {b}"
+        );
+    }
+}
+
+#[test]
+fn a_bad_checkpoint_is_reported_and_the_others_still_evaluated() {
+    let dir = toy_run();
+    let cfg = config(dir, "");
+    let tmp = tempfile::tempdir().unwrap();
+    let bad = tmp.path().join("ckpt_000045.pt");
+    fs::write(&bad, b"PK\x03\x04 not really a zip").unwrap();
+    let good = dir.join("ckpt_000030.pt");
+    let out = diffmon(&[
+        "eval",
+        "--config",
+        cfg.to_str().unwrap(),
+        bad.to_str().unwrap(),
+        good.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("ckpt_000045.pt"), "{}", stderr(&out));
+    assert_eq!(records(&out).len(), 1);
+}

@@ -1,0 +1,9 @@
+//! Integration tests: real TorchScript models and checkpoints written by PyTorch (the project's
+//! Python helpers, run in the project's virtual environment), real HDF5 files, the real binary.
+
+mod cli;
+mod common;
+mod data;
+mod eval;
+mod icr;
+mod model;
