@@ -712,10 +712,10 @@ impl Config {
                 message.truncate(i);
             }
             // It also starts nested messages with its own (shorter) path: `icr: unknown field`.
-            if let Some((head, rest)) = message.split_once(": ") {
-                if !head.contains(char::is_whitespace) {
-                    message = rest.to_string();
-                }
+            if let Some((head, rest)) = message.split_once(": ")
+                && !head.contains(char::is_whitespace)
+            {
+                message = rest.to_string();
             }
             ConfigError::Parse {
                 file: file.to_string(),
@@ -1128,6 +1128,30 @@ mod tests {
         assert!("quantile:2".parse::<Observable>().is_err());
         assert_eq!("cuda:1".parse::<DeviceSpec>(), Ok(DeviceSpec::Cuda(1)));
         assert_eq!("cuda".parse::<DeviceSpec>(), Ok(DeviceSpec::Cuda(0)));
+    }
+
+    /// Every shipped config parses and is valid apart from files that a run creates.
+    #[test]
+    fn every_file_in_config_folder_loads() {
+        let folder = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&folder).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().and_then(|e| e.to_str()) != Some("yaml") {
+                continue;
+            }
+            seen += 1;
+            let text = std::fs::read_to_string(&path).unwrap();
+            let mut config = Config::parse(&text, &path.display().to_string()).unwrap();
+            config.resolve_paths(&folder);
+            let problems: Vec<Problem> = config
+                .validate()
+                .into_iter()
+                .filter(|p| !p.message.ends_with("which does not exist"))
+                .collect();
+            assert!(problems.is_empty(), "{}: {problems:?}", path.display());
+        }
+        assert!(seen >= 2, "config/ holds {seen} yaml files");
     }
 
     #[test]
