@@ -179,7 +179,7 @@ pub fn run(command: Command) -> Result<()> {
             checkpoints,
             json,
         } => eval(&config, &checkpoints, json),
-        Command::Watch { .. } => not_yet("watch"),
+        Command::Watch { config } => crate::daemon::run(Config::load(&config)?),
         Command::IcrFeatures { input, ridge } => icr_features(&input, ridge),
         Command::Sample(_) => not_yet("sample"),
         Command::Tail { .. } => not_yet("tail"),

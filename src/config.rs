@@ -729,7 +729,17 @@ impl Config {
     fn resolve_paths(&mut self, base: &Path) {
         let fix = |p: &mut PathBuf| {
             if p.is_relative() {
-                *p = base.join(&*p);
+                // Lexically, without `.` components: `run.dir: .` is the config's folder itself.
+                let joined: PathBuf = base
+                    .join(&*p)
+                    .components()
+                    .filter(|c| !matches!(c, std::path::Component::CurDir))
+                    .collect();
+                *p = if joined.as_os_str().is_empty() {
+                    PathBuf::from(".")
+                } else {
+                    joined
+                };
             }
         };
         fix(&mut self.run.dir);
@@ -754,9 +764,8 @@ impl Config {
     /// The label `run` on every metric.
     pub fn run_name(&self) -> String {
         self.run.name.clone().unwrap_or_else(|| {
-            self.run
-                .dir
-                .file_name()
+            let dir = std::fs::canonicalize(&self.run.dir).unwrap_or_else(|_| self.run.dir.clone());
+            dir.file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "run".into())
         })

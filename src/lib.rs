@@ -1,11 +1,18 @@
 //! diffmon: a monitoring daemon for diffusion-model training (see DESIGN.md in the project's
 //! shared folder and the README). One module per pipeline stage.
 
+pub mod alerts;
 pub mod cli;
 pub mod config;
+pub mod daemon;
 pub mod data;
+pub mod detector;
 pub mod eval;
+pub mod history;
+pub mod http;
 pub mod icr;
+pub mod metrics;
 pub mod model;
 pub mod record;
+pub mod watcher;
 pub mod weights;

@@ -3,6 +3,7 @@
 
 mod cli;
 mod common;
+mod daemon;
 mod data;
 mod eval;
 mod icr;

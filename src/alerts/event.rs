@@ -1,0 +1,217 @@
+//! The early-stop event (DESIGN.md §2.7), its stable id and RFC 3339 timestamps.
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::fmt;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// What happened: the U-turn fired, or a later value went back below the best (double descent).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    EarlyStop,
+    Resolved,
+}
+
+impl EventKind {
+    /// The serialized name: `early_stop` or `resolved`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::EarlyStop => "early_stop",
+            EventKind::Resolved => "resolved",
+        }
+    }
+}
+
+impl fmt::Display for EventKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One early-stop event, exactly as the `json` webhook format and the stop file carry it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Event {
+    /// Stable for the same event: see [`event_id`].
+    pub id: String,
+    /// `"early_stop"` or `"resolved"`.
+    pub event: EventKind,
+    pub run: String,
+    /// The detector's series: `"icr"` or `"pfd_generalization"`.
+    pub metric: String,
+    pub best_step: i64,
+    pub best_checkpoint: String,
+    pub best_value: f64,
+    pub current_step: i64,
+    pub current_value: f64,
+    /// RFC 3339, UTC (`2026-01-31T12:00:00.000Z`).
+    pub fired_at: String,
+}
+
+impl Event {
+    /// An event with its stable id and `fired_at` = now.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        kind: EventKind,
+        run: &str,
+        metric: &str,
+        best_step: i64,
+        best_checkpoint: &str,
+        best_value: f64,
+        current_step: i64,
+        current_value: f64,
+    ) -> Event {
+        Event {
+            id: event_id(run, kind, best_step, current_step),
+            event: kind,
+            run: run.to_string(),
+            metric: metric.to_string(),
+            best_step,
+            best_checkpoint: best_checkpoint.to_string(),
+            best_value,
+            current_step,
+            current_value,
+            fired_at: rfc3339_utc(SystemTime::now()),
+        }
+    }
+}
+
+/// The event's stable id: lowercase hex of
+/// `sha256("diffmon-event-v1\n{run}\n{kind}\n{best_step}\n{current_step}")`.
+///
+/// A restart that re-derives the same event (same run, kind, best and current step) gets the same
+/// id, so the delivered-ledger and receivers (`webhook-id`) can deduplicate it. The preimage format
+/// is part of the on-disk contract: changing it re-delivers events after an upgrade.
+pub fn event_id(run: &str, kind: EventKind, best_step: i64, current_step: i64) -> String {
+    let preimage = format!("diffmon-event-v1\n{run}\n{kind}\n{best_step}\n{current_step}");
+    hex(&Sha256::digest(preimage.as_bytes()))
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+/// Formats a time as RFC 3339 in UTC with milliseconds: `2023-11-14T22:13:20.123Z`.
+/// Times before 1970 are clamped to the epoch.
+pub fn rfc3339_utc(t: SystemTime) -> String {
+    let since = t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
+    let secs = since.as_secs() as i64;
+    let millis = since.subsec_millis();
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    let (y, m, d) = civil_from_days(days);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{millis:03}Z",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
+}
+
+/// Days since 1970-01-01 to a proleptic Gregorian (year, month, day) (H. Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn id_is_stable_and_matches_an_independent_vector() {
+        // Expected values computed once with Python:
+        //   hashlib.sha256(b"diffmon-event-v1\nrun-a\nearly_stop\n1000\n3000").hexdigest()
+        let a = event_id("run-a", EventKind::EarlyStop, 1000, 3000);
+        assert_eq!(
+            a,
+            "10b28226e610ed78dab382d8e35a6d2bc3ebe0db9ca787f3287770c2f9f828a0"
+        );
+        assert_eq!(a, event_id("run-a", EventKind::EarlyStop, 1000, 3000));
+        assert_eq!(
+            event_id("run-a", EventKind::Resolved, 1000, 3000),
+            "65eaeb8f0e4ec672e434b36635b2e8f621558ce92f0ed04641bd5fd6ea52ef67"
+        );
+        assert_ne!(a, event_id("run-b", EventKind::EarlyStop, 1000, 3000));
+        assert_ne!(a, event_id("run-a", EventKind::EarlyStop, 1001, 3000));
+        assert_ne!(a, event_id("run-a", EventKind::EarlyStop, 1000, 3001));
+        // Events built at different times keep the id.
+        let e1 = Event::new(
+            EventKind::EarlyStop,
+            "run-a",
+            "icr",
+            1000,
+            "c",
+            0.1,
+            3000,
+            0.2,
+        );
+        let e2 = Event::new(
+            EventKind::EarlyStop,
+            "run-a",
+            "icr",
+            1000,
+            "d",
+            0.3,
+            3000,
+            0.4,
+        );
+        assert_eq!(e1.id, a);
+        assert_eq!(e2.id, a);
+    }
+
+    #[test]
+    fn serializes_with_the_documented_names() {
+        let e = Event::new(EventKind::EarlyStop, "r", "icr", 1, "ck", 0.5, 2, 0.6);
+        let v = serde_json::to_value(&e).unwrap();
+        assert_eq!(v["event"], "early_stop");
+        for key in [
+            "id",
+            "event",
+            "run",
+            "metric",
+            "best_step",
+            "best_checkpoint",
+            "best_value",
+            "current_step",
+            "current_value",
+            "fired_at",
+        ] {
+            assert!(v.get(key).is_some(), "{key} missing in {v}");
+        }
+        assert_eq!(v.as_object().unwrap().len(), 10);
+        let back: Event = serde_json::from_value(v).unwrap();
+        assert_eq!(back, e);
+        let r = serde_json::to_value(EventKind::Resolved).unwrap();
+        assert_eq!(r, "resolved");
+    }
+
+    #[test]
+    fn rfc3339_matches_python_datetime() {
+        // datetime.fromtimestamp(t, timezone.utc).isoformat() for each t.
+        let at = |s: u64, ms: u64| UNIX_EPOCH + Duration::from_millis(s * 1000 + ms);
+        assert_eq!(rfc3339_utc(at(0, 0)), "1970-01-01T00:00:00.000Z");
+        assert_eq!(
+            rfc3339_utc(at(1_700_000_000, 123)),
+            "2023-11-14T22:13:20.123Z"
+        );
+        assert_eq!(rfc3339_utc(at(951_782_400, 0)), "2000-02-29T00:00:00.000Z");
+        assert_eq!(
+            rfc3339_utc(at(4_102_444_799, 999)),
+            "2099-12-31T23:59:59.999Z"
+        );
+    }
+}

@@ -1,0 +1,303 @@
+//! Request bodies: the `json`, `slack` and `alertmanager` (v4 webhook payload) webhook formats,
+//! and the body of Alertmanager's `POST /api/v2/alerts`.
+
+use super::event::{Event, EventKind};
+use crate::config::WebhookFormat;
+use serde_json::{Map, Value, json};
+
+/// `alertname` label of the alert diffmon raises in Alertmanager.
+pub const ALERT_NAME: &str = "DiffusionEarlyStop";
+/// `receiver` field of the `alertmanager` webhook format.
+pub const RECEIVER_NAME: &str = "diffmon";
+/// Alertmanager's "zero time", used for `endsAt` of firing alerts in the v4 webhook payload.
+const ZERO_TIME: &str = "0001-01-01T00:00:00Z";
+
+/// The body sent to a webhook of the given format.
+pub fn webhook_body(format: WebhookFormat, event: &Event) -> Vec<u8> {
+    let value = match format {
+        WebhookFormat::Json => serde_json::to_value(event).unwrap_or(Value::Null),
+        WebhookFormat::Slack => json!({ "text": summary(event) }),
+        WebhookFormat::Alertmanager => alertmanager_webhook_payload(event),
+    };
+    serde_json::to_vec(&value).unwrap_or_default()
+}
+
+/// A readable one-line summary: run, metric, best step/value, current step/value.
+pub fn summary(event: &Event) -> String {
+    let best = format!(
+        "best {} = {} at step {} ({})",
+        event.metric,
+        fmt_value(event.best_value),
+        event.best_step,
+        event.best_checkpoint
+    );
+    let now = format!(
+        "now {} at step {}",
+        fmt_value(event.current_value),
+        event.current_step
+    );
+    match event.event {
+        EventKind::EarlyStop => format!(
+            "diffmon: early stop for run {}: {} turned up (memorization); {best}, {now}",
+            event.run, event.metric
+        ),
+        EventKind::Resolved => format!(
+            "diffmon: early stop resolved for run {}: {} went below its previous best again; {best}, {now}",
+            event.run, event.metric
+        ),
+    }
+}
+
+fn fmt_value(v: f64) -> String {
+    if !v.is_finite() {
+        return v.to_string();
+    }
+    if v != 0.0 && (v.abs() < 1e-3 || v.abs() >= 1e6) {
+        return format!("{v:.4e}");
+    }
+    let s = format!("{v:.6}");
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    if s.is_empty() || s == "-" {
+        "0".into()
+    } else {
+        s.to_string()
+    }
+}
+
+/// The alert's identity in Alertmanager: the same labels for `early_stop` and `resolved`, so a
+/// resolved event resolves the firing alert.
+pub fn labels(event: &Event) -> Map<String, Value> {
+    let mut m = Map::new();
+    m.insert("alertname".into(), ALERT_NAME.into());
+    m.insert("run".into(), event.run.clone().into());
+    m.insert("severity".into(), "warning".into());
+    m.insert("metric".into(), event.metric.clone().into());
+    m
+}
+
+/// Annotations (Alertmanager wants string values).
+pub fn annotations(event: &Event) -> Map<String, Value> {
+    let mut m = Map::new();
+    m.insert("summary".into(), summary(event).into());
+    m.insert("event_id".into(), event.id.clone().into());
+    m.insert("best_step".into(), event.best_step.to_string().into());
+    m.insert(
+        "best_checkpoint".into(),
+        event.best_checkpoint.clone().into(),
+    );
+    m.insert("best_value".into(), fmt_value(event.best_value).into());
+    m.insert("current_step".into(), event.current_step.to_string().into());
+    m.insert(
+        "current_value".into(),
+        fmt_value(event.current_value).into(),
+    );
+    m
+}
+
+/// Body of `POST {alertmanager}/api/v2/alerts`: one postable alert. A firing alert carries
+/// `startsAt` and no `endsAt` (Alertmanager then keeps it active for its `resolve_timeout`, which
+/// is why the firing alert is re-posted periodically); a resolved one carries `endsAt` = its
+/// `fired_at`, which ends the alert with the same labels.
+pub fn alertmanager_api_body(event: &Event) -> Vec<u8> {
+    let mut alert = Map::new();
+    alert.insert("labels".into(), Value::Object(labels(event)));
+    alert.insert("annotations".into(), Value::Object(annotations(event)));
+    match event.event {
+        EventKind::EarlyStop => {
+            alert.insert("startsAt".into(), event.fired_at.clone().into());
+        }
+        EventKind::Resolved => {
+            alert.insert("endsAt".into(), event.fired_at.clone().into());
+        }
+    }
+    serde_json::to_vec(&Value::Array(vec![Value::Object(alert)])).unwrap_or_default()
+}
+
+/// Alertmanager's webhook payload (version 4), for receivers that expect it. A resolved event
+/// carries `startsAt` = `endsAt` = its `fired_at` (the firing time is not part of the event).
+pub fn alertmanager_webhook_payload(event: &Event) -> Value {
+    let labels = labels(event);
+    let annotations = annotations(event);
+    let (status, ends_at) = match event.event {
+        EventKind::EarlyStop => ("firing", ZERO_TIME.to_string()),
+        EventKind::Resolved => ("resolved", event.fired_at.clone()),
+    };
+    let group_labels = json!({ "alertname": ALERT_NAME, "run": event.run });
+    json!({
+        "version": "4",
+        "groupKey": format!("{{}}:{{alertname={}, run={}}}", quote(ALERT_NAME), quote(&event.run)),
+        "truncatedAlerts": 0,
+        "status": status,
+        "receiver": RECEIVER_NAME,
+        "groupLabels": group_labels,
+        "commonLabels": labels.clone(),
+        "commonAnnotations": annotations.clone(),
+        "externalURL": "",
+        "alerts": [{
+            "status": status,
+            "labels": labels.clone(),
+            "annotations": annotations,
+            "startsAt": event.fired_at,
+            "endsAt": ends_at,
+            "generatorURL": "",
+            "fingerprint": fingerprint(&labels),
+        }],
+    })
+}
+
+fn quote(s: &str) -> String {
+    format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))
+}
+
+/// Alertmanager's alert fingerprint: FNV-1a 64 over the labels sorted by name, each name and
+/// value followed by the byte 0xff (Prometheus' `LabelsToSignature`), as 16 hex digits.
+pub fn fingerprint(labels: &Map<String, Value>) -> String {
+    let mut names: Vec<&String> = labels.keys().collect();
+    names.sort();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut add = |bytes: &[u8]| {
+        for b in bytes {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    for name in names {
+        add(name.as_bytes());
+        add(&[0xff]);
+        add(labels[name].as_str().unwrap_or_default().as_bytes());
+        add(&[0xff]);
+    }
+    format!("{h:016x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(kind: EventKind) -> Event {
+        Event {
+            id: "abc".into(),
+            event: kind,
+            run: "run-a".into(),
+            metric: "icr".into(),
+            best_step: 1000,
+            best_checkpoint: "ckpt-001000.pt".into(),
+            best_value: 0.12345678,
+            current_step: 3000,
+            current_value: 0.1302,
+            fired_at: "2026-01-31T12:00:00.000Z".into(),
+        }
+    }
+
+    fn parse(bytes: &[u8]) -> Value {
+        serde_json::from_slice(bytes).unwrap()
+    }
+
+    #[test]
+    fn json_format_is_the_event() {
+        let e = event(EventKind::EarlyStop);
+        let back: Event = serde_json::from_slice(&webhook_body(WebhookFormat::Json, &e)).unwrap();
+        assert_eq!(back, e);
+    }
+
+    #[test]
+    fn slack_format_is_one_readable_line() {
+        let v = parse(&webhook_body(
+            WebhookFormat::Slack,
+            &event(EventKind::EarlyStop),
+        ));
+        assert_eq!(v.as_object().unwrap().len(), 1);
+        let text = v["text"].as_str().unwrap();
+        assert!(!text.contains('\n'));
+        for part in [
+            "run-a",
+            "icr",
+            "step 1000",
+            "0.123457",
+            "step 3000",
+            "0.1302",
+            "ckpt-001000.pt",
+            "early stop",
+        ] {
+            assert!(text.contains(part), "{part:?} not in {text:?}");
+        }
+        let r = parse(&webhook_body(
+            WebhookFormat::Slack,
+            &event(EventKind::Resolved),
+        ));
+        assert!(r["text"].as_str().unwrap().contains("resolved"));
+    }
+
+    #[test]
+    fn values_are_readable() {
+        assert_eq!(fmt_value(0.5), "0.5");
+        assert_eq!(fmt_value(0.0), "0");
+        assert_eq!(fmt_value(12.0), "12");
+        assert_eq!(fmt_value(-0.25), "-0.25");
+        assert_eq!(fmt_value(1.5e-5), "1.5000e-5");
+        assert_eq!(fmt_value(f64::NAN), "NaN");
+    }
+
+    #[test]
+    fn alertmanager_api_body_firing_and_resolved() {
+        let f = parse(&alertmanager_api_body(&event(EventKind::EarlyStop)));
+        let a = &f.as_array().unwrap()[0];
+        assert_eq!(a["labels"]["alertname"], ALERT_NAME);
+        assert_eq!(a["labels"]["run"], "run-a");
+        assert_eq!(a["labels"]["severity"], "warning");
+        assert_eq!(a["labels"]["metric"], "icr");
+        assert_eq!(a["annotations"]["best_step"], "1000");
+        assert_eq!(a["annotations"]["best_checkpoint"], "ckpt-001000.pt");
+        assert_eq!(a["startsAt"], "2026-01-31T12:00:00.000Z");
+        assert!(a.get("endsAt").is_none());
+        // Every label and annotation value is a string (Alertmanager's LabelSet).
+        for section in ["labels", "annotations"] {
+            for (k, v) in a[section].as_object().unwrap() {
+                assert!(v.is_string(), "{section}.{k} = {v}");
+            }
+        }
+        let r = parse(&alertmanager_api_body(&event(EventKind::Resolved)));
+        let b = &r.as_array().unwrap()[0];
+        assert_eq!(b["labels"], a["labels"]);
+        assert_eq!(b["endsAt"], "2026-01-31T12:00:00.000Z");
+    }
+
+    #[test]
+    fn alertmanager_webhook_payload_v4_shape() {
+        let v = parse(&webhook_body(
+            WebhookFormat::Alertmanager,
+            &event(EventKind::EarlyStop),
+        ));
+        assert_eq!(v["version"], "4");
+        assert_eq!(v["status"], "firing");
+        assert_eq!(v["receiver"], RECEIVER_NAME);
+        assert_eq!(
+            v["groupKey"],
+            "{}:{alertname=\"DiffusionEarlyStop\", run=\"run-a\"}"
+        );
+        assert_eq!(v["commonLabels"]["run"], "run-a");
+        assert_eq!(v["groupLabels"]["alertname"], ALERT_NAME);
+        let a = &v["alerts"][0];
+        assert_eq!(a["status"], "firing");
+        assert_eq!(a["endsAt"], ZERO_TIME);
+        assert_eq!(a["startsAt"], "2026-01-31T12:00:00.000Z");
+        assert_eq!(
+            a["annotations"]["summary"],
+            summary(&event(EventKind::EarlyStop))
+        );
+        let r = parse(&webhook_body(
+            WebhookFormat::Alertmanager,
+            &event(EventKind::Resolved),
+        ));
+        assert_eq!(r["status"], "resolved");
+        assert_eq!(r["alerts"][0]["endsAt"], "2026-01-31T12:00:00.000Z");
+    }
+
+    #[test]
+    fn fingerprint_matches_an_independent_vector() {
+        // Computed once with Python: FNV-1a 64 over sorted labels, each name and value followed
+        // by b"\xff" (Prometheus model.LabelsToSignature).
+        let l = labels(&event(EventKind::EarlyStop));
+        assert_eq!(fingerprint(&l), "3acb8959e1507daf");
+    }
+}

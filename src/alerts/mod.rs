@@ -1,0 +1,450 @@
+//! Alert delivery: the early-stop signal (DESIGN.md §2.7).
+//!
+//! [`Alerter::send`] turns one [`Event`] into
+//! - the stop file `<run.dir>/<alerts.stop_file>` (written atomically with the event JSON for
+//!   `early_stop`, removed for `resolved`), which training loops poll;
+//! - one delivery per destination: every `alerts.webhooks[]` entry (formats `json`, `slack`,
+//!   `alertmanager` = Alertmanager's v4 webhook payload) and `alerts.alertmanager.url`
+//!   (`POST {url}/api/v2/alerts`, alert `DiffusionEarlyStop` with labels `run`, `metric`,
+//!   `severity`).
+//!
+//! Guarantees:
+//! - **Durable before the first attempt.** Each (event, destination) is written to
+//!   `<state_dir>/outbox/<event id>.<destination key>.json` (tmp + fsync + rename) before it is
+//!   sent, and removed once the receiver accepted it. Entries left by a previous run are
+//!   delivered right after [`Alerter::start`]. A half-written or unreadable entry is logged and
+//!   renamed to `*.corrupt`; it never stops start-up.
+//! - **At most one accepted delivery per (event id, destination)** as far as diffmon can tell:
+//!   accepted deliveries are recorded in `<state_dir>/alerts_delivered.json` (the last 1000), and
+//!   sending an event whose id is recorded or still pending is a no-op for that destination. The
+//!   event id is stable ([`event_id`]), so a restart that re-derives the same event does not
+//!   deliver it again. (A crash between the receiver's answer and the ledger write delivers once
+//!   more: receivers deduplicate on `webhook-id`.)
+//! - **Order per destination.** Each destination has one tokio task that delivers its entries
+//!   oldest first, so a `resolved` never overtakes its `early_stop`.
+//! - **Retries.** Timeouts, connection errors, 408, 429 (honouring `Retry-After: <seconds>`,
+//!   capped) and 5xx are retried forever while the process runs, with exponential backoff and full
+//!   jitter ([`DeliveryPolicy`]: base 0.5 s, ×2, ceiling 60 s), WARN per failure and one ERROR
+//!   after 10 consecutive failures of a destination. Other answers (4xx, redirects: they are not
+//!   followed) are *rejected*: logged at WARN with the status and the start of the body, counted,
+//!   and removed from the outbox (retrying would get the same answer). A rejected delivery is not
+//!   put in the ledger, so sending the same event again (e.g. after fixing the receiver and
+//!   restarting) tries again.
+//! - **Signing.** With `secret_env`, requests carry Standard-Webhooks headers `webhook-id` (the
+//!   event id), `webhook-timestamp` (unix seconds) and
+//!   `webhook-signature: v1,<base64 HMAC-SHA256(key, "{id}.{timestamp}.{body}")>`; a secret of the
+//!   form `whsec_<base64>` is base64-decoded into the key, like the Standard-Webhooks libraries do,
+//!   any other value is used as is. The secret is read once at start and never printed.
+//! - **Alertmanager stays firing.** Alertmanager resolves an alert that is not re-sent within its
+//!   `resolve_timeout`; while an `early_stop` is active the firing alert is re-posted every
+//!   [`DeliveryPolicy::alertmanager_refresh`] (60 s). After a restart the active alert is taken
+//!   from the stop file. A `resolved` event posts the same labels with `endsAt`.
+//!
+//! Threads: [`Alerter::start`] must run inside a tokio runtime (it spawns one task per
+//! destination); [`Alerter::send`] is synchronous, needs no runtime and may be called from any
+//! thread (e.g. the evaluator's, through an `Arc<Alerter>`). Dropping the `Alerter` without
+//! [`Alerter::shutdown`] also stops the tasks, at their next wait.
+//!
+//! Outcomes reported to the [`OutcomeHook`] (the label of
+//! `diffmon_webhook_deliveries_total{outcome}`): [`OUTCOME_DELIVERED`] (accepted),
+//! [`OUTCOME_RETRIED`] (one failed attempt that will be retried), [`OUTCOME_REJECTED`] (given up:
+//! non-retryable answer, dropped from the outbox). There is no give-up on retryable failures
+//! while the process lives; undelivered entries stay on disk across restarts. Alertmanager
+//! re-posts are not counted.
+
+mod deliver;
+mod event;
+mod format;
+mod sign;
+mod store;
+
+#[cfg(test)]
+mod tests;
+
+pub use deliver::DeliveryPolicy;
+pub use event::{Event, EventKind, event_id, rfc3339_utc};
+pub use format::{ALERT_NAME, summary};
+
+use crate::config::{AlertsConfig, WebhookFormat};
+use deliver::{Book, DestKind, Destination, Shared, Worker, redact_url, restored_active};
+use sha2::{Digest, Sha256};
+use sign::Secret;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use store::{Entry, Ledger, Outbox, atomic_write, remove_durably};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+/// Called once per delivery outcome with one of [`OUTCOMES`]; the metrics module counts them in
+/// `diffmon_webhook_deliveries_total{outcome}`. Must be cheap and must not block.
+pub type OutcomeHook = Arc<dyn Fn(&'static str) + Send + Sync>;
+
+/// The receiver accepted the delivery (2xx).
+pub const OUTCOME_DELIVERED: &str = "delivered";
+/// An attempt failed (timeout, connection error, 408, 429, 5xx) and will be retried.
+pub const OUTCOME_RETRIED: &str = "retried";
+/// The receiver answered with a non-retryable status (4xx other than 408/429, 3xx): given up,
+/// removed from the outbox.
+pub const OUTCOME_REJECTED: &str = "rejected";
+/// Every outcome label value, for pre-registering the metric's series.
+pub const OUTCOMES: [&str; 3] = [OUTCOME_DELIVERED, OUTCOME_RETRIED, OUTCOME_REJECTED];
+
+/// File name of the delivered-ledger inside `state_dir`.
+pub const LEDGER_FILE: &str = "alerts_delivered.json";
+/// Folder of pending deliveries inside `state_dir`.
+pub const OUTBOX_DIR: &str = "outbox";
+
+#[derive(Debug, thiserror::Error)]
+pub enum AlertError {
+    #[error(
+        "{key} names the environment variable {var}, which is not set (or empty, or not UTF-8)"
+    )]
+    MissingSecret { key: String, var: String },
+    #[error("{key}: {message}")]
+    InvalidUrl { key: String, message: String },
+    #[error("{}: cannot {action}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        action: &'static str,
+        source: io::Error,
+    },
+    #[error("cannot build the HTTP client: {0}")]
+    Client(String),
+    #[error("the alerter must be started inside a tokio runtime")]
+    NoRuntime,
+}
+
+/// Delivers early-stop events; see the module docs.
+pub struct Alerter {
+    shared: Arc<Shared>,
+    dests: Vec<Arc<Destination>>,
+    senders: Vec<mpsc::UnboundedSender<Entry>>,
+    stop_path: PathBuf,
+    shutdown_tx: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl fmt::Debug for Alerter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Alerter")
+            .field("destinations", &self.dests)
+            .field("stop_file", &self.stop_path)
+            .field("outbox", &self.shared.outbox.dir())
+            .field("policy", &self.shared.policy)
+            .finish()
+    }
+}
+
+impl Alerter {
+    /// Validates the destinations (URLs; secrets named by `secret_env` must be set: the error
+    /// names the key `alerts.webhooks[i].secret_env` and the variable, never a value), loads the
+    /// outbox from `<state_dir>/outbox/`, and spawns delivery on the current tokio runtime;
+    /// deliveries left pending by a previous run are retried at once.
+    pub fn start(
+        config: &AlertsConfig,
+        run_dir: &Path,
+        state_dir: &Path,
+        on_outcome: OutcomeHook,
+    ) -> Result<Alerter, AlertError> {
+        Self::start_with(
+            config,
+            run_dir,
+            state_dir,
+            on_outcome,
+            DeliveryPolicy::default(),
+            &|var| std::env::var(var).ok(),
+        )
+    }
+
+    /// [`Alerter::start`] with an explicit policy and a lookup for secrets (the environment in
+    /// `start`), for tests and embedding.
+    pub fn start_with(
+        config: &AlertsConfig,
+        run_dir: &Path,
+        state_dir: &Path,
+        on_outcome: OutcomeHook,
+        policy: DeliveryPolicy,
+        secret_lookup: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Alerter, AlertError> {
+        let handle = tokio::runtime::Handle::try_current().map_err(|_| AlertError::NoRuntime)?;
+        let dests = destinations(config, secret_lookup)?;
+
+        let outbox_dir = state_dir.join(OUTBOX_DIR);
+        let outbox = Outbox::open(outbox_dir.clone()).map_err(|source| AlertError::Io {
+            path: outbox_dir.clone(),
+            action: "create the outbox folder",
+            source,
+        })?;
+        let ledger = Ledger::load(state_dir.join(LEDGER_FILE));
+        let loaded = outbox.load().map_err(|source| AlertError::Io {
+            path: outbox_dir.clone(),
+            action: "read the outbox folder",
+            source,
+        })?;
+
+        // Sort loaded entries to their destinations; drop those already delivered.
+        let mut queues: HashMap<String, VecDeque<Entry>> = HashMap::new();
+        let mut pending = HashSet::new();
+        for entry in loaded {
+            let key = entry.key();
+            if ledger.contains(&key) {
+                let _ = outbox.remove(&entry.event.id, &entry.dest);
+                continue;
+            }
+            if !dests.iter().any(|d| d.key == entry.dest) {
+                tracing::warn!(
+                    path = %outbox.path(&entry.event.id, &entry.dest).display(),
+                    destination = %entry.dest,
+                    "outbox entry for a destination that is no longer configured; kept on disk, not delivered"
+                );
+                continue;
+            }
+            if pending.insert(key) {
+                queues
+                    .entry(entry.dest.clone())
+                    .or_default()
+                    .push_back(entry);
+            }
+        }
+        let restored = pending.len();
+
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .connect_timeout(policy.request_timeout)
+            .user_agent(concat!("diffmon/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| AlertError::Client(e.to_string()))?;
+
+        let stop_path = run_dir.join(&config.stop_file);
+        let stop_event = std::fs::read(&stop_path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Event>(&b).ok());
+        let actives: Vec<Option<Event>> = dests
+            .iter()
+            .map(|d| restored_active(stop_event.as_ref(), d, &ledger))
+            .collect();
+
+        let shared = Arc::new(Shared {
+            outbox,
+            book: Mutex::new(Book { ledger, pending }),
+            on_outcome,
+            client,
+            policy,
+        });
+        let (shutdown_tx, shutdown_rx) = watch::channel(false);
+        let mut senders = Vec::new();
+        let mut tasks = Vec::new();
+        for (dest, active) in dests.iter().zip(actives) {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let queue = queues.remove(&dest.key).unwrap_or_default();
+            let worker = Worker::new(
+                dest.clone(),
+                shared.clone(),
+                rx,
+                queue,
+                shutdown_rx.clone(),
+                active,
+            );
+            senders.push(tx);
+            tasks.push(handle.spawn(worker.run()));
+        }
+        tracing::info!(
+            destinations = dests.len(),
+            pending = restored,
+            stop_file = %stop_path.display(),
+            "alerter started"
+        );
+        Ok(Alerter {
+            shared,
+            dests,
+            senders,
+            stop_path,
+            shutdown_tx,
+            tasks,
+        })
+    }
+
+    /// Fires an event: for `early_stop` writes the stop file atomically with the event JSON, for
+    /// `resolved` removes it; then records one outbox entry per destination durably and hands it
+    /// to that destination's task. Idempotent per (event id, destination). Does a little
+    /// blocking file I/O (a few small files) and never waits for the network.
+    ///
+    /// Every destination is attempted even if the stop file or an outbox write fails; the first
+    /// such error is returned (an entry that could not be persisted is still delivered while the
+    /// process runs).
+    pub fn send(&self, event: &Event) -> Result<(), AlertError> {
+        let mut first_error = None;
+        let stop = match event.event {
+            EventKind::EarlyStop => serde_json::to_vec_pretty(event)
+                .map_err(io::Error::other)
+                .and_then(|bytes| atomic_write(&self.stop_path, &bytes))
+                .map_err(|source| AlertError::Io {
+                    path: self.stop_path.clone(),
+                    action: "write the stop file",
+                    source,
+                }),
+            EventKind::Resolved => remove_durably(&self.stop_path)
+                .map(|_| ())
+                .map_err(|source| AlertError::Io {
+                    path: self.stop_path.clone(),
+                    action: "remove the stop file",
+                    source,
+                }),
+        };
+        if let Err(e) = stop {
+            tracing::error!(error = %e, event_id = %event.id, "cannot update the stop file");
+            first_error = Some(e);
+        }
+
+        for (dest, tx) in self.dests.iter().zip(&self.senders) {
+            let entry = Entry::new(&dest.key, event);
+            let key = entry.key();
+            let mut book = self.shared.book();
+            if book.ledger.contains(&key) || book.pending.contains(&key) {
+                tracing::debug!(
+                    destination = %dest.label,
+                    event_id = %event.id,
+                    "event already delivered or pending for this destination; not sending again"
+                );
+                continue;
+            }
+            if let Err(source) = self.shared.outbox.put(&entry) {
+                let e = AlertError::Io {
+                    path: self.shared.outbox.path(&event.id, &dest.key),
+                    action: "write the outbox entry",
+                    source,
+                };
+                tracing::warn!(error = %e, destination = %dest.label, "alert not persisted; delivering it from memory");
+                first_error.get_or_insert(e);
+            }
+            book.pending.insert(key);
+            drop(book);
+            if tx.send(entry).is_err() {
+                tracing::warn!(destination = %dest.label, event_id = %event.id, "delivery task has stopped; the alert stays in the outbox");
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Path of the stop file (`<run_dir>/<alerts.stop_file>`).
+    pub fn stop_file(&self) -> &Path {
+        &self.stop_path
+    }
+
+    /// Number of deliveries queued or in flight.
+    pub fn pending(&self) -> usize {
+        self.shared.book().pending.len()
+    }
+
+    /// Stops the delivery tasks: tasks waiting (idle or between retries) stop at once, an attempt
+    /// in flight gets up to `timeout` to finish. Undelivered entries stay on disk for the next
+    /// start.
+    pub async fn shutdown(self, timeout: Duration) {
+        let _ = self.shutdown_tx.send(true);
+        drop(self.senders);
+        let deadline = tokio::time::Instant::now() + timeout;
+        for mut task in self.tasks {
+            if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
+                task.abort();
+            }
+        }
+        let left = self.shared.book().pending.len();
+        tracing::info!(pending = left, "alerter stopped");
+    }
+}
+
+/// Builds the destinations from the config: webhooks in order, then Alertmanager.
+fn destinations(
+    config: &AlertsConfig,
+    secret_lookup: &dyn Fn(&str) -> Option<String>,
+) -> Result<Vec<Arc<Destination>>, AlertError> {
+    let mut out: Vec<Arc<Destination>> = Vec::new();
+    for (i, w) in config.webhooks.iter().enumerate() {
+        let url = parse_url(&format!("alerts.webhooks[{i}].url"), &w.url)?;
+        let secret = match &w.secret_env {
+            Some(var) => match secret_lookup(var) {
+                Some(v) if !v.is_empty() => Some(Secret::new(v)),
+                _ => {
+                    return Err(AlertError::MissingSecret {
+                        key: format!("alerts.webhooks[{i}].secret_env"),
+                        var: var.clone(),
+                    });
+                }
+            },
+            None => None,
+        };
+        let format_name = match w.format {
+            WebhookFormat::Json => "json",
+            WebhookFormat::Slack => "slack",
+            WebhookFormat::Alertmanager => "alertmanager",
+        };
+        let key = format!(
+            "webhook-{}",
+            short_hash(&[
+                url.as_str(),
+                format_name,
+                w.secret_env.as_deref().unwrap_or("")
+            ])
+        );
+        if out.iter().any(|d| d.key == key) {
+            tracing::warn!(
+                key = %format!("alerts.webhooks[{i}]"),
+                "duplicate webhook (same url, format and secret_env); ignored"
+            );
+            continue;
+        }
+        out.push(Arc::new(Destination {
+            key,
+            label: format!("alerts.webhooks[{i}] {}", redact_url(&url)),
+            url,
+            kind: DestKind::Webhook(w.format),
+            secret,
+        }));
+    }
+    if let Some(am) = &config.alertmanager {
+        let base = parse_url("alerts.alertmanager.url", &am.url)?;
+        let api = format!("{}/api/v2/alerts", base.as_str().trim_end_matches('/'));
+        let url = parse_url("alerts.alertmanager.url", &api)?;
+        out.push(Arc::new(Destination {
+            key: format!("alertmanager-{}", short_hash(&[base.as_str()])),
+            label: format!("alerts.alertmanager {}", redact_url(&base)),
+            url,
+            kind: DestKind::Alertmanager,
+            secret: None,
+        }));
+    }
+    Ok(out)
+}
+
+fn parse_url(key: &str, text: &str) -> Result<reqwest::Url, AlertError> {
+    let url = reqwest::Url::parse(text).map_err(|e| AlertError::InvalidUrl {
+        key: key.to_string(),
+        message: format!("not a valid URL ({e})"),
+    })?;
+    if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+        return Err(AlertError::InvalidUrl {
+            key: key.to_string(),
+            message: format!(
+                "must be an http:// or https:// URL with a host (got scheme {})",
+                url.scheme()
+            ),
+        });
+    }
+    Ok(url)
+}
+
+fn short_hash(parts: &[&str]) -> String {
+    let mut h = Sha256::new();
+    for p in parts {
+        h.update(p.as_bytes());
+        h.update([0u8]);
+    }
+    event::hex(&h.finalize()[..6])
+}

@@ -1,0 +1,107 @@
+"""A webhook receiver for diffmon's alert tests (standard library only).
+
+Verifies Standard-Webhooks signatures independently of diffmon (hmac/hashlib/base64), answers
+from a script of statuses, and logs every request as one JSON line:
+{"n", "path", "id", "signed", "valid", "status", "t", "body"}.
+
+usage: test_receiver.py --port P --log FILE --port-file FILE [--script 500,500,429]
+                        [--always STATUS] [--retry-after SECONDS]
+The signing secret comes from the environment variable RECEIVER_SECRET (absent: no check).
+"""
+
+import argparse
+import base64
+import hashlib
+import hmac
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--port", type=int, default=0)
+parser.add_argument("--log", required=True)
+parser.add_argument("--port-file", required=True)
+parser.add_argument("--script", default="")
+parser.add_argument("--always", type=int, default=200)
+parser.add_argument("--retry-after", default="")
+args = parser.parse_args()
+
+SECRET = os.environ.get("RECEIVER_SECRET")
+SCRIPT = [int(s) for s in args.script.split(",") if s]
+LOCK = threading.Lock()
+COUNT = [0]
+
+
+def key_bytes(secret):
+    if secret.startswith("whsec_"):
+        return base64.b64decode(secret[len("whsec_"):])
+    return secret.encode()
+
+
+def verify(headers, body):
+    """(signed, valid) per the Standard-Webhooks spec, with a 5 minute timestamp tolerance."""
+    msg_id = headers.get("webhook-id")
+    ts = headers.get("webhook-timestamp")
+    sig = headers.get("webhook-signature")
+    if not (msg_id and ts and sig):
+        return False, False
+    if SECRET is None:
+        return True, False
+    try:
+        if abs(time.time() - int(ts)) > 300:
+            return True, False
+    except ValueError:
+        return True, False
+    mac = hmac.new(key_bytes(SECRET), msg_id.encode() + b"." + ts.encode() + b"." + body, hashlib.sha256)
+    expected = base64.b64encode(mac.digest()).decode()
+    for candidate in sig.split(" "):
+        version, _, value = candidate.partition(",")
+        if version == "v1" and hmac.compare_digest(value, expected):
+            return True, True
+    return True, False
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        signed, valid = verify(self.headers, body)
+        with LOCK:
+            n = COUNT[0]
+            COUNT[0] += 1
+            status = SCRIPT[n] if n < len(SCRIPT) else args.always
+            try:
+                parsed = json.loads(body)
+            except ValueError:
+                parsed = None
+            line = {
+                "n": n,
+                "path": self.path,
+                "id": self.headers.get("webhook-id"),
+                "signed": signed,
+                "valid": valid,
+                "status": status,
+                "t": time.time(),
+                "body": parsed,
+            }
+            with open(args.log, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        payload = b"ok" if status < 400 else b"receiver says no: status %d" % status
+        self.send_response(status)
+        if status == 429 and args.retry_after:
+            self.send_header("Retry-After", args.retry_after)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *a):
+        pass
+
+
+server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+tmp = args.port_file + ".tmp"
+with open(tmp, "w") as f:
+    f.write(str(server.server_address[1]))
+os.replace(tmp, args.port_file)
+server.serve_forever()

@@ -1,0 +1,444 @@
+//! `diffmon watch`: the pipeline of DESIGN.md §3.
+//!
+//! ```text
+//! watcher thread ──WorkItem──► evaluator thread ──Outcome──► recorder thread ──► history (journal + HDF5)
+//!  (notify + rescan,   rendezvous  (owns the tch      crossbeam     │  ├──► metrics ◄── HTTP (tokio)
+//!   settle check)      channel      model and data)                 │  └──► detector ──Event──► alerts (tokio)
+//! ```
+//!
+//! The recorder appends every outcome to the history before anything acts on it. The detector's
+//! state is derived from the history by replay at start-up, so it can never disagree with it: a
+//! restart neither forgets the best nor fires twice (events carry ids derived from their content,
+//! and the alerter delivers each id once). Errors at start (bad architecture, unbindable port,
+//! unreadable state) stop the daemon with a message; per-checkpoint problems are logged, counted
+//! and survived. The first SIGINT/SIGTERM drains (the evaluation in flight finishes and is
+//! recorded); a second one exits at once.
+
+use crate::alerts::{Alerter, Event, EventKind, event_id};
+use crate::config::{Config, EarlyStopMetric};
+use crate::detector::{Best, Detector, DetectorState, Observation, Signal};
+use crate::eval::{EvalError, Evaluator};
+use crate::history::{CheckpointKey, Entry, History};
+use crate::metrics::Metrics;
+use crate::model::ModelError;
+use crate::record::Evaluation;
+use crate::watcher::{Watcher, WorkItem, work_channel};
+use anyhow::{Context, Result};
+use serde::Serialize;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// How long the first signal waits for the evaluation in flight.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// What `/v1/early-stop` answers.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct EarlyStopStatus {
+    pub fired: bool,
+    pub best_step: Option<i64>,
+    pub best_checkpoint: Option<String>,
+    pub best_value: Option<f64>,
+    pub last_step: Option<i64>,
+    pub last_value: Option<f64>,
+    pub event: Option<Event>,
+}
+
+/// What the evaluator thread reports for one work item.
+enum Outcome {
+    Done(WorkItem, Evaluation),
+    Failed(WorkItem, &'static str, String),
+}
+
+/// Failure reason label of `diffmon_checkpoint_failures_total{reason}`.
+fn failure_reason(item: &WorkItem, e: &EvalError) -> &'static str {
+    if CheckpointKey::of(&item.path).ok().as_ref() != Some(&item.key) {
+        return "vanished";
+    }
+    match e {
+        EvalError::Model(ModelError::Weights(_) | ModelError::Load { .. }) => "unreadable",
+        EvalError::Model(ModelError::Mismatch { .. }) => "mismatch",
+        EvalError::Invalid { .. } | EvalError::Icr(_) => "non_finite",
+        _ => "error",
+    }
+}
+
+fn now_rfc3339() -> String {
+    crate::alerts::rfc3339_utc(std::time::SystemTime::now())
+}
+
+/// The detector plus what turns its decisions into events, metrics and status.
+struct Recorder {
+    config: Config,
+    run: String,
+    history: History,
+    detector: Detector,
+    metrics: Arc<Metrics>,
+    status: Arc<Mutex<EarlyStopStatus>>,
+}
+
+impl Recorder {
+    fn metric_name(&self) -> &'static str {
+        match self.config.early_stop.metric {
+            EarlyStopMetric::Icr => "icr",
+            EarlyStopMetric::PfdGeneralization => "pfd_generalization",
+        }
+    }
+
+    fn observation(&self, r: &Evaluation) -> Observation {
+        Observation {
+            step: r.step,
+            checkpoint: r.checkpoint.clone(),
+            value: match self.config.early_stop.metric {
+                EarlyStopMetric::Icr => r.icr,
+                EarlyStopMetric::PfdGeneralization => r.pfd_generalization,
+            },
+            generalization_gap: r.generalization_gap,
+            memorization_ratio: r.memorization_ratio,
+        }
+    }
+
+    /// Feeds one record to the detector; returns the event to send, if any.
+    fn decide(&mut self, r: &Evaluation, at: &str) -> Option<Event> {
+        let decision = self.detector.observe(&self.observation(r));
+        let s = &self.detector.state;
+        self.metrics.set_detector(
+            decision.smoothed,
+            s.best.as_ref().map(|b| b.step),
+            s.fired.is_some() && !s.resolved,
+            decision.unconfirmed,
+        );
+        let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        status.fired = s.fired.is_some() && !s.resolved;
+        if let Some(b) = &s.best {
+            status.best_step = Some(b.step);
+            status.best_checkpoint = Some(b.checkpoint.clone());
+            status.best_value = Some(b.value);
+        }
+        status.last_step = Some(r.step);
+        status.last_value = decision.smoothed;
+        let signal = decision.signal?;
+        let (kind, best): (EventKind, &Best) = match signal {
+            Signal::EarlyStop => (EventKind::EarlyStop, s.fired.as_ref().expect("fired")),
+            Signal::Resolved => (EventKind::Resolved, s.best.as_ref().expect("a best")),
+        };
+        let event = Event {
+            id: event_id(&self.run, kind, best.step, r.step),
+            event: kind,
+            run: self.run.clone(),
+            metric: self.metric_name().to_string(),
+            best_step: best.step,
+            best_checkpoint: best.checkpoint.clone(),
+            best_value: best.value,
+            current_step: r.step,
+            current_value: decision.smoothed.unwrap_or(f64::NAN),
+            fired_at: at.to_string(),
+        };
+        status.event = Some(event.clone());
+        Some(event)
+    }
+
+    /// Records one outcome durably, then publishes it.
+    fn record(&mut self, outcome: Outcome, alerter: &Alerter) {
+        let at = now_rfc3339();
+        match outcome {
+            Outcome::Done(item, record) => {
+                let entry = Entry::Evaluation {
+                    key: item.key.clone(),
+                    at: at.clone(),
+                    record: record.clone(),
+                };
+                if let Err(e) = self.history.append(entry) {
+                    tracing::error!(checkpoint = %item.path.display(), "cannot record the evaluation ({e}); it will be evaluated again after a restart");
+                }
+                self.metrics.record(&record);
+                self.metrics.evaluated(record.seconds);
+                let event = self.decide(&record, &at);
+                println!("{}", self.summary(&record));
+                if let Some(event) = event {
+                    self.announce(&event);
+                    if let Err(e) = alerter.send(&event) {
+                        tracing::error!(event = %event.id, "cannot queue the alert: {e}");
+                    }
+                }
+            }
+            Outcome::Failed(item, reason, message) => {
+                tracing::warn!(checkpoint = %item.path.display(), step = item.step, reason, "evaluation failed: {message}");
+                self.metrics.failure(reason);
+                let entry = Entry::Failure {
+                    key: item.key,
+                    at,
+                    step: item.step,
+                    reason: reason.to_string(),
+                    message,
+                };
+                if let Err(e) = self.history.append(entry) {
+                    tracing::error!("cannot record the failure: {e}");
+                }
+            }
+        }
+    }
+
+    fn summary(&self, r: &Evaluation) -> String {
+        let s = &self.detector.state;
+        let mut line = format!("step {:>7}", r.step);
+        if let Some(v) = r.icr {
+            line += &format!("  ICR {v:.4}");
+        }
+        if let Some(v) = s.last_smoothed {
+            line += &format!("  smoothed {v:.4}");
+        }
+        if let Some(b) = &s.best {
+            line += &format!("  best {:.4} @ {}", b.value, b.step);
+        }
+        if let Some(v) = r.generalization_gap {
+            line += &format!("  gap {v:+.5}");
+        }
+        if let Some(v) = r.pfd_generalization {
+            line += &format!("  E_gen {v:.4}");
+        }
+        if let Some(v) = r.pfd_memorization {
+            line += &format!("  E_mem {v:.4}");
+        }
+        line + &format!("  {:.1}s", r.seconds)
+    }
+
+    fn announce(&self, e: &Event) {
+        match e.event {
+            EventKind::EarlyStop => {
+                println!(
+                    "EARLY STOP: {} turned at step {} (smoothed {:.4} > best {:.4} · (1 + {})); best checkpoint: {} (step {})",
+                    e.metric,
+                    e.current_step,
+                    e.current_value,
+                    e.best_value,
+                    self.config.early_stop.min_rise,
+                    e.best_checkpoint,
+                    e.best_step
+                );
+                tracing::warn!(run = %e.run, best_step = e.best_step, best_checkpoint = %e.best_checkpoint, "early stop fired");
+            }
+            EventKind::Resolved => {
+                println!(
+                    "RESOLVED: {} went below the best again at step {} ({:.4})",
+                    e.metric, e.current_step, e.current_value
+                );
+                tracing::warn!(run = %e.run, step = e.current_step, "early stop resolved (double descent)");
+            }
+        }
+    }
+}
+
+/// Runs the daemon until a signal.
+pub fn run(config: Config) -> Result<()> {
+    let run = config.run_name();
+    let state_dir = config.state_dir();
+    let history = History::open(&state_dir).context("cannot open the history")?;
+    let metrics = Arc::new(Metrics::new(&run));
+    let status = Arc::new(Mutex::new(EarlyStopStatus::default()));
+    let mut recorder = Recorder {
+        detector: Detector::new(config.early_stop.clone(), DetectorState::default()),
+        config: config.clone(),
+        run: run.clone(),
+        history,
+        metrics: metrics.clone(),
+        status: status.clone(),
+    };
+    // The detector's state is the history replayed; replayed events are re-sent below (the
+    // alerter delivers each id once, so only undelivered ones go out).
+    let mut replayed = Vec::new();
+    let entries: Vec<(Evaluation, String)> = recorder
+        .history
+        .entries()
+        .iter()
+        .filter_map(|e| match e {
+            Entry::Evaluation { record, at, .. } => Some((record.clone(), at.clone())),
+            Entry::Failure { .. } => None,
+        })
+        .collect();
+    for (record, at) in &entries {
+        recorder.metrics.record(record);
+        replayed.extend(recorder.decide(record, at));
+    }
+    if !entries.is_empty() {
+        tracing::info!(evaluations = entries.len(), state = %state_dir.display(), "history restored");
+    }
+
+    let listen: SocketAddr = config.http.listen.parse().expect("validated by the config");
+    let listener = std::net::TcpListener::bind(listen).with_context(|| {
+        format!("cannot listen on {listen} (http.listen): is another process using the port?")
+    })?;
+    listener.set_nonblocking(true)?;
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("diffmon-io")
+        .enable_all()
+        .build()?;
+    let alerter = {
+        // The alerter's delivery tasks run on this runtime.
+        let _guard = runtime.enter();
+        let outcome_metrics = metrics.clone();
+        let alerter = Alerter::start(
+            &config.alerts,
+            &config.run.dir,
+            &state_dir,
+            Arc::new(move |outcome: &'static str| outcome_metrics.delivery(outcome)),
+        )?;
+        for event in &replayed {
+            alerter
+                .send(event)
+                .context("cannot queue a replayed alert")?;
+        }
+        alerter
+    };
+
+    // The evaluator owns libtorch and HDF5 objects: it is built on its own thread.
+    let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(), EvalError>>(1);
+    let (work_tx, work_rx) = work_channel();
+    let (outcome_tx, outcome_rx) = crossbeam_channel::bounded::<Outcome>(16);
+    let evaluator_config = config.clone();
+    let evaluator = std::thread::Builder::new()
+        .name("diffmon-eval".into())
+        .spawn(move || {
+            let mut evaluator = match Evaluator::new(&evaluator_config) {
+                Ok(e) => {
+                    let _ = ready_tx.send(Ok(()));
+                    e
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            for item in work_rx {
+                tracing::debug!(checkpoint = %item.path.display(), step = item.step, "evaluating");
+                let outcome = match evaluator.evaluate(&item.path, item.step) {
+                    // A file deleted or rewritten while it was read may not be what was evaluated.
+                    Ok(_) if CheckpointKey::of(&item.path).ok().as_ref() != Some(&item.key) => {
+                        Outcome::Failed(
+                            item,
+                            "vanished",
+                            "the checkpoint was deleted or rewritten during its evaluation".into(),
+                        )
+                    }
+                    Ok(record) => Outcome::Done(item, record),
+                    Err(e) => {
+                        Outcome::Failed(item.clone(), failure_reason(&item, &e), e.to_string())
+                    }
+                };
+                if outcome_tx.send(outcome).is_err() {
+                    return;
+                }
+            }
+        })?;
+    match ready_rx.recv() {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(e).context("cannot start the evaluator"),
+        Err(_) => anyhow::bail!("the evaluator thread stopped during start-up"),
+    }
+
+    let shutdown = Arc::new(AtomicBool::new(false));
+    let done = recorder
+        .history
+        .entries()
+        .iter()
+        .map(|e| e.key().clone())
+        .collect();
+    let watcher = Watcher::new(&config.run.dir, &config.checkpoints, done, metrics.clone());
+    let watcher_shutdown = shutdown.clone();
+    let watcher = std::thread::Builder::new()
+        .name("diffmon-watch".into())
+        .spawn(move || watcher.run(work_tx, watcher_shutdown))?;
+
+    let (finished_tx, finished_rx) = tokio::sync::oneshot::channel::<()>();
+    let recorder_thread = std::thread::Builder::new()
+        .name("diffmon-record".into())
+        .spawn(move || {
+            for outcome in outcome_rx {
+                recorder.record(outcome, &alerter);
+            }
+            let _ = finished_tx.send(());
+            alerter
+        })?;
+
+    let app = crate::http::router(metrics.clone(), status.clone());
+    let server = runtime.spawn(async move {
+        let listener =
+            tokio::net::TcpListener::from_std(listener).expect("a non-blocking std listener");
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!("HTTP server stopped: {e}");
+        }
+    });
+    tracing::info!(
+        run = %run,
+        dir = %config.run.dir.display(),
+        metrics = %format!("http://{listen}/metrics"),
+        "watching for checkpoints"
+    );
+
+    let mut signals = {
+        let _guard = runtime.enter();
+        Signals::install()?
+    };
+    runtime.block_on(async {
+        tokio::select! {
+            _ = signals.next() => {
+                tracing::info!("draining: the evaluation in flight finishes (signal again to exit now)");
+            }
+            _ = finished_rx => {
+                tracing::error!("the evaluator stopped unexpectedly");
+            }
+        }
+        shutdown.store(true, Ordering::SeqCst);
+        tokio::spawn(async move {
+            signals.next().await;
+            tracing::warn!("second signal: exiting now");
+            std::process::exit(130);
+        });
+    });
+    let _ = watcher.join();
+    let drained = runtime.block_on(async {
+        tokio::time::timeout(
+            DRAIN_TIMEOUT,
+            tokio::task::spawn_blocking(move || recorder_thread.join()),
+        )
+        .await
+    });
+    match drained {
+        Ok(Ok(Ok(alerter))) => {
+            let _ = evaluator.join();
+            runtime.block_on(alerter.shutdown(Duration::from_secs(5)));
+        }
+        _ => tracing::warn!(
+            "the evaluation in flight did not finish within {DRAIN_TIMEOUT:?}; it will be evaluated again after a restart"
+        ),
+    }
+    server.abort();
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// SIGINT and SIGTERM, installed once so that a second signal is told from the first.
+struct Signals {
+    interrupt: tokio::signal::unix::Signal,
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> std::io::Result<Signals> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Signals {
+            interrupt: signal(SignalKind::interrupt())?,
+            terminate: signal(SignalKind::terminate())?,
+        })
+    }
+
+    async fn next(&mut self) {
+        tokio::select! {
+            _ = self.interrupt.recv() => {}
+            _ = self.terminate.recv() => {}
+        }
+    }
+}

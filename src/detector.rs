@@ -1,0 +1,349 @@
+//! The early-stop detector (DESIGN.md §1.7): finds the turn of the ICR (or E_gen) U-curve.
+//!
+//! Each evaluation adds one raw value; the smoothed value is the median of the last `window` raw
+//! values; `best` is the smallest smoothed value so far. The detector fires when the smoothed
+//! value has stayed above `best · (1 + min_rise)` for `patience` consecutive checkpoints, after
+//! `warmup` checkpoints, and only if the curve actually came down to its minimum (its first
+//! smoothed value is at least `best · (1 + min_rise)`): a flat or only-rising curve never fires,
+//! nor does a decreasing one. It fires once per run. A later dip below the old best by
+//! `min_rise` (double descent) yields one `resolved`. With a confirmation signal configured, a
+//! turn fires only once that signal has risen since the best step too; until then the turn is
+//! reported as unconfirmed and sends nothing.
+//!
+//! The state is plain data, persisted by the daemon after every observation, so a restart
+//! neither forgets the best nor fires twice.
+
+use crate::config::{Confirm, EarlyStopConfig};
+use serde::{Deserialize, Serialize};
+
+/// One evaluation as the detector sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Observation {
+    pub step: i64,
+    pub checkpoint: String,
+    /// The monitored metric (ICR or E_gen); `None` when it was not computed for this checkpoint.
+    pub value: Option<f64>,
+    pub generalization_gap: Option<f64>,
+    pub memorization_ratio: Option<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Best {
+    pub step: i64,
+    pub checkpoint: String,
+    pub value: f64,
+    /// The confirmation signal at the best step, when one is configured and was measured.
+    pub confirm_value: Option<f64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Signal {
+    EarlyStop,
+    Resolved,
+}
+
+/// What one observation decided.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub smoothed: Option<f64>,
+    /// An event to send now.
+    pub signal: Option<Signal>,
+    /// The curve has turned, but the confirmation signal has not risen: nothing is sent.
+    pub unconfirmed: bool,
+}
+
+/// The detector's whole state (persisted as JSON).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DetectorState {
+    /// Raw values of the last `window` evaluations that had one.
+    pub recent: Vec<f64>,
+    pub evaluated: usize,
+    pub first_smoothed: Option<f64>,
+    pub best: Option<Best>,
+    /// Consecutive checkpoints above `best · (1 + min_rise)`.
+    pub wait: usize,
+    pub last_step: Option<i64>,
+    pub last_value: Option<f64>,
+    pub last_smoothed: Option<f64>,
+    /// The best when the early stop fired (kept after a later, better minimum).
+    pub fired: Option<Best>,
+    pub fired_step: Option<i64>,
+    pub resolved: bool,
+    pub unconfirmed: bool,
+}
+
+pub struct Detector {
+    config: EarlyStopConfig,
+    pub state: DetectorState,
+}
+
+impl Detector {
+    pub fn new(config: EarlyStopConfig, state: DetectorState) -> Detector {
+        Detector { config, state }
+    }
+
+    fn confirm_signal(&self, o: &Observation) -> Option<f64> {
+        match self.config.confirm {
+            Confirm::None => None,
+            Confirm::GeneralizationGap => o.generalization_gap,
+            Confirm::MemorizationRatio => o.memorization_ratio,
+        }
+    }
+
+    /// Has the confirmation signal risen by `confirm_rise` (relative) since the best step?
+    fn confirmed(&self, now: Option<f64>) -> bool {
+        if self.config.confirm == Confirm::None {
+            return true;
+        }
+        let at_best = self.state.best.as_ref().and_then(|b| b.confirm_value);
+        match (at_best, now) {
+            (Some(base), Some(now)) => {
+                now - base > self.config.confirm_rise * base.abs() && now > base
+            }
+            _ => false,
+        }
+    }
+
+    /// Adds one evaluation; returns what it decided.
+    pub fn observe(&mut self, o: &Observation) -> Decision {
+        let c = &self.config;
+        let s = &mut self.state;
+        s.last_step = Some(o.step);
+        let Some(value) = o.value.filter(|v| v.is_finite()) else {
+            return Decision {
+                smoothed: s.last_smoothed,
+                signal: None,
+                unconfirmed: false,
+            };
+        };
+        s.evaluated += 1;
+        s.last_value = Some(value);
+        s.recent.push(value);
+        if s.recent.len() > c.window {
+            s.recent.remove(0);
+        }
+        let smoothed = median(&s.recent);
+        s.last_smoothed = Some(smoothed);
+        s.first_smoothed.get_or_insert(smoothed);
+        let confirm_now = self.confirm_signal(o);
+        let s = &mut self.state;
+
+        let mut signal = None;
+        let improved = s.best.as_ref().is_none_or(|b| smoothed < b.value);
+        if improved {
+            if let (Some(fired), false) = (&s.fired, s.resolved)
+                && smoothed < fired.value * (1.0 - c.min_rise)
+            {
+                s.resolved = true;
+                signal = Some(Signal::Resolved);
+            }
+            s.best = Some(Best {
+                step: o.step,
+                checkpoint: o.checkpoint.clone(),
+                value: smoothed,
+                confirm_value: confirm_now,
+            });
+            s.wait = 0;
+        } else {
+            let best = s.best.as_ref().expect("set on the first value").value;
+            if smoothed > best * (1.0 + c.min_rise) {
+                s.wait += 1;
+            } else {
+                s.wait = 0;
+            }
+        }
+
+        let mut unconfirmed = false;
+        let best = s.best.clone().expect("set on the first value");
+        let descended = s
+            .first_smoothed
+            .is_some_and(|f| f >= best.value * (1.0 + c.min_rise));
+        let turned = s.evaluated >= c.warmup && s.wait >= c.patience && descended;
+        if turned && s.fired.is_none() {
+            if self.confirmed(confirm_now) {
+                let s = &mut self.state;
+                s.fired = Some(best);
+                s.fired_step = Some(o.step);
+                s.unconfirmed = false;
+                signal = Some(Signal::EarlyStop);
+            } else {
+                unconfirmed = true;
+                self.state.unconfirmed = true;
+            }
+        }
+        Decision {
+            smoothed: Some(smoothed),
+            signal,
+            unconfirmed,
+        }
+    }
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(values: &[f64], config: EarlyStopConfig) -> (Detector, Vec<(i64, Decision)>) {
+        run_with(values, &vec![None; values.len()], config)
+    }
+
+    fn run_with(
+        values: &[f64],
+        gaps: &[Option<f64>],
+        config: EarlyStopConfig,
+    ) -> (Detector, Vec<(i64, Decision)>) {
+        let mut d = Detector::new(config, DetectorState::default());
+        let decisions = values
+            .iter()
+            .zip(gaps)
+            .enumerate()
+            .map(|(i, (&v, &gap))| {
+                let step = 50 * (i as i64 + 1);
+                let o = Observation {
+                    step,
+                    checkpoint: format!("ckpt_{step}.pt"),
+                    value: Some(v),
+                    generalization_gap: gap,
+                    memorization_ratio: None,
+                };
+                (step, d.observe(&o))
+            })
+            .collect();
+        (d, decisions)
+    }
+
+    /// Deterministic noise in [-1, 1].
+    fn noise(i: usize) -> f64 {
+        let x = (i as f64 * 12.9898).sin() * 43758.5453;
+        2.0 * (x - x.floor()) - 1.0
+    }
+
+    fn fired_at(decisions: &[(i64, Decision)], signal: Signal) -> Vec<i64> {
+        decisions
+            .iter()
+            .filter(|(_, d)| d.signal == Some(signal))
+            .map(|(s, _)| *s)
+            .collect()
+    }
+
+    #[test]
+    fn noisy_u_curve_fires_once_after_the_minimum() {
+        // Minimum at index 12 (step 650); ±0.5% noise.
+        let values: Vec<f64> = (0..30)
+            .map(|i| 0.8 + 0.002 * (i as f64 - 12.0).powi(2) + 0.004 * noise(i))
+            .collect();
+        let (d, decisions) = run(&values, EarlyStopConfig::default());
+        let fired = fired_at(&decisions, Signal::EarlyStop);
+        assert_eq!(fired.len(), 1, "{decisions:?}");
+        let best = d.state.fired.unwrap();
+        assert!((550..=750).contains(&best.step), "best step {}", best.step);
+        assert!(fired[0] > best.step);
+        assert!(fired_at(&decisions, Signal::Resolved).is_empty());
+    }
+
+    #[test]
+    fn noisy_decreasing_curve_never_fires() {
+        let values: Vec<f64> = (0..40)
+            .map(|i| 0.9 * (-(i as f64) / 15.0).exp() + 0.3 + 0.003 * noise(i))
+            .collect();
+        let (_, decisions) = run(&values, EarlyStopConfig::default());
+        assert!(decisions.iter().all(|(_, d)| d.signal.is_none()));
+    }
+
+    #[test]
+    fn flat_or_only_rising_curve_never_fires() {
+        let rising: Vec<f64> = (0..30).map(|i| 0.5 + 0.01 * i as f64).collect();
+        let (_, decisions) = run(&rising, EarlyStopConfig::default());
+        assert!(decisions.iter().all(|(_, d)| d.signal.is_none()));
+        let flat: Vec<f64> = (0..30).map(|i| 0.5 + 0.002 * noise(i)).collect();
+        let (_, decisions) = run(&flat, EarlyStopConfig::default());
+        assert!(decisions.iter().all(|(_, d)| d.signal.is_none()));
+    }
+
+    #[test]
+    fn dip_below_the_old_best_sends_resolved_once() {
+        let mut values: Vec<f64> = (0..20)
+            .map(|i| 0.8 + 0.003 * (i as f64 - 8.0).powi(2))
+            .collect();
+        values.extend((0..10).map(|i| 0.78 - 0.01 * i as f64));
+        let (_, decisions) = run(&values, EarlyStopConfig::default());
+        assert_eq!(fired_at(&decisions, Signal::EarlyStop).len(), 1);
+        assert_eq!(fired_at(&decisions, Signal::Resolved).len(), 1);
+        // It fired once per run: the second descent and rise do not fire again.
+        assert!(
+            fired_at(&decisions, Signal::Resolved)[0] > fired_at(&decisions, Signal::EarlyStop)[0]
+        );
+    }
+
+    #[test]
+    fn unconfirmed_turn_sends_nothing_until_the_gap_rises() {
+        let values: Vec<f64> = (0..30)
+            .map(|i| 0.8 + 0.002 * (i as f64 - 10.0).powi(2))
+            .collect();
+        let config = EarlyStopConfig {
+            confirm: Confirm::GeneralizationGap,
+            ..EarlyStopConfig::default()
+        };
+        // A flat gap never confirms.
+        let (_, decisions) = run_with(&values, &vec![Some(0.01); 30], config.clone());
+        assert!(decisions.iter().all(|(_, d)| d.signal.is_none()));
+        assert!(decisions.iter().any(|(_, d)| d.unconfirmed));
+        // The gap rises by more than 50% from step 1000 on: the turn fires then.
+        let gaps: Vec<Option<f64>> = (0..30)
+            .map(|i| Some(if i >= 19 { 0.02 } else { 0.01 }))
+            .collect();
+        let (_, decisions) = run_with(&values, &gaps, config);
+        assert_eq!(fired_at(&decisions, Signal::EarlyStop), vec![1000]);
+    }
+
+    #[test]
+    fn restored_state_neither_forgets_nor_fires_twice() {
+        let values: Vec<f64> = (0..30)
+            .map(|i| 0.8 + 0.002 * (i as f64 - 10.0).powi(2))
+            .collect();
+        let (whole, decisions) = run(&values, EarlyStopConfig::default());
+        let fired = fired_at(&decisions, Signal::EarlyStop);
+        // Split the run at step 750 and carry the state over through JSON.
+        let (first, _) = run(&values[..15], EarlyStopConfig::default());
+        let json = serde_json::to_string(&first.state).unwrap();
+        let mut d = Detector::new(
+            EarlyStopConfig::default(),
+            serde_json::from_str(&json).unwrap(),
+        );
+        let mut signals = Vec::new();
+        for (i, &v) in values.iter().enumerate().skip(15) {
+            let step = 50 * (i as i64 + 1);
+            let o = Observation {
+                step,
+                checkpoint: format!("ckpt_{step}.pt"),
+                value: Some(v),
+                generalization_gap: None,
+                memorization_ratio: None,
+            };
+            if let Some(s) = d.observe(&o).signal {
+                signals.push((step, s));
+            }
+        }
+        let all: Vec<i64> = fired.clone();
+        let resumed: Vec<i64> = signals
+            .iter()
+            .filter(|(_, s)| *s == Signal::EarlyStop)
+            .map(|(st, _)| *st)
+            .collect();
+        let before_split: Vec<i64> = all.iter().copied().filter(|&s| s <= 750).collect();
+        assert_eq!([before_split, resumed].concat(), all);
+        assert_eq!(d.state, whole.state);
+    }
+}

@@ -1,0 +1,405 @@
+//! Finds complete checkpoints in `run.dir` and hands them to the evaluator in step order
+//! (DESIGN.md §3).
+//!
+//! Filesystem notifications (inotify) wake the watcher early; a periodic rescan every
+//! `checkpoints.poll_secs` finds files where notifications are silent (NFS, Lustre) or switched
+//! off. A file is complete when it was renamed into place, or when its size and mtime have been
+//! stable for `checkpoints.settle_secs`; in both cases its container structure must be valid. A
+//! file that stays structurally invalid long after it stopped changing is handed over anyway, so
+//! the evaluator records it as a failure instead of waiting forever.
+//!
+//! Work is offered on a rendezvous channel: the evaluator takes an item only when it is idle, so
+//! the watcher always offers the best next one: the lowest pending step (`backlog: all`) or the
+//! newest (`backlog: latest`, which drops the older pending ones and counts them as skipped).
+
+use crate::config::{Backlog, CheckpointsConfig};
+use crate::history::CheckpointKey;
+use crate::metrics::Metrics;
+use crossbeam_channel::{Receiver, Select, Sender};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// A complete checkpoint to evaluate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkItem {
+    pub path: PathBuf,
+    pub step: i64,
+    pub key: CheckpointKey,
+}
+
+/// A file seen in the run folder that has not been handed over yet.
+struct Candidate {
+    size: u64,
+    mtime_ns: i64,
+    /// When size and mtime were last seen to change.
+    changed_at: Instant,
+    renamed_into_place: bool,
+}
+
+pub struct Watcher {
+    dir: PathBuf,
+    config: CheckpointsConfig,
+    pattern: globset::GlobMatcher,
+    step_regex: regex::Regex,
+    /// Keys already evaluated, failed, or handed over.
+    offered: HashSet<CheckpointKey>,
+    candidates: HashMap<PathBuf, Candidate>,
+    /// Complete checkpoints by (step, path).
+    ready: BTreeMap<(i64, PathBuf), WorkItem>,
+    warned_no_step: HashSet<PathBuf>,
+    metrics: Arc<Metrics>,
+}
+
+/// Names that are never checkpoints: hidden files and files still being written.
+fn is_temporary(name: &str) -> bool {
+    name.starts_with('.')
+        || [".tmp", ".partial", ".part", ".incomplete", ".lock"]
+            .iter()
+            .any(|s| name.ends_with(s))
+}
+
+impl Watcher {
+    /// `done`: keys of checkpoints the history already has.
+    pub fn new(
+        dir: &Path,
+        config: &CheckpointsConfig,
+        done: HashSet<CheckpointKey>,
+        metrics: Arc<Metrics>,
+    ) -> Watcher {
+        Watcher {
+            dir: dir.to_path_buf(),
+            config: config.clone(),
+            pattern: globset::Glob::new(&config.pattern)
+                .expect("validated by the config")
+                .compile_matcher(),
+            step_regex: regex::Regex::new(&config.step_regex).expect("validated by the config"),
+            offered: done,
+            candidates: HashMap::new(),
+            ready: BTreeMap::new(),
+            warned_no_step: HashSet::new(),
+            metrics,
+        }
+    }
+
+    fn settle(&self) -> Duration {
+        Duration::from_secs_f64(self.config.settle_secs)
+    }
+
+    /// Lists the folder and moves complete files to `ready`.
+    fn scan(&mut self) {
+        let entries = match std::fs::read_dir(&self.dir) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::debug!(dir = %self.dir.display(), "cannot list the run folder yet: {e}");
+                return;
+            }
+        };
+        let now = Instant::now();
+        let mut present = HashSet::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if is_temporary(name) || !self.pattern.is_match(name) {
+                continue;
+            }
+            let path = entry.path();
+            let Ok(key) = CheckpointKey::of(&path) else {
+                continue;
+            };
+            if !std::fs::metadata(&path).is_ok_and(|m| m.is_file()) || self.offered.contains(&key) {
+                continue;
+            }
+            present.insert(path.clone());
+            let c = self.candidates.entry(path.clone()).or_insert(Candidate {
+                size: key.size,
+                mtime_ns: key.mtime_ns,
+                changed_at: now,
+                renamed_into_place: false,
+            });
+            if (c.size, c.mtime_ns) != (key.size, key.mtime_ns) {
+                c.size = key.size;
+                c.mtime_ns = key.mtime_ns;
+                c.changed_at = now;
+                c.renamed_into_place = false;
+            }
+        }
+        // Files that vanished before evaluation are forgotten.
+        self.candidates.retain(|p, _| present.contains(p));
+        self.ready.retain(|(_, p), _| present.contains(p));
+
+        let settle = self.settle();
+        let give_up = (settle * 5).max(Duration::from_secs(30));
+        let paths: Vec<PathBuf> = self.candidates.keys().cloned().collect();
+        for path in paths {
+            let c = &self.candidates[&path];
+            let stable_for = now.duration_since(c.changed_at);
+            if !c.renamed_into_place && stable_for < settle {
+                continue;
+            }
+            let valid = crate::weights::validate_structure(&path).is_ok();
+            if !valid && stable_for < give_up {
+                continue;
+            }
+            let key = CheckpointKey {
+                path: path.display().to_string(),
+                size: c.size,
+                mtime_ns: c.mtime_ns,
+            };
+            self.candidates.remove(&path);
+            let Some(step) = crate::eval::step_of(&path, &self.step_regex) else {
+                if self.warned_no_step.insert(path.clone()) {
+                    tracing::warn!(checkpoint = %path.display(), regex = %self.config.step_regex,
+                        "no training step in the file name (checkpoints.step_regex); skipping it");
+                }
+                continue;
+            };
+            if !valid {
+                tracing::warn!(checkpoint = %path.display(), "stable for {give_up:?} but not a valid checkpoint container; handing it over to be recorded as a failure");
+            }
+            self.ready
+                .insert((step, path.clone()), WorkItem { path, step, key });
+        }
+        self.metrics.set_pending(self.ready.len());
+    }
+
+    /// A notification that `path` was renamed into place: complete without waiting to settle.
+    fn renamed(&mut self, path: &Path) {
+        if let Some(c) = self.candidates.get_mut(path) {
+            c.renamed_into_place = true;
+        } else if let Ok(key) = CheckpointKey::of(path) {
+            self.candidates.insert(
+                path.to_path_buf(),
+                Candidate {
+                    size: key.size,
+                    mtime_ns: key.mtime_ns,
+                    changed_at: Instant::now(),
+                    renamed_into_place: true,
+                },
+            );
+        }
+    }
+
+    /// The item to offer the evaluator now.
+    fn next(&self) -> Option<WorkItem> {
+        match self.config.backlog {
+            Backlog::All => self.ready.values().next().cloned(),
+            Backlog::Latest => self.ready.values().next_back().cloned(),
+        }
+    }
+
+    /// Marks `item` as handed over; with `latest`, drops the older pending items.
+    fn taken(&mut self, item: &WorkItem) {
+        self.offered.insert(item.key.clone());
+        self.ready.remove(&(item.step, item.path.clone()));
+        if self.config.backlog == Backlog::Latest && !self.ready.is_empty() {
+            let skipped = std::mem::take(&mut self.ready);
+            for w in skipped.values() {
+                tracing::info!(checkpoint = %w.path.display(), step = w.step, "skipped (backlog: latest)");
+                self.offered.insert(w.key.clone());
+            }
+            self.metrics.skipped(skipped.len());
+        }
+        self.metrics.set_pending(self.ready.len());
+    }
+
+    /// Runs until `shutdown` is set or the evaluator hangs up; offers work on `work`.
+    pub fn run(mut self, work: Sender<WorkItem>, shutdown: Arc<AtomicBool>) {
+        let (events_tx, events) = crossbeam_channel::unbounded();
+        let _notifier = if self.config.inotify {
+            self.start_notifications(events_tx)
+        } else {
+            None
+        };
+        let poll = Duration::from_secs_f64(self.config.poll_secs);
+        let settle_check =
+            (self.settle() / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        let mut next_poll = Instant::now();
+        while !shutdown.load(Ordering::SeqCst) {
+            let now = Instant::now();
+            if now >= next_poll {
+                self.scan();
+                next_poll = now + poll;
+            }
+            let mut wait = next_poll.saturating_duration_since(Instant::now());
+            if !self.candidates.is_empty() {
+                wait = wait.min(settle_check);
+            }
+            // Wake at least every 200 ms to notice a shutdown.
+            wait = wait.min(Duration::from_millis(200));
+            let offer = self.next();
+            let mut sel = Select::new();
+            let events_op = sel.recv(&events);
+            let work_op = offer.as_ref().map(|_| sel.send(&work));
+            let Ok(op) = sel.select_timeout(wait) else {
+                if !self.candidates.is_empty() {
+                    self.scan();
+                }
+                continue;
+            };
+            if op.index() == events_op {
+                let Ok(event) = op.recv(&events) else {
+                    continue;
+                };
+                self.on_event(event);
+                // Coalesce a burst of events into one scan.
+                while let Ok(event) = events.try_recv() {
+                    self.on_event(event);
+                }
+                self.scan();
+            } else if Some(op.index()) == work_op {
+                let item = offer.expect("offered");
+                if op.send(&work, item.clone()).is_err() {
+                    return; // the evaluator is gone
+                }
+                self.taken(&item);
+            }
+        }
+    }
+
+    fn on_event(&mut self, event: notify::Result<notify::Event>) {
+        use notify::EventKind;
+        use notify::event::{ModifyKind, RenameMode};
+        let Ok(event) = event else { return };
+        if let EventKind::Modify(ModifyKind::Name(RenameMode::To | RenameMode::Both)) = event.kind {
+            // For `Both`, the last path is the destination.
+            if let Some(path) = event.paths.last() {
+                self.renamed(path);
+            }
+        }
+    }
+
+    fn start_notifications(
+        &self,
+        tx: Sender<notify::Result<notify::Event>>,
+    ) -> Option<notify::RecommendedWatcher> {
+        use notify::Watcher as _;
+        let watcher = notify::recommended_watcher(move |event| {
+            let _ = tx.send(event);
+        });
+        let mut watcher = match watcher {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::warn!(
+                    "filesystem notifications unavailable ({e}); relying on the periodic rescan"
+                );
+                return None;
+            }
+        };
+        if let Err(e) = std::fs::create_dir_all(&self.dir) {
+            tracing::warn!(dir = %self.dir.display(), "cannot create the run folder: {e}");
+        }
+        match watcher.watch(&self.dir, notify::RecursiveMode::NonRecursive) {
+            Ok(()) => Some(watcher),
+            Err(e) => {
+                tracing::warn!(dir = %self.dir.display(), "cannot watch the run folder ({e}); relying on the periodic rescan");
+                None
+            }
+        }
+    }
+}
+
+/// Receives work until the watcher is done; used by the evaluator thread.
+pub fn work_channel() -> (Sender<WorkItem>, Receiver<WorkItem>) {
+    crossbeam_channel::bounded(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(backlog: Backlog) -> CheckpointsConfig {
+        CheckpointsConfig {
+            pattern: "ckpt_*.pt".into(),
+            settle_secs: 0.0,
+            backlog,
+            ..CheckpointsConfig::default()
+        }
+    }
+
+    fn write_checkpoint(path: &Path) {
+        // A minimal valid safetensors file: header length, JSON header, no tensors.
+        let header = b"{}      ";
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header);
+        std::fs::write(path, bytes).unwrap();
+    }
+
+    #[test]
+    fn offers_in_step_order_and_skips_temporary_and_known_files() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in [
+            "ckpt_200.pt",
+            "ckpt_50.pt",
+            "ckpt_100.pt",
+            "ckpt_300.pt.tmp",
+            ".ckpt_400.pt",
+            "notes.txt",
+        ] {
+            write_checkpoint(&dir.path().join(name));
+        }
+        let done = HashSet::from([CheckpointKey::of(&dir.path().join("ckpt_100.pt")).unwrap()]);
+        let mut w = Watcher::new(
+            dir.path(),
+            &config(Backlog::All),
+            done,
+            Arc::new(Metrics::new("t")),
+        );
+        w.scan();
+        let mut steps = Vec::new();
+        while let Some(item) = w.next() {
+            steps.push(item.step);
+            w.taken(&item);
+        }
+        assert_eq!(steps, vec![50, 200]);
+    }
+
+    #[test]
+    fn latest_backlog_keeps_only_the_newest() {
+        let dir = tempfile::tempdir().unwrap();
+        for s in [10, 20, 30] {
+            write_checkpoint(&dir.path().join(format!("ckpt_{s}.pt")));
+        }
+        let metrics = Arc::new(Metrics::new("t"));
+        let mut w = Watcher::new(
+            dir.path(),
+            &config(Backlog::Latest),
+            HashSet::new(),
+            metrics.clone(),
+        );
+        w.scan();
+        let item = w.next().unwrap();
+        assert_eq!(item.step, 30);
+        w.taken(&item);
+        assert!(w.next().is_none());
+        assert!(
+            metrics
+                .encode()
+                .contains("diffmon_checkpoints_skipped_total{run=\"t\"} 2")
+        );
+    }
+
+    #[test]
+    fn a_growing_file_is_not_ready_until_it_settles() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ckpt_5.pt");
+        write_checkpoint(&path);
+        let cfg = CheckpointsConfig {
+            settle_secs: 0.3,
+            ..config(Backlog::All)
+        };
+        let mut w = Watcher::new(
+            dir.path(),
+            &cfg,
+            HashSet::new(),
+            Arc::new(Metrics::new("t")),
+        );
+        w.scan();
+        assert!(w.next().is_none(), "ready before settling");
+        std::thread::sleep(Duration::from_millis(350));
+        w.scan();
+        assert_eq!(w.next().map(|i| i.step), Some(5));
+    }
+}

@@ -1,0 +1,308 @@
+//! `diffmon watch` as a real process over a real run folder: completion detection, exactly-once
+//! evaluation, failures, polling without inotify, crash and restart.
+
+use crate::common::{diffmon, stderr, stdout, toy_run};
+use serde_json::Value;
+use std::fs;
+use std::io::Write;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A run folder holding the toy run's architecture and data, without checkpoints.
+pub fn empty_run() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["model.ts", "train.h5", "heldout.h5"] {
+        fs::copy(toy_run().join(f), dir.path().join(f)).unwrap();
+    }
+    dir
+}
+
+/// A `diffmon watch` process, killed when dropped.
+pub struct Daemon {
+    pub child: Child,
+    pub port: u16,
+    pub config: PathBuf,
+    pub log: PathBuf,
+}
+
+impl Daemon {
+    /// Writes `<dir>/diffmon.yaml` (fast settings plus `extra` YAML) and starts the daemon.
+    pub fn start(dir: &Path, extra: &str) -> Daemon {
+        let port = free_port();
+        let config = dir.join("diffmon.yaml");
+        fs::write(
+            &config,
+            format!(
+                "run: {{dir: ., name: test}}\nmodel: {{architecture: model.ts}}\ndevice: cpu\n\
+                 data: {{path: train.h5, heldout_path: heldout.h5}}\n\
+                 http: {{listen: \"127.0.0.1:{port}\"}}\n{fast_icr}{extra}",
+                fast_icr = if extra.contains("icr:") {
+                    ""
+                } else {
+                    "icr: {samples: 256, batch_size: 256}\n"
+                }
+            ),
+        )
+        .unwrap();
+        Daemon::spawn(config, port)
+    }
+
+    /// Starts the daemon again on the same config.
+    pub fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        *self = Daemon::spawn(self.config.clone(), self.port);
+    }
+
+    fn spawn(config: PathBuf, port: u16) -> Daemon {
+        let log = config.with_file_name(format!(
+            "daemon-{}.log",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        ));
+        let out = fs::File::create(&log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_diffmon"))
+            .args(["watch", "--config", config.to_str().unwrap()])
+            .env("DIFFMON_LOG", "info,diffmon=debug")
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        let d = Daemon {
+            child,
+            port,
+            config,
+            log,
+        };
+        d.wait_for(Duration::from_secs(60), "the HTTP endpoint", |d| {
+            d.get("/healthz").is_some()
+        });
+        d
+    }
+
+    pub fn log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// `GET path` on the daemon, body when 200.
+    pub fn get(&self, path: &str) -> Option<String> {
+        use std::io::Read;
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+        let mut body = String::new();
+        s.read_to_string(&mut body).ok()?;
+        let (head, body) = body.split_once("\r\n\r\n")?;
+        head.starts_with("HTTP/1.0 200")
+            .then(|| body.to_string())
+            .or_else(|| head.starts_with("HTTP/1.1 200").then(|| body.to_string()))
+    }
+
+    /// The value of a metric series, e.g. `diffmon_checkpoints_evaluated_total{run="test"}`.
+    pub fn metric(&self, series: &str) -> Option<f64> {
+        let text = self.get("/metrics")?;
+        text.lines().find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|rest| rest.trim().parse().ok())
+        })
+    }
+
+    pub fn evaluated(&self) -> f64 {
+        self.metric("diffmon_checkpoints_evaluated_total{run=\"test\"}")
+            .unwrap_or(-1.0)
+    }
+
+    pub fn wait_for(&self, timeout: Duration, what: &str, mut cond: impl FnMut(&Daemon) -> bool) {
+        let start = Instant::now();
+        while start.elapsed() < timeout {
+            if cond(self) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!(
+            "timed out after {timeout:?} waiting for {what}; daemon log:\n{}",
+            self.log()
+        );
+    }
+
+    pub fn terminate(&mut self) {
+        unsafe { libc_kill(self.child.id() as i32, 15) };
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(30) {
+            if self.child.try_wait().unwrap().is_some() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("the daemon did not stop on SIGTERM:\n{}", self.log());
+    }
+}
+
+unsafe extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The history journal's evaluation steps and failures, in order.
+pub fn journal(dir: &Path) -> (Vec<i64>, Vec<(i64, String)>) {
+    let text = fs::read_to_string(dir.join(".diffmon/history.jsonl")).unwrap_or_default();
+    let mut evals = Vec::new();
+    let mut failures = Vec::new();
+    for line in text.lines() {
+        let v: Value = serde_json::from_str(line).unwrap();
+        match v["kind"].as_str().unwrap() {
+            "evaluation" => evals.push(v["record"]["step"].as_i64().unwrap()),
+            _ => failures.push((
+                v["step"].as_i64().unwrap(),
+                v["reason"].as_str().unwrap().to_string(),
+            )),
+        }
+    }
+    (evals, failures)
+}
+
+/// Writes `src` to `dst` in `chunks` pieces, `pause` apart (a slow writer).
+fn write_slowly(src: &Path, dst: &Path, chunks: usize, pause: Duration) {
+    let bytes = fs::read(src).unwrap();
+    let mut f = fs::File::create(dst).unwrap();
+    for chunk in bytes.chunks(bytes.len().div_ceil(chunks)) {
+        f.write_all(chunk).unwrap();
+        f.flush().unwrap();
+        std::thread::sleep(pause);
+    }
+}
+
+#[test]
+fn each_complete_checkpoint_is_evaluated_exactly_once() {
+    let run = empty_run();
+    let dir = run.path();
+    let ckpt = toy_run().join("ckpt_000030.pt");
+    // Many ICR samples, so that an evaluation takes long enough to delete its file meanwhile.
+    let d = Daemon::start(
+        dir,
+        "checkpoints: {pattern: \"ckpt_*.pt\", settle_secs: 1.0, poll_secs: 0.5}\nicr: {samples: 8192, batch_size: 512}\n",
+    );
+
+    // 1. Written in place, slowly: must not be read before it has settled.
+    write_slowly(
+        &ckpt,
+        &dir.join("ckpt_000100.pt"),
+        4,
+        Duration::from_millis(400),
+    );
+    // 2. Written under a temporary name, then renamed into place.
+    write_slowly(
+        &ckpt,
+        &dir.join("ckpt_000200.pt.tmp"),
+        3,
+        Duration::from_millis(200),
+    );
+    fs::rename(dir.join("ckpt_000200.pt.tmp"), dir.join("ckpt_000200.pt")).unwrap();
+    d.wait_for(Duration::from_secs(60), "two evaluations", |d| {
+        d.evaluated() >= 2.0
+    });
+
+    // 3. Deleted during its evaluation (ICR takes a while with many samples).
+    fs::copy(&ckpt, dir.join("ckpt_000300.pt.tmp")).unwrap();
+    fs::rename(dir.join("ckpt_000300.pt.tmp"), dir.join("ckpt_000300.pt")).unwrap();
+    d.wait_for(
+        Duration::from_secs(30),
+        "the evaluation of step 300 to start",
+        |d| {
+            d.log()
+                .lines()
+                .any(|l| l.contains("evaluating") && l.contains("ckpt_000300.pt"))
+        },
+    );
+    fs::remove_file(dir.join("ckpt_000300.pt")).unwrap();
+    d.wait_for(Duration::from_secs(60), "the failure to be counted", |d| {
+        d.metric("diffmon_checkpoint_failures_total{run=\"test\",reason=\"vanished\"}") == Some(1.0)
+    });
+
+    // 4. The daemon is still alive and evaluates the next one.
+    fs::copy(&ckpt, dir.join("ckpt_000400.pt.tmp")).unwrap();
+    fs::rename(dir.join("ckpt_000400.pt.tmp"), dir.join("ckpt_000400.pt")).unwrap();
+    d.wait_for(
+        Duration::from_secs(60),
+        "the evaluation after the failure",
+        |d| d.evaluated() >= 3.0,
+    );
+
+    std::thread::sleep(Duration::from_secs(2)); // a later rescan must not evaluate anything twice
+    let (evals, failures) = journal(dir);
+    assert_eq!(evals, vec![100, 200, 400], "{}", d.log());
+    assert_eq!(failures, vec![(300, "vanished".to_string())]);
+    assert_eq!(d.evaluated(), 3.0);
+}
+
+#[test]
+fn polling_alone_finds_checkpoints_within_poll_secs() {
+    let run = empty_run();
+    let dir = run.path();
+    let d = Daemon::start(
+        dir,
+        "checkpoints: {pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 1.0, inotify: false}\n",
+    );
+    let start = Instant::now();
+    fs::copy(toy_run().join("ckpt_000030.pt"), dir.join("ckpt_000010.pt")).unwrap();
+    d.wait_for(Duration::from_secs(30), "the polled checkpoint", |d| {
+        d.evaluated() >= 1.0
+    });
+    // Found within poll_secs + settle_secs; the rest is the evaluation itself.
+    let found = d.log();
+    assert!(found.contains("ckpt_000010.pt"), "{found}");
+    assert!(start.elapsed() < Duration::from_secs(20));
+    let (evals, _) = journal(dir);
+    assert_eq!(evals, vec![10]);
+}
+
+#[test]
+fn eval_and_watch_agree() {
+    // The daemon's record for a checkpoint equals `diffmon eval`'s on the same config.
+    let run = empty_run();
+    let dir = run.path();
+    let mut d = Daemon::start(
+        dir,
+        "checkpoints: {pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}\n",
+    );
+    fs::copy(toy_run().join("ckpt_000060.pt"), dir.join("ckpt_000060.pt")).unwrap();
+    d.wait_for(Duration::from_secs(60), "one evaluation", |d| {
+        d.evaluated() >= 1.0
+    });
+    d.terminate();
+    let out = diffmon(&[
+        "eval",
+        "--config",
+        d.config.to_str().unwrap(),
+        dir.join("ckpt_000060.pt").to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let from_eval: Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    let line = fs::read_to_string(dir.join(".diffmon/history.jsonl")).unwrap();
+    let from_watch: Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
+    assert_eq!(from_watch["record"]["icr"], from_eval["icr"]);
+    assert_eq!(from_watch["record"]["loss_train"], from_eval["loss_train"]);
+    assert!(d.log().contains("stopped"), "{}", d.log());
+}
