@@ -5,6 +5,7 @@ mod cli;
 mod common;
 mod daemon;
 mod data;
+mod early_stop;
 mod eval;
 mod icr;
 mod model;
