@@ -1,0 +1,25 @@
+"""Python helpers for diffmon: export a network to the model contract, obey the early stop.
+
+    from diffmon import export, should_stop, read_stop_event, DiffmonEarlyStopping
+"""
+
+import sys as _sys
+
+from .stop import DEFAULT_STOP_FILE, DiffmonEarlyStopping, read_stop_event, should_stop
+
+__all__ = ["export", "ExportError", "should_stop", "read_stop_event", "DiffmonEarlyStopping",
+           "DEFAULT_STOP_FILE"]
+__version__ = "0.1.0"
+
+if _sys.argv[:1] == ["-m"]:
+    # `python -m diffmon.export` is being located: importing the submodule here would make runpy
+    # warn that it is already imported. Resolve the names on first use instead.
+    def __getattr__(name):
+        if name in ("export", "ExportError"):
+            from . import export as _module
+
+            globals().update(export=_module.export, ExportError=_module.ExportError)
+            return globals()[name]
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+else:
+    from .export import ExportError, export

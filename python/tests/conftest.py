@@ -1,0 +1,16 @@
+import os
+import sys
+from pathlib import Path
+
+PYTHON_DIR = Path(__file__).resolve().parents[1]
+if str(PYTHON_DIR) not in sys.path:
+    sys.path.insert(0, str(PYTHON_DIR))
+
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_configure(config):
+    # TorchScript is diffmon's model format; torch's deprecation notices about it are noise here.
+    config.addinivalue_line("filterwarnings", r"ignore:.*torch\.jit.*:DeprecationWarning")

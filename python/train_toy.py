@@ -1,0 +1,321 @@
+#!/usr/bin/env python3
+"""A small, real EDM diffusion training job on CPU over the scikit-learn digits (diffmon's demo).
+
+Trains a tiny conv U-Net denoiser with the EDM preconditioning and loss (Karras et al. 2022) on a
+(by default data-limited) subset of the 1797 8x8 digit images, upsampled to 16x16, and writes into
+``--run-dir``:
+
+    train.h5     /images float32 [N,1,S,S] in [-1,1]  (the training images; /index = digit ids)
+    heldout.h5   /images float32 [M,1,S,S]             (images never trained on)
+    model.ts     the architecture in diffmon's model contract (diffmon.export, features = "mid")
+    ckpt_{step:06d}.pt | .safetensors | .ts            one per --ckpt-every steps, written atomically
+
+After every checkpoint it checks diffmon's stop file (``--stop-file``, default EARLY_STOP) and
+exits 0 when it is there. Example:
+
+    python python/train_toy.py --run-dir runs/toy --train-size 64 --steps 1600 --ckpt-every 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from diffmon.export import export  # noqa: E402
+from diffmon.stop import describe_event, read_stop_event, should_stop  # noqa: E402
+
+SIGMA_DATA = 0.5
+P_MEAN, P_STD = -1.2, 1.2
+FEATURE_LAYER = "mid"
+FORMATS = {"state_dict": "pt", "ema_dict": "pt", "safetensors": "safetensors", "torchscript": "ts"}
+N_DIGITS = 1797
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+
+def _groups(ch: int) -> int:
+    return math.gcd(8, ch)
+
+
+class FourierEmbedding(nn.Module):
+    """Random Fourier features of c_noise; the frequency table is a fixed (non-trained) buffer."""
+
+    def __init__(self, channels: int, scale: float = 2.0):
+        super().__init__()
+        self.register_buffer("freqs", torch.randn(channels // 2) * scale)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.outer(x, 2 * math.pi * self.freqs.to(x.dtype))
+        return torch.cat([h.cos(), h.sin()], dim=1)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, emb: int):
+        super().__init__()
+        self.norm1 = nn.GroupNorm(_groups(cin), cin)
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
+        self.emb = nn.Linear(emb, cout)
+        self.norm2 = nn.GroupNorm(_groups(cout), cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x: Tensor, emb: Tensor) -> Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = h + self.emb(emb)[:, :, None, None]
+        h = self.conv2(F.silu(self.norm2(h)))
+        return self.skip(x) + h
+
+
+class ToyUNet(nn.Module):
+    """The raw network F(c_in x, c_noise): two down / two up levels and a bottleneck block."""
+
+    def __init__(self, channels: int = 1, width: int = 32):
+        super().__init__()
+        w, e = width, 2 * width
+        self.embed = FourierEmbedding(w)
+        self.emb_mlp = nn.Sequential(nn.Linear(w, e), nn.SiLU(), nn.Linear(e, e), nn.SiLU())
+        self.conv_in = nn.Conv2d(channels, w, 3, padding=1)
+        self.norm_in = nn.BatchNorm2d(w)  # running statistics buffers, on purpose
+        self.enc1 = ResBlock(w, w, e)                                   # S
+        self.down1 = nn.Conv2d(w, 2 * w, 3, stride=2, padding=1)         # S/2
+        self.enc2 = ResBlock(2 * w, 2 * w, e)
+        self.down2 = nn.Conv2d(2 * w, 2 * w, 3, stride=2, padding=1)     # S/4
+        self.mid = ResBlock(2 * w, 2 * w, e)                            # bottleneck (features)
+        self.dec2 = ResBlock(2 * w, 2 * w, e)                           # S/2, + skip from enc2
+        self.up1 = nn.Conv2d(2 * w, w, 1)                               # S
+        self.dec1 = ResBlock(w, w, e)                                   # S, + skip from enc1
+        self.norm_out = nn.GroupNorm(_groups(w), w)
+        self.conv_out = nn.Conv2d(w, channels, 3, padding=1)
+
+    def forward(self, x: Tensor, c_noise: Tensor) -> Tensor:
+        emb = self.emb_mlp(self.embed(c_noise))
+        h1 = self.enc1(self.norm_in(self.conv_in(x)), emb)
+        h2 = self.enc2(self.down1(h1), emb)
+        h = self.mid(self.down2(h2), emb)
+        h = self.dec2(F.interpolate(h, scale_factor=2.0, mode="nearest") + h2, emb)
+        h = self.dec1(self.up1(F.interpolate(h, scale_factor=2.0, mode="nearest")) + h1, emb)
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+
+class ToyDenoiser(ToyUNet):
+    """EDM-preconditioned denoiser: forward(x, sigma) = D(x; sigma) ~ E[x0 | x0 + sigma n].
+
+    D = c_skip x + c_out F(c_in x, c_noise) with sigma_data 0.5. Subclassing the U-Net keeps the
+    layer names flat, so the bottleneck (the feature layer) is ``mid``.
+    """
+
+    def __init__(self, channels: int = 1, width: int = 32, sigma_data: float = SIGMA_DATA):
+        super().__init__(channels, width)
+        self.sigma_data = float(sigma_data)
+
+    def forward(self, x: Tensor, sigma: Tensor) -> Tensor:
+        sd = self.sigma_data
+        s = sigma.to(x.dtype).reshape(-1, 1, 1, 1)
+        c_skip = sd * sd / (s * s + sd * sd)
+        c_out = s * sd / torch.sqrt(s * s + sd * sd)
+        c_in = 1 / torch.sqrt(s * s + sd * sd)
+        c_noise = torch.log(s).reshape(-1) / 4
+        return c_skip * x + c_out * super().forward(c_in * x, c_noise)
+
+
+def edm_loss(model: nn.Module, x0: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """EDM training loss with log-normal sigma (P_mean -1.2, P_std 1.2), weight (s^2+sd^2)/(s sd)^2."""
+    b = x0.shape[0]
+    sigma = torch.exp(P_MEAN + P_STD * torch.randn(b, generator=generator))
+    n = torch.randn(x0.shape, generator=generator)
+    d = model(x0 + sigma.reshape(-1, 1, 1, 1) * n, sigma)
+    weight = (sigma ** 2 + SIGMA_DATA ** 2) / (sigma * SIGMA_DATA) ** 2
+    return (weight.reshape(-1, 1, 1, 1) * (d - x0) ** 2).mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+
+def load_digit_images(size: int = 16) -> Tensor:
+    """All 1797 digits as float32 [1797,1,size,size] in [-1,1] (0..16 -> -1..1, bilinear upsampling)."""
+    from sklearn.datasets import load_digits
+
+    imgs = torch.from_numpy(load_digits().images.astype(np.float32)).unsqueeze(1) / 8.0 - 1.0
+    if size != 8:
+        imgs = F.interpolate(imgs, size=(size, size), mode="bilinear", align_corners=False)
+    return imgs.clamp(-1, 1).contiguous()
+
+
+def split_indices(seed: int, train_size: int, heldout_size: int | None) -> tuple[np.ndarray, np.ndarray]:
+    perm = np.random.default_rng(seed).permutation(N_DIGITS)
+    if heldout_size is None:
+        heldout_size = N_DIGITS - train_size
+    if train_size < 1 or heldout_size < 0 or train_size + heldout_size > N_DIGITS:
+        raise ValueError(f"train size {train_size} + held-out size {heldout_size} must be within 1..{N_DIGITS}")
+    return np.sort(perm[:train_size]), np.sort(perm[train_size:train_size + heldout_size])
+
+
+def write_h5_atomic(path: Path, images: Tensor, index: np.ndarray | None = None) -> None:
+    import h5py
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    with h5py.File(tmp, "w") as f:
+        f.create_dataset("images", data=images.numpy().astype(np.float32))
+        if index is not None:
+            f.create_dataset("index", data=np.asarray(index, dtype=np.int64))
+        f.attrs["source"] = "sklearn.datasets.load_digits"
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+
+def save_checkpoint(run_dir: Path, fmt: str, step: int, model: nn.Module, ema: nn.Module,
+                    example_shape: tuple) -> Path:
+    path = run_dir / f"ckpt_{step:06d}.{FORMATS[fmt]}"
+    tmp = path.with_name(f".{path.name}.tmp")
+    if fmt == "torchscript":
+        export(ema, FEATURE_LAYER, path, example_shape=example_shape)  # atomic itself
+        return path
+    if fmt == "state_dict":
+        torch.save(ema.state_dict(), tmp)
+    elif fmt == "ema_dict":
+        torch.save({"ema": ema.state_dict(), "model": model.state_dict(), "step": step}, tmp)
+    elif fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().contiguous() for k, v in ema.state_dict().items()}, str(tmp),
+                  metadata={"step": str(step)})
+    else:  # pragma: no cover - argparse restricts choices
+        raise ValueError(fmt)
+    os.replace(tmp, path)
+    return path
+
+
+@torch.no_grad()
+def ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
+    for pe, pm in zip(ema.parameters(), model.parameters()):
+        pe.lerp_(pm, 1 - decay)
+    for be, bm in zip(ema.buffers(), model.buffers()):
+        be.copy_(bm)
+
+
+def _stop(run_dir: Path, stop_file: str, where: str) -> None:
+    event = read_stop_event(run_dir, stop_file)
+    if event is not None:
+        print(json.dumps(event, sort_keys=True), flush=True)
+    print(f"{describe_event(event)}; stopping {where} (exit 0). Remove {run_dir / stop_file} to train again.",
+          flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="Small EDM diffusion training on the sklearn digits (CPU).")
+    ap.add_argument("--run-dir", required=True, type=Path, help="output folder (created)")
+    ap.add_argument("--size", type=int, default=16, choices=(8, 16), help="image side (default 16)")
+    ap.add_argument("--train-size", type=int, default=64, help="training images (default 64: data-limited)")
+    ap.add_argument("--heldout-size", type=int, default=None, help="held-out images (default: all the rest)")
+    ap.add_argument("--width", type=int, default=32, help="base channels (default 32)")
+    ap.add_argument("--steps", type=int, default=1600)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--ckpt-every", type=int, default=50)
+    ap.add_argument("--format", default="state_dict", choices=tuple(FORMATS))
+    ap.add_argument("--ema", type=float, default=0.0,
+                    help="EMA decay of the weights (0 = off); checkpoints hold the EMA weights when on")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the train/held-out split, init and noise")
+    ap.add_argument("--stop-file", default="EARLY_STOP", help="diffmon's stop file name in the run dir")
+    ap.add_argument("--sleep", type=float, default=0.0, help="seconds to pause after each checkpoint (demos)")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.ckpt_every < 1 or args.batch_size < 1 or args.width < 1:
+        ap.error("--steps, --ckpt-every, --batch-size and --width must be >= 1")
+    if not 0.0 <= args.ema < 1.0:
+        ap.error("--ema must be in [0, 1)")
+    held = N_DIGITS - args.train_size if args.heldout_size is None else args.heldout_size
+    if args.train_size < 1 or held < 0 or args.train_size + held > N_DIGITS:
+        ap.error(f"--train-size ({args.train_size}) + --heldout-size ({held}) must be within 1..{N_DIGITS}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(max(1, args.threads))
+    run_dir: Path = args.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if should_stop(run_dir, args.stop_file):
+        _stop(run_dir, args.stop_file, "before training")
+        return 0
+
+    torch.manual_seed(args.seed)
+    images = load_digit_images(args.size)
+    train_idx, held_idx = split_indices(args.seed, args.train_size, args.heldout_size)
+    train = images[torch.from_numpy(train_idx)]
+    write_h5_atomic(run_dir / "train.h5", train, train_idx)
+    write_h5_atomic(run_dir / "heldout.h5", images[torch.from_numpy(held_idx)], held_idx)
+
+    model = ToyDenoiser(1, args.width)
+    example_shape = (1, 1, args.size, args.size)
+    export(model, FEATURE_LAYER, run_dir / "model.ts", example_shape=example_shape)
+    if args.ema > 0:
+        ema = copy.deepcopy(model).eval()
+        for p in ema.parameters():
+            p.requires_grad_(False)
+    else:
+        ema = model  # checkpoints hold the current weights
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"train_toy: {len(train)} train / {len(held_idx)} held-out images {args.size}x{args.size}, "
+          f"width {args.width} ({n_params} parameters), {args.steps} steps, format {args.format}, "
+          f"run dir {run_dir}", flush=True)
+
+    t_start = t_last = time.perf_counter()
+    loss_sum, loss_n = 0.0, 0
+    model.train()
+    for step in range(1, args.steps + 1):
+        idx = torch.randint(len(train), (args.batch_size,), generator=gen)
+        loss = edm_loss(model, train[idx], gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if args.ema > 0:
+            ema_update(ema, model, args.ema)
+        loss_sum += float(loss.detach())
+        loss_n += 1
+        if step % args.ckpt_every == 0 or step == args.steps:
+            path = save_checkpoint(run_dir, args.format, step, model, ema, example_shape)
+            now = time.perf_counter()
+            print(f"step {step:6d}  loss {loss_sum / loss_n:.4f}  {now - t_last:6.2f}s  "
+                  f"(total {now - t_start:.1f}s)  {path.name}", flush=True)
+            loss_sum, loss_n, t_last = 0.0, 0, now
+            if should_stop(run_dir, args.stop_file):
+                _stop(run_dir, args.stop_file, f"at step {step}")
+                return 0
+            deadline = time.monotonic() + args.sleep
+            while time.monotonic() < deadline:
+                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+                if should_stop(run_dir, args.stop_file):
+                    _stop(run_dir, args.stop_file, f"at step {step}")
+                    return 0
+            t_last = time.perf_counter()
+    print(f"train_toy: done, {args.steps} steps in {time.perf_counter() - t_start:.1f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
