@@ -60,6 +60,10 @@ pub struct Config {
     pub model: ModelConfig,
     #[serde(default)]
     pub device: DeviceSpec,
+    /// CPU threads of libtorch's operations (default: libtorch's choice, one per core). Lower it
+    /// when diffmon shares the CPU with the training job.
+    #[serde(default)]
+    pub cpu_threads: Option<usize>,
     pub data: DataConfig,
     #[serde(default)]
     pub icr: IcrConfig,
@@ -802,6 +806,9 @@ impl Config {
         v.non_negative("checkpoints.settle_secs", c.settle_secs);
         v.positive("checkpoints.poll_secs", c.poll_secs);
 
+        if let Some(n) = self.cpu_threads {
+            v.at_least("cpu_threads", n, 1);
+        }
         v.file("model.architecture", &self.model.architecture);
         v.file("data.path", &self.data.path);
         v.check(

@@ -153,7 +153,7 @@ impl Recorder {
                     tracing::error!(checkpoint = %item.path.display(), "cannot record the evaluation ({e}); it will be evaluated again after a restart");
                 }
                 self.metrics.record(&record);
-                self.metrics.evaluated(record.seconds);
+                self.metrics.evaluated(&record);
                 let event = self.decide(&record, &at);
                 println!("{}", self.summary(&record));
                 if let Some(event) = event {

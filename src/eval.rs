@@ -106,6 +106,9 @@ impl Evaluator {
     /// Loads the architecture on the configured device, checks it against the data's image
     /// shape, and prepares the fixed inputs of every metric.
     pub fn new(config: &Config) -> Result<Evaluator, EvalError> {
+        if let Some(n) = config.cpu_threads {
+            tch::set_num_threads(n as i32);
+        }
         let device = crate::model::select_device(config.device)?;
         let train = ImageSet::open(&config.data.path, &config.data.dataset)?;
         let model = Model::load(&config.model.architecture, device)?;
@@ -181,6 +184,10 @@ impl Evaluator {
             checkpoint: checkpoint.display().to_string(),
             ..Evaluation::default()
         };
+        record
+            .stages
+            .push(("load", started.elapsed().as_secs_f64()));
+        let mut stage = Instant::now();
         if let Some(views) = &self.views {
             let what = checkpoint.display().to_string();
             let icr = &self.config.icr;
@@ -199,6 +206,8 @@ impl Evaluator {
                 }
                 record.icr_sweep = Some(sweep);
             }
+            record.stages.push(("icr", stage.elapsed().as_secs_f64()));
+            stage = Instant::now();
         }
         if let (Some(train), Some(heldout)) = (&self.train_probe, &self.heldout_probe) {
             let sigma = self.config.icr.sigma;
@@ -216,6 +225,7 @@ impl Evaluator {
             record.loss_train = Some(lt);
             record.loss_heldout = Some(lh);
             record.generalization_gap = Some(lh - lt);
+            record.stages.push(("loss", stage.elapsed().as_secs_f64()));
         }
         record.seconds = started.elapsed().as_secs_f64();
         Ok(record)

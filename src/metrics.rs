@@ -333,12 +333,15 @@ impl Metrics {
         self.last_evaluated_step.get_or_create(&l).set(e.step);
     }
 
-    /// Counts one evaluation done by this process and its duration.
-    pub fn evaluated(&self, seconds: f64) {
+    /// Counts one evaluation done by this process and its durations (total and per stage).
+    pub fn evaluated(&self, e: &Evaluation) {
         self.checkpoints_evaluated
             .get_or_create(&self.label())
             .inc();
-        self.observe_stage("total", seconds);
+        self.observe_stage("total", e.seconds);
+        for (stage, seconds) in &e.stages {
+            self.observe_stage(stage, *seconds);
+        }
     }
 
     pub fn observe_stage(&self, stage: &str, seconds: f64) {
@@ -426,7 +429,11 @@ mod tests {
             seconds: 1.5,
             ..Evaluation::default()
         });
-        m.evaluated(1.5);
+        m.evaluated(&Evaluation {
+            seconds: 1.5,
+            stages: vec![("icr", 1.0)],
+            ..Evaluation::default()
+        });
         m.set_detector(Some(0.5), Some(100), false, false);
         m.failure("corrupt");
         m.delivery("delivered");

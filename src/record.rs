@@ -40,6 +40,9 @@ pub struct Evaluation {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub generalization_gap: Option<f64>,
     pub seconds: f64,
+    /// Seconds per stage (`load`, `icr`, `loss`), for the duration histogram; not serialized.
+    #[serde(skip)]
+    pub stages: Vec<(&'static str, f64)>,
 }
 
 /// ICR at one noise level of the sweep.
