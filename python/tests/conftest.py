@@ -1,4 +1,3 @@
-import os
 import sys
 from pathlib import Path
 
@@ -8,7 +7,8 @@ if str(PYTHON_DIR) not in sys.path:
 
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Tiny tensors: one thread is as fast as two and does not collapse when other jobs share the cores.
+torch.set_num_threads(1)
 
 
 def pytest_configure(config):
