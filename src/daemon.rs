@@ -47,7 +47,7 @@ pub struct EarlyStopStatus {
 
 /// What the evaluator thread reports for one work item.
 enum Outcome {
-    Done(WorkItem, Evaluation),
+    Done(WorkItem, Box<Evaluation>),
     Failed(WorkItem, &'static str, String),
 }
 
@@ -149,6 +149,7 @@ impl Recorder {
                     at: at.clone(),
                     record: record.clone(),
                 };
+                let record = *record;
                 if let Err(e) = self.history.append(entry) {
                     tracing::error!(checkpoint = %item.path.display(), "cannot record the evaluation ({e}); it will be evaluated again after a restart");
                 }
@@ -253,7 +254,7 @@ pub fn run(config: Config) -> Result<()> {
         .entries()
         .iter()
         .filter_map(|e| match e {
-            Entry::Evaluation { record, at, .. } => Some((record.clone(), at.clone())),
+            Entry::Evaluation { record, at, .. } => Some((record.as_ref().clone(), at.clone())),
             Entry::Failure { .. } => None,
         })
         .collect();
@@ -323,7 +324,7 @@ pub fn run(config: Config) -> Result<()> {
                             "the checkpoint was deleted or rewritten during its evaluation".into(),
                         )
                     }
-                    Ok(record) => Outcome::Done(item, record),
+                    Ok(record) => Outcome::Done(item, Box::new(record)),
                     Err(e) => {
                         Outcome::Failed(item.clone(), failure_reason(&item, &e), e.to_string())
                     }

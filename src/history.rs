@@ -60,7 +60,7 @@ pub enum Entry {
         key: CheckpointKey,
         /// RFC 3339 time the evaluation finished.
         at: String,
-        record: Evaluation,
+        record: Box<Evaluation>,
     },
     Failure {
         key: CheckpointKey,
@@ -151,7 +151,7 @@ impl History {
     /// The evaluation records, in evaluation order.
     pub fn evaluations(&self) -> impl Iterator<Item = &Evaluation> {
         self.entries.iter().filter_map(|e| match e {
-            Entry::Evaluation { record, .. } => Some(record),
+            Entry::Evaluation { record, .. } => Some(record.as_ref()),
             Entry::Failure { .. } => None,
         })
     }
@@ -290,14 +290,14 @@ mod tests {
                 mtime_ns: step,
             },
             at: "2026-01-01T00:00:00Z".into(),
-            record: Evaluation {
+            record: Box::new(Evaluation {
                 step,
                 checkpoint: format!("/r/ckpt_{step}.pt"),
                 icr,
                 icr_eigenvalues: icr.map(|v| vec![v, 2.0 * v]),
                 seconds: 1.0,
                 ..Evaluation::default()
-            },
+            }),
         }
     }
 
