@@ -207,6 +207,9 @@ fn eval(config_path: &std::path::Path, checkpoints: &[PathBuf], json: bool) -> R
                     writeln!(out, "{}", serde_json::to_string(&record)?)?;
                 } else {
                     writeln!(out, "{}", summary_line(&record))?;
+                    if let Some(sweep) = &record.icr_sweep {
+                        write!(out, "{}", sweep_table(sweep))?;
+                    }
                 }
                 out.flush()?;
             }
@@ -269,6 +272,17 @@ fn icr_features(input: &std::path::Path, ridge: f64) -> Result<()> {
     });
     println!("{json}");
     Ok(())
+}
+
+/// The noise-level sweep as a table, the sigma of lowest ICR (the semantic window) marked.
+pub fn sweep_table(sweep: &[crate::record::SweepPoint]) -> String {
+    let best = sweep.iter().map(|p| p.icr).fold(f64::INFINITY, f64::min);
+    let mut table = String::from("    sigma        ICR\n");
+    for p in sweep {
+        let mark = if p.icr == best { "  <- lowest" } else { "" };
+        table += &format!("  {:>7.4}  {:>9.5}{mark}\n", p.sigma, p.icr);
+    }
+    table
 }
 
 /// One human-readable line per evaluation.

@@ -457,4 +457,35 @@ mod tests {
             "{text}"
         );
     }
+
+    /// Every metric a shipped dashboard queries is one the code exports.
+    #[test]
+    fn dashboards_query_only_defined_metrics() {
+        let names = exported_names();
+        let folder = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("dashboards");
+        let re = regex::Regex::new(r"diffmon_[a-z_]+").unwrap();
+        let mut checked = 0;
+        for entry in std::fs::read_dir(&folder).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().and_then(|e| e.to_str()) != Some("json") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            serde_json::from_str::<serde_json::Value>(&text).unwrap();
+            for m in re.find_iter(&text) {
+                let name = m.as_str();
+                let base = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|s| name.strip_suffix(s).filter(|b| *b == EVALUATION_DURATION))
+                    .unwrap_or(name);
+                assert!(
+                    names.iter().any(|n| n == base),
+                    "{}: unknown metric {name}",
+                    path.display()
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > 10, "only {checked} metric references found");
+    }
 }

@@ -90,3 +90,24 @@ pub fn h5_tensor(path: &Path, name: &str) -> tch::Tensor {
     let v: Vec<f32> = ds.read_raw().unwrap();
     tch::Tensor::from_slice(&v).reshape(shape)
 }
+
+/// A plain HTTP/1.0 GET: the body when the status is 200.
+pub fn http_get(url: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://")?;
+    let (host, path) = match rest.split_once('/') {
+        Some((h, p)) => (h, format!("/{p}")),
+        None => (rest, "/".to_string()),
+    };
+    let mut s = std::net::TcpStream::connect(host).ok()?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    head.split(' ')
+        .nth(1)
+        .is_some_and(|code| code == "200")
+        .then(|| body.to_string())
+}

@@ -99,16 +99,20 @@ impl Daemon {
 
     /// `GET path` on the daemon, body when 200.
     pub fn get(&self, path: &str) -> Option<String> {
-        use std::io::Read;
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-        write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
-        let mut body = String::new();
-        s.read_to_string(&mut body).ok()?;
-        let (head, body) = body.split_once("\r\n\r\n")?;
-        head.starts_with("HTTP/1.0 200")
-            .then(|| body.to_string())
-            .or_else(|| head.starts_with("HTTP/1.1 200").then(|| body.to_string()))
+        crate::common::http_get(&format!("http://127.0.0.1:{}{path}", self.port))
+    }
+
+    /// Waits until the daemon has started evaluating the checkpoint file `name`.
+    pub fn wait_for_evaluation_of(&self, name: &str) {
+        self.wait_for(
+            Duration::from_secs(30),
+            &format!("the evaluation of {name} to start"),
+            |d| {
+                d.log()
+                    .lines()
+                    .any(|l| l.contains("evaluating") && l.contains(name))
+            },
+        );
     }
 
     /// The value of a metric series, e.g. `diffmon_checkpoints_evaluated_total{run="test"}`.
@@ -226,15 +230,7 @@ fn each_complete_checkpoint_is_evaluated_exactly_once() {
     // 3. Deleted during its evaluation (ICR takes a while with many samples).
     fs::copy(&ckpt, dir.join("ckpt_000300.pt.tmp")).unwrap();
     fs::rename(dir.join("ckpt_000300.pt.tmp"), dir.join("ckpt_000300.pt")).unwrap();
-    d.wait_for(
-        Duration::from_secs(30),
-        "the evaluation of step 300 to start",
-        |d| {
-            d.log()
-                .lines()
-                .any(|l| l.contains("evaluating") && l.contains("ckpt_000300.pt"))
-        },
-    );
+    d.wait_for_evaluation_of("ckpt_000300.pt");
     fs::remove_file(dir.join("ckpt_000300.pt")).unwrap();
     d.wait_for(Duration::from_secs(60), "the failure to be counted", |d| {
         d.metric("diffmon_checkpoint_failures_total{run=\"test\",reason=\"vanished\"}") == Some(1.0)

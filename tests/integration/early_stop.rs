@@ -2,7 +2,7 @@
 //! U-shaped ICR curve, a real HTTP receiver (Python, checking signatures with its own HMAC), a
 //! real Alertmanager, SIGKILL and restarts.
 
-use crate::common::{diffmon, root, stdout, toy_run};
+use crate::common::{diffmon, http_get, root, stdout, toy_run};
 use crate::daemon::{Daemon, empty_run, free_port, journal};
 use serde_json::Value;
 use std::fs;
@@ -171,15 +171,7 @@ fn kill_during_evaluation_then_restart_loses_nothing_and_fires_once() {
 
     // SIGKILL while step 4 is being evaluated.
     place(dir, &hi, 4);
-    d.wait_for(
-        Duration::from_secs(30),
-        "step 4's evaluation to start",
-        |d| {
-            d.log()
-                .lines()
-                .any(|l| l.contains("evaluating") && l.contains("ckpt_4.pt"))
-        },
-    );
+    d.wait_for_evaluation_of("ckpt_4.pt");
     d.child.kill().unwrap();
     d.child.wait().unwrap();
     place(dir, &hi, 5);
@@ -276,22 +268,6 @@ impl Alertmanager {
         let body = http_get(&format!("{}/api/v2/alerts?active=true", self.url)).unwrap_or_default();
         serde_json::from_str::<Vec<Value>>(&body).unwrap_or_default()
     }
-}
-
-fn http_get(url: &str) -> Option<String> {
-    use std::io::{Read, Write};
-    let rest = url.strip_prefix("http://")?;
-    let (host, path) = rest
-        .split_once('/')
-        .map(|(h, p)| (h, format!("/{p}")))
-        .unwrap_or((rest, "/".into()));
-    let mut s = std::net::TcpStream::connect(host).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").ok()?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    let (head, body) = text.split_once("\r\n\r\n")?;
-    head.contains(" 200 ").then(|| body.to_string())
 }
 
 #[test]

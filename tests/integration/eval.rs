@@ -148,3 +148,43 @@ fn a_bad_checkpoint_is_reported_and_the_others_still_evaluated() {
     assert!(stderr(&out).contains("ckpt_000045.pt"), "{}", stderr(&out));
     assert_eq!(records(&out).len(), 1);
 }
+
+#[test]
+fn noise_level_sweep_reports_each_sigma_and_marks_the_lowest() {
+    let dir = toy_run();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("sweep.yaml");
+    fs::write(
+        &cfg,
+        format!(
+            "run: {{dir: {d}}}\nmodel: {{architecture: {d}/model.ts}}\ndevice: cpu\ndata: {{path: {d}/train.h5}}\n\
+             icr: {{samples: 256, sigmas: [0.29, 1.5]}}\n",
+            d = dir.display()
+        ),
+    )
+    .unwrap();
+    let ckpt = dir.join("ckpt_000060.pt");
+    let out = diffmon(&[
+        "eval",
+        "--config",
+        cfg.to_str().unwrap(),
+        ckpt.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let r = &records(&out)[0];
+    let sweep = r["icr_sweep"].as_array().unwrap();
+    assert_eq!(sweep.len(), 2);
+    // Same seed, same views: the sweep's point at icr.sigma is the headline ICR exactly.
+    assert_eq!(sweep[0]["sigma"], 0.29);
+    assert_eq!(sweep[0]["icr"], r["icr"]);
+    assert_ne!(sweep[1]["icr"], r["icr"]);
+    let table = diffmon(&[
+        "eval",
+        "--config",
+        cfg.to_str().unwrap(),
+        ckpt.to_str().unwrap(),
+    ]);
+    let text = stdout(&table);
+    assert_eq!(text.matches("<- lowest").count(), 1, "{text}");
+}
