@@ -157,7 +157,7 @@ impl ImageSet {
                     .dataset
                     .read_slice(sel)
                     .map_err(|e| read_err(e.to_string()))?;
-                let t = to_tensor(a)?;
+                let t = to_tensor(a);
                 let max = t.abs().max().double_value(&[]);
                 if !max.is_finite() || max > 1.0 + 1e-3 {
                     return Err(read_err(format!(
@@ -171,7 +171,7 @@ impl ImageSet {
                     .dataset
                     .read_slice(sel)
                     .map_err(|e| read_err(e.to_string()))?;
-                let t = to_tensor(a)?.to_kind(Kind::Float) / 127.5 - 1.0;
+                let t = to_tensor(a).to_kind(Kind::Float) / 127.5 - 1.0;
                 if self.layout == Layout::U8Nhwc {
                     t.permute([0, 3, 1, 2]).contiguous()
                 } else {
@@ -197,9 +197,9 @@ impl ImageSet {
     }
 }
 
-fn to_tensor<A: tch::kind::Element + Clone>(a: Array4<A>) -> Result<Tensor, DataError> {
+fn to_tensor<A: tch::kind::Element + Clone>(a: Array4<A>) -> Tensor {
     let shape: Vec<i64> = a.shape().iter().map(|&d| d as i64).collect();
     let data = a.as_standard_layout();
     let slice = data.as_slice().expect("standard layout is contiguous");
-    Ok(Tensor::from_slice(slice).reshape(shape))
+    Tensor::from_slice(slice).reshape(shape)
 }

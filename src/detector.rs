@@ -210,18 +210,23 @@ mod tests {
             .zip(gaps)
             .enumerate()
             .map(|(i, (&v, &gap))| {
-                let step = 50 * (i as i64 + 1);
-                let o = Observation {
-                    step,
-                    checkpoint: format!("ckpt_{step}.pt"),
-                    value: Some(v),
-                    generalization_gap: gap,
-                    memorization_ratio: None,
-                };
-                (step, d.observe(&o))
+                let o = observation(i, v, gap);
+                (o.step, d.observe(&o))
             })
             .collect();
         (d, decisions)
+    }
+
+    /// The `i`-th evaluation of a run with a checkpoint every 50 steps.
+    fn observation(i: usize, value: f64, gap: Option<f64>) -> Observation {
+        let step = 50 * (i as i64 + 1);
+        Observation {
+            step,
+            checkpoint: format!("ckpt_{step}.pt"),
+            value: Some(value),
+            generalization_gap: gap,
+            memorization_ratio: None,
+        }
     }
 
     /// Deterministic noise in [-1, 1].
@@ -324,16 +329,9 @@ mod tests {
         );
         let mut signals = Vec::new();
         for (i, &v) in values.iter().enumerate().skip(15) {
-            let step = 50 * (i as i64 + 1);
-            let o = Observation {
-                step,
-                checkpoint: format!("ckpt_{step}.pt"),
-                value: Some(v),
-                generalization_gap: None,
-                memorization_ratio: None,
-            };
+            let o = observation(i, v, None);
             if let Some(s) = d.observe(&o).signal {
-                signals.push((step, s));
+                signals.push((o.step, s));
             }
         }
         let all: Vec<i64> = fired.clone();

@@ -37,9 +37,13 @@ pub struct CheckpointKey {
 }
 
 impl CheckpointKey {
-    /// The key of the file as it is now on disk.
+    /// The key of the file as it is now on disk (links followed); an error for anything but a
+    /// regular file.
     pub fn of(path: &Path) -> std::io::Result<CheckpointKey> {
         let meta = std::fs::metadata(path)?;
+        if !meta.is_file() {
+            return Err(std::io::Error::other("not a regular file"));
+        }
         let mtime = meta.modified()?;
         let mtime_ns = match mtime.duration_since(std::time::UNIX_EPOCH) {
             Ok(d) => d.as_nanos() as i64,

@@ -106,10 +106,11 @@ impl Watcher {
                 continue;
             }
             let path = entry.path();
+            // One stat per file; folders (and broken links) have no key.
             let Ok(key) = CheckpointKey::of(&path) else {
                 continue;
             };
-            if !std::fs::metadata(&path).is_ok_and(|m| m.is_file()) || self.offered.contains(&key) {
+            if self.offered.contains(&key) {
                 continue;
             }
             present.insert(path.clone());
@@ -301,7 +302,8 @@ impl Watcher {
     }
 }
 
-/// Receives work until the watcher is done; used by the evaluator thread.
+/// The rendezvous channel from the watcher to the evaluator: a send completes only when the
+/// evaluator is idle and takes the item.
 pub fn work_channel() -> (Sender<WorkItem>, Receiver<WorkItem>) {
     crossbeam_channel::bounded(0)
 }

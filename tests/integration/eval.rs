@@ -18,6 +18,19 @@ fn config(dir: &Path, extra: &str) -> std::path::PathBuf {
     path
 }
 
+/// `diffmon eval --json` of one checkpoint, which must succeed.
+fn eval_json(cfg: &Path, ckpt: &Path) -> Value {
+    let out = diffmon(&[
+        "eval",
+        "--config",
+        cfg.to_str().unwrap(),
+        ckpt.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    records(&out).remove(0)
+}
+
 fn records(out: &std::process::Output) -> Vec<Value> {
     stdout(out)
         .lines()
@@ -82,15 +95,7 @@ fn denoising_losses_match_a_pytorch_reference() {
     let dir = toy_run();
     let cfg = config(dir, "");
     let ckpt = dir.join("ckpt_000030.pt");
-    let out = diffmon(&[
-        "eval",
-        "--config",
-        cfg.to_str().unwrap(),
-        ckpt.to_str().unwrap(),
-        "--json",
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let r = &records(&out)[0];
+    let r = &eval_json(&cfg, &ckpt);
     let script = format!(
         r#"
 import torch, h5py, json
@@ -164,15 +169,7 @@ fn noise_level_sweep_reports_each_sigma_and_marks_the_lowest() {
     )
     .unwrap();
     let ckpt = dir.join("ckpt_000060.pt");
-    let out = diffmon(&[
-        "eval",
-        "--config",
-        cfg.to_str().unwrap(),
-        ckpt.to_str().unwrap(),
-        "--json",
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let r = &records(&out)[0];
+    let r = &eval_json(&cfg, &ckpt);
     let sweep = r["icr_sweep"].as_array().unwrap();
     assert_eq!(sweep.len(), 2);
     // Same seed, same views: the sweep's point at icr.sigma is the headline ICR exactly.
