@@ -42,7 +42,7 @@ demo: setup
 	scripts/demo
 
 bench: setup
-	@echo "benchmarks: not written yet (see the performance issue)"; exit 1
+	$(PY) bench/bench.py
 
 lint: setup
 	cargo fmt --check

@@ -1,8 +1,13 @@
 //! The command line (DESIGN.md §2.3), logging set-up, and the one place that maps errors to exit
 //! codes: 0 ok, 2 bad usage or config, 1 runtime failure.
 
-use crate::config::{self, Config, ConfigError};
+use crate::config::{self, Config, ConfigError, DeviceSpec, Observable};
 use crate::eval::{Evaluator, step_of};
+use crate::model::Model;
+use crate::pfd::{self, PfdProbe};
+use crate::sampler::{self, EmpiricalDenoiser, ModelDenoiser, Schedule};
+use crate::tail;
+use crate::weights::ReadOptions;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use std::io::Write;
@@ -50,16 +55,24 @@ pub enum Command {
     Sample(SampleArgs),
     /// Tail metrics RMSQE and LOADER of two sample sets, as JSON.
     Tail {
+        /// Images in `/samples` (the `sample` command's output).
         #[arg(long)]
         samples: PathBuf,
+        /// Reference images (`/samples`, or the dataset named by --reference-dataset).
         #[arg(long)]
         reference: PathBuf,
         #[arg(long, default_value = "samples")]
         reference_dataset: String,
-        #[arg(long, default_value = "max")]
-        observable: String,
+        /// max, min, mean, sum or quantile:q over each sample's pixels.
+        #[arg(long, default_value = "max", value_parser = parse_observable)]
+        observable: Observable,
         #[arg(long, default_value_t = 0.975)]
         eta: f64,
+        /// Affine map of the observable to physical units: scale · o + offset.
+        #[arg(long, default_value_t = 1.0)]
+        scale: f64,
+        #[arg(long, default_value_t = 0.0)]
+        offset: f64,
     },
     /// E_gen per student, E_bias and E_var, as JSON.
     BiasVariance {
@@ -87,19 +100,34 @@ pub enum Command {
 
 #[derive(Args, Debug)]
 pub struct SampleArgs {
-    /// A TorchScript model, or `empirical`.
+    /// A TorchScript model of the contract, or `empirical` (the flow of the --data images).
     #[arg(long)]
     pub model: String,
+    /// Weights to load into the TorchScript architecture first.
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
+    /// Entry of a checkpoint's top-level dict holding the state dict (`ema`, `model`).
+    #[arg(long)]
+    pub weights_key: Option<String>,
+    /// Prefix to strip from the checkpoint's tensor names (`module.`).
+    #[arg(long)]
+    pub strip_prefix: Option<String>,
+    /// Training images (HDF5) for `--model empirical`.
     #[arg(long)]
     pub data: Option<PathBuf>,
     #[arg(long, default_value = "images")]
     pub dataset: String,
+    /// HDF5 file with standard-normal `/latents` `[M,C,H,W]`.
     #[arg(long)]
     pub latents: PathBuf,
+    /// Output HDF5 file: `/samples` `[M,C,H,W]` float32.
     #[arg(long)]
     pub out: PathBuf,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto", value_parser = parse_device)]
+    pub device: DeviceSpec,
+    #[arg(long, default_value_t = 64)]
+    pub batch_size: usize,
     #[arg(long, default_value_t = 18)]
     pub steps: usize,
     #[arg(long, default_value_t = 0.002)]
@@ -181,9 +209,32 @@ pub fn run(command: Command) -> Result<()> {
         } => eval(&config, &checkpoints, json),
         Command::Watch { config } => crate::daemon::run(Config::load(&config)?),
         Command::IcrFeatures { input, ridge } => icr_features(&input, ridge),
-        Command::Sample(_) => not_yet("sample"),
-        Command::Tail { .. } => not_yet("tail"),
-        Command::BiasVariance { .. } => not_yet("bias-variance"),
+        Command::Sample(args) => sample(args),
+        Command::Tail {
+            samples,
+            reference,
+            reference_dataset,
+            observable,
+            eta,
+            scale,
+            offset,
+        } => {
+            let read = |path: &std::path::Path, dataset: &str| -> Result<tch::Tensor> {
+                Ok(crate::data::ImageSet::open_samples(path, dataset)?.read_all()?)
+            };
+            let p = tail::observables(&read(&samples, "samples")?, observable, scale, offset);
+            let q = tail::observables(
+                &read(&reference, &reference_dataset)?,
+                observable,
+                scale,
+                offset,
+            );
+            let m = tail::tail_metrics(&p, &q, eta)
+                .with_context(|| format!("{} vs {}", samples.display(), reference.display()))?;
+            println!("{}", serde_json::to_string(&m)?);
+            Ok(())
+        }
+        Command::BiasVariance { config, students } => bias_variance(&config, &students),
         Command::Report { .. } => not_yet("report"),
     }
 }
@@ -303,4 +354,122 @@ pub fn summary_line(r: &crate::record::Evaluation) -> String {
     parts.push(format!("{:.2}s", r.seconds));
     parts.push(r.checkpoint.clone());
     parts.join("  ")
+}
+
+fn parse_observable(s: &str) -> Result<Observable, String> {
+    s.parse()
+}
+
+fn parse_device(s: &str) -> Result<DeviceSpec, String> {
+    s.parse()
+}
+
+/// `diffmon sample`: the PF-ODE map of a model (or of the empirical flow) over given latents.
+fn sample(a: SampleArgs) -> Result<()> {
+    let device = crate::model::select_device(a.device)?;
+    let latents = pfd::read_latents(&a.latents, None)?;
+    let shape = latents.size()[1..].to_vec();
+    let schedule = Schedule {
+        steps: a.steps,
+        sigma_min: a.sigma_min,
+        sigma_max: a.sigma_max,
+        rho: a.rho,
+    };
+    if a.steps < 2 || a.sigma_min <= 0.0 || a.sigma_max <= a.sigma_min || a.rho <= 0.0 {
+        anyhow::bail!(
+            "sampler settings: need --steps ≥ 2 and 0 < --sigma-min < --sigma-max, --rho > 0"
+        );
+    }
+    let model;
+    let images;
+    let mut empirical;
+    let mut network;
+    let denoiser: &mut dyn sampler::Denoiser = if a.model == "empirical" {
+        let data = a
+            .data
+            .as_ref()
+            .context("--model empirical needs --data (the training images)")?;
+        let set = crate::data::ImageSet::open(data, &a.dataset)?;
+        let image_shape: Vec<i64> = set.image_shape().iter().map(|&d| d as i64).collect();
+        if image_shape != shape {
+            anyhow::bail!(
+                "{}: images of shape {image_shape:?}, but {} holds latents of shape {shape:?}",
+                data.display(),
+                a.latents.display()
+            );
+        }
+        images = set.read_all()?.to_device(device);
+        empirical = EmpiricalDenoiser::new(&images, &data.display().to_string());
+        &mut empirical
+    } else {
+        let mut m = Model::load(std::path::Path::new(&a.model), device)?;
+        m.check_contract(&shape)?;
+        if let Some(checkpoint) = &a.checkpoint {
+            let opts = ReadOptions {
+                weights_key: a.weights_key.clone(),
+                strip_prefix: a.strip_prefix.clone(),
+            };
+            m.load_weights(checkpoint, &opts)?;
+        }
+        model = m;
+        network = ModelDenoiser::new(&model);
+        &mut network
+    };
+    let m = latents.size()[0];
+    let mut progress = crate::progress::Progress::new(
+        "sampling",
+        sampler::evaluations_for(m, a.batch_size.max(1), &schedule),
+    );
+    let mut out = Vec::new();
+    sampler::integrate_all(
+        denoiser,
+        &latents,
+        &schedule,
+        a.batch_size.max(1),
+        Some(&mut progress),
+        &mut |_, x| {
+            out.push(x.to_device(tch::Device::Cpu));
+            Ok(())
+        },
+    )?;
+    progress.finish();
+    pfd::write_samples(&a.out, &tch::Tensor::cat(&out, 0))?;
+    Ok(())
+}
+
+/// `diffmon bias-variance`: E_gen of each student against the teacher, and its decomposition.
+fn bias_variance(config_path: &std::path::Path, students: &[PathBuf]) -> Result<()> {
+    let config = Config::load(config_path)?;
+    if config.pfd.teacher.is_none() {
+        anyhow::bail!(
+            "{}: pfd.teacher: bias-variance needs a teacher model",
+            config_path.display()
+        );
+    }
+    if let Some(n) = config.cpu_threads {
+        tch::set_num_threads(n as i32);
+    }
+    let device = crate::model::select_device(config.device)?;
+    let train = crate::data::ImageSet::open(&config.data.path, &config.data.dataset)?;
+    let shape: Vec<i64> = train.image_shape().iter().map(|&d| d as i64).collect();
+    let mut model = Model::load(&config.model.architecture, device)?;
+    model.check_contract(&shape)?;
+    let images = train.read(0, 1)?.to_device(device);
+    let probe = PfdProbe::teacher_only(&config, &images, device)?;
+    let opts = ReadOptions {
+        weights_key: config.checkpoints.weights_key.clone(),
+        strip_prefix: config.checkpoints.strip_prefix.clone(),
+    };
+    let mut features = Vec::new();
+    for path in students {
+        model.load_weights(path, &opts)?;
+        features.push((path.display().to_string(), probe.student_features(&model)?));
+    }
+    let teacher = probe
+        .teacher_features()
+        .expect("a teacher is configured")
+        .to_device(tch::Device::Cpu);
+    let bv = pfd::bias_variance(&teacher, &features)?;
+    println!("{}", serde_json::to_string(&bv)?);
+    Ok(())
 }

@@ -300,11 +300,14 @@ pub fn run(config: Config) -> Result<()> {
     let (work_tx, work_rx) = work_channel();
     let (outcome_tx, outcome_rx) = crossbeam_channel::bounded::<Outcome>(16);
     let evaluator_config = config.clone();
+    let evaluated_before = entries.len();
     let evaluator = std::thread::Builder::new()
         .name("diffmon-eval".into())
         .spawn(move || {
             let mut evaluator = match Evaluator::new(&evaluator_config) {
-                Ok(e) => {
+                Ok(mut e) => {
+                    // `pfd.every` counts from the run's first evaluation, across restarts.
+                    e.set_evaluated(evaluated_before);
                     let _ = ready_tx.send(Ok(()));
                     e
                 }

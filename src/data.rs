@@ -51,10 +51,23 @@ pub struct ImageSet {
     len: usize,
     /// `[C,H,W]`.
     shape: [usize; 3],
+    /// Float images must lie in [-1, 1] (training data), or only be finite (sampler outputs).
+    bounded: bool,
 }
 
 impl ImageSet {
+    /// Training or held-out images: float values must lie in [-1, 1].
     pub fn open(path: &Path, dataset: &str) -> Result<ImageSet, DataError> {
+        Self::open_with(path, dataset, true)
+    }
+
+    /// Sampler outputs (`diffmon sample`'s `/samples`): float values need only be finite, since
+    /// a model's samples may overshoot [-1, 1].
+    pub fn open_samples(path: &Path, dataset: &str) -> Result<ImageSet, DataError> {
+        Self::open_with(path, dataset, false)
+    }
+
+    fn open_with(path: &Path, dataset: &str, bounded: bool) -> Result<ImageSet, DataError> {
         let file = hdf5::File::open(path).map_err(|e| DataError::Open {
             path: path.to_path_buf(),
             message: e.to_string(),
@@ -116,6 +129,7 @@ impl ImageSet {
             layout,
             len: dims[0],
             shape,
+            bounded,
         })
     }
 
@@ -159,7 +173,10 @@ impl ImageSet {
                     .map_err(|e| read_err(e.to_string()))?;
                 let t = to_tensor(a);
                 let max = t.abs().max().double_value(&[]);
-                if !max.is_finite() || max > 1.0 + 1e-3 {
+                if !max.is_finite() {
+                    return Err(read_err(format!("holds a non-finite value ({max})")));
+                }
+                if self.bounded && max > 1.0 + 1e-3 {
                     return Err(read_err(format!(
                         "float images must lie in [-1, 1]; found |x| up to {max} (scale them, or store uint8)"
                     )));

@@ -6,6 +6,7 @@ use crate::config::Config;
 use crate::data::{DataError, ImageSet};
 use crate::icr::{IcrError, ViewProbe};
 use crate::model::{ContractInfo, Model, ModelError};
+use crate::pfd::{PfdError, PfdProbe};
 use crate::record::{Evaluation, SweepPoint};
 use crate::weights::ReadOptions;
 use std::path::{Path, PathBuf};
@@ -20,6 +21,8 @@ pub enum EvalError {
     Data(#[from] DataError),
     #[error(transparent)]
     Icr(#[from] IcrError),
+    #[error(transparent)]
+    Pfd(#[from] PfdError),
     #[error("{checkpoint}: {message}")]
     Invalid {
         checkpoint: PathBuf,
@@ -100,6 +103,9 @@ pub struct Evaluator {
     views: Option<ViewProbe>,
     train_probe: Option<LossProbe>,
     heldout_probe: Option<LossProbe>,
+    pfd: Option<PfdProbe>,
+    /// Checkpoints evaluated so far (for `pfd.every`).
+    evaluated: usize,
 }
 
 impl Evaluator {
@@ -156,6 +162,12 @@ impl Evaluator {
             }
             None => (None, None),
         };
+        let pfd = if config.pfd.enabled {
+            let images = train.read_all()?.to_device(device);
+            Some(PfdProbe::new(config, &images, device)?)
+        } else {
+            None
+        };
         Ok(Evaluator {
             config: config.clone(),
             model,
@@ -163,7 +175,20 @@ impl Evaluator {
             views,
             train_probe,
             heldout_probe,
+            pfd,
+            evaluated: 0,
         })
+    }
+
+    /// The PF-ODE probe, when `pfd.enabled`.
+    pub fn pfd(&self) -> Option<&PfdProbe> {
+        self.pfd.as_ref()
+    }
+
+    /// Tells the evaluator how many checkpoints were evaluated before (a resumed run), so
+    /// `pfd.every` keeps its rhythm across restarts.
+    pub fn set_evaluated(&mut self, n: usize) {
+        self.evaluated = n;
     }
 
     pub fn contract(&self) -> &ContractInfo {
@@ -226,7 +251,19 @@ impl Evaluator {
             record.loss_heldout = Some(lh);
             record.generalization_gap = Some(lh - lt);
             record.stages.push(("loss", stage.elapsed().as_secs_f64()));
+            stage = Instant::now();
         }
+        let pfd_due = self.evaluated.is_multiple_of(self.config.pfd.every.max(1));
+        if let Some(probe) = self.pfd.as_ref().filter(|_| pfd_due) {
+            let r = probe.run(&self.model, &checkpoint.display().to_string())?;
+            record.pfd_generalization = r.generalization;
+            record.pfd_memorization = r.memorization;
+            record.memorization_ratio = r.memorization_ratio;
+            record.tail_rmsqe = r.tail.map(|t| t.rmsqe);
+            record.tail_loader = r.tail.map(|t| t.loader);
+            record.stages.push(("pfd", stage.elapsed().as_secs_f64()));
+        }
+        self.evaluated += 1;
         record.seconds = started.elapsed().as_secs_f64();
         Ok(record)
     }

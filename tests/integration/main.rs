@@ -9,3 +9,5 @@ mod early_stop;
 mod eval;
 mod icr;
 mod model;
+mod pfd;
+mod tail;

@@ -1,0 +1,828 @@
+//! PF-ODE metrics of a checkpoint (DESIGN.md §1.3–1.5): the probability flow distance to the
+//! teacher (E_gen) and to the training set's empirical flow (E_mem), the memorization ratio and
+//! the tail metrics, all from one integration of the student from fixed latents.
+//!
+//! What does not change between checkpoints is computed once and cached on disk under
+//! `<state_dir>/cache/`: the seeded latents, and the teacher's and the empirical flow's outputs
+//! `Φ` with their descriptors `Ψ(Φ)`. Each cache file records the key it was built for (file
+//! hashes, latents, sampler settings, descriptor, shapes); a file whose key differs, or that
+//! cannot be read, is rebuilt. Files are written to a temporary name and renamed into place, so
+//! a half-written cache is never read. The `PfdProbe` owns libtorch objects: one thread.
+
+use crate::config::{
+    Config, MemorizationConfig, MemorizationCriterion, PfdConfig, TailConfig, TailReference,
+};
+use crate::data::{DataError, ImageSet};
+use crate::model::{Model, ModelError};
+use crate::progress::Progress;
+use crate::sampler::{
+    self, Denoiser, EmpiricalDenoiser, ModelDenoiser, SamplerError, Schedule, integrate_all,
+};
+use crate::tail::{self, TailError, TailMetrics};
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use tch::{Device, Kind, Tensor};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PfdError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Sampler(#[from] SamplerError),
+    #[error(transparent)]
+    Tail(#[from] TailError),
+    #[error("{path}: {message}")]
+    File { path: PathBuf, message: String },
+    #[error("{path}: descriptor: {message}")]
+    Descriptor { path: PathBuf, message: String },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+fn file_error(path: &Path, message: impl ToString) -> PfdError {
+    PfdError::File {
+        path: path.to_path_buf(),
+        message: message.to_string(),
+    }
+}
+
+/// Hex SHA-256 of a file's content.
+pub fn file_sha256(path: &Path) -> Result<String, PfdError> {
+    let mut file = std::fs::File::open(path).map_err(|e| file_error(path, e))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(|e| file_error(path, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hex(&hasher.finalize()))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A TorchScript image descriptor `Ψ: [B,C,H,W] → [B,k]`; `None` stands for the identity.
+pub struct Descriptor {
+    module: tch::CModule,
+    path: PathBuf,
+}
+
+impl Descriptor {
+    pub fn load(path: &Path, device: Device) -> Result<Descriptor, PfdError> {
+        let module =
+            tch::CModule::load_on_device(path, device).map_err(|e| PfdError::Descriptor {
+                path: path.to_path_buf(),
+                message: format!("cannot load the TorchScript module: {e}"),
+            })?;
+        Ok(Descriptor {
+            module,
+            path: path.to_path_buf(),
+        })
+    }
+
+    fn apply(&self, x: &Tensor) -> Result<Tensor, PfdError> {
+        let b = x.size()[0];
+        let out =
+            tch::no_grad(|| self.module.forward_ts(&[x.to_kind(Kind::Float)])).map_err(|e| {
+                PfdError::Descriptor {
+                    path: self.path.clone(),
+                    message: format!("forward failed: {e}"),
+                }
+            })?;
+        let size = out.size();
+        if size.len() != 2 || size[0] != b {
+            return Err(PfdError::Descriptor {
+                path: self.path.clone(),
+                message: format!("returned shape {size:?}, expected [B,k] with B = {b}"),
+            });
+        }
+        Ok(out.to_kind(Kind::Double))
+    }
+}
+
+/// `Ψ(x)` in float64 `[B,k]`: the descriptor's output, or the flattened pixels.
+fn describe(descriptor: Option<&Descriptor>, x: &Tensor) -> Result<Tensor, PfdError> {
+    match descriptor {
+        Some(d) => d.apply(x),
+        None => Ok(x.flatten(1, -1).to_kind(Kind::Double)),
+    }
+}
+
+/// A flow's outputs over all latents: samples `[M,C,H,W]` and descriptors `[M,k]`, float64.
+pub struct Flow {
+    pub samples: Tensor,
+    pub features: Tensor,
+}
+
+impl Flow {
+    /// Descriptors that are the flattened samples (a view, no copy).
+    fn identity(samples: Tensor) -> Flow {
+        let features = samples.flatten(1, -1);
+        Flow { samples, features }
+    }
+}
+
+/// Where cached flows and latents live: `<state_dir>/cache`.
+struct Cache {
+    dir: PathBuf,
+}
+
+impl Cache {
+    fn path(&self, kind: &str, key: &serde_json::Value) -> PathBuf {
+        let digest = hex(&Sha256::digest(key.to_string().as_bytes()));
+        self.dir.join(format!("{kind}-{}.h5", &digest[..16]))
+    }
+
+    /// The datasets of a cache file whose recorded key is `key`; `None` (with a log line) when
+    /// the file is absent, unreadable, or was built for another key.
+    fn load(&self, kind: &str, key: &serde_json::Value, names: &[&str]) -> Option<Vec<Tensor>> {
+        let path = self.path(kind, key);
+        if !path.exists() {
+            return None;
+        }
+        match read_cache(&path, key, names) {
+            Ok(tensors) => {
+                tracing::info!(cache = %path.display(), "{kind}: reusing the cache");
+                Some(tensors)
+            }
+            Err(message) => {
+                tracing::warn!(cache = %path.display(), "{kind}: cache unusable, rebuilding: {message}");
+                None
+            }
+        }
+    }
+
+    /// Writes datasets atomically (temporary file, fsync, rename).
+    fn store(
+        &self,
+        kind: &str,
+        key: &serde_json::Value,
+        data: &[(&str, &Tensor)],
+    ) -> Result<(), PfdError> {
+        std::fs::create_dir_all(&self.dir).map_err(|e| file_error(&self.dir, e))?;
+        let path = self.path(kind, key);
+        let tmp = path.with_extension(format!("h5.tmp-{}", std::process::id()));
+        write_cache(&tmp, key, data).map_err(|e| file_error(&tmp, e))?;
+        std::fs::File::open(&tmp)
+            .and_then(|f| f.sync_all())
+            .and_then(|_| std::fs::rename(&tmp, &path))
+            .map_err(|e| file_error(&path, e))?;
+        tracing::info!(cache = %path.display(), "{kind}: cached");
+        Ok(())
+    }
+}
+
+fn write_cache(path: &Path, key: &serde_json::Value, data: &[(&str, &Tensor)]) -> hdf5::Result<()> {
+    let file = hdf5::File::create(path)?;
+    let key: hdf5::types::VarLenUnicode = key.to_string().parse().expect("JSON has no NUL byte");
+    file.new_attr::<hdf5::types::VarLenUnicode>()
+        .create("key")?
+        .write_scalar(&key)?;
+    for (name, t) in data {
+        let shape: Vec<usize> = t.size().iter().map(|&d| d as usize).collect();
+        let t = t.to_device(Device::Cpu).contiguous();
+        match t.kind() {
+            Kind::Float => {
+                let v = Vec::<f32>::try_from(t.flatten(0, -1)).expect("f32 tensor");
+                let a = ndarray::ArrayD::from_shape_vec(shape, v).expect("shape");
+                file.new_dataset_builder().with_data(&a).create(*name)?;
+            }
+            _ => {
+                let v = Vec::<f64>::try_from(t.to_kind(Kind::Double).flatten(0, -1))
+                    .expect("f64 tensor");
+                let a = ndarray::ArrayD::from_shape_vec(shape, v).expect("shape");
+                file.new_dataset_builder().with_data(&a).create(*name)?;
+            }
+        }
+    }
+    file.close()
+}
+
+fn read_cache(path: &Path, key: &serde_json::Value, names: &[&str]) -> Result<Vec<Tensor>, String> {
+    let file = hdf5::File::open(path).map_err(|e| e.to_string())?;
+    let stored: hdf5::types::VarLenUnicode = file
+        .attr("key")
+        .and_then(|a| a.read_scalar())
+        .map_err(|e| format!("no key: {e}"))?;
+    if stored.as_str() != key.to_string().as_str() {
+        return Err("built for other inputs".into());
+    }
+    names
+        .iter()
+        .map(|name| {
+            let ds = file.dataset(name).map_err(|e| format!("`{name}`: {e}"))?;
+            let shape: Vec<i64> = ds.shape().iter().map(|&d| d as i64).collect();
+            let t = match ds.dtype().map_err(|e| e.to_string())?.size() {
+                4 => Tensor::from_slice(&ds.read_raw::<f32>().map_err(|e| e.to_string())?),
+                _ => Tensor::from_slice(&ds.read_raw::<f64>().map_err(|e| e.to_string())?),
+            };
+            Ok(t.view(shape.as_slice()))
+        })
+        .collect()
+}
+
+/// Reads `/latents` `[M,C,H,W]` (float) from `path`, checked against the image shape.
+pub fn read_latents(path: &Path, image_shape: Option<[usize; 3]>) -> Result<Tensor, PfdError> {
+    let set = ImageSet::open_samples(path, "latents")?;
+    if let Some(shape) = image_shape
+        && set.image_shape() != shape
+    {
+        return Err(file_error(
+            path,
+            format!(
+                "/latents hold images of shape {:?}, the model's images are {shape:?}",
+                set.image_shape()
+            ),
+        ));
+    }
+    Ok(set.read_all()?)
+}
+
+/// Writes samples `[M,C,H,W]` as float32 `/samples` (temporary file, then rename).
+pub fn write_samples(path: &Path, samples: &Tensor) -> Result<(), PfdError> {
+    let tmp = path.with_extension("h5.tmp");
+    let t = samples.to_kind(Kind::Float);
+    write_cache_plain(&tmp, &[("samples", &t)]).map_err(|e| file_error(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| file_error(path, e))
+}
+
+fn write_cache_plain(path: &Path, data: &[(&str, &Tensor)]) -> hdf5::Result<()> {
+    write_cache(path, &json!({"written_by": "diffmon sample"}), data)
+}
+
+/// The fixed latents and their identity in cache keys: `pfd.latents`'s content, or `pfd.samples`
+/// standard normals from `pfd.seed` (generated on the CPU so every device sees the same ones).
+fn latents(
+    pfd: &PfdConfig,
+    shape: [usize; 3],
+    cache: &Cache,
+) -> Result<(Tensor, serde_json::Value), PfdError> {
+    if let Some(path) = &pfd.latents {
+        let id = json!({"file_sha256": file_sha256(path)?});
+        return Ok((read_latents(path, Some(shape))?, id));
+    }
+    let id = json!({"seed": pfd.seed, "samples": pfd.samples, "shape": shape});
+    if let Some(mut t) = cache.load("latents", &id, &["latents"]) {
+        return Ok((t.remove(0), id));
+    }
+    tch::manual_seed(pfd.seed as i64);
+    let dims = [
+        pfd.samples as i64,
+        shape[0] as i64,
+        shape[1] as i64,
+        shape[2] as i64,
+    ];
+    let z = Tensor::randn(dims, (Kind::Float, Device::Cpu));
+    cache.store("latents", &id, &[("latents", &z)])?;
+    Ok((z, id))
+}
+
+/// Integrates `denoiser` over all latents, with a progress bar, returning its flow on `device`.
+fn compute_flow(
+    what: &str,
+    denoiser: &mut dyn Denoiser,
+    latents: &Tensor,
+    schedule: &Schedule,
+    batch: usize,
+    descriptor: Option<&Descriptor>,
+) -> Result<Flow, PfdError> {
+    let total = sampler::evaluations_for(latents.size()[0], batch, schedule);
+    let mut progress = Progress::new(what, total);
+    let mut samples = Vec::new();
+    let mut features = Vec::new();
+    let mut failure = None;
+    integrate_all(
+        denoiser,
+        latents,
+        schedule,
+        batch,
+        Some(&mut progress),
+        &mut |_, x| {
+            if let Some(d) = descriptor {
+                match d.apply(&x) {
+                    Ok(f) => features.push(f),
+                    Err(e) => failure = Some(e),
+                }
+            }
+            samples.push(x);
+            Ok(())
+        },
+    )?;
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    progress.finish();
+    let samples = Tensor::cat(&samples, 0);
+    Ok(match descriptor {
+        Some(_) => Flow {
+            samples,
+            features: Tensor::cat(&features, 0),
+        },
+        None => Flow::identity(samples),
+    })
+}
+
+/// A reference flow (teacher or empirical) from the cache, or computed and cached.
+fn reference_flow(
+    kind: &str,
+    key: serde_json::Value,
+    cache: &Cache,
+    device: Device,
+    identity: bool,
+    compute: impl FnOnce() -> Result<Flow, PfdError>,
+) -> Result<Flow, PfdError> {
+    let names: &[&str] = if identity {
+        &["samples"]
+    } else {
+        &["samples", "features"]
+    };
+    if let Some(t) = cache.load(kind, &key, names) {
+        let samples = t[0].to_device(device);
+        return Ok(match t.get(1) {
+            Some(f) => Flow {
+                samples,
+                features: f.to_device(device),
+            },
+            None => Flow::identity(samples),
+        });
+    }
+    let flow = compute()?;
+    let mut data = vec![("samples", &flow.samples)];
+    if !identity {
+        data.push(("features", &flow.features));
+    }
+    cache.store(kind, &key, &data)?;
+    Ok(flow)
+}
+
+/// PF-ODE metrics of one checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PfdResult {
+    pub generalization: Option<f64>,
+    pub memorization: Option<f64>,
+    pub memorization_ratio: Option<f64>,
+    pub tail: Option<TailMetrics>,
+}
+
+/// The memorization test on student samples.
+enum Memorization {
+    /// `d1/d2 < threshold` against the training images (pixel space).
+    NnRatio(f64),
+    /// Best cosine similarity above `threshold`, against the training images' descriptors
+    /// (l2-normalized, `[N,k]`).
+    Cosine(f64, Tensor),
+}
+
+/// The fixed inputs of the PF-ODE metrics, prepared once per run.
+pub struct PfdProbe {
+    schedule: Schedule,
+    batch: usize,
+    latents: Tensor,
+    descriptor: Option<Descriptor>,
+    teacher: Option<Flow>,
+    /// The empirical flow (absent for a teacher-only probe).
+    empirical: Option<Flow>,
+    /// The training set, for nearest-neighbour queries.
+    train: EmpiricalDenoiser,
+    memorization: Option<Memorization>,
+    tail: Option<(TailConfig, Vec<f64>)>,
+    /// Teacher network evaluations this probe made (0 when the teacher flow came from the cache).
+    pub teacher_calls: u64,
+    /// Empirical-denoiser evaluations this probe made (0 when taken from the cache).
+    pub empirical_calls: u64,
+}
+
+/// The cache key parts every flow shares.
+fn flow_key(
+    source: serde_json::Value,
+    latents: &serde_json::Value,
+    schedule: &Schedule,
+    descriptor: &serde_json::Value,
+    shape: [usize; 3],
+) -> serde_json::Value {
+    json!({
+        "version": 1,
+        "source": source,
+        "latents": latents,
+        "sampler": schedule,
+        "descriptor": descriptor,
+        "shape": shape,
+    })
+}
+
+impl PfdProbe {
+    /// Prepares latents, the descriptor, the teacher flow (when `pfd.teacher` is set) and the
+    /// empirical flow of the training images `train` (`[N,C,H,W]` f32 on `device`).
+    pub fn new(config: &Config, train: &Tensor, device: Device) -> Result<PfdProbe, PfdError> {
+        Self::build(config, train, device, true)
+    }
+
+    /// Latents, descriptor and teacher flow only (for the offline bias–variance decomposition).
+    pub fn teacher_only(
+        config: &Config,
+        train: &Tensor,
+        device: Device,
+    ) -> Result<PfdProbe, PfdError> {
+        Self::build(config, train, device, false)
+    }
+
+    fn build(
+        config: &Config,
+        train: &Tensor,
+        device: Device,
+        full: bool,
+    ) -> Result<PfdProbe, PfdError> {
+        let pfd = &config.pfd;
+        let size = train.size();
+        let shape = [size[1] as usize, size[2] as usize, size[3] as usize];
+        let cache = Cache {
+            dir: config.state_dir().join("cache"),
+        };
+        let schedule = Schedule::of(pfd);
+        let (latents, latents_id) = latents(pfd, shape, &cache)?;
+        let descriptor = match &pfd.descriptor {
+            Some(p) => Some(Descriptor::load(p, device)?),
+            None => None,
+        };
+        let identity = descriptor.is_none();
+        let descriptor_id = match &pfd.descriptor {
+            Some(p) => json!({"file_sha256": file_sha256(p)?}),
+            None => json!("identity"),
+        };
+        let mut teacher_calls = 0;
+        let teacher = match &pfd.teacher {
+            Some(path) => {
+                let source = json!({"teacher_sha256": file_sha256(path)?});
+                let key = flow_key(source, &latents_id, &schedule, &descriptor_id, shape);
+                Some(reference_flow(
+                    "teacher",
+                    key,
+                    &cache,
+                    device,
+                    identity,
+                    || {
+                        let model = Model::load(path, device)?;
+                        model.check_contract(&size[1..])?;
+                        let mut den = ModelDenoiser::new(&model);
+                        let flow = compute_flow(
+                            "teacher flow",
+                            &mut den,
+                            &latents,
+                            &schedule,
+                            pfd.batch_size,
+                            descriptor.as_ref(),
+                        );
+                        teacher_calls = den.calls;
+                        flow
+                    },
+                )?)
+            }
+            None => None,
+        };
+        let data = &config.data;
+        let mut empirical_calls = 0;
+        let mut train_set = EmpiricalDenoiser::new(train, &data.path.display().to_string());
+        let empirical = if full {
+            let source = json!({
+                "data_sha256": file_sha256(&data.path)?,
+                "dataset": data.dataset,
+            });
+            let key = flow_key(source, &latents_id, &schedule, &descriptor_id, shape);
+            Some(reference_flow(
+                "empirical",
+                key,
+                &cache,
+                device,
+                identity,
+                || {
+                    let flow = compute_flow(
+                        "empirical flow",
+                        &mut train_set,
+                        &latents,
+                        &schedule,
+                        pfd.batch_size,
+                        descriptor.as_ref(),
+                    );
+                    empirical_calls = train_set.calls;
+                    flow
+                },
+            )?)
+        } else {
+            None
+        };
+        let memorization = if full && config.memorization.enabled {
+            Some(memorization_test(
+                &config.memorization,
+                train,
+                descriptor.as_ref(),
+                pfd.batch_size,
+            )?)
+        } else {
+            None
+        };
+        let tail = if full && config.tail.enabled {
+            let t = &config.tail;
+            let reference = match t.reference {
+                TailReference::Teacher => match &teacher {
+                    Some(flow) => &flow.samples,
+                    None => {
+                        return Err(PfdError::Invalid(
+                            "tail.reference: `teacher` needs pfd.teacher".into(),
+                        ));
+                    }
+                },
+                TailReference::Training => train,
+            };
+            let obs = tail::observables(reference, t.observable, t.scale, t.offset);
+            Some((t.clone(), obs))
+        } else {
+            None
+        };
+        Ok(PfdProbe {
+            schedule,
+            batch: pfd.batch_size,
+            latents,
+            descriptor,
+            teacher,
+            empirical,
+            train: train_set,
+            memorization,
+            tail,
+            teacher_calls,
+            empirical_calls,
+        })
+    }
+
+    /// Number of latents (M).
+    pub fn samples(&self) -> i64 {
+        self.latents.size()[0]
+    }
+
+    /// Integrates `model` from the latents and computes every enabled PF-ODE metric; `what`
+    /// names the checkpoint in errors.
+    pub fn run(&self, model: &Model, what: &str) -> Result<PfdResult, PfdError> {
+        let device = model.device();
+        let zero = || Tensor::zeros([], (Kind::Double, device));
+        let (mut gen_sq, mut mem_sq, mut memorized) = (zero(), zero(), zero());
+        let mut observables = Vec::new();
+        let mut failure = None;
+        let mut den = ModelDenoiser::new(model);
+        integrate_all(
+            &mut den,
+            &self.latents,
+            &self.schedule,
+            self.batch,
+            None,
+            &mut |start, x| {
+                let mut step = || -> Result<(), PfdError> {
+                    let len = x.size()[0];
+                    let f = describe(self.descriptor.as_ref(), &x)?;
+                    let sq = |flow: &Flow| {
+                        (&f - flow.features.narrow(0, start, len))
+                            .square()
+                            .sum(Kind::Double)
+                    };
+                    if let Some(t) = &self.teacher {
+                        gen_sq += sq(t);
+                    }
+                    if let Some(e) = &self.empirical {
+                        mem_sq += sq(e);
+                    }
+                    if let Some(m) = &self.memorization {
+                        memorized += self.memorized(m, &x, &f).sum(Kind::Double);
+                    }
+                    if let Some((t, _)) = &self.tail {
+                        observables.extend(tail::observables(&x, t.observable, t.scale, t.offset));
+                    }
+                    Ok(())
+                };
+                if let Err(e) = step() {
+                    failure = Some(e);
+                }
+                Ok(())
+            },
+        )
+        .map_err(|e| match e {
+            SamplerError::NonFinite { sigma, .. } => PfdError::Invalid(format!(
+                "{what}: the student's PF-ODE produced non-finite values (sigma = {sigma}): \
+                 the weights are broken"
+            )),
+            e => e.into(),
+        })?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        let m = self.samples() as f64;
+        let tail = match &self.tail {
+            Some((t, reference)) => Some(tail::tail_metrics(&observables, reference, t.eta)?),
+            None => None,
+        };
+        Ok(PfdResult {
+            generalization: self
+                .teacher
+                .as_ref()
+                .map(|_| (gen_sq.double_value(&[]) / m).sqrt()),
+            memorization: self
+                .empirical
+                .as_ref()
+                .map(|_| (mem_sq.double_value(&[]) / m).sqrt()),
+            memorization_ratio: self
+                .memorization
+                .as_ref()
+                .map(|_| memorized.double_value(&[]) / m),
+            tail,
+        })
+    }
+
+    /// 1.0 for each sample of the batch that counts as memorized, else 0.0 (`[B]` f64).
+    fn memorized(&self, m: &Memorization, x: &Tensor, features: &Tensor) -> Tensor {
+        match m {
+            Memorization::NnRatio(threshold) => {
+                let (d1, d2) = self.train.nearest_two(x);
+                d1.lt_tensor(&(d2 * *threshold)).to_kind(Kind::Double)
+            }
+            Memorization::Cosine(threshold, train) => {
+                let f = normalize(features);
+                let best = f.mm(&train.tr()).amax(1, false);
+                best.gt(*threshold).to_kind(Kind::Double)
+            }
+        }
+    }
+
+    /// `Ψ(Φ_student)` for all latents, `[M,k]` float64 on the CPU (for bias–variance).
+    pub fn student_features(&self, model: &Model) -> Result<Tensor, PfdError> {
+        let mut den = ModelDenoiser::new(model);
+        let mut features = Vec::new();
+        let mut failure = None;
+        integrate_all(
+            &mut den,
+            &self.latents,
+            &self.schedule,
+            self.batch,
+            None,
+            &mut |_, x| {
+                match describe(self.descriptor.as_ref(), &x) {
+                    Ok(f) => features.push(f.to_device(Device::Cpu)),
+                    Err(e) => failure = Some(e),
+                }
+                Ok(())
+            },
+        )?;
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(Tensor::cat(&features, 0)),
+        }
+    }
+
+    /// The teacher's `Ψ(Φ)`, `[M,k]`, when a teacher is configured.
+    pub fn teacher_features(&self) -> Option<&Tensor> {
+        self.teacher.as_ref().map(|t| &t.features)
+    }
+}
+
+fn normalize(f: &Tensor) -> Tensor {
+    let norms = f
+        .square()
+        .sum_dim_intlist(1, true, Kind::Double)
+        .sqrt()
+        .clamp_min(1e-12);
+    f / norms
+}
+
+fn memorization_test(
+    config: &MemorizationConfig,
+    train: &Tensor,
+    descriptor: Option<&Descriptor>,
+    batch: usize,
+) -> Result<Memorization, PfdError> {
+    let threshold = config.threshold();
+    match config.criterion {
+        MemorizationCriterion::NnRatio => Ok(Memorization::NnRatio(threshold)),
+        MemorizationCriterion::Cosine => {
+            let Some(descriptor) = descriptor else {
+                return Err(PfdError::Invalid(
+                    "memorization.criterion: `cosine` needs pfd.descriptor".into(),
+                ));
+            };
+            let n = train.size()[0];
+            let mut parts = Vec::new();
+            let mut start = 0;
+            while start < n {
+                let len = (batch as i64).min(n - start);
+                parts.push(normalize(&descriptor.apply(&train.narrow(0, start, len))?));
+                start += len;
+            }
+            Ok(Memorization::Cosine(threshold, Tensor::cat(&parts, 0)))
+        }
+    }
+}
+
+/// The offline bias–variance decomposition of E_gen over students trained on independent data
+/// (DESIGN.md §1.3, PFD paper App. B.3).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BiasVariance {
+    pub students: Vec<StudentError>,
+    pub e_bias: f64,
+    pub e_var: f64,
+    /// `mean_k E_gen,k²`, which equals `E_bias² + E_var`.
+    pub mean_e_gen_squared: f64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StudentError {
+    pub checkpoint: String,
+    pub e_gen: f64,
+}
+
+/// `t`: teacher descriptors `[M,k]`; `students`: each student's `[M,k]` (float64, CPU).
+pub fn bias_variance(t: &Tensor, students: &[(String, Tensor)]) -> Result<BiasVariance, PfdError> {
+    if students.len() < 2 {
+        return Err(PfdError::Invalid(
+            "bias-variance needs at least two students".into(),
+        ));
+    }
+    let m = t.size()[0] as f64;
+    let k = students.len() as f64;
+    let stacked = Tensor::stack(
+        &students
+            .iter()
+            .map(|(_, f)| f.shallow_clone())
+            .collect::<Vec<_>>(),
+        0,
+    );
+    let mean = stacked.mean_dim(0, false, Kind::Double);
+    let rows = students
+        .iter()
+        .map(|(name, f)| StudentError {
+            checkpoint: name.clone(),
+            e_gen: ((f - t).square().sum(Kind::Double).double_value(&[]) / m).sqrt(),
+        })
+        .collect::<Vec<_>>();
+    let e_bias = ((t - &mean).square().sum(Kind::Double).double_value(&[]) / m).sqrt();
+    let e_var = (stacked - mean.unsqueeze(0))
+        .square()
+        .sum(Kind::Double)
+        .double_value(&[])
+        / (m * k);
+    let mean_e_gen_squared = rows.iter().map(|r| r.e_gen * r.e_gen).sum::<f64>() / k;
+    Ok(BiasVariance {
+        students: rows,
+        e_bias,
+        e_var,
+        mean_e_gen_squared,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bias_variance_identity_holds_on_random_features() {
+        tch::manual_seed(1);
+        let t = Tensor::randn([50, 7], (Kind::Double, Device::Cpu));
+        let students: Vec<(String, Tensor)> = (0..4)
+            .map(|k| {
+                let f = &t + Tensor::randn([50, 7], (Kind::Double, Device::Cpu)) * 0.3 + 0.1;
+                (format!("s{k}"), f)
+            })
+            .collect();
+        let bv = bias_variance(&t, &students).unwrap();
+        let rhs = bv.e_bias * bv.e_bias + bv.e_var;
+        assert!(
+            (bv.mean_e_gen_squared - rhs).abs() <= 1e-12 * rhs,
+            "{} vs {rhs}",
+            bv.mean_e_gen_squared
+        );
+    }
+
+    #[test]
+    fn cache_round_trips_and_rejects_another_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache {
+            dir: dir.path().join("cache"),
+        };
+        let key = json!({"a": 1});
+        let t = Tensor::from_slice(&[1.0f64, 2.0, 3.0, 4.0]).view([2, 2]);
+        cache.store("flow", &key, &[("features", &t)]).unwrap();
+        let back = cache.load("flow", &key, &["features"]).unwrap();
+        assert_eq!(back[0], t);
+        // Same file name, other content of the key: refused.
+        let path = cache.path("flow", &key);
+        let other = json!({"a": 2});
+        assert!(read_cache(&path, &other, &["features"]).is_err());
+        // A truncated file is refused, not used.
+        let len = std::fs::metadata(&path).unwrap().len();
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.set_len(len / 2).unwrap();
+        assert!(cache.load("flow", &key, &["features"]).is_none());
+    }
+}
