@@ -451,3 +451,86 @@ fn reference_flows_are_cached_across_checkpoints_and_runs_and_rebuilt_when_the_t
     let now = fourth.evaluate(&checkpoint("ckpt_000030.pt"), 30).unwrap();
     assert_eq!(now.pfd_generalization, Some(0.0));
 }
+
+#[test]
+fn descriptor_cosine_criterion_and_tail_metrics_inside_eval_match_the_reference() {
+    let setup = Setup::new();
+    let d = &setup.dir;
+    python(&format!(
+        r#"
+import os
+os.chdir({d:?})
+class Pool(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.avg_pool2d(x, 4).flatten(1) + 0.1 * x.flatten(1)[:, :16]
+torch.jit.save(torch.jit.trace(Pool(), torch.zeros(2, 1, 16, 16)), "descriptor.ts")
+print("null")
+"#,
+        d = s(d)
+    ));
+    let cfg = setup.config(
+        "desc.yaml",
+        "pfd: {enabled: true, teacher: teacher_60.ts, descriptor: descriptor.ts, samples: 30, batch_size: 16, seed: 8}\n\
+         memorization: {enabled: true, criterion: cosine, threshold: 0.95}\n\
+         tail: {enabled: true, reference: training, observable: 'quantile:0.9', scale: 2.0, offset: 1.0}\n",
+    );
+    let r = &setup.eval(&cfg, &["ckpt_000030.pt"])[0];
+    let latents = fs::read_dir(d.join("state/cache"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("latents-"))
+        .unwrap();
+    let reference = python(&format!(
+        r#"
+import os
+os.chdir({d:?})
+psi = torch.jit.load("descriptor.ts")
+z = read({latents:?}, "latents")
+student = edm_sampler(network("model.ts", "ckpt_000030.pt"), z)
+teacher = edm_sampler(network("teacher_60.ts"), z)
+train = read("train.h5", "images")
+emp = edm_sampler(empirical(train), z)
+f = lambda x: psi(x.to(torch.float32)).to(torch.float64)
+cos = torch.nn.functional.normalize(f(student), dim=1) @ torch.nn.functional.normalize(f(train), dim=1).T
+best = cos.max(dim=1).values
+write("student.h5", "samples", student.to(torch.float32))
+print(json.dumps({{"e_gen": pfd(f(student), f(teacher)), "e_mem": pfd(f(student), f(emp)),
+                  "ratio": float((best > 0.95).double().mean()),
+                  "margin": float((best - 0.95).abs().min())}}))
+"#,
+        d = s(d),
+        latents = s(&latents),
+    ));
+    for (ours, theirs) in [
+        ("pfd_generalization", "e_gen"),
+        ("pfd_memorization", "e_mem"),
+    ] {
+        let (a, b) = (f(r, ours), f(&reference, theirs));
+        assert!((a - b).abs() <= 1e-6 * b, "{ours}: {a} vs reference {b}");
+    }
+    assert!(f(&reference, "margin") > 1e-6, "a sample sits on the threshold");
+    assert_eq!(f(r, "memorization_ratio"), f(&reference, "ratio"));
+    // Tail metrics inside eval equal `diffmon tail` (tested against scipy) on the same samples.
+    let out = diffmon(&[
+        "tail",
+        "--samples",
+        s(&d.join("student.h5")),
+        "--reference",
+        s(&d.join("train.h5")),
+        "--reference-dataset",
+        "images",
+        "--observable",
+        "quantile:0.9",
+        "--scale",
+        "2",
+        "--offset",
+        "1",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let tail: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    for (ours, theirs) in [("tail_rmsqe", "rmsqe"), ("tail_loader", "loader")] {
+        let (a, b) = (f(r, ours), f(&tail, theirs));
+        // The reference samples went through float32; the metrics move by far less than 1e-4.
+        assert!((a - b).abs() <= 1e-4 * b.abs().max(1e-3), "{ours}: {a} vs {b}");
+    }
+}
