@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
 """The toy study behind the README's measured curves: data-limited and data-rich runs of the toy
-trainer, every checkpoint evaluated by `diffmon eval` (ICR, generalization gap, E_gen against a
-data-rich teacher, E_mem, memorization ratio), then the default early-stop detector replayed by
-`diffmon watch` on each run.
+trainer, every checkpoint evaluated by `diffmon watch` with the default detector (ICR,
+generalization gap, E_gen against a data-rich teacher, E_mem, memorization ratio).
 
     .venv/bin/python scripts/toy_study.py OUT_DIR [--seeds 0,1,2] [--steps 1600] [--pfd-samples 256]
 
@@ -45,24 +44,14 @@ def config(run_dir: Path, teacher: Path | None, pfd_samples: int, threads: int) 
         f"model: {{architecture: {run_dir / 'model.ts'}}}\ndevice: cpu\ncpu_threads: {threads}\n"
         f"data: {{path: {run_dir / 'train.h5'}, heldout_path: {run_dir / 'heldout.h5'}}}\n"
         f"{pfd}memorization: {{enabled: true}}\n"
-        "http: {listen: '127.0.0.1:0'}\nalerts: {stop_file: EARLY_STOP}\n"
+        "checkpoints: {pattern: 'ckpt_*.pt'}\nhttp: {listen: '127.0.0.1:0'}\n"
     )
     return path
 
 
-def evaluate(run_dir: Path, cfg: Path) -> list[dict]:
-    out = run_dir / "records.jsonl"
-    ckpts = sorted(run_dir.glob("ckpt_*.pt"))
-    if not out.exists() or len(out.read_text().splitlines()) != len(ckpts):
-        text = subprocess.run([str(BIN), "eval", "--config", str(cfg), *map(str, ckpts), "--json"],
-                              check=True, capture_output=True, text=True,
-                              env={**os.environ, "DIFFMON_LOG": "warn"}).stdout
-        out.write_text(text)
-    return [json.loads(line) for line in out.read_text().splitlines()]
-
-
-def watch(run_dir: Path, cfg: Path, n: int) -> dict:
-    """Runs the daemon over the finished run (backlog `all`) and returns its early-stop status."""
+def watch(run_dir: Path, cfg: Path, n: int) -> tuple[list[dict], dict]:
+    """Runs the daemon over the finished run (backlog `all`) until every checkpoint is
+    evaluated; returns the records of its history and the early-stop event (empty if none)."""
     state = run_dir / "state"
     for f in state.iterdir():  # a fresh daemon state, but keep the flow caches
         if f.is_file():
@@ -82,7 +71,10 @@ def watch(run_dir: Path, cfg: Path, n: int) -> dict:
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=120)
     stop = run_dir / "EARLY_STOP"
-    return json.loads(stop.read_text()) if stop.exists() else {}
+    lines = (state / "history.jsonl").read_text().splitlines()
+    records = [e["record"] for e in map(json.loads, lines) if e["kind"] == "evaluation"]
+    (run_dir / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records, (json.loads(stop.read_text()) if stop.exists() else {})
 
 
 def main() -> int:
@@ -92,7 +84,6 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1600)
     ap.add_argument("--pfd-samples", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--no-watch", action="store_true", help="skip replaying the detector")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     # The teacher: the data-rich run's last checkpoint (seed 0), exported to TorchScript.
@@ -109,7 +100,8 @@ def main() -> int:
         run_dir = args.out / name
         train(run_dir, size, seed, args.steps, args.threads)
         cfg = config(run_dir, teacher, args.pfd_samples, args.threads)
-        records = evaluate(run_dir, cfg)
+        records, event = watch(run_dir, cfg, len(list(run_dir.glob("ckpt_*.pt"))))
+        records.sort(key=lambda r: r["step"])
         print(f"\n## {name}: {size} training images, seed {seed}")
         print("| step | ICR | gap | E_gen | E_mem | mem. ratio |")
         print("|---:|---:|---:|---:|---:|---:|")
@@ -121,10 +113,8 @@ def main() -> int:
         mem5 = next((r["step"] for r in records if r["memorization_ratio"] >= 0.05), None)
         summary = {"run": name, "icr_min_step": best["step"], "icr_min": round(best["icr"], 4),
                    "first_step_memorization_ge_5pct": mem5}
-        if not args.no_watch:
-            event = watch(run_dir, cfg, len(records))
-            summary["fired_at_step"] = event.get("current_step")
-            summary["best_step"] = event.get("best_step")
+        summary["fired_at_step"] = event.get("current_step")
+        summary["best_step"] = event.get("best_step")
         print("summary:", json.dumps(summary))
     return 0
 

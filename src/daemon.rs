@@ -21,6 +21,7 @@ use crate::eval::{EvalError, Evaluator};
 use crate::history::{CheckpointKey, Entry, History};
 use crate::metrics::Metrics;
 use crate::model::ModelError;
+use crate::pfd::PfdError;
 use crate::record::Evaluation;
 use crate::watcher::{Watcher, WorkItem, work_channel};
 use anyhow::{Context, Result};
@@ -59,7 +60,9 @@ fn failure_reason(item: &WorkItem, e: &EvalError) -> &'static str {
     match e {
         EvalError::Model(ModelError::Weights(_) | ModelError::Load { .. }) => "unreadable",
         EvalError::Model(ModelError::Mismatch { .. }) => "mismatch",
-        EvalError::Invalid { .. } | EvalError::Icr(_) => "non_finite",
+        EvalError::Invalid { .. } | EvalError::Icr(_) | EvalError::Pfd(PfdError::NonFinite(_)) => {
+            "non_finite"
+        }
         _ => "error",
     }
 }

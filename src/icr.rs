@@ -338,6 +338,63 @@ mod tests {
         assert_eq!(r.eigenvalues.len(), 4);
     }
 
+    /// Shared signal plus independent noise per view: Σ_s ⪰ 0 (checked on the estimate itself
+    /// through its generalized eigenvalues), so every λ ≥ 0 and ICR lies in (0, 1].
+    #[test]
+    fn icr_lies_in_zero_one_when_the_invariant_covariance_is_psd() {
+        let _rng = rng();
+        for seed in 0..5 {
+            tch::manual_seed(seed);
+            let (n, d) = (4000, 6);
+            let mix = Tensor::randn([d, d], (Kind::Double, Device::Cpu));
+            let s = Tensor::randn([n, d], (Kind::Double, Device::Cpu)).mm(&mix) * 3.0;
+            let h1 = &s + Tensor::randn([n, d], (Kind::Double, Device::Cpu));
+            let h2 = &s + Tensor::randn([n, d], (Kind::Double, Device::Cpu));
+            let r = icr_of_features(&h1, &h2, 1e-4, "psd").unwrap();
+            assert!(
+                r.eigenvalues.iter().all(|&l| l >= 0.0),
+                "{:?}",
+                r.eigenvalues
+            );
+            assert!(r.icr > 0.0 && r.icr <= 1.0, "{}", r.icr);
+        }
+    }
+
+    /// ICR is a ratio of covariances whitened by Σ_ξ (and the ridge is relative to Tr Σ_ξ), so a
+    /// constant scale of the features cancels.
+    #[test]
+    fn scaling_the_features_leaves_icr_unchanged() {
+        let _rng = rng();
+        tch::manual_seed(11);
+        let s = Tensor::randn([3000, 5], (Kind::Double, Device::Cpu));
+        let h1 = &s + Tensor::randn([3000, 5], (Kind::Double, Device::Cpu)) * 0.7;
+        let h2 = &s + Tensor::randn([3000, 5], (Kind::Double, Device::Cpu)) * 0.7;
+        let base = icr_of_features(&h1, &h2, 1e-4, "base").unwrap().icr;
+        for c in [1e-3, 7.5, 1e4] {
+            let r = icr_of_features(&(&h1 * c), &(&h2 * c), 1e-4, "scaled").unwrap();
+            assert!(
+                (r.icr - base).abs() <= 1e-9 * base,
+                "c = {c}: {} vs {base}",
+                r.icr
+            );
+        }
+    }
+
+    /// Identical views (no augmentation, no noise) leave no residual: Σ_ξ = 0, and the ridge,
+    /// relative to Tr Σ_ξ, is 0 too. That is a clear error, never NaN.
+    #[test]
+    fn identical_views_are_a_clear_error() {
+        let _rng = rng();
+        tch::manual_seed(2);
+        let h = Tensor::randn([500, 4], (Kind::Double, Device::Cpu));
+        let e = icr_of_features(&h, &h, 1e-4, "ckpt_000100.pt").unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("ckpt_000100.pt") && msg.contains("identical"),
+            "{msg}"
+        );
+    }
+
     #[test]
     fn streaming_equals_one_shot() {
         let _rng = rng();

@@ -41,6 +41,8 @@ pub enum PfdError {
     Descriptor { path: PathBuf, message: String },
     #[error("{0}")]
     Invalid(String),
+    #[error("{0}: the student's PF-ODE produced non-finite values: the weights are broken")]
+    NonFinite(String),
 }
 
 fn file_error(path: &Path, message: impl ToString) -> PfdError {
@@ -611,10 +613,7 @@ impl PfdProbe {
             },
         )
         .map_err(|e| match e {
-            SamplerError::NonFinite { sigma, .. } => PfdError::Invalid(format!(
-                "{what}: the student's PF-ODE produced non-finite values (sigma = {sigma}): \
-                 the weights are broken"
-            )),
+            SamplerError::NonFinite { .. } => PfdError::NonFinite(what.to_string()),
             e => e.into(),
         })?;
         if let Some(e) = failure {

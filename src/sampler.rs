@@ -16,8 +16,8 @@ use tch::{Device, Kind, Tensor};
 pub enum SamplerError {
     #[error(transparent)]
     Model(#[from] ModelError),
-    #[error("{what}: the sampler produced non-finite values at sigma = {sigma}")]
-    NonFinite { what: String, sigma: f64 },
+    #[error("{what}: the sampler produced non-finite values")]
+    NonFinite { what: String },
 }
 
 /// The EDM time discretization.
@@ -128,7 +128,6 @@ pub fn integrate(
     if !finite {
         return Err(SamplerError::NonFinite {
             what: denoiser.name(),
-            sigma: 0.0,
         });
     }
     Ok(x)
@@ -174,7 +173,8 @@ pub fn evaluations_for(m: i64, batch: usize, schedule: &Schedule) -> u64 {
 /// (`‖x‖² + ‖y‖² − 2x·y`), the max-subtracted (log-sum-exp) form, and the training set taken in
 /// chunks whose partial sums are merged, so memory stays bounded for large sets.
 pub struct EmpiricalDenoiser {
-    /// `[N,D]` float32 on the device (the data's own precision; each chunk is widened to float64).
+    /// `[N,D]` on the device: float64 when that fits in [`F64_BYTES`], else float32 (the data's
+    /// own precision) with each chunk widened to float64 as it is used.
     images: Tensor,
     /// `‖y_j‖²` in float64, `[N]`.
     norms: Tensor,
@@ -186,6 +186,9 @@ pub struct EmpiricalDenoiser {
 
 /// Bytes one chunk's float64 matrices may take.
 const CHUNK_BYTES: i64 = 64 << 20;
+/// Largest training set kept in float64 (widening a chunk at every evaluation costs about as
+/// much as its matrix product when the query batch is small).
+const F64_BYTES: i64 = 4 << 30;
 
 impl EmpiricalDenoiser {
     /// `images`: `[N,C,H,W]` on the device the flow will run on.
@@ -196,6 +199,11 @@ impl EmpiricalDenoiser {
             .to_kind(Kind::Double)
             .square()
             .sum_dim_intlist(1, false, Kind::Double);
+        let flat = if flat.numel() as i64 * 8 <= F64_BYTES {
+            flat.to_kind(Kind::Double)
+        } else {
+            flat
+        };
         EmpiricalDenoiser {
             chunk: (CHUNK_BYTES / 8 / flat.size()[1].max(1)).max(1),
             images: flat,

@@ -478,7 +478,12 @@ print("null")
     let latents = fs::read_dir(d.join("state/cache"))
         .unwrap()
         .map(|e| e.unwrap().path())
-        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("latents-"))
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("latents-")
+        })
         .unwrap();
     let reference = python(&format!(
         r#"
@@ -508,7 +513,10 @@ print(json.dumps({{"e_gen": pfd(f(student), f(teacher)), "e_mem": pfd(f(student)
         let (a, b) = (f(r, ours), f(&reference, theirs));
         assert!((a - b).abs() <= 1e-6 * b, "{ours}: {a} vs reference {b}");
     }
-    assert!(f(&reference, "margin") > 1e-6, "a sample sits on the threshold");
+    assert!(
+        f(&reference, "margin") > 1e-6,
+        "a sample sits on the threshold"
+    );
     assert_eq!(f(r, "memorization_ratio"), f(&reference, "ratio"));
     // Tail metrics inside eval equal `diffmon tail` (tested against scipy) on the same samples.
     let out = diffmon(&[
@@ -531,6 +539,9 @@ print(json.dumps({{"e_gen": pfd(f(student), f(teacher)), "e_mem": pfd(f(student)
     for (ours, theirs) in [("tail_rmsqe", "rmsqe"), ("tail_loader", "loader")] {
         let (a, b) = (f(r, ours), f(&tail, theirs));
         // The reference samples went through float32; the metrics move by far less than 1e-4.
-        assert!((a - b).abs() <= 1e-4 * b.abs().max(1e-3), "{ours}: {a} vs {b}");
+        assert!(
+            (a - b).abs() <= 1e-4 * b.abs().max(1e-3),
+            "{ours}: {a} vs {b}"
+        );
     }
 }
