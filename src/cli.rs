@@ -429,7 +429,7 @@ fn sample(a: SampleArgs) -> Result<()> {
         Some(&mut progress),
         &mut |_, x| {
             out.push(x.to_device(tch::Device::Cpu));
-            Ok(())
+            Ok::<_, sampler::SamplerError>(())
         },
     )?;
     progress.finish();

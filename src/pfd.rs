@@ -300,7 +300,6 @@ fn compute_flow(
     let mut progress = Progress::new(what, total);
     let mut samples = Vec::new();
     let mut features = Vec::new();
-    let mut failure = None;
     integrate_all(
         denoiser,
         latents,
@@ -309,18 +308,12 @@ fn compute_flow(
         Some(&mut progress),
         &mut |_, x| {
             if let Some(d) = descriptor {
-                match d.apply(&x) {
-                    Ok(f) => features.push(f),
-                    Err(e) => failure = Some(e),
-                }
+                features.push(d.apply(&x)?);
             }
             samples.push(x);
-            Ok(())
+            Ok::<_, PfdError>(())
         },
     )?;
-    if let Some(e) = failure {
-        return Err(e);
-    }
     progress.finish();
     let samples = Tensor::cat(&samples, 0);
     Ok(match descriptor {
@@ -575,7 +568,6 @@ impl PfdProbe {
         let zero = || Tensor::zeros([], (Kind::Double, device));
         let (mut gen_sq, mut mem_sq, mut memorized) = (zero(), zero(), zero());
         let mut observables = Vec::new();
-        let mut failure = None;
         let mut den = ModelDenoiser::new(model);
         integrate_all(
             &mut den,
@@ -584,41 +576,34 @@ impl PfdProbe {
             self.batch,
             None,
             &mut |start, x| {
-                let mut step = || -> Result<(), PfdError> {
-                    let len = x.size()[0];
-                    let f = describe(self.descriptor.as_ref(), &x)?;
-                    let sq = |flow: &Flow| {
-                        (&f - flow.features.narrow(0, start, len))
-                            .square()
-                            .sum(Kind::Double)
-                    };
-                    if let Some(t) = &self.teacher {
-                        gen_sq += sq(t);
-                    }
-                    if let Some(e) = &self.empirical {
-                        mem_sq += sq(e);
-                    }
-                    if let Some(m) = &self.memorization {
-                        memorized += self.memorized(m, &x, &f).sum(Kind::Double);
-                    }
-                    if let Some((t, _)) = &self.tail {
-                        observables.extend(tail::observables(&x, t.observable, t.scale, t.offset));
-                    }
-                    Ok(())
+                let len = x.size()[0];
+                let f = describe(self.descriptor.as_ref(), &x)?;
+                let sq = |flow: &Flow| {
+                    (&f - flow.features.narrow(0, start, len))
+                        .square()
+                        .sum(Kind::Double)
                 };
-                if let Err(e) = step() {
-                    failure = Some(e);
+                if let Some(t) = &self.teacher {
+                    gen_sq += sq(t);
                 }
-                Ok(())
+                if let Some(e) = &self.empirical {
+                    mem_sq += sq(e);
+                }
+                if let Some(m) = &self.memorization {
+                    memorized += self.memorized(m, &x, &f).sum(Kind::Double);
+                }
+                if let Some((t, _)) = &self.tail {
+                    observables.extend(tail::observables(&x, t.observable, t.scale, t.offset));
+                }
+                Ok::<_, PfdError>(())
             },
         )
         .map_err(|e| match e {
-            SamplerError::NonFinite { .. } => PfdError::NonFinite(what.to_string()),
-            e => e.into(),
+            PfdError::Sampler(SamplerError::NonFinite { .. }) => {
+                PfdError::NonFinite(what.to_string())
+            }
+            e => e,
         })?;
-        if let Some(e) = failure {
-            return Err(e);
-        }
         let m = self.samples() as f64;
         let tail = match &self.tail {
             Some((t, reference)) => Some(tail::tail_metrics(&observables, reference, t.eta)?),
@@ -660,7 +645,6 @@ impl PfdProbe {
     pub fn student_features(&self, model: &Model) -> Result<Tensor, PfdError> {
         let mut den = ModelDenoiser::new(model);
         let mut features = Vec::new();
-        let mut failure = None;
         integrate_all(
             &mut den,
             &self.latents,
@@ -668,17 +652,12 @@ impl PfdProbe {
             self.batch,
             None,
             &mut |_, x| {
-                match describe(self.descriptor.as_ref(), &x) {
-                    Ok(f) => features.push(f.to_device(Device::Cpu)),
-                    Err(e) => failure = Some(e),
-                }
-                Ok(())
+                let f = describe(self.descriptor.as_ref(), &x)?;
+                features.push(f.to_device(Device::Cpu));
+                Ok::<_, PfdError>(())
             },
         )?;
-        match failure {
-            Some(e) => Err(e),
-            None => Ok(Tensor::cat(&features, 0)),
-        }
+        Ok(Tensor::cat(&features, 0))
     }
 
     /// The teacher's `Ψ(Φ)`, `[M,k]`, when a teacher is configured.

@@ -134,16 +134,16 @@ pub fn integrate(
 }
 
 /// Integrates all `latents` (`[M,C,H,W]`, any device) in batches of `batch`, handing each
-/// result (float64, on the denoiser's device) with its first index to `sink`. Progress is
-/// reported on `progress` when given.
-pub fn integrate_all(
+/// result (float64, on the denoiser's device) with its first index to `sink`; the first error
+/// (of the sampler or of `sink`) stops it. Progress is reported on `progress` when given.
+pub fn integrate_all<E: From<SamplerError>>(
     denoiser: &mut dyn Denoiser,
     latents: &Tensor,
     schedule: &Schedule,
     batch: usize,
     mut progress: Option<&mut Progress>,
-    sink: &mut dyn FnMut(i64, Tensor) -> Result<(), SamplerError>,
-) -> Result<(), SamplerError> {
+    sink: &mut dyn FnMut(i64, Tensor) -> Result<(), E>,
+) -> Result<(), E> {
     let m = latents.size()[0];
     let device = denoiser.device();
     let mut start = 0;

@@ -245,6 +245,15 @@ print("null")
     }
 }
 
+/// The cache file of `<dir>/state/cache` whose name starts with `prefix`.
+fn cached(dir: &Path, prefix: &str) -> PathBuf {
+    fs::read_dir(dir.join("state/cache"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with(prefix))
+        .unwrap_or_else(|| panic!("no {prefix}* in the cache"))
+}
+
 fn f(v: &Value, key: &str) -> f64 {
     v[key].as_f64().unwrap_or_else(|| panic!("no {key} in {v}"))
 }
@@ -280,16 +289,7 @@ fn pfd_metrics_match_the_python_reference_and_behave_as_a_distance() {
 
     // E_gen, E_mem and the memorization ratio of the step-30 checkpoint from their definitions,
     // on diffmon's cached latents.
-    let latents = fs::read_dir(d.join("state/cache"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with("latents-")
-        })
-        .expect("latents are cached");
+    let latents = cached(d, "latents-");
     let reference = python(&format!(
         r#"
 import os
@@ -418,16 +418,7 @@ fn reference_flows_are_cached_across_checkpoints_and_runs_and_rebuilt_when_the_t
     drop(second);
 
     // A half-written cache file (torn by a crash) is not used: it is rebuilt.
-    let teacher_cache = fs::read_dir(setup.dir.join("state/cache"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with("teacher-")
-        })
-        .unwrap();
+    let teacher_cache = cached(&setup.dir, "teacher-");
     let len = fs::metadata(&teacher_cache).unwrap().len();
     fs::OpenOptions::new()
         .write(true)
@@ -475,16 +466,7 @@ print("null")
          tail: {enabled: true, reference: training, observable: 'quantile:0.9', scale: 2.0, offset: 1.0}\n",
     );
     let r = &setup.eval(&cfg, &["ckpt_000030.pt"])[0];
-    let latents = fs::read_dir(d.join("state/cache"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with("latents-")
-        })
-        .unwrap();
+    let latents = cached(d, "latents-");
     let reference = python(&format!(
         r#"
 import os
