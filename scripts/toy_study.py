@@ -7,7 +7,7 @@ generalization gap, E_gen against a data-rich teacher, E_mem, memorization ratio
 
 Prints one table per run and a summary line per run (ICR minimum, the step the detector fired
 at and the best step it named, the first step with a memorization ratio ≥ 5%); writes every
-record to OUT_DIR/<run>/records.jsonl.
+record and the event to OUT_DIR/<run>/study.json (a run studied before is not evaluated again).
 """
 
 from __future__ import annotations
@@ -53,7 +53,11 @@ def watch(run_dir: Path, cfg: Path, n: int) -> tuple[list[dict], dict]:
     """Runs the daemon over the finished run (backlog `all`) until every checkpoint is
     evaluated; returns the records of its history and the early-stop event (empty if none)."""
     state = run_dir / "state"
-    for f in state.iterdir():  # a fresh daemon state, but keep the flow caches
+    done = run_dir / "study.json"
+    if done.exists():  # this run was studied already
+        saved = json.loads(done.read_text())
+        return saved["records"], saved["event"]
+    for f in state.glob("*"):  # a fresh daemon state, but keep the flow caches
         if f.is_file():
             f.unlink()
     (run_dir / "EARLY_STOP").unlink(missing_ok=True)
@@ -73,8 +77,9 @@ def watch(run_dir: Path, cfg: Path, n: int) -> tuple[list[dict], dict]:
     stop = run_dir / "EARLY_STOP"
     lines = (state / "history.jsonl").read_text().splitlines()
     records = [e["record"] for e in map(json.loads, lines) if e["kind"] == "evaluation"]
-    (run_dir / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return records, (json.loads(stop.read_text()) if stop.exists() else {})
+    event = json.loads(stop.read_text()) if stop.exists() else {}
+    done.write_text(json.dumps({"records": records, "event": event}))
+    return records, event
 
 
 def main() -> int:
