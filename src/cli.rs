@@ -454,8 +454,9 @@ fn bias_variance(config_path: &std::path::Path, students: &[PathBuf]) -> Result<
     let shape: Vec<i64> = train.image_shape().iter().map(|&d| d as i64).collect();
     let mut model = Model::load(&config.model.architecture, device)?;
     model.check_contract(&shape)?;
-    let images = train.read(0, 1)?.to_device(device);
-    let probe = PfdProbe::teacher_only(&config, &images, device)?;
+    // A teacher-only probe needs the image shape, not the training set.
+    let first = train.read(0, 1)?.to_device(device);
+    let probe = PfdProbe::teacher_only(&config, &first, device)?;
     let opts = ReadOptions {
         weights_key: config.checkpoints.weights_key.clone(),
         strip_prefix: config.checkpoints.strip_prefix.clone(),

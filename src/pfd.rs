@@ -172,7 +172,7 @@ impl Cache {
         std::fs::create_dir_all(&self.dir).map_err(|e| file_error(&self.dir, e))?;
         let path = self.path(kind, key);
         let tmp = path.with_extension(format!("h5.tmp-{}", std::process::id()));
-        write_cache(&tmp, key, data).map_err(|e| file_error(&tmp, e))?;
+        write_cache(&tmp, Some(key), data).map_err(|e| file_error(&tmp, e))?;
         std::fs::File::open(&tmp)
             .and_then(|f| f.sync_all())
             .and_then(|_| std::fs::rename(&tmp, &path))
@@ -182,12 +182,20 @@ impl Cache {
     }
 }
 
-fn write_cache(path: &Path, key: &serde_json::Value, data: &[(&str, &Tensor)]) -> hdf5::Result<()> {
+/// Writes `data` as datasets of a new HDF5 file, with the cache `key` as an attribute when given.
+fn write_cache(
+    path: &Path,
+    key: Option<&serde_json::Value>,
+    data: &[(&str, &Tensor)],
+) -> hdf5::Result<()> {
     let file = hdf5::File::create(path)?;
-    let key: hdf5::types::VarLenUnicode = key.to_string().parse().expect("JSON has no NUL byte");
-    file.new_attr::<hdf5::types::VarLenUnicode>()
-        .create("key")?
-        .write_scalar(&key)?;
+    if let Some(key) = key {
+        let key: hdf5::types::VarLenUnicode =
+            key.to_string().parse().expect("JSON has no NUL byte");
+        file.new_attr::<hdf5::types::VarLenUnicode>()
+            .create("key")?
+            .write_scalar(&key)?;
+    }
     for (name, t) in data {
         let shape: Vec<usize> = t.size().iter().map(|&d| d as usize).collect();
         let t = t.to_device(Device::Cpu).contiguous();
@@ -252,12 +260,8 @@ pub fn read_latents(path: &Path, image_shape: Option<[usize; 3]>) -> Result<Tens
 pub fn write_samples(path: &Path, samples: &Tensor) -> Result<(), PfdError> {
     let tmp = path.with_extension("h5.tmp");
     let t = samples.to_kind(Kind::Float);
-    write_cache_plain(&tmp, &[("samples", &t)]).map_err(|e| file_error(&tmp, e))?;
+    write_cache(&tmp, None, &[("samples", &t)]).map_err(|e| file_error(&tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| file_error(path, e))
-}
-
-fn write_cache_plain(path: &Path, data: &[(&str, &Tensor)]) -> hdf5::Result<()> {
-    write_cache(path, &json!({"written_by": "diffmon sample"}), data)
 }
 
 /// The fixed latents and their identity in cache keys: `pfd.latents`'s content, or `pfd.samples`
@@ -369,8 +373,9 @@ pub struct PfdResult {
 
 /// The memorization test on student samples.
 enum Memorization {
-    /// `d1/d2 < threshold` against the training images (pixel space).
-    NnRatio(f64),
+    /// `d1/d2 < threshold` against the training images (pixel space), queried through the
+    /// training set's empirical denoiser.
+    NnRatio(f64, EmpiricalDenoiser),
     /// Best cosine similarity above `threshold`, against the training images' descriptors
     /// (l2-normalized, `[N,k]`).
     Cosine(f64, Tensor),
@@ -385,8 +390,6 @@ pub struct PfdProbe {
     teacher: Option<Flow>,
     /// The empirical flow (absent for a teacher-only probe).
     empirical: Option<Flow>,
-    /// The training set, for nearest-neighbour queries.
-    train: EmpiricalDenoiser,
     memorization: Option<Memorization>,
     tail: Option<(TailConfig, Vec<f64>)>,
     /// Teacher network evaluations this probe made (0 when the teacher flow came from the cache).
@@ -484,6 +487,7 @@ impl PfdProbe {
         };
         let data = &config.data;
         let mut empirical_calls = 0;
+        // The training set as a denoiser (the empirical flow) and for nearest-neighbour queries.
         let mut train_set = EmpiricalDenoiser::new(train, &data.path.display().to_string());
         let empirical = if full {
             let source = json!({
@@ -517,6 +521,7 @@ impl PfdProbe {
             Some(memorization_test(
                 &config.memorization,
                 train,
+                train_set,
                 descriptor.as_ref(),
                 pfd.batch_size,
             )?)
@@ -548,7 +553,6 @@ impl PfdProbe {
             descriptor,
             teacher,
             empirical,
-            train: train_set,
             memorization,
             tail,
             teacher_calls,
@@ -629,8 +633,8 @@ impl PfdProbe {
     /// 1.0 for each sample of the batch that counts as memorized, else 0.0 (`[B]` f64).
     fn memorized(&self, m: &Memorization, x: &Tensor, features: &Tensor) -> Tensor {
         match m {
-            Memorization::NnRatio(threshold) => {
-                let (d1, d2) = self.train.nearest_two(x);
+            Memorization::NnRatio(threshold, train) => {
+                let (d1, d2) = train.nearest_two(x);
                 d1.lt_tensor(&(d2 * *threshold)).to_kind(Kind::Double)
             }
             Memorization::Cosine(threshold, train) => {
@@ -678,12 +682,13 @@ fn normalize(f: &Tensor) -> Tensor {
 fn memorization_test(
     config: &MemorizationConfig,
     train: &Tensor,
+    nearest: EmpiricalDenoiser,
     descriptor: Option<&Descriptor>,
     batch: usize,
 ) -> Result<Memorization, PfdError> {
     let threshold = config.threshold();
     match config.criterion {
-        MemorizationCriterion::NnRatio => Ok(Memorization::NnRatio(threshold)),
+        MemorizationCriterion::NnRatio => Ok(Memorization::NnRatio(threshold, nearest)),
         MemorizationCriterion::Cosine => {
             let Some(descriptor) = descriptor else {
                 return Err(PfdError::Invalid(
