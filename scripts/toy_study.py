@@ -3,7 +3,12 @@
 trainer, every checkpoint evaluated by `diffmon watch` with the default detector (ICR,
 generalization gap, E_gen against a data-rich teacher, E_mem, memorization ratio).
 
-    .venv/bin/python scripts/toy_study.py OUT_DIR [--seeds 0,1,2] [--steps 1600] [--pfd-samples 256]
+    .venv/bin/python scripts/toy_study.py OUT_DIR [--seeds 0,1,2] [--rich-seeds 0] [--steps 1600]
+        [--pfd-samples 128]
+
+The runs use the settings of `make demo` and of the integration test
+`toy_training::default_detector_fires_on_data_limited_training_and_not_on_data_rich`: batch 64,
+EMA 0.995, one thread for the trainer and one for diffmon, 2048 ICR view pairs.
 
 Prints one table per run and a summary line per run (ICR minimum, the step the detector fired
 at and the best step it named, the first step with a memorization ratio ≥ 5%); writes every
@@ -31,7 +36,8 @@ def train(run_dir: Path, train_size: int, seed: int, steps: int, threads: int) -
         return
     subprocess.run([PY, str(ROOT / "python" / "train_toy.py"), "--run-dir", str(run_dir),
                     "--train-size", str(train_size), "--heldout-size", "256", "--steps", str(steps),
-                    "--ckpt-every", "50", "--seed", str(seed), "--threads", str(threads)],
+                    "--ckpt-every", "50", "--batch-size", "64", "--ema", "0.995", "--seed", str(seed),
+                    "--threads", str(threads)],
                    check=True, stdout=subprocess.DEVNULL)
 
 
@@ -43,7 +49,7 @@ def config(run_dir: Path, teacher: Path | None, pfd_samples: int, threads: int) 
         f"run: {{dir: {run_dir}}}\nstate_dir: {run_dir / 'state'}\n"
         f"model: {{architecture: {run_dir / 'model.ts'}}}\ndevice: cpu\ncpu_threads: {threads}\n"
         f"data: {{path: {run_dir / 'train.h5'}, heldout_path: {run_dir / 'heldout.h5'}}}\n"
-        f"{pfd}memorization: {{enabled: true}}\n"
+        f"icr: {{samples: 2048}}\n{pfd}memorization: {{enabled: true}}\n"
         "checkpoints: {pattern: 'ckpt_*.pt'}\nhttp: {listen: '127.0.0.1:0'}\n"
     )
     return path
@@ -87,8 +93,9 @@ def main() -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--steps", type=int, default=1600)
-    ap.add_argument("--pfd-samples", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rich-seeds", default="0")
+    ap.add_argument("--pfd-samples", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     # The teacher: the data-rich run's last checkpoint (seed 0), exported to TorchScript.
@@ -100,7 +107,8 @@ def main() -> int:
         m = torch.jit.load(str(rich / "model.ts"))
         m.load_state_dict(torch.load(str(rich / f"ckpt_{args.steps:06d}.pt")))
         torch.jit.save(m, str(teacher))
-    runs = [("rich-s0", 1500, 0)] + [(f"limited-s{s}", 64, int(s)) for s in args.seeds.split(",")]
+    runs = ([(f"rich-s{s}", 1500, int(s)) for s in args.rich_seeds.split(",")]
+            + [(f"limited-s{s}", 64, int(s)) for s in args.seeds.split(",")])
     for name, size, seed in runs:
         run_dir = args.out / name
         train(run_dir, size, seed, args.steps, args.threads)

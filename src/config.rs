@@ -542,6 +542,8 @@ pub enum EarlyStopMetric {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Confirm {
+    /// `generalization_gap` when `data.heldout_path` is set, else `none`.
+    Auto,
     None,
     GeneralizationGap,
     MemorizationRatio,
@@ -579,10 +581,10 @@ fn default_patience() -> usize {
     2
 }
 fn default_min_rise() -> f64 {
-    0.02
+    0.005
 }
 fn default_confirm() -> Confirm {
-    Confirm::None
+    Confirm::Auto
 }
 fn default_confirm_rise() -> f64 {
     0.5
@@ -775,6 +777,20 @@ impl Config {
         })
     }
 
+    /// The detector's settings with `confirm: auto` resolved: the generalization gap when a
+    /// held-out set is configured, else none.
+    pub fn early_stop_resolved(&self) -> EarlyStopConfig {
+        let mut e = self.early_stop.clone();
+        if e.confirm == Confirm::Auto {
+            e.confirm = if self.data.heldout_path.is_some() {
+                Confirm::GeneralizationGap
+            } else {
+                Confirm::None
+            };
+        }
+        e
+    }
+
     pub fn state_dir(&self) -> PathBuf {
         self.state_dir
             .clone()
@@ -937,7 +953,7 @@ impl Config {
             ),
         }
         match e.confirm {
-            Confirm::None => {}
+            Confirm::None | Confirm::Auto => {}
             Confirm::GeneralizationGap => v.check(
                 self.data.heldout_path.is_some(),
                 "early_stop.confirm",
@@ -1071,7 +1087,12 @@ mod tests {
             (18, 0.002, 80.0, 7.0)
         );
         assert_eq!(c.early_stop.window, 3);
-        assert_eq!(c.early_stop.min_rise, 0.02);
+        assert_eq!(c.early_stop.min_rise, 0.005);
+        assert_eq!(c.early_stop.confirm, Confirm::Auto);
+        assert_eq!(c.early_stop_resolved().confirm, Confirm::None);
+        let with_heldout = MINIMAL.replace("{path: d.h5}", "{path: d.h5, heldout_path: h.h5}");
+        let c = Config::parse(&with_heldout, "t.yaml").unwrap();
+        assert_eq!(c.early_stop_resolved().confirm, Confirm::GeneralizationGap);
         assert_eq!(c.data.dataset, "images");
         assert_eq!(c.alerts.stop_file, "EARLY_STOP");
         assert_eq!(c.http.listen, "127.0.0.1:9464");

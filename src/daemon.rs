@@ -98,6 +98,7 @@ impl Recorder {
                 EarlyStopMetric::PfdGeneralization => r.pfd_generalization,
             },
             generalization_gap: r.generalization_gap,
+            loss_heldout: r.loss_heldout,
             memorization_ratio: r.memorization_ratio,
         }
     }
@@ -205,6 +206,9 @@ impl Recorder {
         if let Some(v) = r.pfd_memorization {
             line += &format!("  E_mem {v:.4}");
         }
+        if let Some(v) = r.memorization_ratio {
+            line += &format!("  memorized {:.1}%", 100.0 * v);
+        }
         line + &format!("  {:.1}s", r.seconds)
     }
 
@@ -242,7 +246,7 @@ pub fn run(config: Config) -> Result<()> {
     let metrics = Arc::new(Metrics::new(&run));
     let status = Arc::new(Mutex::new(EarlyStopStatus::default()));
     let mut recorder = Recorder {
-        detector: Detector::new(config.early_stop.clone(), DetectorState::default()),
+        detector: Detector::new(config.early_stop_resolved(), DetectorState::default()),
         config: config.clone(),
         run: run.clone(),
         history,

@@ -1,7 +1,9 @@
 //! The early-stop detector (DESIGN.md §1.7): finds the turn of the ICR (or E_gen) U-curve.
 //!
 //! Each evaluation adds one raw value; the smoothed value is the median of the last `window` raw
-//! values; `best` is the smallest smoothed value so far. The detector fires when the smoothed
+//! values; `best` is the smallest smoothed value so far, named after the checkpoint the median
+//! picked (the middle one of the window by value; for an even window, the lower middle one), so
+//! the checkpoint it names has that very value, not the newest checkpoint of the window. The detector fires when the smoothed
 //! value has stayed above `best · (1 + min_rise)` for `patience` consecutive checkpoints, after
 //! `warmup` checkpoints, and only if the curve actually came down to its minimum (its first
 //! smoothed value is at least `best · (1 + min_rise)`): a flat or only-rising curve never fires,
@@ -16,6 +18,11 @@
 use crate::config::{Confirm, EarlyStopConfig};
 use serde::{Deserialize, Serialize};
 
+/// The gap's noise floor, as a fraction of the held-out loss at the best step.
+const GAP_FLOOR: f64 = 0.1;
+/// The memorization ratio's noise floor (one memorized sample in a hundred).
+const MEMORIZATION_FLOOR: f64 = 0.01;
+
 /// One evaluation as the detector sees it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Observation {
@@ -24,6 +31,8 @@ pub struct Observation {
     /// The monitored metric (ICR or E_gen); `None` when it was not computed for this checkpoint.
     pub value: Option<f64>,
     pub generalization_gap: Option<f64>,
+    /// The held-out loss: the scale below which a change of the gap is noise.
+    pub loss_heldout: Option<f64>,
     pub memorization_ratio: Option<f64>,
 }
 
@@ -34,6 +43,10 @@ pub struct Best {
     pub value: f64,
     /// The confirmation signal at the best step, when one is configured and was measured.
     pub confirm_value: Option<f64>,
+    /// The smallest rise of the confirmation signal that is not noise, taken at the best step
+    /// (see [`Detector::confirmed`]).
+    #[serde(default)]
+    pub confirm_floor: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -53,11 +66,19 @@ pub struct Decision {
     pub unconfirmed: bool,
 }
 
+/// One raw value of the smoothing window.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Point {
+    pub step: i64,
+    pub checkpoint: String,
+    pub value: f64,
+}
+
 /// The detector's whole state (persisted as JSON).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct DetectorState {
-    /// Raw values of the last `window` evaluations that had one.
-    pub recent: Vec<f64>,
+    /// The last `window` evaluations that had a value.
+    pub recent: Vec<Point>,
     pub evaluated: usize,
     pub first_smoothed: Option<f64>,
     pub best: Option<Best>,
@@ -83,23 +104,33 @@ impl Detector {
         Detector { config, state }
     }
 
-    fn confirm_signal(&self, o: &Observation) -> Option<f64> {
+    /// The confirmation signal of an observation, and its noise floor.
+    fn confirm_signal(&self, o: &Observation) -> (Option<f64>, f64) {
         match self.config.confirm {
-            Confirm::None => None,
-            Confirm::GeneralizationGap => o.generalization_gap,
-            Confirm::MemorizationRatio => o.memorization_ratio,
+            // `auto` is resolved by the caller (Config::early_stop_resolved); unresolved, it
+            // confirms nothing, like `none`.
+            Confirm::None | Confirm::Auto => (None, 0.0),
+            Confirm::GeneralizationGap => (
+                o.generalization_gap,
+                GAP_FLOOR * o.loss_heldout.unwrap_or(0.0).abs(),
+            ),
+            Confirm::MemorizationRatio => (o.memorization_ratio, MEMORIZATION_FLOOR),
         }
     }
 
-    /// Has the confirmation signal risen by `confirm_rise` (relative) since the best step?
+    /// Has the confirmation signal risen since the best step by `confirm_rise` of its value
+    /// there, and by at least `confirm_rise` of the noise floor? Without the floor a gap that
+    /// hovers around zero (data-rich training) would "rise by 50%" on noise alone.
     fn confirmed(&self, now: Option<f64>) -> bool {
-        if self.config.confirm == Confirm::None {
+        if matches!(self.config.confirm, Confirm::None | Confirm::Auto) {
             return true;
         }
-        let at_best = self.state.best.as_ref().and_then(|b| b.confirm_value);
-        match (at_best, now) {
+        let Some(best) = self.state.best.as_ref() else {
+            return false;
+        };
+        match (best.confirm_value, now) {
             (Some(base), Some(now)) => {
-                now - base > self.config.confirm_rise * base.abs() && now > base
+                now - base > self.config.confirm_rise * base.abs().max(best.confirm_floor)
             }
             _ => false,
         }
@@ -119,14 +150,18 @@ impl Detector {
         };
         s.evaluated += 1;
         s.last_value = Some(value);
-        s.recent.push(value);
+        s.recent.push(Point {
+            step: o.step,
+            checkpoint: o.checkpoint.clone(),
+            value,
+        });
         if s.recent.len() > c.window {
             s.recent.remove(0);
         }
-        let smoothed = median(&s.recent);
+        let (smoothed, at) = median(&s.recent);
         s.last_smoothed = Some(smoothed);
         s.first_smoothed.get_or_insert(smoothed);
-        let confirm_now = self.confirm_signal(o);
+        let (confirm_now, confirm_floor) = self.confirm_signal(o);
         let s = &mut self.state;
 
         let mut signal = None;
@@ -139,10 +174,11 @@ impl Detector {
                 signal = Some(Signal::Resolved);
             }
             s.best = Some(Best {
-                step: o.step,
-                checkpoint: o.checkpoint.clone(),
+                step: at.step,
+                checkpoint: at.checkpoint,
                 value: smoothed,
                 confirm_value: confirm_now,
+                confirm_floor,
             });
             s.wait = 0;
         } else {
@@ -180,14 +216,17 @@ impl Detector {
     }
 }
 
-fn median(values: &[f64]) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
+/// The median of the points' values, and the point it names: the middle one by value (for an
+/// even count, the median is the mean of the two middle values and names the lower one).
+fn median(points: &[Point]) -> (f64, Point) {
+    let mut v: Vec<&Point> = points.iter().collect();
+    v.sort_by(|a, b| a.value.total_cmp(&b.value));
     let n = v.len();
     if n % 2 == 1 {
-        v[n / 2]
+        (v[n / 2].value, v[n / 2].clone())
     } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
+        let (lo, hi) = (v[n / 2 - 1], v[n / 2]);
+        ((lo.value + hi.value) / 2.0, lo.clone())
     }
 }
 
@@ -225,6 +264,7 @@ mod tests {
             checkpoint: format!("ckpt_{step}.pt"),
             value: Some(value),
             generalization_gap: gap,
+            loss_heldout: Some(0.1),
             memorization_ratio: None,
         }
     }
@@ -256,6 +296,26 @@ mod tests {
         assert!((550..=750).contains(&best.step), "best step {}", best.step);
         assert!(fired[0] > best.step);
         assert!(fired_at(&decisions, Signal::Resolved).is_empty());
+    }
+
+    #[test]
+    fn best_names_the_checkpoint_the_median_picked() {
+        // Window 3: the smallest median, 0.80, is the value of step 200, though it becomes the
+        // median only at step 250 (window 0.85, 0.80, 0.79).
+        let values = [0.95, 0.90, 0.85, 0.80, 0.79, 0.86, 0.88, 0.90];
+        let (d, _) = run(&values, EarlyStopConfig::default());
+        let best = d.state.best.unwrap();
+        assert_eq!((best.step, best.value), (200, 0.80));
+        assert_eq!(best.checkpoint, "ckpt_200.pt");
+        // Even window: the mean of the two middle values, named after the lower one.
+        let config = EarlyStopConfig {
+            window: 2,
+            ..EarlyStopConfig::default()
+        };
+        let (d, _) = run(&[0.9, 0.7, 0.8, 0.95], config);
+        let best = d.state.best.unwrap();
+        assert_eq!(best.step, 100);
+        assert!((best.value - 0.75).abs() < 1e-12);
     }
 
     #[test]
@@ -309,8 +369,14 @@ mod tests {
         let gaps: Vec<Option<f64>> = (0..30)
             .map(|i| Some(if i >= 19 { 0.02 } else { 0.01 }))
             .collect();
-        let (_, decisions) = run_with(&values, &gaps, config);
+        let (_, decisions) = run_with(&values, &gaps, config.clone());
         assert_eq!(fired_at(&decisions, Signal::EarlyStop), vec![1000]);
+        // A gap hovering around zero (data-rich training) changes by far more than 50% of
+        // itself, but never by 5% of the held-out loss (floor 0.1 · 0.1 · 0.5): no confirmation.
+        let gaps: Vec<Option<f64>> = (0..30).map(|i| Some(0.002 * noise(i))).collect();
+        let (_, decisions) = run_with(&values, &gaps, config);
+        assert!(decisions.iter().all(|(_, d)| d.signal.is_none()));
+        assert!(decisions.iter().any(|(_, d)| d.unconfirmed));
     }
 
     #[test]

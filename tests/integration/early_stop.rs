@@ -124,7 +124,7 @@ fn checkpoints_by_icr(dir: &Path) -> (PathBuf, PathBuf, f64) {
 /// fires at step 5 with the best at step 2.
 fn detector_config(rise: f64) -> String {
     format!(
-        "early_stop: {{window: 1, warmup: 2, patience: 2, min_rise: {}}}\n",
+        "early_stop: {{window: 1, warmup: 2, patience: 2, min_rise: {}, confirm: none}}\n",
         rise / 2.0
     )
 }

@@ -11,3 +11,4 @@ mod icr;
 mod model;
 mod pfd;
 mod tail;
+mod toy_training;

@@ -1,0 +1,188 @@
+//! The early stop on real training (#5): the toy trainer writes a checkpoint every 50 steps
+//! while `diffmon watch`, with the default detector settings, evaluates them. On the
+//! data-limited run (64 images) the ICR curve turns and the detector fires, naming a best
+//! checkpoint from before the memorization ratio reaches 5%, and the trainer obeys the stop
+//! file; on the data-rich run (1500 images) it does not fire.
+//!
+//! Both runs use the settings of `make demo`: batch 64, EMA 0.995 (checkpoints hold the EMA
+//! weights, as EDM's do), one thread for the trainer and one for diffmon, 2048 ICR view pairs,
+//! and 128 PF-ODE samples for the memorization ratio (no teacher). One process each, so the
+//! results are deterministic on a given machine. About 4–5 minutes per run on 2 cores.
+
+use crate::common::root;
+use crate::daemon::Daemon;
+use serde_json::Value;
+use std::fs;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const STEPS: i64 = 1600;
+
+/// A training process, killed when dropped.
+struct Trainer(Child);
+
+impl Drop for Trainer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_trainer(dir: &Path, train_size: usize, seed: u64) -> Trainer {
+    let log = fs::File::create(dir.join("train.log")).unwrap();
+    let child = Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("python/train_toy.py"))
+        .args(["--run-dir", dir.to_str().unwrap()])
+        .args([
+            "--train-size",
+            &train_size.to_string(),
+            "--heldout-size",
+            "256",
+        ])
+        .args(["--steps", &STEPS.to_string(), "--ckpt-every", "50"])
+        .args(["--batch-size", "64", "--ema", "0.995", "--threads", "1"])
+        .args(["--seed", &seed.to_string()])
+        .env("PYTHONPATH", root().join("python"))
+        .env("OMP_WAIT_POLICY", "PASSIVE")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let trainer = Trainer(child);
+    let start = Instant::now();
+    while !(dir.join("model.ts").exists() && dir.join("heldout.h5").exists()) {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "the trainer did not write its architecture and data:\n{}",
+            fs::read_to_string(dir.join("train.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    trainer
+}
+
+struct Outcome {
+    /// `/v1/early-stop` once every checkpoint was evaluated.
+    status: Value,
+    /// (step, ICR, memorization ratio) per evaluated checkpoint, by step.
+    curve: Vec<(i64, f64, f64)>,
+    last_checkpoint_step: i64,
+    trainer_log: String,
+}
+
+/// Trains while the daemon watches; waits for the trainer to end and for the daemon to
+/// evaluate every checkpoint it wrote.
+fn train_and_watch(train_size: usize, seed: u64) -> Outcome {
+    let dir = tempfile::tempdir().unwrap();
+    let mut trainer = start_trainer(dir.path(), train_size, seed);
+    let mut daemon = Daemon::start(
+        dir.path(),
+        "cpu_threads: 1\n\
+         checkpoints: {pattern: 'ckpt_*.pt', settle_secs: 1.0, poll_secs: 2.0}\n\
+         icr: {samples: 2048}\n\
+         pfd: {enabled: true, samples: 128, batch_size: 128}\n\
+         memorization: {enabled: true}\n",
+    );
+    let start = Instant::now();
+    while trainer.0.try_wait().unwrap().is_none() {
+        assert!(
+            start.elapsed() < Duration::from_secs(1200),
+            "the trainer ran too long"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(trainer.0.wait().unwrap().success(), "the trainer failed");
+    let steps: Vec<i64> = fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            name.strip_prefix("ckpt_")?
+                .strip_suffix(".pt")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    let written = steps.len() as f64;
+    daemon.wait_for(
+        Duration::from_secs(900),
+        "the evaluation of every checkpoint",
+        |d| d.evaluated() >= written,
+    );
+    let status: Value = serde_json::from_str(&daemon.get("/v1/early-stop").unwrap()).unwrap();
+    daemon.terminate();
+    let mut curve: Vec<(i64, f64, f64)> =
+        fs::read_to_string(dir.path().join(".diffmon/history.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .filter(|v| v["kind"] == "evaluation")
+            .map(|v| {
+                let r = &v["record"];
+                (
+                    r["step"].as_i64().unwrap(),
+                    r["icr"].as_f64().unwrap(),
+                    r["memorization_ratio"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+    curve.sort_by_key(|c| c.0);
+    for (step, icr, mem) in &curve {
+        eprintln!(
+            "n={train_size} step {step:5} ICR {icr:.4} memorized {:.1}%",
+            100.0 * mem
+        );
+    }
+    eprintln!("n={train_size} /v1/early-stop: {status}");
+    Outcome {
+        status,
+        curve,
+        last_checkpoint_step: steps.into_iter().max().unwrap_or(0),
+        trainer_log: fs::read_to_string(dir.path().join("train.log")).unwrap_or_default(),
+    }
+}
+
+#[test]
+fn default_detector_fires_on_data_limited_training_and_not_on_data_rich() {
+    let limited = train_and_watch(64, 1);
+    let s = &limited.status;
+    assert_eq!(s["fired"], true, "no early stop on the data-limited run");
+    let best = s["best_step"].as_i64().unwrap();
+    let fired_at = s["event"]["current_step"].as_i64().unwrap();
+    assert!(
+        best < fired_at,
+        "best {best} not before the firing {fired_at}"
+    );
+    // The best checkpoint comes before the memorization ratio reaches 5%.
+    let memorized_from = limited
+        .curve
+        .iter()
+        .find(|c| c.2 >= 0.05)
+        .map(|c| c.0)
+        .unwrap_or(i64::MAX);
+    assert!(
+        best < memorized_from,
+        "best step {best}, but 5% of the samples were memorized from step {memorized_from}"
+    );
+    // ICR really turned: the named best is the curve's minimum region, and later checkpoints
+    // are higher.
+    let icr_at = |step: i64| limited.curve.iter().find(|c| c.0 == step).unwrap().1;
+    assert!(icr_at(fired_at) > icr_at(best));
+    // The trainer obeyed the stop file before the end of its schedule.
+    assert!(
+        limited.trainer_log.contains("stopping at step"),
+        "{}",
+        limited.trainer_log
+    );
+    assert!(limited.last_checkpoint_step < STEPS);
+
+    let rich = train_and_watch(1500, 0);
+    assert_eq!(
+        rich.status["fired"], false,
+        "early stop on the data-rich run: {}",
+        rich.status
+    );
+    assert_eq!(rich.last_checkpoint_step, STEPS);
+    assert!(rich.curve.iter().all(|c| c.2 < 0.05));
+}
