@@ -152,12 +152,29 @@ pub fn main() -> ExitCode {
         }
     };
     init_logging();
+    keep_freed_memory();
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::from(exit_code(&e))
         }
+    }
+}
+
+/// Keeps memory that libtorch frees for its next tensors instead of handing it back to the
+/// kernel. By default glibc serves large blocks (the activations of a forward pass, a few MiB
+/// each) with fresh `mmap`s and trims the heap after frees, so every network call faults its
+/// pages in again: measured on the toy PF-ODE (256 latents, 140 calls), 0.5–0.9 M page faults
+/// and 1.5–2.2 s of system time against 26 k and 0.1 s with these settings, and 25% less wall
+/// time. The cost: the process keeps its peak heap. (PyTorch's CPU performance guide
+/// recommends a caching allocator for the same reason.)
+fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only adjusts allocator parameters; called before any worker thread.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
     }
 }
 
