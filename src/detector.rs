@@ -3,14 +3,16 @@
 //! Each evaluation adds one raw value; the smoothed value is the median of the last `window` raw
 //! values; `best` is the smallest smoothed value so far, named after the checkpoint the median
 //! picked (the middle one of the window by value; for an even window, the lower middle one), so
-//! the checkpoint it names has that very value, not the newest checkpoint of the window. The detector fires when the smoothed
-//! value has stayed above `best · (1 + min_rise)` for `patience` consecutive checkpoints, after
-//! `warmup` checkpoints, and only if the curve actually came down to its minimum (its first
-//! smoothed value is at least `best · (1 + min_rise)`): a flat or only-rising curve never fires,
-//! nor does a decreasing one. It fires once per run. A later dip below the old best by
-//! `min_rise` (double descent) yields one `resolved`. With a confirmation signal configured, a
-//! turn fires only once that signal has risen since the best step too; until then the turn is
-//! reported as unconfirmed and sends nothing.
+//! the checkpoint it names has that very value, not the newest checkpoint of the window.
+//!
+//! The detector fires when the smoothed value has stayed above `best · (1 + min_rise)` for
+//! `patience` consecutive checkpoints, after `warmup` checkpoints, and only if the curve
+//! actually came down to its minimum (its first smoothed value is at least
+//! `best · (1 + min_rise)`): a flat or only-rising curve never fires, nor does a decreasing one.
+//! It fires once per run. A later dip below the old best by `min_rise` (double descent) yields
+//! one `resolved`. With a confirmation signal configured, a turn fires only once that signal has
+//! risen since the best step too, beyond its noise floor; until then the turn is reported as
+//! unconfirmed and sends nothing.
 //!
 //! The state is plain data, persisted by the daemon after every observation, so a restart
 //! neither forgets the best nor fires twice.
