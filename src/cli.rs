@@ -484,7 +484,8 @@ fn bias_variance(config_path: &std::path::Path, students: &[PathBuf]) -> Result<
     let mut features = Vec::new();
     for path in students {
         model.load_weights(path, &opts)?;
-        features.push((path.display().to_string(), probe.student_features(&model)?));
+        let what = path.display().to_string();
+        features.push((what.clone(), probe.student_features(&model, &what)?));
     }
     let teacher = probe
         .teacher_features()

@@ -43,10 +43,11 @@ pub struct Best {
     pub step: i64,
     pub checkpoint: String,
     pub value: f64,
-    /// The confirmation signal at the best step, when one is configured and was measured.
+    /// The confirmation signal when this best was found (at the newest checkpoint of the
+    /// window, which may be later than `step`), when one is configured and was measured.
     pub confirm_value: Option<f64>,
-    /// The smallest rise of the confirmation signal that is not noise, taken at the best step
-    /// (see [`Detector::confirmed`]).
+    /// The smallest rise of the confirmation signal that is not noise, taken with
+    /// `confirm_value` (see [`Detector::confirmed`]).
     #[serde(default)]
     pub confirm_floor: f64,
 }

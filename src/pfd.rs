@@ -572,41 +572,26 @@ impl PfdProbe {
         let zero = || Tensor::zeros([], (Kind::Double, device));
         let (mut gen_sq, mut mem_sq, mut memorized) = (zero(), zero(), zero());
         let mut observables = Vec::new();
-        let mut den = ModelDenoiser::new(model);
-        integrate_all(
-            &mut den,
-            &self.latents,
-            &self.schedule,
-            self.batch,
-            None,
-            &mut |start, x| {
-                let len = x.size()[0];
-                let f = describe(self.descriptor.as_ref(), &x)?;
-                let sq = |flow: &Flow| {
-                    (&f - flow.features.narrow(0, start, len))
-                        .square()
-                        .sum(Kind::Double)
-                };
-                if let Some(t) = &self.teacher {
-                    gen_sq += sq(t);
-                }
-                if let Some(e) = &self.empirical {
-                    mem_sq += sq(e);
-                }
-                if let Some(m) = &self.memorization {
-                    memorized += self.memorized(m, &x, &f).sum(Kind::Double);
-                }
-                if let Some((t, _)) = &self.tail {
-                    observables.extend(tail::observables(&x, t.observable, t.scale, t.offset));
-                }
-                Ok::<_, PfdError>(())
-            },
-        )
-        .map_err(|e| match e {
-            PfdError::Sampler(SamplerError::NonFinite { .. }) => {
-                PfdError::NonFinite(what.to_string())
+        self.integrate_student(model, what, &mut |start, x, f| {
+            let len = x.size()[0];
+            let sq = |flow: &Flow| {
+                (f - flow.features.narrow(0, start, len))
+                    .square()
+                    .sum(Kind::Double)
+            };
+            if let Some(t) = &self.teacher {
+                gen_sq += sq(t);
             }
-            e => e,
+            if let Some(e) = &self.empirical {
+                mem_sq += sq(e);
+            }
+            if let Some(m) = &self.memorization {
+                memorized += self.memorized(m, x, f).sum(Kind::Double);
+            }
+            if let Some((t, _)) = &self.tail {
+                observables.extend(tail::observables(x, t.observable, t.scale, t.offset));
+            }
+            Ok(())
         })?;
         let m = self.samples() as f64;
         let tail = match &self.tail {
@@ -645,23 +630,44 @@ impl PfdProbe {
         }
     }
 
-    /// `Ψ(Φ_student)` for all latents, `[M,k]` float64 on the CPU (for bias–variance).
-    pub fn student_features(&self, model: &Model) -> Result<Tensor, PfdError> {
-        let mut den = ModelDenoiser::new(model);
+    /// `Ψ(Φ_student)` for all latents, `[M,k]` float64 on the CPU (for bias–variance); `what`
+    /// names the checkpoint in errors.
+    pub fn student_features(&self, model: &Model, what: &str) -> Result<Tensor, PfdError> {
         let mut features = Vec::new();
+        self.integrate_student(model, what, &mut |_, _, f| {
+            features.push(f.to_device(Device::Cpu));
+            Ok(())
+        })?;
+        Ok(Tensor::cat(&features, 0))
+    }
+
+    /// Integrates `model` from the latents in batches, handing `sink` each batch's first index,
+    /// its samples `Φ` and their descriptors `Ψ(Φ)` (on the model's device). A non-finite
+    /// result is an error naming `what`.
+    fn integrate_student(
+        &self,
+        model: &Model,
+        what: &str,
+        sink: &mut dyn FnMut(i64, &Tensor, &Tensor) -> Result<(), PfdError>,
+    ) -> Result<(), PfdError> {
+        let mut den = ModelDenoiser::new(model);
         integrate_all(
             &mut den,
             &self.latents,
             &self.schedule,
             self.batch,
             None,
-            &mut |_, x| {
+            &mut |start, x| {
                 let f = describe(self.descriptor.as_ref(), &x)?;
-                features.push(f.to_device(Device::Cpu));
-                Ok::<_, PfdError>(())
+                sink(start, &x, &f)
             },
-        )?;
-        Ok(Tensor::cat(&features, 0))
+        )
+        .map_err(|e| match e {
+            PfdError::Sampler(SamplerError::NonFinite { .. }) => {
+                PfdError::NonFinite(what.to_string())
+            }
+            e => e,
+        })
     }
 
     /// The teacher's `Ψ(Φ)`, `[M,k]`, when a teacher is configured.

@@ -165,8 +165,7 @@ fn default_detector_fires_on_data_limited_training_and_not_on_data_rich() {
         best < memorized_from,
         "best step {best}, but 5% of the samples were memorized from step {memorized_from}"
     );
-    // ICR really turned: the named best is the curve's minimum region, and later checkpoints
-    // are higher.
+    // ICR really turned: the checkpoint it fired at is above the best one.
     let icr_at = |step: i64| limited.curve.iter().find(|c| c.0 == step).unwrap().1;
     assert!(icr_at(fired_at) > icr_at(best));
     // The trainer obeyed the stop file before the end of its schedule.
