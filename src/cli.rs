@@ -166,8 +166,8 @@ pub fn main() -> ExitCode {
 /// kernel. By default glibc serves large blocks (the activations of a forward pass, a few MiB
 /// each) with fresh `mmap`s and trims the heap after frees, so every network call faults its
 /// pages in again: measured on the toy PF-ODE (256 latents, 140 calls), 0.5–0.9 M page faults
-/// and 1.5–2.2 s of system time against 26 k and 0.1 s with these settings, and 25% less wall
-/// time. The cost: the process keeps its peak heap. (PyTorch's CPU performance guide
+/// and 1.5–2.2 s of system time against 26 k and 0.1 s with these settings; the PFD benchmark
+/// went from 3.9–4.2 s to 2.5–2.7 s per checkpoint. The cost: the process keeps its peak heap. (PyTorch's CPU performance guide
 /// recommends a caching allocator for the same reason.)
 fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
