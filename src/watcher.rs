@@ -244,12 +244,14 @@ impl Watcher {
                 let Ok(event) = op.recv(&events) else {
                     continue;
                 };
-                self.on_event(event);
+                let mut changed = self.on_event(event);
                 // Coalesce a burst of events into one scan.
                 while let Ok(event) = events.try_recv() {
-                    self.on_event(event);
+                    changed |= self.on_event(event);
                 }
-                self.scan();
+                if changed {
+                    self.scan();
+                }
             } else if Some(op.index()) == work_op {
                 let item = offer.expect("offered");
                 if op.send(&work, item.clone()).is_err() {
@@ -260,15 +262,24 @@ impl Watcher {
         }
     }
 
-    fn on_event(&mut self, event: notify::Result<notify::Event>) {
+    /// Handles one notification; whether it may change what a scan finds. Opening or reading a
+    /// file or the folder does not: the scan itself opens the folder and the evaluator opens
+    /// checkpoints, and rescanning on those events would wake the watcher forever.
+    fn on_event(&mut self, event: notify::Result<notify::Event>) -> bool {
         use notify::EventKind;
-        use notify::event::{ModifyKind, RenameMode};
-        let Ok(event) = event else { return };
-        if let EventKind::Modify(ModifyKind::Name(RenameMode::To | RenameMode::Both)) = event.kind {
-            // For `Both`, the last path is the destination.
-            if let Some(path) = event.paths.last() {
-                self.renamed(path);
+        use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
+        let Ok(event) = event else { return true };
+        match event.kind {
+            EventKind::Modify(ModifyKind::Name(RenameMode::To | RenameMode::Both)) => {
+                // For `Both`, the last path is the destination.
+                if let Some(path) = event.paths.last() {
+                    self.renamed(path);
+                }
+                true
             }
+            EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
+            EventKind::Access(_) => false,
+            _ => true,
         }
     }
 
@@ -381,6 +392,38 @@ mod tests {
                 .encode()
                 .contains("diffmon_checkpoints_skipped_total{run=\"t\"} 2")
         );
+    }
+
+    #[test]
+    fn its_own_scans_do_not_wake_it_but_a_renamed_checkpoint_does() {
+        // Real inotify: a scan opens the folder, which notifies an access. Were that taken as a
+        // change, every scan would trigger the next and an idle daemon would spin.
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = Watcher::new(
+            dir.path(),
+            &config(Backlog::All),
+            HashSet::new(),
+            Arc::new(Metrics::new("t")),
+        );
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let _notifier = w.start_notifications(tx).expect("inotify");
+        let drain = |rx: &Receiver<notify::Result<notify::Event>>| {
+            std::thread::sleep(Duration::from_millis(300));
+            rx.try_iter().collect::<Vec<_>>()
+        };
+        w.scan();
+        let own = drain(&rx);
+        assert!(!own.is_empty(), "the scan's own folder access was not notified");
+        for e in own {
+            assert!(!w.on_event(e), "a scan's own access counted as a change");
+        }
+        let tmp = dir.path().join("ckpt_7.pt.tmp");
+        write_checkpoint(&tmp);
+        std::fs::rename(&tmp, dir.path().join("ckpt_7.pt")).unwrap();
+        let changes: Vec<bool> = drain(&rx).into_iter().map(|e| w.on_event(e)).collect();
+        assert!(changes.contains(&true), "a renamed checkpoint did not count");
+        w.scan();
+        assert_eq!(w.next().map(|i| i.step), Some(7));
     }
 
     #[test]
