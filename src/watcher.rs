@@ -413,7 +413,10 @@ mod tests {
         };
         w.scan();
         let own = drain(&rx);
-        assert!(!own.is_empty(), "the scan's own folder access was not notified");
+        assert!(
+            !own.is_empty(),
+            "the scan's own folder access was not notified"
+        );
         for e in own {
             assert!(!w.on_event(e), "a scan's own access counted as a change");
         }
@@ -421,7 +424,10 @@ mod tests {
         write_checkpoint(&tmp);
         std::fs::rename(&tmp, dir.path().join("ckpt_7.pt")).unwrap();
         let changes: Vec<bool> = drain(&rx).into_iter().map(|e| w.on_event(e)).collect();
-        assert!(changes.contains(&true), "a renamed checkpoint did not count");
+        assert!(
+            changes.contains(&true),
+            "a renamed checkpoint did not count"
+        );
         w.scan();
         assert_eq!(w.next().map(|i| i.step), Some(7));
     }
