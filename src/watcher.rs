@@ -183,10 +183,18 @@ impl Watcher {
         }
     }
 
-    /// The item to offer the evaluator now.
+    /// The item to offer the evaluator now. With `all`, checkpoints go in step order: the
+    /// detector reads the curve in evaluation order, so one renamed into place must not overtake
+    /// an older one that is still settling (as every file found after a restart is).
     fn next(&self) -> Option<WorkItem> {
         match self.config.backlog {
-            Backlog::All => self.ready.values().next().cloned(),
+            Backlog::All => {
+                let first = self.ready.values().next()?;
+                let older_settling = self.candidates.keys().any(|p| {
+                    crate::eval::step_of(p, &self.step_regex).is_some_and(|s| s < first.step)
+                });
+                (!older_settling).then(|| first.clone())
+            }
             Backlog::Latest => self.ready.values().next_back().cloned(),
         }
     }
@@ -430,6 +438,38 @@ mod tests {
         );
         w.scan();
         assert_eq!(w.next().map(|i| i.step), Some(7));
+    }
+
+    #[test]
+    fn a_renamed_checkpoint_waits_for_an_older_one_still_settling() {
+        // After a restart, ckpt_1 (found by the scan) must settle; ckpt_2 arrives by rename and
+        // is complete at once, but is offered only after ckpt_1.
+        let dir = tempfile::tempdir().unwrap();
+        write_checkpoint(&dir.path().join("ckpt_1.pt"));
+        let cfg = CheckpointsConfig {
+            settle_secs: 0.3,
+            ..config(Backlog::All)
+        };
+        let mut w = Watcher::new(
+            dir.path(),
+            &cfg,
+            HashSet::new(),
+            Arc::new(Metrics::new("t")),
+        );
+        w.scan();
+        let renamed = dir.path().join("ckpt_2.pt");
+        write_checkpoint(&renamed);
+        w.renamed(&renamed);
+        w.scan();
+        assert!(w.next().is_none(), "ckpt_2 overtook ckpt_1");
+        std::thread::sleep(Duration::from_millis(350));
+        w.scan();
+        let mut steps = Vec::new();
+        while let Some(item) = w.next() {
+            steps.push(item.step);
+            w.taken(&item);
+        }
+        assert_eq!(steps, vec![1, 2]);
     }
 
     #[test]
