@@ -140,8 +140,11 @@ impl Watcher {
             if !c.renamed_into_place && stable_for < settle {
                 continue;
             }
+            // A file renamed into place is complete: if it is not a valid container it is
+            // corrupt, and recorded as a failure at once. One found by the scan may still be
+            // growing in a way size and mtime do not show (NFS), so it gets until `give_up`.
             let valid = crate::weights::validate_structure(&path).is_ok();
-            if !valid && stable_for < give_up {
+            if !valid && !c.renamed_into_place && stable_for < give_up {
                 continue;
             }
             let key = CheckpointKey {
@@ -158,7 +161,7 @@ impl Watcher {
                 continue;
             };
             if !valid {
-                tracing::warn!(checkpoint = %path.display(), "stable for {give_up:?} but not a valid checkpoint container; handing it over to be recorded as a failure");
+                tracing::warn!(checkpoint = %path.display(), "not a valid checkpoint container (renamed into place, or stable for {give_up:?}); handing it over to be recorded as a failure");
             }
             self.ready
                 .insert((step, path.clone()), WorkItem { path, step, key });
@@ -185,13 +188,18 @@ impl Watcher {
 
     /// The item to offer the evaluator now. With `all`, checkpoints go in step order: the
     /// detector reads the curve in evaluation order, so one renamed into place must not overtake
-    /// an older one that is still settling (as every file found after a restart is).
+    /// an older one that is still settling (as every file found after a restart is). A file that
+    /// has settled but is not a valid container only waits to be recorded as a failure, which
+    /// the detector never sees: it holds nothing back.
     fn next(&self) -> Option<WorkItem> {
         match self.config.backlog {
             Backlog::All => {
                 let first = self.ready.values().next()?;
-                let older_settling = self.candidates.keys().any(|p| {
-                    crate::eval::step_of(p, &self.step_regex).is_some_and(|s| s < first.step)
+                let settle = self.settle();
+                let older_settling = self.candidates.iter().any(|(p, c)| {
+                    !c.renamed_into_place
+                        && c.changed_at.elapsed() < settle
+                        && crate::eval::step_of(p, &self.step_regex).is_some_and(|s| s < first.step)
                 });
                 (!older_settling).then(|| first.clone())
             }
@@ -470,6 +478,24 @@ mod tests {
             w.taken(&item);
         }
         assert_eq!(steps, vec![1, 2]);
+    }
+
+    #[test]
+    fn a_corrupt_file_renamed_into_place_is_handed_over_at_once() {
+        // Renamed into place means complete: an invalid container is recorded as a failure
+        // now, not after the give-up time that files found by a scan get.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ckpt_9.pt");
+        std::fs::write(&path, b"not a checkpoint").unwrap();
+        let mut w = Watcher::new(
+            dir.path(),
+            &config(Backlog::All),
+            HashSet::new(),
+            Arc::new(Metrics::new("t")),
+        );
+        w.renamed(&path);
+        w.scan();
+        assert_eq!(w.next().map(|i| i.step), Some(9));
     }
 
     #[test]
