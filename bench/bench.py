@@ -27,6 +27,9 @@ Workloads (NAMES, comma-separated; all by default, in this order):
              daemon's CPU share and RSS (before any checkpoint and after the evaluations).
   scaling    diffmon's time and peak RSS against n (ICR) and M (PFD), four points each.
   batch      diffmon's PFD time against its PF-ODE batch size (64, 256, 1024), M = 1000.
+  http       `/metrics` and `/` under 200 requests/s (worker threads on loopback) while a
+             `diffmon watch` evaluates checkpoints: latency p50/p99, errors, and the evaluation
+             time with and without the load (phases alternate).
 """
 
 from __future__ import annotations
@@ -435,18 +438,21 @@ class Receiver:
 
 
 class Daemon:
+    """`diffmon watch` over `run_dir`, with a fresh state folder."""
+
     def __init__(self, work: Path, run_dir: Path, extra: str):
         self.port = free_port()
-        self.cfg = write_config(work / "watch.yaml", run_dir, run_dir / "train.h5",
+        self.cfg = write_config(work / f"watch-{run_dir.name}.yaml", run_dir, run_dir / "train.h5",
                                 f"http: {{listen: '127.0.0.1:{self.port}'}}\n{extra}")
-        self.log = open(work / "watch.log", "w")
+        shutil.rmtree(self.cfg.with_suffix(".state"), ignore_errors=True)
+        self.log = open(work / f"watch-{run_dir.name}.log", "w")
         self.proc = subprocess.Popen([str(BIN), "watch", "--config", str(self.cfg)],
                                      stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "DIFFMON_LOG": "info"})
         deadline = time.time() + 120
         while self.get("/healthz") is None:
             if self.proc.poll() is not None or time.time() > deadline:
-                raise SystemExit(f"diffmon watch did not start: see {work / 'watch.log'}")
+                raise SystemExit(f"diffmon watch did not start: see {self.log.name}")
             time.sleep(0.05)
 
     def get(self, path: str) -> str | None:
@@ -526,7 +532,7 @@ def bench_daemon(work: Path, repeat: int, quick: bool) -> list[dict]:
             deadline = t0 + 120
             while (daemon.metric("diffmon_last_evaluated_step") or 0) < step:
                 if time.perf_counter() > deadline:
-                    raise SystemExit(f"step {step} not evaluated: see {work / 'watch.log'}")
+                    raise SystemExit(f"step {step} not evaluated: see {daemon.log.name}")
                 time.sleep(0.002)
             t1 = time.perf_counter()
             eval_s = daemon.metric("diffmon_evaluation_duration_seconds_sum", 'stage="total"') - before
@@ -543,7 +549,7 @@ def bench_daemon(work: Path, repeat: int, quick: bool) -> list[dict]:
         daemon.stop()
         receiver.close()
     if webhook is None or webhook[2] != "early_stop":
-        raise SystemExit(f"the early-stop webhook did not arrive: see {work / 'watch.log'}")
+        raise SystemExit(f"the early-stop webhook did not arrive: see {daemon.log.name}")
     # Rename → visible, less the evaluation itself: the detection (inotify), queueing and
     # publication overhead, an upper bound on "visible after the evaluation ended".
     after_eval = [total - e for total, e in visible]
@@ -559,6 +565,116 @@ def bench_daemon(work: Path, repeat: int, quick: bool) -> list[dict]:
         {"workload": "idle CPU share (after evaluations)", "unit": "%", "diffmon": 100 * idle_cpu_after,
          "diffmon_rss_mib": rss_after, "peak_rss_mib": rss_peak, "target": "< 1%"},
     ]
+
+
+class Load:
+    """A bounded load on loopback from worker threads of this process: `rate` GET requests per
+    second spread over `paths`, until stopped. Notes each request's latency and outcome."""
+
+    def __init__(self, port: int, paths: list[str], rate: float, workers: int = 8):
+        import queue
+
+        self.results: list[tuple[str, float, bool]] = []
+        self.todo: queue.Queue = queue.Queue()
+        self.stopped = threading.Event()
+        self.port, self.paths, self.rate = port, paths, rate
+        self.threads = [threading.Thread(target=self.worker, daemon=True) for _ in range(workers)]
+        self.threads.append(threading.Thread(target=self.schedule, daemon=True))
+        for t in self.threads:
+            t.start()
+
+    def schedule(self):
+        start, k = time.perf_counter(), 0
+        while not self.stopped.is_set():
+            due = start + k / self.rate
+            time.sleep(max(0.0, due - time.perf_counter()))
+            self.todo.put(self.paths[k % len(self.paths)])
+            k += 1
+
+    def worker(self):
+        while not self.stopped.is_set():
+            try:
+                path = self.todo.get(timeout=0.1)
+            except Exception:
+                continue
+            t0 = time.perf_counter()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                    ok = r.status == 200 and len(r.read()) > 0
+            except OSError:
+                ok = False
+            self.results.append((path, time.perf_counter() - t0, ok))
+
+    def stop(self) -> list[tuple[str, float, bool]]:
+        self.stopped.set()
+        for t in self.threads:
+            t.join()
+        return self.results
+
+
+def latency_stats(results: list[tuple[str, float, bool]]) -> dict:
+    """Per path: requests, errors, and p50/p99 latency (ms) of the successful ones."""
+    out = {}
+    for path in sorted({r[0] for r in results}):
+        mine = [r for r in results if r[0] == path]
+        lat = np.array([r[1] for r in mine if r[2]])
+        out[path] = {"requests": len(mine), "errors": sum(1 for r in mine if not r[2]),
+                     "p50_ms": 1e3 * float(np.percentile(lat, 50)) if len(lat) else None,
+                     "p99_ms": 1e3 * float(np.percentile(lat, 99)) if len(lat) else None}
+    return out
+
+
+def bench_http_load(work: Path, repeat: int, quick: bool) -> list[dict]:
+    """`/metrics` and `/` under 200 requests/s from worker threads while checkpoints are
+    evaluated: latency percentiles, errors, and the evaluation time with and without the load."""
+    toy = toy_run(work)
+    run_dir = work / "loaded"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir()
+    for f in ("model.ts", "train.h5"):
+        shutil.copy(toy / f, run_dir / f)
+    n, phase_s = (256, 1.0) if quick else (1024, 15.0)
+    daemon = Daemon(work, run_dir, f"icr: {{samples: {n}, batch_size: 256, sigma: 0.5}}\n")
+    ckpts = sorted(toy.glob("ckpt_*.pt"))
+    step = 0
+
+    def evaluate_one() -> float:
+        nonlocal step
+        step += 1
+        before = daemon.metric("diffmon_evaluation_duration_seconds_sum", 'stage="total"') or 0.0
+        place(ckpts[step % len(ckpts)], run_dir / f"ckpt_{step}.pt")
+        deadline = time.perf_counter() + 120
+        while (daemon.metric("diffmon_last_evaluated_step") or 0) < step:
+            if time.perf_counter() > deadline:
+                raise SystemExit(f"step {step} not evaluated: see {daemon.log.name}")
+            time.sleep(0.01)
+        return daemon.metric("diffmon_evaluation_duration_seconds_sum", 'stage="total"') - before
+
+    try:
+        evaluate_one()  # warm-up
+        quiet, loaded, load_s, results = [], [], 0.0, []
+        # Two loaded phases of `phase_s` each (30 s in all), each followed by a quiet phase of
+        # as many evaluations, so a slow spell of the machine hits both alike.
+        for _ in range(2):
+            load = Load(daemon.port, ["/metrics", "/"], 200.0)
+            t0, k = time.perf_counter(), len(loaded)
+            while time.perf_counter() - t0 < phase_s:
+                loaded.append(evaluate_one())
+            load_s += time.perf_counter() - t0
+            results += load.stop()
+            quiet += [evaluate_one() for _ in range(len(loaded) - k)]
+        stats = latency_stats(results)
+    finally:
+        daemon.stop()
+    rows = [{"workload": f"HTTP load: GET {path} at 100/s (200/s in all) during evaluations",
+             "unit": "ms", "diffmon": st["p50_ms"], "p99_ms": st["p99_ms"],
+             "requests": st["requests"], "errors": st["errors"], "target": "no errors"}
+            for path, st in stats.items()]
+    q, l = float(np.median(quiet)), float(np.median(loaded))
+    rows.append({"workload": f"evaluation time (ICR n = {n}) under that load vs quiet", "unit": "s",
+                 "diffmon": l, "reference": q, "ratio": q / l, "load_seconds": load_s,
+                 "quiet": quiet, "loaded": loaded, "target": "≤ 10% slower"})
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -636,7 +752,8 @@ def bench_limits(work: Path, repeat: int, quick: bool) -> list[dict]:
 
 
 ENTRIES = {"limits": bench_limits, "icr": bench_icr, "pfd": bench_pfd, "empirical": bench_empirical,
-           "load": bench_load, "latency": bench_daemon, "scaling": bench_scaling, "batch": bench_batch}
+           "load": bench_load, "latency": bench_daemon, "scaling": bench_scaling, "batch": bench_batch,
+           "http": bench_http_load}
 
 
 def fmt(v, unit: str = "") -> str:
