@@ -9,7 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 BIN := target/release/diffmon
 TORCH_VERSION := 2.13.0
-APT_PACKAGES := build-essential pkg-config libhdf5-dev libssl-dev python3-venv prometheus prometheus-alertmanager
+APT_PACKAGES := build-essential pkg-config libhdf5-dev libssl-dev python3-venv prometheus prometheus-alertmanager time chromium fonts-dejavu-core
 export CARGO_TERM_COLOR := never
 
 .PHONY: setup apt venv build test demo bench clean-demo lint

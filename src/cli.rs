@@ -5,6 +5,7 @@ use crate::config::{self, Config, ConfigError, DeviceSpec, Observable};
 use crate::eval::{Evaluator, step_of};
 use crate::model::Model;
 use crate::pfd::{self, PfdProbe};
+use crate::report::ReportError;
 use crate::sampler::{self, EmpiricalDenoiser, ModelDenoiser, Schedule};
 use crate::tail;
 use crate::weights::ReadOptions;
@@ -81,10 +82,13 @@ pub enum Command {
         #[arg(long, num_args = 2.., required = true)]
         students: Vec<PathBuf>,
     },
-    /// Plots of the history (html, svg or png by the extension of --out).
+    /// Plots of the run's history (ICR with the turn, PFD, memorization, traces), as the live
+    /// page shows them.
     Report {
+        /// The daemon's config: the history is read from its state_dir.
         #[arg(long)]
         config: PathBuf,
+        /// The output file; its extension picks the format: .html, .svg or .png.
         #[arg(long)]
         out: PathBuf,
     },
@@ -178,13 +182,14 @@ fn keep_freed_memory() {
     }
 }
 
-/// 2 for configuration problems, 1 for everything else.
+/// 2 for configuration problems and bad usage, 1 for everything else.
 pub fn exit_code(e: &anyhow::Error) -> u8 {
-    if e.chain().any(|c| c.downcast_ref::<ConfigError>().is_some()) {
-        2
-    } else {
-        1
-    }
+    let usage = |c: &(dyn std::error::Error + 'static)| {
+        c.downcast_ref::<ConfigError>().is_some()
+            || c.downcast_ref::<ReportError>()
+                .is_some_and(ReportError::is_usage)
+    };
+    if e.chain().any(usage) { 2 } else { 1 }
 }
 
 /// Logs go to stderr, filtered by `DIFFMON_LOG` (default `info`).
@@ -252,12 +257,12 @@ pub fn run(command: Command) -> Result<()> {
             Ok(())
         }
         Command::BiasVariance { config, students } => bias_variance(&config, &students),
-        Command::Report { .. } => not_yet("report"),
+        Command::Report { config, out } => {
+            crate::report::write(&Config::load(&config)?, &out)?;
+            println!("{}", out.display());
+            Ok(())
+        }
     }
-}
-
-fn not_yet(command: &str) -> Result<()> {
-    anyhow::bail!("`diffmon {command}` is not available in this version yet")
 }
 
 fn eval(config_path: &std::path::Path, checkpoints: &[PathBuf], json: bool) -> Result<()> {

@@ -23,6 +23,7 @@ use crate::metrics::Metrics;
 use crate::model::ModelError;
 use crate::pfd::PfdError;
 use crate::record::Evaluation;
+use crate::report::Snapshot;
 use crate::watcher::{Watcher, WorkItem, work_channel};
 use anyhow::{Context, Result};
 use serde::Serialize;
@@ -67,6 +68,11 @@ fn failure_reason(item: &WorkItem, e: &EvalError) -> &'static str {
     }
 }
 
+/// A lock that a panicked holder did not poison for the others (the data stays usable).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn now_rfc3339() -> String {
     crate::alerts::rfc3339_utc(std::time::SystemTime::now())
 }
@@ -79,6 +85,8 @@ struct Recorder {
     detector: Detector,
     metrics: Arc<Metrics>,
     status: Arc<Mutex<EarlyStopStatus>>,
+    /// What the live page (`GET /`) plots.
+    snapshot: Arc<Mutex<Snapshot>>,
 }
 
 impl Recorder {
@@ -90,23 +98,14 @@ impl Recorder {
     }
 
     fn observation(&self, r: &Evaluation) -> Observation {
-        Observation {
-            step: r.step,
-            checkpoint: r.checkpoint.clone(),
-            value: match self.config.early_stop.metric {
-                EarlyStopMetric::Icr => r.icr,
-                EarlyStopMetric::PfdGeneralization => r.pfd_generalization,
-            },
-            generalization_gap: r.generalization_gap,
-            loss_heldout: r.loss_heldout,
-            memorization_ratio: r.memorization_ratio,
-        }
+        Observation::of(r, self.config.early_stop.metric)
     }
 
     /// Feeds one record to the detector; returns the event to send, if any.
     fn decide(&mut self, r: &Evaluation, at: &str) -> Option<Event> {
         let decision = self.detector.observe(&self.observation(r));
         let s = &self.detector.state;
+        lock(&self.snapshot).push(r, at, &decision, s);
         self.metrics.set_detector(
             decision.smoothed,
             s.best.as_ref().map(|b| b.step),
@@ -171,6 +170,7 @@ impl Recorder {
             Outcome::Failed(item, reason, message) => {
                 tracing::warn!(checkpoint = %item.path.display(), step = item.step, reason, "evaluation failed: {message}");
                 self.metrics.failure(reason);
+                lock(&self.snapshot).failures += 1;
                 let entry = Entry::Failure {
                     key: item.key,
                     at,
@@ -245,6 +245,7 @@ pub fn run(config: Config) -> Result<()> {
     let history = History::open(&state_dir).context("cannot open the history")?;
     let metrics = Arc::new(Metrics::new(&run));
     let status = Arc::new(Mutex::new(EarlyStopStatus::default()));
+    let snapshot = Arc::new(Mutex::new(Snapshot::new(&run, config.early_stop.metric)));
     let mut recorder = Recorder {
         detector: Detector::new(config.early_stop_resolved(), DetectorState::default()),
         config: config.clone(),
@@ -252,6 +253,7 @@ pub fn run(config: Config) -> Result<()> {
         history,
         metrics: metrics.clone(),
         status: status.clone(),
+        snapshot: snapshot.clone(),
     };
     // The detector's state is the history replayed; replayed events are re-sent below (the
     // alerter delivers each id once, so only undelivered ones go out).
@@ -269,6 +271,12 @@ pub fn run(config: Config) -> Result<()> {
         recorder.metrics.record(record);
         replayed.extend(recorder.decide(record, at));
     }
+    lock(&snapshot).failures = recorder
+        .history
+        .entries()
+        .iter()
+        .filter(|e| matches!(e, Entry::Failure { .. }))
+        .count();
     if !entries.is_empty() {
         tracing::info!(evaluations = entries.len(), state = %state_dir.display(), "history restored");
     }
@@ -374,7 +382,7 @@ pub fn run(config: Config) -> Result<()> {
             alerter
         })?;
 
-    let app = crate::http::router(metrics.clone(), status.clone());
+    let app = crate::http::router(metrics.clone(), status.clone(), snapshot);
     let server = runtime.spawn(async move {
         let listener =
             tokio::net::TcpListener::from_std(listener).expect("a non-blocking std listener");

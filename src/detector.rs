@@ -17,7 +17,8 @@
 //! The state is plain data, persisted by the daemon after every observation, so a restart
 //! neither forgets the best nor fires twice.
 
-use crate::config::{Confirm, EarlyStopConfig};
+use crate::config::{Confirm, EarlyStopConfig, EarlyStopMetric};
+use crate::record::Evaluation;
 use serde::{Deserialize, Serialize};
 
 /// The gap's noise floor, as a fraction of the held-out loss at the best step.
@@ -36,6 +37,23 @@ pub struct Observation {
     /// The held-out loss: the scale below which a change of the gap is noise.
     pub loss_heldout: Option<f64>,
     pub memorization_ratio: Option<f64>,
+}
+
+impl Observation {
+    /// An evaluation record as the detector sees it, watching `metric`.
+    pub fn of(r: &Evaluation, metric: EarlyStopMetric) -> Observation {
+        Observation {
+            step: r.step,
+            checkpoint: r.checkpoint.clone(),
+            value: match metric {
+                EarlyStopMetric::Icr => r.icr,
+                EarlyStopMetric::PfdGeneralization => r.pfd_generalization,
+            },
+            generalization_gap: r.generalization_gap,
+            loss_heldout: r.loss_heldout,
+            memorization_ratio: r.memorization_ratio,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -4,10 +4,11 @@
 //! evaluation (or per checkpoint that could not be evaluated), written and `fsync`ed before
 //! anything else acts on it. A kill can leave at most a torn last line, which the next start
 //! drops. `<state_dir>/history.h5` is regenerated from the journal after every append, written
-//! to a temporary file and renamed into place, so readers (h5py, `diffmon report`) always see a
+//! to a temporary file and renamed into place, so readers (h5py) always see a
 //! complete file: group `/evaluations` with one 1-D dataset per scalar field (NaN where a metric
 //! was not computed), `checkpoint` as strings, and the ICR spectra in `icr_eigenvalues`
-//! `[rows, d]`.
+//! `[rows, d]`. `diffmon report` reads the journal beside a running daemon without changing it
+//! ([`History::read`]).
 
 use crate::record::Evaluation;
 use serde::{Deserialize, Serialize};
@@ -102,35 +103,11 @@ impl History {
         };
         std::fs::create_dir_all(state_dir).map_err(|e| io(state_dir, e))?;
         let path = state_dir.join(JOURNAL);
-        let mut entries = Vec::new();
-        let mut good_len = 0u64;
-        if path.exists() {
-            let file = File::open(&path).map_err(|e| io(&path, e))?;
-            let mut reader = BufReader::new(file);
-            let mut line = String::new();
-            let mut number = 0;
-            loop {
-                line.clear();
-                let n = reader.read_line(&mut line).map_err(|e| io(&path, e))?;
-                if n == 0 {
-                    break;
-                }
-                number += 1;
-                if !line.ends_with('\n') {
-                    // A torn last line from a kill mid-write: dropped below.
-                    tracing::warn!(journal = %path.display(), line = number, "dropping an incomplete last journal line");
-                    break;
-                }
-                let entry: Entry =
-                    serde_json::from_str(&line).map_err(|e| HistoryError::Corrupt {
-                        path: path.clone(),
-                        line: number,
-                        message: e.to_string(),
-                    })?;
-                entries.push(entry);
-                good_len += n as u64;
-            }
-        }
+        let (entries, good_len) = if path.exists() {
+            read_journal(&path)?
+        } else {
+            (Vec::new(), 0)
+        };
         let journal = OpenOptions::new()
             .create(true)
             .append(true)
@@ -146,6 +123,13 @@ impl History {
         };
         history.write_hdf5()?;
         Ok(history)
+    }
+
+    /// The entries of the journal in `state_dir`, read without changing anything (a torn last
+    /// line, from a kill or from a daemon writing it right now, is left out). For readers beside
+    /// a running daemon, such as `diffmon report`.
+    pub fn read(state_dir: &Path) -> Result<Vec<Entry>, HistoryError> {
+        Ok(read_journal(&state_dir.join(JOURNAL))?.0)
     }
 
     pub fn entries(&self) -> &[Entry] {
@@ -201,6 +185,41 @@ impl History {
                 message: e.to_string(),
             })
     }
+}
+
+/// The complete lines of a journal, and their length in bytes (a torn last line is dropped).
+fn read_journal(path: &Path) -> Result<(Vec<Entry>, u64), HistoryError> {
+    let io = |e: std::io::Error| HistoryError::Io {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    };
+    let file = File::open(path).map_err(io)?;
+    let mut reader = BufReader::new(file);
+    let mut entries = Vec::new();
+    let mut good_len = 0u64;
+    let mut line = String::new();
+    let mut number = 0;
+    loop {
+        line.clear();
+        let n = reader.read_line(&mut line).map_err(io)?;
+        if n == 0 {
+            break;
+        }
+        number += 1;
+        if !line.ends_with('\n') {
+            // A torn last line from a kill mid-write.
+            tracing::warn!(journal = %path.display(), line = number, "dropping an incomplete last journal line");
+            break;
+        }
+        let entry: Entry = serde_json::from_str(&line).map_err(|e| HistoryError::Corrupt {
+            path: path.to_path_buf(),
+            line: number,
+            message: e.to_string(),
+        })?;
+        entries.push(entry);
+        good_len += n as u64;
+    }
+    Ok((entries, good_len))
 }
 
 /// The scalar float fields of a record, in the history file's order.
@@ -303,6 +322,26 @@ mod tests {
                 ..Evaluation::default()
             }),
         }
+    }
+
+    #[test]
+    fn read_leaves_a_torn_line_in_place_for_the_writer() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut h = History::open(dir.path()).unwrap();
+        h.append(entry(50, Some(0.5))).unwrap();
+        // A daemon in the middle of writing the next line.
+        let journal = dir.path().join(JOURNAL);
+        let mut f = OpenOptions::new().append(true).open(&journal).unwrap();
+        f.write_all(b"{\"kind\":\"evaluation\",").unwrap();
+        let len = std::fs::metadata(&journal).unwrap().len();
+        let entries = History::read(dir.path()).unwrap();
+        assert_eq!(entries.len(), 1);
+        assert_eq!(entries[0], entry(50, Some(0.5)));
+        assert_eq!(
+            std::fs::metadata(&journal).unwrap().len(),
+            len,
+            "read changed the journal"
+        );
     }
 
     #[test]

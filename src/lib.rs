@@ -16,6 +16,7 @@ pub mod model;
 pub mod pfd;
 pub mod progress;
 pub mod record;
+pub mod report;
 pub mod sampler;
 pub mod tail;
 pub mod watcher;

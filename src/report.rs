@@ -1,0 +1,1128 @@
+//! Plots of a run's history: the daemon's live page (`GET /`) and `diffmon report --out
+//! F.{html,svg,png}` (DESIGN.md §2.3) draw the same plots with the one renderer here, [`render`].
+//!
+//! The plots: the early-stop metric (ICR by default) as raw points with the smoothed curve the
+//! detector uses, the best step and the early stop marked; PFD (E_gen, E_mem); the memorization
+//! ratio; the invariant and residual traces; the denoising generalization gap. A plot whose
+//! metrics were never computed is left out. The input is a [`Snapshot`]: plain data that the
+//! daemon keeps up to date after every evaluation and that the report command rebuilds by
+//! replaying the history journal through the detector, as the daemon does when it restarts.
+//!
+//! Everything is server-side SVG: no JavaScript. The HTML page scales each plot to the width of
+//! the screen. PNG is the SVG rasterized by `resvg`, with a system font (DejaVu Sans, from the
+//! Debian package `fonts-dejavu-core`, or any other sans-serif face found).
+
+use crate::config::{EarlyStopConfig, EarlyStopMetric};
+use crate::detector::{Decision, Detector, DetectorState, Observation};
+use crate::history::{Entry, History, HistoryError, JOURNAL};
+use crate::record::Evaluation;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+/// How often the live page reloads itself.
+pub const LIVE_REFRESH_SECS: u32 = 10;
+
+/// Size of one plot in the standalone SVG, in user units (the PNG's pixels): 800 wide.
+const SVG_PLOT: (u32, u32) = (800, 250);
+/// Size of one plot on the HTML page, which scales it to the screen's width: narrower, so that
+/// its text stays legible on a phone.
+const PAGE_PLOT: (u32, u32) = (600, 270);
+/// Height of the title block of the standalone SVG.
+const HEADER_HEIGHT: u32 = 56;
+const MARGIN_LEFT: f64 = 72.0;
+const MARGIN_RIGHT: f64 = 16.0;
+const MARGIN_TOP: f64 = 30.0;
+const MARGIN_BOTTOM: f64 = 42.0;
+const FONT: &str = "DejaVu Sans, Liberation Sans, Arial, Helvetica, sans-serif";
+/// Families tried, in order, for the PNG's text.
+const PNG_FONTS: [&str; 4] = ["DejaVu Sans", "Liberation Sans", "Arial", "Noto Sans"];
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error(
+        "{path}: unknown report format `{extension}`: the extension must be .html, .svg or .png"
+    )]
+    UnknownFormat { path: PathBuf, extension: String },
+    #[error(
+        "{path}: no history yet: `diffmon watch` with this config (state_dir) has not recorded any checkpoint"
+    )]
+    NoHistory { path: PathBuf },
+    #[error(transparent)]
+    History(#[from] HistoryError),
+    #[error(
+        "no font found for the PNG's text: install one (the Debian package fonts-dejavu-core; `make setup` does)"
+    )]
+    NoFont,
+    #[error("cannot rasterize the plots: {0}")]
+    Rasterize(String),
+    #[error("{path}: cannot write the report: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl ReportError {
+    /// A bad command line (exit 2), rather than a runtime failure.
+    pub fn is_usage(&self) -> bool {
+        matches!(self, ReportError::UnknownFormat { .. })
+    }
+}
+
+/// The output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// A standalone page; with `refresh_secs`, the live page that reloads itself.
+    Html { refresh_secs: Option<u32> },
+    /// One SVG with the plots stacked.
+    Svg,
+    /// That SVG rasterized.
+    Png,
+}
+
+impl Format {
+    /// The format named by a file's extension (`.html`/`.htm`, `.svg`, `.png`, any case).
+    pub fn of_path(path: &Path) -> Result<Format, ReportError> {
+        let extension = path
+            .extension()
+            .map(|e| e.to_string_lossy().to_lowercase())
+            .unwrap_or_default();
+        match extension.as_str() {
+            "html" | "htm" => Ok(Format::Html { refresh_secs: None }),
+            "svg" => Ok(Format::Svg),
+            "png" => Ok(Format::Png),
+            _ => Err(ReportError::UnknownFormat {
+                path: path.to_path_buf(),
+                extension: if extension.is_empty() {
+                    "(none)".into()
+                } else {
+                    format!(".{extension}")
+                },
+            }),
+        }
+    }
+}
+
+/// One evaluation as the plots show it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Row {
+    pub step: i64,
+    pub checkpoint: String,
+    /// The early-stop metric (ICR or E_gen), raw.
+    pub value: Option<f64>,
+    /// The detector's smoothed value after this evaluation.
+    pub smoothed: Option<f64>,
+    pub icr_invariant_trace: Option<f64>,
+    pub icr_residual_trace: Option<f64>,
+    pub pfd_generalization: Option<f64>,
+    pub pfd_memorization: Option<f64>,
+    pub memorization_ratio: Option<f64>,
+    pub generalization_gap: Option<f64>,
+}
+
+/// A checkpoint the detector singled out.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Marker {
+    pub step: i64,
+    pub checkpoint: String,
+    /// Its smoothed value.
+    pub value: f64,
+}
+
+/// Everything the plots show: plain data, cheap to clone, safe to send between threads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot {
+    pub run: String,
+    pub metric: EarlyStopMetric,
+    /// One row per evaluation, in evaluation order.
+    pub rows: Vec<Row>,
+    /// The smallest smoothed value so far.
+    pub best: Option<Marker>,
+    /// The best when the early stop fired, and the step it fired at (the turn).
+    pub fired: Option<(Marker, i64)>,
+    /// A later dip below the fired best resolved the early stop.
+    pub resolved: bool,
+    /// The curve has turned but the confirmation signal has not risen (nothing sent).
+    pub unconfirmed: bool,
+    /// Checkpoints that could not be evaluated.
+    pub failures: usize,
+    /// When the last evaluation was recorded (RFC 3339).
+    pub last_at: Option<String>,
+}
+
+impl Snapshot {
+    pub fn new(run: &str, metric: EarlyStopMetric) -> Snapshot {
+        Snapshot {
+            run: run.to_string(),
+            metric,
+            rows: Vec::new(),
+            best: None,
+            fired: None,
+            resolved: false,
+            unconfirmed: false,
+            failures: 0,
+            last_at: None,
+        }
+    }
+
+    /// Adds one evaluation, with what the detector decided on it and its state afterwards.
+    pub fn push(&mut self, r: &Evaluation, at: &str, decision: &Decision, state: &DetectorState) {
+        let value = metric_value(r, self.metric).filter(|v| v.is_finite());
+        self.rows.push(Row {
+            step: r.step,
+            checkpoint: r.checkpoint.clone(),
+            value,
+            smoothed: value.and(decision.smoothed),
+            icr_invariant_trace: r.icr_invariant_trace,
+            icr_residual_trace: r.icr_residual_trace,
+            pfd_generalization: r.pfd_generalization,
+            pfd_memorization: r.pfd_memorization,
+            memorization_ratio: r.memorization_ratio,
+            generalization_gap: r.generalization_gap,
+        });
+        let marker = |b: &crate::detector::Best| Marker {
+            step: b.step,
+            checkpoint: b.checkpoint.clone(),
+            value: b.value,
+        };
+        self.best = state.best.as_ref().map(marker);
+        self.fired = state
+            .fired
+            .as_ref()
+            .zip(state.fired_step)
+            .map(|(b, step)| (marker(b), step));
+        self.resolved = state.resolved;
+        self.unconfirmed = decision.unconfirmed;
+        self.last_at = Some(at.to_string());
+    }
+
+    /// The snapshot of a history: its evaluations replayed through a detector, as the daemon
+    /// does at start-up.
+    pub fn replay(
+        run: &str,
+        metric: EarlyStopMetric,
+        detector: EarlyStopConfig,
+        entries: &[Entry],
+    ) -> Snapshot {
+        let mut snapshot = Snapshot::new(run, metric);
+        let mut detector = Detector::new(detector, DetectorState::default());
+        for entry in entries {
+            match entry {
+                Entry::Evaluation { record, at, .. } => {
+                    let decision = detector.observe(&Observation::of(record, metric));
+                    snapshot.push(record, at, &decision, &detector.state);
+                }
+                Entry::Failure { .. } => snapshot.failures += 1,
+            }
+        }
+        snapshot
+    }
+}
+
+fn metric_value(r: &Evaluation, metric: EarlyStopMetric) -> Option<f64> {
+    match metric {
+        EarlyStopMetric::Icr => r.icr,
+        EarlyStopMetric::PfdGeneralization => r.pfd_generalization,
+    }
+}
+
+/// `diffmon report`: the plots of the run's history in the format of `out`'s extension.
+pub fn write(config: &crate::config::Config, out: &Path) -> Result<(), ReportError> {
+    let format = Format::of_path(out)?;
+    let state_dir = config.state_dir();
+    let journal = state_dir.join(JOURNAL);
+    if !journal.is_file() {
+        return Err(ReportError::NoHistory { path: journal });
+    }
+    let entries = History::read(&state_dir)?;
+    let snapshot = Snapshot::replay(
+        &config.run_name(),
+        config.early_stop.metric,
+        config.early_stop_resolved(),
+        &entries,
+    );
+    let bytes = render(&snapshot, format)?;
+    std::fs::write(out, bytes).map_err(|source| ReportError::Write {
+        path: out.to_path_buf(),
+        source,
+    })
+}
+
+/// The plots of a snapshot as an HTML page, one SVG, or a PNG image.
+pub fn render(s: &Snapshot, format: Format) -> Result<Vec<u8>, ReportError> {
+    let plots = plots(s);
+    match format {
+        Format::Html { refresh_secs } => Ok(html(s, &plots, refresh_secs).into_bytes()),
+        Format::Svg => Ok(standalone_svg(s, &plots).into_bytes()),
+        Format::Png => rasterize(&standalone_svg(s, &plots)),
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// What is plotted
+
+struct Series {
+    /// `data-series` of its elements.
+    id: &'static str,
+    label: &'static str,
+    color: &'static str,
+    /// (step, value, checkpoint) of each evaluation that has the value.
+    points: Vec<(i64, f64, String)>,
+    /// Points drawn as dots (raw values) or only as a line (the smoothed curve).
+    dots: bool,
+    dashed: bool,
+}
+
+struct Plot {
+    id: &'static str,
+    title: String,
+    y_label: &'static str,
+    series: Vec<Series>,
+    /// Vertical lines: (data-marker, step, label, color, dashed).
+    lines: Vec<(&'static str, i64, String, &'static str, bool)>,
+    /// A ringed point: (data-marker, step, value).
+    ring: Option<(&'static str, i64, f64)>,
+    /// A note under the title (the early stop's state).
+    note: Option<String>,
+}
+
+fn series(
+    rows: &[Row],
+    id: &'static str,
+    label: &'static str,
+    color: &'static str,
+    get: impl Fn(&Row) -> Option<f64>,
+) -> Series {
+    Series {
+        id,
+        label,
+        color,
+        points: rows
+            .iter()
+            .filter_map(|r| {
+                get(r)
+                    .filter(|v| v.is_finite())
+                    .map(|v| (r.step, v, r.checkpoint.clone()))
+            })
+            .collect(),
+        dots: true,
+        dashed: false,
+    }
+}
+
+fn metric_names(metric: EarlyStopMetric) -> (&'static str, &'static str) {
+    match metric {
+        EarlyStopMetric::Icr => ("icr", "ICR"),
+        EarlyStopMetric::PfdGeneralization => ("e_gen", "E_gen"),
+    }
+}
+
+fn plots(s: &Snapshot) -> Vec<Plot> {
+    let rows = &s.rows;
+    let (id, label) = metric_names(s.metric);
+    let raw = series(rows, id, label, "#1f77b4", |r| r.value);
+    let mut smoothed = series(rows, "smoothed", "smoothed", "#ff7f0e", |r| r.smoothed);
+    smoothed.dots = false;
+    let mut main = Plot {
+        id: "early-stop",
+        title: format!("{label}: raw and smoothed"),
+        y_label: label,
+        series: vec![raw, smoothed],
+        lines: Vec::new(),
+        ring: None,
+        note: Some(early_stop_note(s)),
+    };
+    if let Some(b) = &s.best {
+        main.ring = Some(("best", b.step, b.value));
+        main.lines
+            .push(("best", b.step, format!("best {}", b.step), "#2ca02c", true));
+    }
+    if let Some((best, step)) = &s.fired {
+        if s.best.as_ref().is_none_or(|b| b.step != best.step) {
+            main.lines.push((
+                "fired-best",
+                best.step,
+                format!("best at the stop {}", best.step),
+                "#2ca02c",
+                true,
+            ));
+        }
+        main.lines.push((
+            "early-stop",
+            *step,
+            format!("early stop {step}"),
+            "#d62728",
+            false,
+        ));
+    }
+    let mut out = vec![main];
+    let optional = [
+        Plot {
+            id: "pfd",
+            title: "PFD: E_gen (to the teacher), E_mem (to the data)".into(),
+            y_label: "PFD",
+            series: vec![
+                series(rows, "pfd_generalization", "E_gen", "#9467bd", |r| {
+                    r.pfd_generalization
+                }),
+                series(rows, "pfd_memorization", "E_mem", "#8c564b", |r| {
+                    r.pfd_memorization
+                }),
+            ],
+            lines: Vec::new(),
+            ring: None,
+            note: None,
+        },
+        Plot {
+            id: "memorization",
+            title: "Memorization ratio (share of samples)".into(),
+            y_label: "ratio",
+            series: vec![series(
+                rows,
+                "memorization_ratio",
+                "memorized",
+                "#e377c2",
+                |r| r.memorization_ratio,
+            )],
+            lines: Vec::new(),
+            ring: None,
+            note: None,
+        },
+        Plot {
+            id: "traces",
+            title: "ICR traces: invariant Tr Σ_s, residual Tr Σ_ξ".into(),
+            y_label: "trace",
+            series: vec![
+                series(rows, "icr_invariant_trace", "invariant", "#17becf", |r| {
+                    r.icr_invariant_trace
+                }),
+                series(rows, "icr_residual_trace", "residual", "#bcbd22", |r| {
+                    r.icr_residual_trace
+                }),
+            ],
+            lines: Vec::new(),
+            ring: None,
+            note: None,
+        },
+        Plot {
+            id: "gap",
+            title: "Generalization gap (held-out − train loss)".into(),
+            y_label: "gap",
+            series: vec![series(rows, "generalization_gap", "gap", "#7f7f7f", |r| {
+                r.generalization_gap
+            })],
+            lines: Vec::new(),
+            ring: None,
+            note: None,
+        },
+    ];
+    out.extend(
+        optional
+            .into_iter()
+            .filter(|p| p.series.iter().any(|s| !s.points.is_empty())),
+    );
+    out
+}
+
+fn early_stop_note(s: &Snapshot) -> String {
+    match &s.fired {
+        Some((best, step)) if s.resolved => format!(
+            "early stop fired at step {step} (best step {}), then resolved: the curve went below that best again",
+            best.step
+        ),
+        Some((best, step)) => format!(
+            "EARLY STOP fired at step {step}: best checkpoint step {} ({:.5})",
+            best.step, best.value
+        ),
+        None if s.unconfirmed => "the curve has turned, not confirmed yet: nothing sent".into(),
+        None => match &s.best {
+            Some(b) => format!(
+                "no early stop; best so far step {} ({:.5})",
+                b.step, b.value
+            ),
+            None => "no evaluations yet".into(),
+        },
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Drawing
+
+/// Escapes text for HTML and XML (element content and quoted attributes alike).
+pub fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            // Control characters are not allowed in XML 1.0.
+            c if (c as u32) < 0x20 && !matches!(c, '\t' | '\n' | '\r') => out.push('\u{FFFD}'),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// About `n` round tick values covering [lo, hi].
+fn ticks(lo: f64, hi: f64, n: usize, integer: bool) -> (Vec<f64>, usize) {
+    let raw = (hi - lo) / n.max(1) as f64;
+    let magnitude = 10f64.powf(raw.log10().floor());
+    let norm = raw / magnitude;
+    let mut step = magnitude
+        * if norm < 1.5 {
+            1.0
+        } else if norm < 3.0 {
+            2.0
+        } else if norm < 7.0 {
+            5.0
+        } else {
+            10.0
+        };
+    if integer {
+        step = step.max(1.0);
+    }
+    let decimals = if integer {
+        0
+    } else {
+        (-step.log10().floor()).clamp(0.0, 12.0) as usize
+    };
+    let first = (lo / step).ceil();
+    let out = (0..50)
+        .map(|k| (first + k as f64) * step)
+        .take_while(|v| *v <= hi + step * 1e-9)
+        // Snap values within rounding error of zero to +0 (no "-0.00" label).
+        .map(|v| if v.abs() < step * 1e-6 { 0.0 } else { v })
+        .collect();
+    (out, decimals)
+}
+
+/// A range around the values, padded, never empty.
+fn domain(values: impl Iterator<Item = f64>, pad: f64) -> (f64, f64) {
+    let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+        (lo.min(v), hi.max(v))
+    });
+    if !lo.is_finite() {
+        return (0.0, 1.0);
+    }
+    let span = hi - lo;
+    if span <= f64::EPSILON * hi.abs().max(1.0) {
+        let d = (lo.abs() * 0.01).max(1e-9);
+        return (lo - d, hi + d);
+    }
+    (lo - pad * span, hi + pad * span)
+}
+
+/// One plot's elements in a `size` box, steps mapped over `x_range`.
+fn plot_body(p: &Plot, x_range: (f64, f64), size: (u32, u32)) -> String {
+    let (w, h) = (size.0 as f64, size.1 as f64);
+    let (x0, x1) = (MARGIN_LEFT, w - MARGIN_RIGHT);
+    let (y0, y1) = (h - MARGIN_BOTTOM, MARGIN_TOP + 14.0);
+    let mut values: Vec<f64> = p
+        .series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|q| q.1))
+        .collect();
+    values.extend(p.ring.map(|r| r.2));
+    let (lo, hi) = domain(values.into_iter(), 0.08);
+    let sx = |step: f64| x0 + (step - x_range.0) / (x_range.1 - x_range.0) * (x1 - x0);
+    let sy = |v: f64| y0 + (v - lo) / (hi - lo) * (y1 - y0);
+    let mut o = String::new();
+    let _ = write!(
+        o,
+        r##"<g class="plot" data-plot="{id}" font-family="{FONT}" font-size="13" fill="#222">"##,
+        id = p.id
+    );
+    let _ = write!(
+        o,
+        r##"<rect x="0" y="0" width="{w}" height="{h}" fill="#fff"/><text x="8" y="18" font-size="15" font-weight="bold">{}</text>"##,
+        escape(&p.title)
+    );
+    if let Some(note) = &p.note {
+        let color = if note.starts_with("EARLY STOP") {
+            "#d62728"
+        } else {
+            "#555"
+        };
+        let _ = write!(
+            o,
+            r##"<text x="8" y="{}" fill="{color}" data-note="early-stop">{}</text>"##,
+            MARGIN_TOP + 4.0,
+            escape(note)
+        );
+    }
+    // Axes, grid and tick labels.
+    let (yticks, yd) = ticks(lo, hi, 5, false);
+    for v in &yticks {
+        let y = sy(*v);
+        let _ = write!(
+            o,
+            r##"<line x1="{x0}" y1="{y:.1}" x2="{x1}" y2="{y:.1}" stroke="#e5e5e5"/><text x="{:.1}" y="{:.1}" text-anchor="end">{v:.yd$}</text>"##,
+            x0 - 6.0,
+            y + 4.0
+        );
+    }
+    let (xticks, _) = ticks(x_range.0, x_range.1, (w / 100.0) as usize, true);
+    for v in &xticks {
+        let x = sx(*v);
+        let _ = write!(
+            o,
+            r##"<line x1="{x:.1}" y1="{y0}" x2="{x:.1}" y2="{:.1}" stroke="#999"/><text x="{x:.1}" y="{:.1}" text-anchor="middle">{v:.0}</text>"##,
+            y0 + 5.0,
+            y0 + 18.0
+        );
+    }
+    let _ = write!(
+        o,
+        r##"<path d="M{x0},{y1} V{y0} H{x1}" fill="none" stroke="#444"/><text x="{:.1}" y="{:.1}" text-anchor="middle" data-axis="x">step</text><text transform="translate(14 {:.1}) rotate(-90)" text-anchor="middle" data-axis="y">{}</text>"##,
+        (x0 + x1) / 2.0,
+        h - 6.0,
+        (y0 + y1) / 2.0,
+        escape(p.y_label)
+    );
+    // Marker lines under the data.
+    for (k, (marker, step, label, color, dashed)) in p.lines.iter().enumerate() {
+        let x = sx(*step as f64);
+        let dash = if *dashed {
+            r#" stroke-dasharray="5 4""#
+        } else {
+            ""
+        };
+        let anchor = if x > (x0 + x1) / 2.0 { "end" } else { "start" };
+        let tx = if anchor == "end" { x - 4.0 } else { x + 4.0 };
+        let _ = write!(
+            o,
+            r##"<g data-marker="{marker}" data-step="{step}"><line x1="{x:.1}" y1="{y0}" x2="{x:.1}" y2="{y1}" stroke="{color}" stroke-width="1.5"{dash}/><text x="{tx:.1}" y="{:.1}" fill="{color}" text-anchor="{anchor}">{}</text></g>"##,
+            y1 + 12.0 + 14.0 * k as f64,
+            escape(label)
+        );
+    }
+    // The data: the lines (of two points or more), then the dots over them.
+    for s in p.series.iter().filter(|s| s.points.len() >= 2) {
+        let points: Vec<String> = s
+            .points
+            .iter()
+            .map(|(step, v, _)| format!("{:.1},{:.1}", sx(*step as f64), sy(*v)))
+            .collect();
+        let dash = if s.dashed {
+            r#" stroke-dasharray="4 3""#
+        } else {
+            ""
+        };
+        let width = if s.dots { 1.5 } else { 2.5 };
+        let _ = write!(
+            o,
+            r##"<polyline data-series="{id}" data-points="{n}" points="{pts}" fill="none" stroke="{color}" stroke-width="{width}" stroke-linejoin="round"{dash}/>"##,
+            id = s.id,
+            n = s.points.len(),
+            pts = points.join(" "),
+            color = s.color
+        );
+    }
+    for s in p.series.iter().filter(|s| s.dots) {
+        let _ = write!(o, r#"<g data-series="{}-points">"#, s.id);
+        for (step, v, checkpoint) in &s.points {
+            let _ = write!(
+                o,
+                r##"<circle cx="{:.1}" cy="{:.1}" r="3.5" fill="{color}"><title>step {step}: {label} {v:.6} ({})</title></circle>"##,
+                sx(*step as f64),
+                sy(*v),
+                escape(checkpoint),
+                color = s.color,
+                label = s.label,
+            );
+        }
+        o.push_str("</g>");
+    }
+    if let Some((marker, step, v)) = p.ring {
+        let _ = write!(
+            o,
+            r##"<circle data-marker="{marker}-point" data-step="{step}" cx="{:.1}" cy="{:.1}" r="7" fill="none" stroke="#2ca02c" stroke-width="2.5"/>"##,
+            sx(step as f64),
+            sy(v)
+        );
+    }
+    // The legend, top right.
+    let mut lx = x1;
+    for s in p.series.iter().rev().filter(|s| !s.points.is_empty()) {
+        let text_w = 7.5 * s.label.chars().count() as f64;
+        lx -= text_w + 26.0;
+        let _ = write!(
+            o,
+            r##"<line x1="{lx:.1}" y1="13" x2="{:.1}" y2="13" stroke="{}" stroke-width="3"/><text x="{:.1}" y="18">{}</text>"##,
+            lx + 16.0,
+            s.color,
+            lx + 20.0,
+            s.label
+        );
+    }
+    if p.series.iter().all(|s| s.points.is_empty()) {
+        let _ = write!(
+            o,
+            r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" fill="#888">no evaluations yet</text>"##,
+            (x0 + x1) / 2.0,
+            (y0 + y1) / 2.0
+        );
+    }
+    o.push_str("</g>");
+    o
+}
+
+/// The step range shared by all plots, so that they line up.
+fn x_range(s: &Snapshot) -> (f64, f64) {
+    let (lo, hi) = s.rows.iter().fold((i64::MAX, i64::MIN), |(lo, hi), r| {
+        (lo.min(r.step), hi.max(r.step))
+    });
+    if lo > hi {
+        return (0.0, 1.0);
+    }
+    let span = (hi - lo) as f64;
+    if span == 0.0 {
+        return (lo as f64 - 1.0, hi as f64 + 1.0);
+    }
+    (lo as f64 - 0.03 * span, hi as f64 + 0.03 * span)
+}
+
+fn summary(s: &Snapshot) -> String {
+    let (_, label) = metric_names(s.metric);
+    let mut text = format!("{} evaluation(s)", s.rows.len());
+    if let Some(last) = s.rows.last() {
+        text += &format!(", last step {}", last.step);
+        if let Some(v) = last.value {
+            text += &format!(" ({label} {v:.5})");
+        }
+    }
+    if s.failures > 0 {
+        text += &format!(", {} failed", s.failures);
+    }
+    text
+}
+
+fn standalone_svg(s: &Snapshot, plots: &[Plot]) -> String {
+    let (width, plot_height) = SVG_PLOT;
+    let height = HEADER_HEIGHT + plot_height * plots.len() as u32;
+    let range = x_range(s);
+    let mut o = String::new();
+    let _ = write!(
+        o,
+        r##"<?xml version="1.0" encoding="UTF-8"?>
+<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="{FONT}"><rect width="100%" height="100%" fill="#fff"/><text x="8" y="24" font-size="18" font-weight="bold" fill="#222">diffmon: {}</text><text x="8" y="44" font-size="13" fill="#555">{}</text>"##,
+        escape(&s.run),
+        escape(&summary(s))
+    );
+    for (k, p) in plots.iter().enumerate() {
+        let _ = write!(
+            o,
+            r#"<g transform="translate(0 {})">{}</g>"#,
+            HEADER_HEIGHT + plot_height * k as u32,
+            plot_body(p, range, SVG_PLOT)
+        );
+    }
+    o.push_str("</svg>\n");
+    o
+}
+
+fn fmt_opt(v: Option<f64>) -> String {
+    v.map(|v| format!("{v:.5}")).unwrap_or_else(|| "–".into())
+}
+
+fn html(s: &Snapshot, plots: &[Plot], refresh_secs: Option<u32>) -> String {
+    let range = x_range(s);
+    let run = escape(&s.run);
+    let mut o = String::new();
+    o.push_str(
+        r#"<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+"#,
+    );
+    if let Some(secs) = refresh_secs {
+        let _ = writeln!(o, r#"<meta http-equiv="refresh" content="{secs}">"#);
+    }
+    let _ = write!(
+        o,
+        r#"<title>diffmon: {run}</title>
+<style>
+body {{ font-family: system-ui, "DejaVu Sans", sans-serif; color: #222; margin: 0 auto; max-width: 760px; padding: 8px 12px; }}
+h1 {{ font-size: 1.3em; margin: 0.4em 0; }}
+svg.plot {{ display: block; width: 100%; height: auto; margin: 10px 0; border: 1px solid #eee; }}
+.status {{ margin: 0.3em 0; }}
+.fired {{ color: #d62728; font-weight: bold; }}
+.path {{ word-break: break-all; }}
+.table {{ overflow-x: auto; }}
+table {{ border-collapse: collapse; font-size: 0.85em; }}
+th, td {{ padding: 2px 6px; text-align: right; border-bottom: 1px solid #eee; }}
+td {{ white-space: nowrap; }}
+td.path {{ text-align: left; }}
+.foot {{ color: #777; font-size: 0.8em; }}
+</style>
+</head>
+<body>
+<h1>diffmon: {run}</h1>
+<p class="status" id="summary">{}</p>
+"#,
+        escape(&summary(s))
+    );
+    let note = early_stop_note(s);
+    let class = if s.fired.is_some() && !s.resolved {
+        "status fired"
+    } else {
+        "status"
+    };
+    let _ = writeln!(
+        o,
+        r#"<p class="{class}" id="early-stop">{}</p>"#,
+        escape(&note)
+    );
+    if let Some(b) = &s.best {
+        let _ = writeln!(
+            o,
+            r#"<p class="status">best checkpoint: <span class="path" id="best-checkpoint">{}</span> (step {})</p>"#,
+            escape(&b.checkpoint),
+            b.step
+        );
+    }
+    for p in plots {
+        let _ = writeln!(
+            o,
+            r#"<svg class="plot" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {} {}" role="img" aria-label="{}">{}</svg>"#,
+            PAGE_PLOT.0,
+            PAGE_PLOT.1,
+            escape(&p.title),
+            plot_body(p, range, PAGE_PLOT)
+        );
+    }
+    let (_, label) = metric_names(s.metric);
+    if !s.rows.is_empty() {
+        o.push_str(&table(s, label));
+    }
+    let generated = crate::alerts::rfc3339_utc(std::time::SystemTime::now());
+    let _ = write!(
+        o,
+        r#"<p class="foot">diffmon {} · generated {generated}"#,
+        env!("CARGO_PKG_VERSION")
+    );
+    if let Some(at) = &s.last_at {
+        let _ = write!(o, " · last evaluation recorded {}", escape(at));
+    }
+    if let Some(secs) = refresh_secs {
+        let _ = write!(
+            o,
+            r#" · reloads every {secs} s · <a href="metrics">metrics</a> · <a href="v1/early-stop">early-stop status</a>"#
+        );
+    }
+    o.push_str("</p>\n</body>\n</html>\n");
+    o
+}
+
+/// The last ten evaluations, newest first, with the columns that have values.
+fn table(s: &Snapshot, label: &str) -> String {
+    type Column = (&'static str, fn(&Row) -> Option<f64>);
+    let candidates: [Column; 5] = [
+        ("smoothed", |r| r.smoothed),
+        ("gap", |r| r.generalization_gap),
+        ("E_gen", |r| r.pfd_generalization),
+        ("E_mem", |r| r.pfd_memorization),
+        ("memorized", |r| r.memorization_ratio),
+    ];
+    let rows: Vec<&Row> = s.rows.iter().rev().take(10).collect();
+    let columns: Vec<&Column> = candidates
+        .iter()
+        .filter(|(_, get)| rows.iter().any(|r| get(r).is_some()))
+        .collect();
+    let mut o = format!(
+        "<h2>Last evaluations</h2>\n<div class=\"table\"><table>\n<tr><th>step</th><th>{}</th>",
+        escape(label)
+    );
+    for (name, _) in &columns {
+        let _ = write!(o, "<th>{name}</th>");
+    }
+    o.push_str("<th>checkpoint</th></tr>\n");
+    for r in rows {
+        let _ = write!(o, "<tr><td>{}</td><td>{}</td>", r.step, fmt_opt(r.value));
+        for (_, get) in &columns {
+            let _ = write!(o, "<td>{}</td>", fmt_opt(get(r)));
+        }
+        let name = Path::new(&r.checkpoint)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| r.checkpoint.clone());
+        let _ = writeln!(
+            o,
+            r#"<td class="path" title="{}">{}</td></tr>"#,
+            escape(&r.checkpoint),
+            escape(&name)
+        );
+    }
+    o.push_str("</table></div>\n");
+    o
+}
+
+/// The standalone SVG as a PNG, with a system font for the text.
+fn rasterize(svg: &str) -> Result<Vec<u8>, ReportError> {
+    use resvg::{tiny_skia, usvg};
+    let mut options = usvg::Options::default();
+    let db = options.fontdb_mut();
+    db.load_system_fonts();
+    let family = PNG_FONTS
+        .iter()
+        .find(|name| {
+            db.faces()
+                .any(|f| f.families.iter().any(|(n, _)| n.as_str() == **name))
+        })
+        .map(|name| name.to_string())
+        .or_else(|| {
+            db.faces()
+                .find_map(|f| f.families.first().map(|(n, _)| n.clone()))
+        })
+        .ok_or(ReportError::NoFont)?;
+    db.set_sans_serif_family(family.clone());
+    options.font_family = family;
+    let tree =
+        usvg::Tree::from_str(svg, &options).map_err(|e| ReportError::Rasterize(e.to_string()))?;
+    let size = tree.size().to_int_size();
+    let mut pixmap = tiny_skia::Pixmap::new(size.width(), size.height())
+        .ok_or_else(|| ReportError::Rasterize(format!("bad size {size:?}")))?;
+    pixmap.fill(tiny_skia::Color::WHITE);
+    resvg::render(&tree, tiny_skia::Transform::default(), &mut pixmap.as_mut());
+    pixmap
+        .encode_png()
+        .map_err(|e| ReportError::Rasterize(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(step: i64, icr: f64, checkpoint: &str) -> Evaluation {
+        Evaluation {
+            step,
+            checkpoint: checkpoint.to_string(),
+            icr: Some(icr),
+            icr_invariant_trace: Some(10.0 + icr),
+            icr_residual_trace: Some(2.0 * icr),
+            generalization_gap: Some(0.01 * step as f64 / 50.0),
+            seconds: 1.0,
+            ..Evaluation::default()
+        }
+    }
+
+    /// A U-curve over 12 checkpoints, its smoothed minimum named after step 300 (at step 350,
+    /// the median of 0.87, 0.85 and 0.84 is the value of step 300); the default detector fires
+    /// at step 500.
+    fn u_curve(hostile: &str) -> Snapshot {
+        let icr = [
+            0.95, 0.93, 0.91, 0.89, 0.87, 0.85, 0.84, 0.86, 0.88, 0.90, 0.92, 0.94,
+        ];
+        let entries: Vec<Entry> = (1..=12)
+            .map(|i| {
+                let step = 50 * i;
+                let icr = icr[i as usize - 1];
+                let checkpoint = if i == 6 {
+                    hostile.to_string()
+                } else {
+                    format!("/runs/x/ckpt_{step}.pt")
+                };
+                Entry::Evaluation {
+                    key: crate::history::CheckpointKey {
+                        path: checkpoint.clone(),
+                        size: 1,
+                        mtime_ns: step,
+                    },
+                    at: "2026-01-01T00:00:00Z".into(),
+                    record: Box::new(record(step, icr, &checkpoint)),
+                }
+            })
+            .collect();
+        let config = EarlyStopConfig {
+            confirm: crate::config::Confirm::None,
+            ..EarlyStopConfig::default()
+        };
+        Snapshot::replay(hostile, EarlyStopMetric::Icr, config, &entries)
+    }
+
+    const HOSTILE: &str = "</svg><script>alert('x')</script>&\"ckpt\u{1}\".pt";
+
+    fn svg_of(s: &Snapshot) -> String {
+        String::from_utf8(render(s, Format::Svg).unwrap()).unwrap()
+    }
+
+    fn polyline_vertices(doc: &roxmltree::Document, series: &str) -> usize {
+        let node = doc
+            .descendants()
+            .find(|n| n.has_tag_name("polyline") && n.attribute("data-series") == Some(series))
+            .unwrap_or_else(|| panic!("no polyline {series}"));
+        let n = node.attribute("points").unwrap().split_whitespace().count();
+        assert_eq!(node.attribute("data-points"), Some(n.to_string().as_str()));
+        n
+    }
+
+    #[test]
+    fn one_vertex_and_one_dot_per_evaluation_and_the_markers_at_their_steps() {
+        let s = u_curve("/runs/x/ckpt_300.pt");
+        let svg = svg_of(&s);
+        let doc = roxmltree::Document::parse(&svg).expect("the SVG is well-formed XML");
+        assert_eq!(polyline_vertices(&doc, "icr"), 12);
+        assert_eq!(polyline_vertices(&doc, "smoothed"), 12);
+        assert_eq!(polyline_vertices(&doc, "icr_invariant_trace"), 12);
+        assert_eq!(polyline_vertices(&doc, "generalization_gap"), 12);
+        let dots = doc
+            .descendants()
+            .find(|n| n.attribute("data-series") == Some("icr-points"))
+            .unwrap()
+            .children()
+            .filter(|c| c.has_tag_name("circle"))
+            .count();
+        assert_eq!(dots, 12);
+        // No PFD or memorization computed: those plots are left out.
+        assert!(!svg.contains("data-plot=\"pfd\""));
+        assert!(!svg.contains("data-plot=\"memorization\""));
+        // The best is the minimum of the median-smoothed curve, named after step 300; the stop
+        // fired after two smoothed values above best · 1.005.
+        let best = s.best.as_ref().unwrap();
+        assert_eq!((best.step, best.value), (300, 0.85));
+        let (fired_best, fired_at) = s.fired.clone().unwrap();
+        assert_eq!((fired_best.step, fired_at), (300, 500));
+        let marker = |name: &str| {
+            doc.descendants()
+                .find(|n| n.attribute("data-marker") == Some(name))
+                .unwrap_or_else(|| panic!("no marker {name}"))
+                .attribute("data-step")
+                .unwrap()
+                .parse::<i64>()
+                .unwrap()
+        };
+        assert_eq!(marker("best"), 300);
+        assert_eq!(marker("best-point"), 300);
+        assert_eq!(marker("early-stop"), fired_at);
+        // The ring sits on the raw point of step 300 (the value the median picked).
+        let ring = doc
+            .descendants()
+            .find(|n| n.attribute("data-marker") == Some("best-point"))
+            .unwrap();
+        let raw = doc
+            .descendants()
+            .find(|n| n.has_tag_name("polyline") && n.attribute("data-series") == Some("icr"))
+            .unwrap();
+        let vertex = raw
+            .attribute("points")
+            .unwrap()
+            .split_whitespace()
+            .nth(5)
+            .unwrap();
+        assert_eq!(
+            format!(
+                "{},{}",
+                ring.attribute("cx").unwrap(),
+                ring.attribute("cy").unwrap()
+            ),
+            vertex
+        );
+        // Axis labels are there.
+        assert!(svg.contains(">step</text>"));
+        assert!(svg.contains("data-axis=\"y\">ICR</text>"));
+    }
+
+    #[test]
+    fn a_hostile_checkpoint_name_and_run_name_are_escaped() {
+        let s = u_curve(HOSTILE);
+        let html = String::from_utf8(
+            render(
+                &s,
+                Format::Html {
+                    refresh_secs: Some(5),
+                },
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        assert!(!html.contains("<script>"), "{html}");
+        assert!(!html.contains("</svg><script"), "{html}");
+        assert!(html.contains(
+            "&lt;/svg&gt;&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;&amp;&quot;ckpt"
+        ));
+        assert!(html.contains(r#"<meta http-equiv="refresh" content="5">"#));
+        assert!(html.contains(r#"name="viewport""#));
+        // The best checkpoint is the hostile one (step 300), shown escaped.
+        assert!(html.contains(r#"<span class="path" id="best-checkpoint">&lt;/svg&gt;"#));
+        // Each plot is one SVG: all 12 points are still in the ICR plot.
+        assert_eq!(html.matches("<svg class=\"plot\"").count(), 3);
+        let svg = svg_of(&s);
+        let doc = roxmltree::Document::parse(&svg).expect("still well-formed XML");
+        assert_eq!(polyline_vertices(&doc, "icr"), 12);
+        let titles: Vec<&str> = doc
+            .descendants()
+            .filter(|n| n.has_tag_name("title"))
+            .filter_map(|n| n.text())
+            .collect();
+        assert!(
+            titles
+                .iter()
+                .any(|t| t.contains("</svg><script>alert('x')</script>&\"ckpt")),
+            "{titles:?}"
+        );
+        assert!(!svg.contains('\u{1}'));
+        // The report file has no refresh.
+        let report =
+            String::from_utf8(render(&s, Format::Html { refresh_secs: None }).unwrap()).unwrap();
+        assert!(!report.contains("http-equiv"));
+    }
+
+    #[test]
+    fn an_empty_history_still_renders() {
+        let s = Snapshot::new("empty", EarlyStopMetric::Icr);
+        let svg = svg_of(&s);
+        let doc = roxmltree::Document::parse(&svg).unwrap();
+        assert!(!doc.descendants().any(|n| n.has_tag_name("polyline")));
+        assert!(svg.contains("no evaluations yet"));
+        assert!(svg.contains(">step</text>"));
+    }
+
+    #[test]
+    fn tick_labels_are_round_and_never_negative_zero() {
+        let (t, decimals) = ticks(-0.003, 0.041, 5, false);
+        assert_eq!(decimals, 2);
+        assert_eq!(t.len(), 5);
+        assert!(t.contains(&0.0));
+        let labels: Vec<String> = t.iter().map(|v| format!("{v:.decimals$}")).collect();
+        assert_eq!(labels, ["0.00", "0.01", "0.02", "0.03", "0.04"]);
+        let (t, _) = ticks(37.0, 1063.0, 8, true);
+        assert_eq!(t.first(), Some(&100.0));
+        assert!(t.iter().all(|v| v.fract() == 0.0));
+    }
+
+    #[test]
+    fn formats_by_extension() {
+        assert_eq!(
+            Format::of_path(Path::new("a/r.HTML")).unwrap(),
+            Format::Html { refresh_secs: None }
+        );
+        assert_eq!(Format::of_path(Path::new("r.svg")).unwrap(), Format::Svg);
+        assert_eq!(Format::of_path(Path::new("r.png")).unwrap(), Format::Png);
+        let e = Format::of_path(Path::new("r.pdf")).unwrap_err();
+        assert!(e.is_usage());
+        assert!(e.to_string().contains("`.pdf`"), "{e}");
+        assert!(e.to_string().contains("r.pdf"), "{e}");
+    }
+
+    #[test]
+    fn text_is_drawn_in_the_png() {
+        // Only text: without a font, the image would be blank.
+        let svg = format!(
+            r##"<svg xmlns="http://www.w3.org/2000/svg" width="120" height="40"><text x="4" y="28" font-family="{FONT}" font-size="24" fill="#000">step</text></svg>"##
+        );
+        let png = rasterize(&svg).unwrap();
+        let image = resvg::tiny_skia::Pixmap::decode_png(&png).unwrap();
+        assert_eq!((image.width(), image.height()), (120, 40));
+        let dark = image
+            .pixels()
+            .iter()
+            .filter(|p| p.red() < 128 && p.alpha() == 255)
+            .count();
+        assert!(dark > 50, "{dark} dark pixels: the text was not drawn");
+    }
+}
