@@ -168,12 +168,14 @@ impl Drop for Daemon {
     }
 }
 
-/// The history journal's evaluation steps and failures, in order.
+/// The history journal's evaluation steps and failures, in order. A last line still being
+/// written by a running daemon (no newline yet) is left out.
 pub fn journal(dir: &Path) -> (Vec<i64>, Vec<(i64, String)>) {
     let text = fs::read_to_string(dir.join(".diffmon/history.jsonl")).unwrap_or_default();
+    let complete = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
     let mut evals = Vec::new();
     let mut failures = Vec::new();
-    for line in text.lines() {
+    for line in complete.lines() {
         let v: Value = serde_json::from_str(line).unwrap();
         match v["kind"].as_str().unwrap() {
             "evaluation" => evals.push(v["record"]["step"].as_i64().unwrap()),

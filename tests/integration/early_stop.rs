@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const SECRET: &str = "whsec_dGVzdC1zZWNyZXQtZm9yLWRpZmZtb24tb25seQ==";
+pub const SECRET: &str = "whsec_dGVzdC1zZWNyZXQtZm9yLWRpZmZtb24tb25seQ==";
 
 /// A child process killed when dropped.
 struct Guard(Child);
@@ -23,14 +23,14 @@ impl Drop for Guard {
 }
 
 /// The Python webhook receiver of the alerts tests, answering `script` first, then 200.
-struct Receiver {
+pub struct Receiver {
     _child: Guard,
-    port: u16,
+    pub port: u16,
     log: PathBuf,
 }
 
 impl Receiver {
-    fn start(dir: &Path, port: u16, script: &str) -> Receiver {
+    pub fn start(dir: &Path, port: u16, script: &str) -> Receiver {
         let log = dir.join(format!("receiver-{port}.jsonl"));
         let port_file = dir.join(format!("receiver-{port}.port"));
         let child = Command::new(root().join(".venv/bin/python"))
@@ -63,7 +63,7 @@ impl Receiver {
     }
 
     /// Every request as logged by the receiver.
-    fn requests(&self) -> Vec<Value> {
+    pub fn requests(&self) -> Vec<Value> {
         fs::read_to_string(&self.log)
             .unwrap_or_default()
             .lines()
@@ -72,7 +72,7 @@ impl Receiver {
     }
 
     /// (event id, event kind) of the accepted (200) requests.
-    fn accepted(&self) -> Vec<(String, String)> {
+    pub fn accepted(&self) -> Vec<(String, String)> {
         self.requests()
             .iter()
             .filter(|r| r["status"] == 200)
@@ -91,7 +91,7 @@ impl Receiver {
 }
 
 /// ICR (as the daemon's config computes it) of the toy run's two checkpoints: (higher, lower).
-fn checkpoints_by_icr(dir: &Path) -> (PathBuf, PathBuf, f64) {
+pub fn checkpoints_by_icr(dir: &Path) -> (PathBuf, PathBuf, f64) {
     let config = dir.join("diffmon.yaml");
     let cks: Vec<PathBuf> = [30, 60]
         .iter()
@@ -122,20 +122,20 @@ fn checkpoints_by_icr(dir: &Path) -> (PathBuf, PathBuf, f64) {
 /// Config text for a U-turn over five checkpoints: high, low, low, high, high by step.
 /// With window 1, warmup 2, patience 2 and min_rise half the relative difference, the detector
 /// fires at step 5 with the best at step 2.
-fn detector_config(rise: f64) -> String {
+pub fn detector_config(rise: f64) -> String {
     format!(
         "early_stop: {{window: 1, warmup: 2, patience: 2, min_rise: {}, confirm: none}}\n",
         rise / 2.0
     )
 }
 
-fn place(dir: &Path, src: &Path, step: i64) {
+pub fn place(dir: &Path, src: &Path, step: i64) {
     let tmp = dir.join(format!("ckpt_{step}.pt.tmp"));
     fs::copy(src, &tmp).unwrap();
     fs::rename(&tmp, dir.join(format!("ckpt_{step}.pt"))).unwrap();
 }
 
-fn write_base_config(dir: &Path, extra: &str) {
+pub fn write_base_config(dir: &Path, extra: &str) {
     // Only for computing the checkpoints' ICR with the same ICR settings as the daemon.
     fs::write(
         dir.join("diffmon.yaml"),

@@ -1,6 +1,7 @@
 //! Integration tests: real TorchScript models and checkpoints written by PyTorch (the project's
 //! Python helpers, run in the project's virtual environment), real HDF5 files, the real binary.
 
+mod bad_input;
 mod cli;
 mod common;
 mod daemon;
@@ -9,6 +10,9 @@ mod early_stop;
 mod eval;
 mod icr;
 mod model;
+mod monitoring;
 mod pfd;
+mod reliability;
+mod report;
 mod tail;
 mod toy_training;

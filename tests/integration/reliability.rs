@@ -1,0 +1,367 @@
+//! Reliability with real processes: a daemon SIGKILLed at random moments across a run ends in
+//! exactly the state of an uninterrupted run; a taken port stops it at start with a clear error;
+//! the webhook secret never leaks into logs, metrics, history or state files.
+
+use crate::common::stderr;
+use crate::daemon::{Daemon, empty_run, free_port};
+use crate::early_stop::{
+    Receiver, SECRET, checkpoints_by_icr, detector_config, place, write_base_config,
+};
+use serde_json::Value;
+use std::fs;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+/// SIGKILLs of the crash-loop test.
+const KILLS: usize = 20;
+
+/// A small seeded generator (xorshift64*), so the kill moments are the same on every run.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+    }
+}
+
+/// (step, ICR) of every evaluation in the journal, in order. A last line still being written
+/// (no newline yet) is left out; any other line must parse.
+fn evaluations(dir: &Path) -> Vec<(i64, f64)> {
+    let text = fs::read_to_string(dir.join(".diffmon/history.jsonl")).unwrap_or_default();
+    let complete = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+    complete
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|v| v["kind"] == "evaluation")
+        .map(|v| {
+            (
+                v["record"]["step"].as_i64().unwrap(),
+                v["record"]["icr"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// The `/v1/early-stop` status without what names the run folder or the time of firing.
+fn comparable(status: &Value) -> Value {
+    let mut s = status.clone();
+    let name = |v: &Value| {
+        Value::from(
+            Path::new(v.as_str().unwrap_or_default())
+                .file_name()
+                .map(|n| n.to_string_lossy().to_string())
+                .unwrap_or_default(),
+        )
+    };
+    s["best_checkpoint"] = name(&s["best_checkpoint"]);
+    if s["event"].is_object() {
+        s["event"]["best_checkpoint"] = name(&s["event"]["best_checkpoint"]);
+        s["event"]["fired_at"] = Value::Null;
+    }
+    s
+}
+
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(files_under(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+#[test]
+fn twenty_random_kills_lose_nothing_duplicate_nothing_and_change_nothing() {
+    // Six checkpoints whose ICR goes high, low, low, high, high, high: with the detector of the
+    // early-stop tests it fires at step 5, naming step 2.
+    let reference = empty_run();
+    write_base_config(reference.path(), "");
+    let (hi, lo, rise) = checkpoints_by_icr(reference.path());
+    let order = [&hi, &lo, &lo, &hi, &hi, &hi];
+    let config = |port: u16| {
+        format!(
+            "checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{}\
+             alerts:\n  webhooks:\n    - url: http://127.0.0.1:{port}/hook\n      format: json\n      \
+             secret_env: DIFFMON_TEST_SECRET\n",
+            detector_config(rise)
+        )
+    };
+    // SAFETY of the test: the secret reaches the daemon through its environment only.
+    unsafe { std::env::set_var("DIFFMON_TEST_SECRET", SECRET) };
+    let done = |d: &Daemon, dir: &Path, receiver: &Receiver| {
+        d.wait_for(
+            Duration::from_secs(300),
+            "six evaluations and the event",
+            |_| evaluations(dir).len() >= order.len() && !receiver.accepted().is_empty(),
+        );
+    };
+
+    // The uninterrupted run.
+    let dir = reference.path();
+    let receiver = Receiver::start(dir, free_port(), "");
+    let mut d = Daemon::start(dir, &config(receiver.port));
+    for (step, src) in order.iter().enumerate() {
+        place(dir, src, step as i64 + 1);
+    }
+    done(&d, dir, &receiver);
+    std::thread::sleep(Duration::from_secs(1));
+    let expected_rows = evaluations(dir);
+    let expected_status: Value = serde_json::from_str(&d.get("/v1/early-stop").unwrap()).unwrap();
+    let expected_events = receiver.accepted();
+    d.terminate();
+    assert_eq!(expected_status["fired"], true, "{expected_status}");
+    assert_eq!(expected_status["best_step"], 2, "{expected_status}");
+    assert_eq!(expected_events.len(), 1, "{expected_events:?}");
+
+    // The same run, SIGKILLed at seeded random moments: one more checkpoint appears after each
+    // of the first restarts, so kills land in start-up, evaluation, detection and delivery.
+    let killed = empty_run();
+    let dir = killed.path();
+    let receiver = Receiver::start(dir, free_port(), "");
+    let mut d = Daemon::start(dir, &config(receiver.port));
+    let mut rng = Rng(0x5eed_d1ff_0a0a_0001);
+    let mut placed = 0;
+    for kill in 0..KILLS {
+        if placed < order.len() {
+            place(dir, order[placed], placed as i64 + 1);
+            placed += 1;
+        }
+        std::thread::sleep(Duration::from_millis(50 + rng.below(1500)));
+        d.child.kill().unwrap();
+        d.child.wait().unwrap();
+        eprintln!(
+            "kill {}: {} evaluations in the journal",
+            kill + 1,
+            evaluations(dir).len()
+        );
+        d.restart();
+    }
+    for (step, src) in order.iter().enumerate().skip(placed) {
+        place(dir, src, step as i64 + 1);
+    }
+    done(&d, dir, &receiver);
+    std::thread::sleep(Duration::from_secs(2));
+
+    let rows = evaluations(dir);
+    let steps: Vec<i64> = rows.iter().map(|r| r.0).collect();
+    assert_eq!(
+        steps,
+        vec![1, 2, 3, 4, 5, 6],
+        "each checkpoint evaluated exactly once"
+    );
+    for ((step, icr), (_, want)) in rows.iter().zip(&expected_rows) {
+        assert!(
+            (icr - want).abs() <= 1e-12 * want.abs(),
+            "step {step}: ICR {icr} after the kills, {want} without"
+        );
+    }
+    let status: Value = serde_json::from_str(&d.get("/v1/early-stop").unwrap()).unwrap();
+    assert_eq!(comparable(&status), comparable(&expected_status));
+    let events = receiver.accepted();
+    assert_eq!(
+        events, expected_events,
+        "the same event, delivered exactly once"
+    );
+    let stop: Value =
+        serde_json::from_str(&fs::read_to_string(dir.join("EARLY_STOP")).unwrap()).unwrap();
+    assert_eq!(stop["id"].as_str(), Some(events[0].0.as_str()));
+
+    // The secret is in the environment only: not in any log, state or history file, nor on
+    // any endpoint (the receiver's own log holds only its HMAC check, not the secret).
+    let metrics = d.get("/metrics").unwrap();
+    d.terminate();
+    for text in [metrics, stderr_of_check_config(&d.config)] {
+        assert!(!text.contains(SECRET), "the secret leaked:\n{text}");
+    }
+    for f in files_under(dir) {
+        let bytes = fs::read(&f).unwrap();
+        assert!(
+            !bytes.windows(SECRET.len()).any(|w| w == SECRET.as_bytes()),
+            "the secret is in {}",
+            f.display()
+        );
+    }
+}
+
+/// What `check-config` prints for a config whose webhook names a set secret variable.
+fn stderr_of_check_config(config: &Path) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_diffmon"))
+        .args(["check-config", config.to_str().unwrap()])
+        .env("DIFFMON_LOG", "trace")
+        .output()
+        .unwrap();
+    format!("{}{}", stderr(&out), String::from_utf8_lossy(&out.stdout))
+}
+
+#[test]
+fn a_taken_port_stops_the_daemon_at_start_naming_the_address() {
+    let run = empty_run();
+    let dir = run.path();
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    fs::write(
+        dir.join("diffmon.yaml"),
+        format!(
+            "run: {{dir: .}}\nmodel: {{architecture: model.ts}}\ndevice: cpu\n\
+             data: {{path: train.h5}}\nicr: {{samples: 16, batch_size: 16}}\n\
+             http: {{listen: \"{addr}\"}}\n"
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_diffmon"))
+        .args([
+            "watch",
+            "--config",
+            dir.join("diffmon.yaml").to_str().unwrap(),
+        ])
+        .env("DIFFMON_LOG", "warn")
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&addr),
+        "the error does not name {addr}:\n{err}"
+    );
+    assert!(
+        err.to_lowercase().contains("in use"),
+        "the error does not say the address is in use:\n{err}"
+    );
+    drop(taken);
+}
+
+#[test]
+fn metrics_and_the_live_page_answer_every_request_under_load_while_evaluating() {
+    // A bounded load (about 200 requests/s for as long as three evaluations take) on /metrics
+    // and / from four threads of this process: every request must be answered with a body,
+    // and every checkpoint evaluated. Latencies and the effect on evaluation time are measured
+    // by `make bench` (its `http` workload), not asserted here.
+    let run = empty_run();
+    let dir = run.path();
+    let d = Daemon::start(
+        dir,
+        "checkpoints: {pattern: \"ckpt_*.pt\", settle_secs: 0.2}\n",
+    );
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let port = d.port;
+    let workers: Vec<_> = (0..4)
+        .map(|k| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let path = if k % 2 == 0 { "/metrics" } else { "/" };
+                let (mut ok, mut failed) = (0u32, 0u32);
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    match crate::common::http_get(&format!("http://127.0.0.1:{port}{path}")) {
+                        Some(body) if !body.is_empty() => ok += 1,
+                        _ => failed += 1,
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                (path, ok, failed)
+            })
+        })
+        .collect();
+    for step in 1..=3 {
+        place(dir, &crate::common::toy_run().join("ckpt_000060.pt"), step);
+    }
+    d.wait_for(Duration::from_secs(120), "three evaluations", |_| {
+        evaluations(dir).len() >= 3
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut total = 0;
+    for w in workers {
+        let (path, ok, failed) = w.join().unwrap();
+        assert_eq!(
+            failed, 0,
+            "{failed} requests to {path} failed ({ok} answered)"
+        );
+        total += ok;
+    }
+    assert!(total >= 100, "only {total} requests were made");
+    let steps: Vec<i64> = evaluations(dir).iter().map(|r| r.0).collect();
+    assert_eq!(steps, vec![1, 2, 3]);
+}
+
+#[test]
+fn bad_checkpoints_are_counted_by_reason_and_the_daemon_goes_on() {
+    let run = empty_run();
+    let dir = run.path();
+    let good = crate::common::toy_run().join("ckpt_000060.pt");
+    let bytes = fs::read(&good).unwrap();
+    // NaN weights, and a state dict with one name changed, written by PyTorch.
+    let out = Command::new(crate::common::python())
+        .args([
+            "-c",
+            "import sys, torch\n\
+             sd = torch.load(sys.argv[1])\n\
+             torch.save({k: v.clone().fill_(float('nan')) if v.is_floating_point() else v\n\
+                         for k, v in sd.items()}, sys.argv[2])\n\
+             k = next(iter(sd)); sd['renamed.' + k] = sd.pop(k); torch.save(sd, sys.argv[3])",
+            good.to_str().unwrap(),
+            dir.join("nan.src").to_str().unwrap(),
+            dir.join("mismatch.src").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let d = Daemon::start(
+        dir,
+        "checkpoints: {pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}\n",
+    );
+    let put = |step: i64, content: &[u8]| {
+        let tmp = dir.join(format!("ckpt_{step}.pt.tmp"));
+        fs::write(&tmp, content).unwrap();
+        fs::rename(&tmp, dir.join(format!("ckpt_{step}.pt"))).unwrap();
+    };
+    put(1, b"");
+    put(2, &bytes[..bytes.len() / 2]);
+    put(3, b"not a checkpoint, just text\n");
+    put(4, &fs::read(dir.join("nan.src")).unwrap());
+    put(5, &fs::read(dir.join("mismatch.src")).unwrap());
+    put(6, &bytes);
+    d.wait_for(
+        Duration::from_secs(120),
+        "five failures and one evaluation",
+        |_| {
+            let (evals, failures) = crate::daemon::journal(dir);
+            evals.len() + failures.len() >= 6
+        },
+    );
+    let (evals, mut failures) = crate::daemon::journal(dir);
+    failures.sort();
+    let reasons: Vec<(i64, &str)> = failures.iter().map(|(s, r)| (*s, r.as_str())).collect();
+    assert_eq!(
+        reasons,
+        vec![
+            (1, "unreadable"),
+            (2, "unreadable"),
+            (3, "unreadable"),
+            (4, "non_finite"),
+            (5, "mismatch"),
+        ]
+    );
+    assert_eq!(evals, vec![6], "the good checkpoint after the bad ones");
+    for (reason, n) in [("unreadable", 3.0), ("non_finite", 1.0), ("mismatch", 1.0)] {
+        let series =
+            format!("diffmon_checkpoint_failures_total{{run=\"test\",reason=\"{reason}\"}}");
+        assert_eq!(d.metric(&series), Some(n), "{series}");
+    }
+    // Each failure names its checkpoint in the log.
+    let log = d.log();
+    for step in 1..=5 {
+        assert!(
+            log.contains(&format!("ckpt_{step}.pt")),
+            "ckpt_{step}.pt is not named in the log:\n{log}"
+        );
+    }
+}
