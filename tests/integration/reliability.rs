@@ -365,3 +365,118 @@ fn bad_checkpoints_are_counted_by_reason_and_the_daemon_goes_on() {
         );
     }
 }
+
+#[test]
+fn leftovers_of_a_killed_process_are_cleaned_up_and_nothing_is_evaluated_twice() {
+    let run = empty_run();
+    let dir = run.path();
+    let src = crate::common::toy_run().join("ckpt_000060.pt");
+    let extra = "checkpoints: {pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}\n";
+    let mut d = Daemon::start(dir, extra);
+    place(dir, &src, 1);
+    place(dir, &src, 2);
+    d.wait_for(Duration::from_secs(120), "two evaluations", |_| {
+        evaluations(dir).len() >= 2
+    });
+    d.child.kill().unwrap();
+    d.child.wait().unwrap();
+    // What a kill in the middle of writing leaves: a torn journal line and a half-written
+    // temporary HDF5 file.
+    let state = dir.join(".diffmon");
+    let mut journal = fs::OpenOptions::new()
+        .append(true)
+        .open(state.join("history.jsonl"))
+        .unwrap();
+    std::io::Write::write_all(&mut journal, b"{\"kind\":\"evaluation\",\"record\":{\"st").unwrap();
+    drop(journal);
+    fs::write(state.join("history.h5.tmp"), b"\x89HDF\r\n half written").unwrap();
+    place(dir, &src, 3);
+    d.restart();
+    d.wait_for(Duration::from_secs(120), "the third evaluation", |_| {
+        evaluations(dir).len() >= 3
+    });
+    let steps: Vec<i64> = evaluations(dir).iter().map(|r| r.0).collect();
+    assert_eq!(steps, vec![1, 2, 3], "nothing lost, nothing twice");
+    let text = fs::read_to_string(state.join("history.jsonl")).unwrap();
+    assert!(
+        text.lines()
+            .all(|l| serde_json::from_str::<Value>(l).is_ok()),
+        "the torn line is still in the journal:\n{text}"
+    );
+    assert!(
+        d.log().contains("dropping an incomplete last journal line"),
+        "{}",
+        d.log()
+    );
+    // The HDF5 history was rewritten whole over the leftover: three rows, readable by h5py.
+    let out = Command::new(crate::common::python())
+        .args([
+            "-c",
+            "import sys, h5py; print(len(h5py.File(sys.argv[1])['evaluations/step']))",
+            state.join("history.h5").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "3",
+        "{}",
+        stderr(&out)
+    );
+    assert!(!state.join("history.h5.tmp").exists());
+}
+
+#[test]
+fn training_data_of_the_wrong_shape_or_without_the_dataset_stops_the_start_naming_it() {
+    let run = empty_run();
+    let dir = run.path();
+    // Images [N, H, W]: no channel axis. And a file whose only dataset has another name.
+    let out = Command::new(crate::common::python())
+        .args([
+            "-c",
+            "import sys, h5py, numpy as np\n\
+             h5py.File(sys.argv[1], 'w')['images'] = np.zeros((8, 16, 16), np.float32)\n\
+             h5py.File(sys.argv[2], 'w')['pictures'] = np.zeros((8, 1, 16, 16), np.float32)",
+            dir.join("flat.h5").to_str().unwrap(),
+            dir.join("renamed.h5").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    for (data, expect) in [
+        (
+            "flat.h5",
+            vec![
+                "flat.h5",
+                "`images`",
+                "[8, 16, 16]",
+                "expected 4 dimensions",
+            ],
+        ),
+        (
+            "renamed.h5",
+            vec!["renamed.h5", "no dataset `images`", "pictures"],
+        ),
+    ] {
+        fs::write(
+            dir.join("bad.yaml"),
+            format!(
+                "run: {{dir: .}}\nmodel: {{architecture: model.ts}}\ndevice: cpu\n\
+                 data: {{path: {data}}}\nicr: {{samples: 16, batch_size: 16}}\n\
+                 http: {{listen: \"127.0.0.1:{}\"}}\n",
+                free_port()
+            ),
+        )
+        .unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_diffmon"))
+            .args(["watch", "--config", dir.join("bad.yaml").to_str().unwrap()])
+            .env("DIFFMON_LOG", "warn")
+            .output()
+            .unwrap();
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{data}: {err}");
+        for e in expect {
+            assert!(err.contains(e), "{data}: `{e}` is not in the error:\n{err}");
+        }
+    }
+}
