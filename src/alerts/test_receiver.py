@@ -5,7 +5,9 @@ from a script of statuses, and logs every request as one JSON line:
 {"n", "path", "id", "signed", "valid", "status", "t", "body"}.
 
 usage: test_receiver.py --port P --log FILE --port-file FILE [--script 500,500,429]
-                        [--always STATUS] [--retry-after SECONDS]
+                        [--always STATUS] [--retry-after SECONDS] [--hang SECONDS]
+A status of 0 in the script means: hold the request --hang seconds (default 30) without
+answering, then close the connection.
 The signing secret comes from the environment variable RECEIVER_SECRET (absent: no check).
 """
 
@@ -26,6 +28,7 @@ parser.add_argument("--port-file", required=True)
 parser.add_argument("--script", default="")
 parser.add_argument("--always", type=int, default=200)
 parser.add_argument("--retry-after", default="")
+parser.add_argument("--hang", type=float, default=30.0)
 args = parser.parse_args()
 
 SECRET = os.environ.get("RECEIVER_SECRET")
@@ -87,6 +90,9 @@ class Handler(BaseHTTPRequestHandler):
             }
             with open(args.log, "a") as f:
                 f.write(json.dumps(line) + "\n")
+        if status == 0:
+            time.sleep(args.hang)
+            return
         payload = b"ok" if status < 400 else b"receiver says no: status %d" % status
         self.send_response(status)
         if status == 429 and args.retry_after:

@@ -480,3 +480,44 @@ fn training_data_of_the_wrong_shape_or_without_the_dataset_stops_the_start_namin
         }
     }
 }
+
+#[test]
+fn a_receiver_that_hangs_is_timed_out_and_the_event_retried_until_delivered() {
+    let run = empty_run();
+    let dir = run.path();
+    write_base_config(dir, "");
+    let (hi, lo, rise) = checkpoints_by_icr(dir);
+    // The receiver holds the first request without answering (longer than the 10 s request
+    // timeout), then answers 200.
+    let receiver = Receiver::start(dir, free_port(), "0");
+    unsafe { std::env::set_var("DIFFMON_TEST_SECRET", SECRET) };
+    let extra = format!(
+        "checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{}\
+         alerts:\n  webhooks:\n    - url: http://127.0.0.1:{}/hook\n      format: json\n      \
+         secret_env: DIFFMON_TEST_SECRET\n",
+        detector_config(rise),
+        receiver.port
+    );
+    let d = Daemon::start(dir, &extra);
+    for (step, src) in [&hi, &lo, &lo, &hi, &hi].iter().enumerate() {
+        place(dir, src, step as i64 + 1);
+    }
+    d.wait_for(
+        Duration::from_secs(120),
+        "a delivery after the hung one",
+        |_| !receiver.accepted().is_empty(),
+    );
+    let requests = receiver.requests();
+    assert_eq!(requests[0]["status"], 0, "{requests:?}");
+    let accepted = receiver.accepted();
+    assert_eq!(accepted.len(), 1, "{accepted:?}");
+    assert_eq!(Some(accepted[0].0.as_str()), requests[0]["id"].as_str());
+    let series =
+        |o: &str| format!("diffmon_webhook_deliveries_total{{run=\"test\",outcome=\"{o}\"}}");
+    d.wait_for(
+        Duration::from_secs(10),
+        "the delivered outcome counted",
+        |d| d.metric(&series("delivered")) == Some(1.0),
+    );
+    assert!(d.metric(&series("retried")).unwrap_or(0.0) >= 1.0);
+}
