@@ -225,14 +225,17 @@ fn kill_during_evaluation_then_restart_loses_nothing_and_fires_once() {
 }
 
 /// Alertmanager with a minimal configuration on a free port, killed when dropped.
-struct Alertmanager {
+pub struct Alertmanager {
     _child: Guard,
-    url: String,
+    pub url: String,
 }
 
 impl Alertmanager {
     fn start(dir: &Path) -> Alertmanager {
-        let port = free_port();
+        Alertmanager::start_on(dir, free_port())
+    }
+
+    pub fn start_on(dir: &Path, port: u16) -> Alertmanager {
         let config = dir.join("alertmanager.yml");
         fs::write(
             &config,
@@ -264,7 +267,7 @@ impl Alertmanager {
         am
     }
 
-    fn active_alerts(&self) -> Vec<Value> {
+    pub fn active_alerts(&self) -> Vec<Value> {
         let body = http_get(&format!("{}/api/v2/alerts?active=true", self.url)).unwrap_or_default();
         serde_json::from_str::<Vec<Value>>(&body).unwrap_or_default()
     }

@@ -5,7 +5,7 @@
 use crate::common::stderr;
 use crate::daemon::{Daemon, empty_run, free_port};
 use crate::early_stop::{
-    Receiver, SECRET, checkpoints_by_icr, detector_config, place, write_base_config,
+    Alertmanager, Receiver, SECRET, checkpoints_by_icr, detector_config, place, write_base_config,
 };
 use serde_json::Value;
 use std::fs;
@@ -520,4 +520,43 @@ fn a_receiver_that_hangs_is_timed_out_and_the_event_retried_until_delivered() {
         |d| d.metric(&series("delivered")) == Some(1.0),
     );
     assert!(d.metric(&series("retried")).unwrap_or(0.0) >= 1.0);
+}
+
+#[test]
+fn an_unreachable_alertmanager_holds_nothing_up_and_gets_the_alert_once_it_is_up() {
+    let run = empty_run();
+    let dir = run.path();
+    write_base_config(dir, "");
+    let (hi, lo, rise) = checkpoints_by_icr(dir);
+    let receiver = Receiver::start(dir, free_port(), "");
+    let am_port = free_port(); // nothing listens there yet
+    let extra = format!(
+        "checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{}\
+         alerts:\n  webhooks:\n    - url: http://127.0.0.1:{}/hook\n      format: json\n      \
+         secret_env: DIFFMON_TEST_SECRET\n  alertmanager:\n    url: http://127.0.0.1:{am_port}\n",
+        detector_config(rise),
+        receiver.port
+    );
+    unsafe { std::env::set_var("DIFFMON_TEST_SECRET", SECRET) };
+    let d = Daemon::start(dir, &extra);
+    for (step, src) in [&hi, &lo, &lo, &hi, &hi].iter().enumerate() {
+        place(dir, src, step as i64 + 1);
+    }
+    // With Alertmanager down, the webhook and the stop file still go out.
+    d.wait_for(Duration::from_secs(120), "the webhook delivery", |_| {
+        !receiver.accepted().is_empty()
+    });
+    assert!(dir.join("EARLY_STOP").exists());
+    // Alertmanager comes up on its address: the daemon's retries reach it.
+    let am = Alertmanager::start_on(dir, am_port);
+    d.wait_for(
+        Duration::from_secs(120),
+        "the alert in Alertmanager",
+        |_| {
+            am.active_alerts().iter().any(|a| {
+                a["labels"]["alertname"] == "DiffusionEarlyStop" && a["labels"]["run"] == "test"
+            })
+        },
+    );
+    assert_eq!(receiver.accepted().len(), 1);
 }
