@@ -560,3 +560,49 @@ fn an_unreachable_alertmanager_holds_nothing_up_and_gets_the_alert_once_it_is_up
     );
     assert_eq!(receiver.accepted().len(), 1);
 }
+
+#[test]
+fn a_checkpoint_replaced_during_its_evaluation_is_evaluated_again_as_the_new_file() {
+    let run = empty_run();
+    let dir = run.path();
+    let (a, b) = (
+        crate::common::toy_run().join("ckpt_000030.pt"),
+        crate::common::toy_run().join("ckpt_000060.pt"),
+    );
+    // Many ICR samples, so that the evaluation takes long enough to replace the file meanwhile.
+    let d = Daemon::start(
+        dir,
+        "checkpoints: {pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}\n\
+         icr: {samples: 4096, batch_size: 512}\n",
+    );
+    place(dir, &a, 1);
+    d.wait_for_evaluation_of("ckpt_1.pt");
+    // The training job saves step 1 again (to a temporary name, renamed over the old file).
+    place(dir, &b, 1);
+    d.wait_for(
+        Duration::from_secs(180),
+        "the new file's evaluation",
+        |_| !evaluations(dir).is_empty(),
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    // The evaluation of the old weights is discarded as a `vanished` failure (its file is no
+    // longer what was read), and the new file is evaluated once.
+    let (steps, failures) = crate::daemon::journal(dir);
+    assert_eq!(failures, vec![(1, "vanished".to_string())]);
+    assert_eq!(steps, vec![1]);
+    let out = crate::common::diffmon(&[
+        "eval",
+        "--config",
+        d.config.to_str().unwrap(),
+        b.to_str().unwrap(),
+        "--json",
+    ]);
+    let want = serde_json::from_str::<Value>(crate::common::stdout(&out).trim()).unwrap()["icr"]
+        .as_f64()
+        .unwrap();
+    let got = evaluations(dir)[0].1;
+    assert!(
+        (got - want).abs() <= 1e-12 * want.abs(),
+        "ICR {got}, the new file's is {want}"
+    );
+}
