@@ -441,6 +441,7 @@ class Daemon:
     """`diffmon watch` over `run_dir`, with a fresh state folder."""
 
     def __init__(self, work: Path, run_dir: Path, extra: str):
+        self.run_dir = run_dir
         self.port = free_port()
         self.cfg = write_config(work / f"watch-{run_dir.name}.yaml", run_dir, run_dir / "train.h5",
                                 f"http: {{listen: '127.0.0.1:{self.port}'}}\n{extra}")
@@ -481,6 +482,19 @@ class Daemon:
         time.sleep(seconds)
         return (self.cpu_seconds() - c0) / (time.perf_counter() - t0)
 
+    def evaluate(self, src: Path, step: int, poll_s: float) -> tuple[float, float, float]:
+        """Renames a copy of `src` into the run folder as step `step` and polls `/metrics` every
+        `poll_s` until the step is evaluated: (rename time, visible time, the evaluation's own
+        seconds from the duration histogram)."""
+        total = lambda: self.metric("diffmon_evaluation_duration_seconds_sum", 'stage="total"') or 0.0
+        before = total()
+        t0 = place(src, self.run_dir / f"ckpt_{step}.pt")
+        while (self.metric("diffmon_last_evaluated_step") or 0) < step:
+            if time.perf_counter() > t0 + 120:
+                raise SystemExit(f"step {step} not evaluated: see {self.log.name}")
+            time.sleep(poll_s)
+        return t0, time.perf_counter(), total() - before
+
     def stop(self):
         self.proc.terminate()
         try:
@@ -500,14 +514,20 @@ def place(src: Path, dst: Path) -> float:
     return t
 
 
-def bench_daemon(work: Path, repeat: int, quick: bool) -> list[dict]:
-    """Latency (rename → /metrics; deciding evaluation → webhook) and idle cost, one daemon."""
+def watched_run(work: Path, name: str) -> Path:
+    """A fresh run folder holding the toy run's architecture and data, without checkpoints."""
     toy = toy_run(work)
-    run_dir = work / "watched"
+    run_dir = work / name
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir()
     for f in ("model.ts", "train.h5"):
         shutil.copy(toy / f, run_dir / f)
+    return run_dir
+
+
+def bench_daemon(work: Path, repeat: int, quick: bool) -> list[dict]:
+    """Latency (rename → /metrics; deciding evaluation → webhook) and idle cost, one daemon."""
+    toy, run_dir = toy_run(work), watched_run(work, "watched")
     icr_cfg = "icr: {samples: 256, batch_size: 256, sigma: 0.5}\n"
     # Which toy checkpoint has the higher ICR, with the daemon's settings: five checkpoints
     # placed high, low, low, high, high make the detector (window 1, warmup 2, patience 2,
@@ -527,15 +547,7 @@ def bench_daemon(work: Path, repeat: int, quick: bool) -> list[dict]:
         rss_fresh = daemon.rss_mib()[0]
         visible, webhook = [], None
         for step, src in enumerate((hi, lo, lo, hi, hi), start=1):
-            before = daemon.metric("diffmon_evaluation_duration_seconds_sum", 'stage="total"') or 0.0
-            t0 = place(src, run_dir / f"ckpt_{step}.pt")
-            deadline = t0 + 120
-            while (daemon.metric("diffmon_last_evaluated_step") or 0) < step:
-                if time.perf_counter() > deadline:
-                    raise SystemExit(f"step {step} not evaluated: see {daemon.log.name}")
-                time.sleep(0.002)
-            t1 = time.perf_counter()
-            eval_s = daemon.metric("diffmon_evaluation_duration_seconds_sum", 'stage="total"') - before
+            t0, t1, eval_s = daemon.evaluate(src, step, poll_s=0.002)
             visible.append((t1 - t0, eval_s))
             if step == 5:
                 while not receiver.arrivals and time.perf_counter() < t1 + 30:
@@ -627,12 +639,7 @@ def latency_stats(results: list[tuple[str, float, bool]]) -> dict:
 def bench_http_load(work: Path, repeat: int, quick: bool) -> list[dict]:
     """`/metrics` and `/` under 200 requests/s from worker threads while checkpoints are
     evaluated: latency percentiles, errors, and the evaluation time with and without the load."""
-    toy = toy_run(work)
-    run_dir = work / "loaded"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir()
-    for f in ("model.ts", "train.h5"):
-        shutil.copy(toy / f, run_dir / f)
+    toy, run_dir = toy_run(work), watched_run(work, "loaded")
     n, phase_s = (256, 1.0) if quick else (1024, 15.0)
     daemon = Daemon(work, run_dir, f"icr: {{samples: {n}, batch_size: 256, sigma: 0.5}}\n")
     ckpts = sorted(toy.glob("ckpt_*.pt"))
@@ -641,14 +648,7 @@ def bench_http_load(work: Path, repeat: int, quick: bool) -> list[dict]:
     def evaluate_one() -> float:
         nonlocal step
         step += 1
-        before = daemon.metric("diffmon_evaluation_duration_seconds_sum", 'stage="total"') or 0.0
-        place(ckpts[step % len(ckpts)], run_dir / f"ckpt_{step}.pt")
-        deadline = time.perf_counter() + 120
-        while (daemon.metric("diffmon_last_evaluated_step") or 0) < step:
-            if time.perf_counter() > deadline:
-                raise SystemExit(f"step {step} not evaluated: see {daemon.log.name}")
-            time.sleep(0.01)
-        return daemon.metric("diffmon_evaluation_duration_seconds_sum", 'stage="total"') - before
+        return daemon.evaluate(ckpts[step % len(ckpts)], step, poll_s=0.01)[2]
 
     try:
         evaluate_one()  # warm-up
