@@ -286,6 +286,21 @@ struct Plot {
     note: Option<String>,
 }
 
+impl Plot {
+    /// A plot of `series` with no markers and no note.
+    fn new(id: &'static str, title: &str, y_label: &'static str, series: Vec<Series>) -> Plot {
+        Plot {
+            id,
+            title: title.into(),
+            y_label,
+            series,
+            lines: Vec::new(),
+            ring: None,
+            note: None,
+        }
+    }
+}
+
 fn series(
     rows: &[Row],
     id: &'static str,
@@ -357,11 +372,11 @@ fn plots(s: &Snapshot) -> Vec<Plot> {
     }
     let mut out = vec![main];
     let optional = [
-        Plot {
-            id: "pfd",
-            title: "PFD: E_gen (to the teacher), E_mem (to the data)".into(),
-            y_label: "PFD",
-            series: vec![
+        Plot::new(
+            "pfd",
+            "PFD: E_gen (to the teacher), E_mem (to the data)",
+            "PFD",
+            vec![
                 series(rows, "pfd_generalization", "E_gen", "#9467bd", |r| {
                     r.pfd_generalization
                 }),
@@ -369,30 +384,24 @@ fn plots(s: &Snapshot) -> Vec<Plot> {
                     r.pfd_memorization
                 }),
             ],
-            lines: Vec::new(),
-            ring: None,
-            note: None,
-        },
-        Plot {
-            id: "memorization",
-            title: "Memorization ratio (share of samples)".into(),
-            y_label: "ratio",
-            series: vec![series(
+        ),
+        Plot::new(
+            "memorization",
+            "Memorization ratio (share of samples)",
+            "ratio",
+            vec![series(
                 rows,
                 "memorization_ratio",
                 "memorized",
                 "#e377c2",
                 |r| r.memorization_ratio,
             )],
-            lines: Vec::new(),
-            ring: None,
-            note: None,
-        },
-        Plot {
-            id: "traces",
-            title: "ICR traces: invariant Tr Σ_s, residual Tr Σ_ξ".into(),
-            y_label: "trace",
-            series: vec![
+        ),
+        Plot::new(
+            "traces",
+            "ICR traces: invariant Tr Σ_s, residual Tr Σ_ξ",
+            "trace",
+            vec![
                 series(rows, "icr_invariant_trace", "invariant", "#17becf", |r| {
                     r.icr_invariant_trace
                 }),
@@ -400,21 +409,15 @@ fn plots(s: &Snapshot) -> Vec<Plot> {
                     r.icr_residual_trace
                 }),
             ],
-            lines: Vec::new(),
-            ring: None,
-            note: None,
-        },
-        Plot {
-            id: "gap",
-            title: "Generalization gap (held-out − train loss)".into(),
-            y_label: "gap",
-            series: vec![series(rows, "generalization_gap", "gap", "#7f7f7f", |r| {
+        ),
+        Plot::new(
+            "gap",
+            "Generalization gap (held-out − train loss)",
+            "gap",
+            vec![series(rows, "generalization_gap", "gap", "#7f7f7f", |r| {
                 r.generalization_gap
             })],
-            lines: Vec::new(),
-            ring: None,
-            note: None,
-        },
+        ),
     ];
     out.extend(
         optional

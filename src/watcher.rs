@@ -348,6 +348,16 @@ mod tests {
         }
     }
 
+    /// Steps of everything the watcher offers now, each taken as the evaluator would.
+    fn take_all(w: &mut Watcher) -> Vec<i64> {
+        let mut steps = Vec::new();
+        while let Some(item) = w.next() {
+            steps.push(item.step);
+            w.taken(&item);
+        }
+        steps
+    }
+
     fn write_checkpoint(path: &Path) {
         // A minimal valid safetensors file: header length, JSON header, no tensors.
         let header = b"{}      ";
@@ -377,12 +387,7 @@ mod tests {
             Arc::new(Metrics::new("t")),
         );
         w.scan();
-        let mut steps = Vec::new();
-        while let Some(item) = w.next() {
-            steps.push(item.step);
-            w.taken(&item);
-        }
-        assert_eq!(steps, vec![50, 200]);
+        assert_eq!(take_all(&mut w), vec![50, 200]);
     }
 
     #[test]
@@ -472,12 +477,7 @@ mod tests {
         assert!(w.next().is_none(), "ckpt_2 overtook ckpt_1");
         std::thread::sleep(Duration::from_millis(350));
         w.scan();
-        let mut steps = Vec::new();
-        while let Some(item) = w.next() {
-            steps.push(item.step);
-            w.taken(&item);
-        }
-        assert_eq!(steps, vec![1, 2]);
+        assert_eq!(take_all(&mut w), vec![1, 2]);
     }
 
     #[test]

@@ -171,12 +171,9 @@ impl Drop for Daemon {
 /// The history journal's evaluation steps and failures, in order. A last line still being
 /// written by a running daemon (no newline yet) is left out.
 pub fn journal(dir: &Path) -> (Vec<i64>, Vec<(i64, String)>) {
-    let text = fs::read_to_string(dir.join(".diffmon/history.jsonl")).unwrap_or_default();
-    let complete = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
     let mut evals = Vec::new();
     let mut failures = Vec::new();
-    for line in complete.lines() {
-        let v: Value = serde_json::from_str(line).unwrap();
+    for v in journal_entries(dir) {
         match v["kind"].as_str().unwrap() {
             "evaluation" => evals.push(v["record"]["step"].as_i64().unwrap()),
             _ => failures.push((
@@ -186,6 +183,17 @@ pub fn journal(dir: &Path) -> (Vec<i64>, Vec<(i64, String)>) {
         }
     }
     (evals, failures)
+}
+
+/// The entries of the history journal as JSON, in order. A last line still being written by a
+/// running daemon (no newline yet) is left out; every other line must parse.
+pub fn journal_entries(dir: &Path) -> Vec<Value> {
+    let text = fs::read_to_string(dir.join(".diffmon/history.jsonl")).unwrap_or_default();
+    let complete = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+    complete
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }
 
 /// Writes `src` to `dst` in `chunks` pieces, `pause` apart (a slow writer).

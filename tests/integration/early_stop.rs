@@ -129,6 +129,21 @@ pub fn detector_config(rise: f64) -> String {
     )
 }
 
+/// Daemon config text for the U-turn tests: quick completion checks, the detector of
+/// [`detector_config`], and a signed JSON webhook to `webhook_port`; `more_alerts` adds lines
+/// under `alerts:` (indented by two spaces). Sets the signing secret in this process's
+/// environment, the only way it reaches the daemon.
+pub fn u_turn_config(rise: f64, webhook_port: u16, more_alerts: &str) -> String {
+    // SAFETY of the tests: every test that sets it sets the same value.
+    unsafe { std::env::set_var("DIFFMON_TEST_SECRET", SECRET) };
+    format!(
+        "checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{}\
+         alerts:\n  webhooks:\n    - url: http://127.0.0.1:{webhook_port}/hook\n      \
+         format: json\n      secret_env: DIFFMON_TEST_SECRET\n{more_alerts}",
+        detector_config(rise)
+    )
+}
+
 pub fn place(dir: &Path, src: &Path, step: i64) {
     let tmp = dir.join(format!("ckpt_{step}.pt.tmp"));
     fs::copy(src, &tmp).unwrap();
@@ -151,17 +166,7 @@ fn kill_during_evaluation_then_restart_loses_nothing_and_fires_once() {
     write_base_config(dir, "");
     let (hi, lo, rise) = checkpoints_by_icr(dir);
     let receiver = Receiver::start(dir, free_port(), "500,500,429");
-    let alerts = format!(
-        "alerts:\n  webhooks:\n    - url: http://127.0.0.1:{}/hook\n      format: json\n      secret_env: DIFFMON_TEST_SECRET\n",
-        receiver.port
-    );
-    let extra = format!(
-        "checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{}{alerts}",
-        detector_config(rise)
-    );
-    // SAFETY of the test: the secret reaches the daemon through its environment only.
-    unsafe { std::env::set_var("DIFFMON_TEST_SECRET", SECRET) };
-    let mut d = Daemon::start(dir, &extra);
+    let mut d = Daemon::start(dir, &u_turn_config(rise, receiver.port, ""));
     for (step, src) in [(1, &hi), (2, &lo), (3, &lo)] {
         place(dir, src, step);
     }
@@ -281,14 +286,8 @@ fn receiver_down_across_a_restart_still_gets_the_event_and_alertmanager_shows_it
     let (hi, lo, rise) = checkpoints_by_icr(dir);
     let am = Alertmanager::start(dir);
     let receiver_port = free_port(); // nothing listens there yet
-    let extra = format!(
-        "checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{}\
-         alerts:\n  webhooks:\n    - url: http://127.0.0.1:{receiver_port}/hook\n      format: json\n      secret_env: DIFFMON_TEST_SECRET\n  alertmanager:\n    url: {}\n",
-        detector_config(rise),
-        am.url
-    );
-    unsafe { std::env::set_var("DIFFMON_TEST_SECRET", SECRET) };
-    let mut d = Daemon::start(dir, &extra);
+    let alertmanager = format!("  alertmanager:\n    url: {}\n", am.url);
+    let mut d = Daemon::start(dir, &u_turn_config(rise, receiver_port, &alertmanager));
     for (step, src) in [(1, &hi), (2, &lo), (3, &lo), (4, &hi), (5, &hi)] {
         place(dir, src, step);
     }

@@ -3,9 +3,9 @@
 //! the webhook secret never leaks into logs, metrics, history or state files.
 
 use crate::common::stderr;
-use crate::daemon::{Daemon, empty_run, free_port};
+use crate::daemon::{Daemon, empty_run, free_port, journal_entries};
 use crate::early_stop::{
-    Alertmanager, Receiver, SECRET, checkpoints_by_icr, detector_config, place, write_base_config,
+    Alertmanager, Receiver, SECRET, checkpoints_by_icr, place, u_turn_config, write_base_config,
 };
 use serde_json::Value;
 use std::fs;
@@ -29,14 +29,10 @@ impl Rng {
     }
 }
 
-/// (step, ICR) of every evaluation in the journal, in order. A last line still being written
-/// (no newline yet) is left out; any other line must parse.
+/// (step, ICR) of every evaluation in the journal, in order.
 fn evaluations(dir: &Path) -> Vec<(i64, f64)> {
-    let text = fs::read_to_string(dir.join(".diffmon/history.jsonl")).unwrap_or_default();
-    let complete = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
-    complete
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+    journal_entries(dir)
+        .into_iter()
         .filter(|v| v["kind"] == "evaluation")
         .map(|v| {
             (
@@ -87,16 +83,7 @@ fn twenty_random_kills_lose_nothing_duplicate_nothing_and_change_nothing() {
     write_base_config(reference.path(), "");
     let (hi, lo, rise) = checkpoints_by_icr(reference.path());
     let order = [&hi, &lo, &lo, &hi, &hi, &hi];
-    let config = |port: u16| {
-        format!(
-            "checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{}\
-             alerts:\n  webhooks:\n    - url: http://127.0.0.1:{port}/hook\n      format: json\n      \
-             secret_env: DIFFMON_TEST_SECRET\n",
-            detector_config(rise)
-        )
-    };
-    // SAFETY of the test: the secret reaches the daemon through its environment only.
-    unsafe { std::env::set_var("DIFFMON_TEST_SECRET", SECRET) };
+    let config = |port: u16| u_turn_config(rise, port, "");
     let done = |d: &Daemon, dir: &Path, receiver: &Receiver| {
         d.wait_for(
             Duration::from_secs(300),
@@ -490,15 +477,7 @@ fn a_receiver_that_hangs_is_timed_out_and_the_event_retried_until_delivered() {
     // The receiver holds the first request without answering (longer than the 10 s request
     // timeout), then answers 200.
     let receiver = Receiver::start(dir, free_port(), "0");
-    unsafe { std::env::set_var("DIFFMON_TEST_SECRET", SECRET) };
-    let extra = format!(
-        "checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{}\
-         alerts:\n  webhooks:\n    - url: http://127.0.0.1:{}/hook\n      format: json\n      \
-         secret_env: DIFFMON_TEST_SECRET\n",
-        detector_config(rise),
-        receiver.port
-    );
-    let d = Daemon::start(dir, &extra);
+    let d = Daemon::start(dir, &u_turn_config(rise, receiver.port, ""));
     for (step, src) in [&hi, &lo, &lo, &hi, &hi].iter().enumerate() {
         place(dir, src, step as i64 + 1);
     }
@@ -530,15 +509,8 @@ fn an_unreachable_alertmanager_holds_nothing_up_and_gets_the_alert_once_it_is_up
     let (hi, lo, rise) = checkpoints_by_icr(dir);
     let receiver = Receiver::start(dir, free_port(), "");
     let am_port = free_port(); // nothing listens there yet
-    let extra = format!(
-        "checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{}\
-         alerts:\n  webhooks:\n    - url: http://127.0.0.1:{}/hook\n      format: json\n      \
-         secret_env: DIFFMON_TEST_SECRET\n  alertmanager:\n    url: http://127.0.0.1:{am_port}\n",
-        detector_config(rise),
-        receiver.port
-    );
-    unsafe { std::env::set_var("DIFFMON_TEST_SECRET", SECRET) };
-    let d = Daemon::start(dir, &extra);
+    let alertmanager = format!("  alertmanager:\n    url: http://127.0.0.1:{am_port}\n");
+    let d = Daemon::start(dir, &u_turn_config(rise, receiver.port, &alertmanager));
     for (step, src) in [&hi, &lo, &lo, &hi, &hi].iter().enumerate() {
         place(dir, src, step as i64 + 1);
     }
