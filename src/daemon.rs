@@ -6,7 +6,9 @@
 //!   settle check)      channel      model and data)                 │  └──► detector ──Event──► alerts (tokio)
 //! ```
 //!
-//! The recorder appends every outcome to the history before anything acts on it. The detector's
+//! The recorder appends every outcome to the history before anything acts on it; when the state
+//! folder cannot be written (a full disk), outcomes wait in memory, in order, and are retried
+//! every [`RECORD_RETRY`] until they are recorded, then published. The detector's
 //! state is derived from the history by replay at start-up, so it can never disagree with it: a
 //! restart neither forgets the best nor fires twice (events carry ids derived from their content,
 //! and the alerter delivers each id once). Errors at start (bad architecture, unbindable port,
@@ -26,7 +28,9 @@ use crate::record::Evaluation;
 use crate::report::Snapshot;
 use crate::watcher::{Watcher, WorkItem, work_channel};
 use anyhow::{Context, Result};
+use crossbeam_channel::RecvTimeoutError;
 use serde::Serialize;
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -34,6 +38,9 @@ use std::time::Duration;
 
 /// How long the first signal waits for the evaluation in flight.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How often the recorder tries again to write outcomes it could not record.
+const RECORD_RETRY: Duration = Duration::from_secs(2);
 
 /// What `/v1/early-stop` answers.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -87,6 +94,13 @@ struct Recorder {
     status: Arc<Mutex<EarlyStopStatus>>,
     /// What the live page (`GET /`) plots.
     snapshot: Arc<Mutex<Snapshot>>,
+    /// Outcomes not in the history yet (it could not be written), oldest first, with the time
+    /// they arrived.
+    unrecorded: VecDeque<(Outcome, String)>,
+    /// The oldest of `unrecorded` failed to be written, and that was logged.
+    stalled: bool,
+    /// Rewriting `history.h5` failed, and that was logged.
+    hdf5_failing: bool,
 }
 
 impl Recorder {
@@ -142,23 +156,98 @@ impl Recorder {
         Some(event)
     }
 
-    /// Records one outcome durably, then publishes it.
+    /// Takes one outcome: it is recorded durably, then published, after any older outcome still
+    /// waiting to be recorded.
     fn record(&mut self, outcome: Outcome, alerter: &Alerter) {
-        let at = now_rfc3339();
-        match outcome {
-            Outcome::Done(item, record) => {
-                let entry = Entry::Evaluation {
-                    key: item.key.clone(),
-                    at: at.clone(),
-                    record: record.clone(),
-                };
-                let record = *record;
-                if let Err(e) = self.history.append(entry) {
-                    tracing::error!(checkpoint = %item.path.display(), "cannot record the evaluation ({e}); it will be evaluated again after a restart");
+        if let Outcome::Failed(item, reason, message) = &outcome {
+            tracing::warn!(checkpoint = %item.path.display(), step = item.step, reason, "evaluation failed: {message}");
+        }
+        self.unrecorded.push_back((outcome, now_rfc3339()));
+        self.flush(alerter);
+    }
+
+    /// Records the waiting outcomes in order, publishing each once it is in the history. Stops at
+    /// the first that cannot be written (a full disk): it and the later ones stay in memory, and
+    /// nothing acts on them until they are recorded, by the next call.
+    fn flush(&mut self, alerter: &Alerter) {
+        while let Some((outcome, at)) = self.unrecorded.front() {
+            let (item, entry) = match outcome {
+                Outcome::Done(item, record) => (
+                    item,
+                    Entry::Evaluation {
+                        key: item.key.clone(),
+                        at: at.clone(),
+                        record: record.clone(),
+                    },
+                ),
+                Outcome::Failed(item, reason, message) => (
+                    item,
+                    Entry::Failure {
+                        key: item.key.clone(),
+                        at: at.clone(),
+                        step: item.step,
+                        reason: reason.to_string(),
+                        message: message.clone(),
+                    },
+                ),
+            };
+            if let Err(e) = self.history.append(entry) {
+                if self.stalled {
+                    tracing::debug!(
+                        waiting = self.unrecorded.len(),
+                        "the state folder still cannot be written"
+                    );
+                } else {
+                    tracing::error!(checkpoint = %item.path.display(), "cannot record the outcome ({e}); it waits in memory, with any later ones, and is recorded and published as soon as the state folder can be written (a restart before then evaluates them again)");
+                    self.stalled = true;
                 }
+                return;
+            }
+            if self.stalled {
+                tracing::info!(
+                    waiting = self.unrecorded.len(),
+                    "the state folder can be written again; recording the waiting outcomes"
+                );
+                self.stalled = false;
+            }
+            let (outcome, at) = self.unrecorded.pop_front().expect("the front was there");
+            self.publish(outcome, &at, alerter);
+        }
+        self.write_hdf5();
+    }
+
+    /// Brings `history.h5` up to date, logging the first failure of a series at WARN.
+    fn write_hdf5(&mut self) {
+        match self.history.write_hdf5() {
+            Ok(()) if self.hdf5_failing => {
+                tracing::info!("the HDF5 history is up to date again");
+                self.hdf5_failing = false;
+            }
+            Ok(()) => {}
+            Err(e) if self.hdf5_failing => {
+                tracing::debug!("still cannot rewrite the HDF5 history: {e}")
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "cannot rewrite the HDF5 history ({e}); the journal has every outcome, and the file is tried again every {RECORD_RETRY:?}"
+                );
+                self.hdf5_failing = true;
+            }
+        }
+    }
+
+    /// Are outcomes waiting to be recorded, or is `history.h5` behind the journal?
+    fn behind(&self) -> bool {
+        !self.unrecorded.is_empty() || self.history.hdf5_stale()
+    }
+
+    /// Acts on a recorded outcome: metrics, the detector, the live page, alerts.
+    fn publish(&mut self, outcome: Outcome, at: &str, alerter: &Alerter) {
+        match outcome {
+            Outcome::Done(_, record) => {
                 self.metrics.record(&record);
                 self.metrics.evaluated(&record);
-                let event = self.decide(&record, &at);
+                let event = self.decide(&record, at);
                 println!("{}", self.summary(&record));
                 if let Some(event) = event {
                     self.announce(&event);
@@ -167,20 +256,9 @@ impl Recorder {
                     }
                 }
             }
-            Outcome::Failed(item, reason, message) => {
-                tracing::warn!(checkpoint = %item.path.display(), step = item.step, reason, "evaluation failed: {message}");
+            Outcome::Failed(_, reason, _) => {
                 self.metrics.failure(reason);
                 lock(&self.snapshot).failures += 1;
-                let entry = Entry::Failure {
-                    key: item.key,
-                    at,
-                    step: item.step,
-                    reason: reason.to_string(),
-                    message,
-                };
-                if let Err(e) = self.history.append(entry) {
-                    tracing::error!("cannot record the failure: {e}");
-                }
             }
         }
     }
@@ -254,7 +332,11 @@ pub fn run(config: Config) -> Result<()> {
         metrics: metrics.clone(),
         status: status.clone(),
         snapshot: snapshot.clone(),
+        unrecorded: VecDeque::new(),
+        stalled: false,
+        hdf5_failing: false,
     };
+    recorder.write_hdf5();
     // The detector's state is the history replayed; replayed events are re-sent below (the
     // alerter delivers each id once, so only undelivered ones go out).
     let mut replayed = Vec::new();
@@ -375,8 +457,26 @@ pub fn run(config: Config) -> Result<()> {
     let recorder_thread = std::thread::Builder::new()
         .name("diffmon-record".into())
         .spawn(move || {
-            for outcome in outcome_rx {
-                recorder.record(outcome, &alerter);
+            loop {
+                let next = if recorder.behind() {
+                    outcome_rx.recv_timeout(RECORD_RETRY)
+                } else {
+                    outcome_rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
+                };
+                match next {
+                    Ok(outcome) => recorder.record(outcome, &alerter),
+                    Err(RecvTimeoutError::Timeout) => recorder.flush(&alerter),
+                    Err(RecvTimeoutError::Disconnected) => break,
+                }
+            }
+            if recorder.behind() {
+                recorder.flush(&alerter);
+            }
+            if !recorder.unrecorded.is_empty() {
+                tracing::error!(
+                    waiting = recorder.unrecorded.len(),
+                    "outcomes could not be recorded (the state folder cannot be written); their checkpoints will be evaluated again after a restart"
+                );
             }
             let _ = finished_tx.send(());
             alerter

@@ -3,9 +3,10 @@
 //! The source of truth is an append-only journal, `<state_dir>/history.jsonl`: one JSON line per
 //! evaluation (or per checkpoint that could not be evaluated), written and `fsync`ed before
 //! anything else acts on it. A kill can leave at most a torn last line, which the next start
-//! drops. `<state_dir>/history.h5` is regenerated from the journal after every append, written
-//! to a temporary file and renamed into place, so readers (h5py) always see a
-//! complete file: group `/evaluations` with one 1-D dataset per scalar field (NaN where a metric
+//! drops; an append that fails (a full disk) is cut back to the complete lines, so the journal
+//! stays readable and the caller can try the same entry again. `<state_dir>/history.h5` is
+//! regenerated from the journal by [`History::write_hdf5`] once it misses evaluations, written
+//! to a temporary file and renamed into place, so readers (h5py) always see a complete file: group `/evaluations` with one 1-D dataset per scalar field (NaN where a metric
 //! was not computed), `checkpoint` as strings, and the ICR spectra in `icr_eigenvalues`
 //! `[rows, d]`. `diffmon report` reads the journal beside a running daemon without changing it
 //! ([`History::read`]).
@@ -89,13 +90,20 @@ pub struct History {
     journal: File,
     entries: Vec<Entry>,
     keys: HashSet<CheckpointKey>,
+    /// Length of the journal's complete lines.
+    len: u64,
+    /// A failed append left bytes after `len` that could not be cut yet.
+    torn: bool,
+    /// `history.h5` misses evaluations of the journal.
+    hdf5_stale: bool,
 }
 
 pub const JOURNAL: &str = "history.jsonl";
 pub const HDF5: &str = "history.h5";
 
 impl History {
-    /// Opens (or creates) the history in `state_dir`, reading the journal back.
+    /// Opens (or creates) the history in `state_dir`, reading the journal back. `history.h5` is
+    /// left to [`History::write_hdf5`], so a full disk does not stop a start.
     pub fn open(state_dir: &Path) -> Result<History, HistoryError> {
         let io = |path: &Path, e: std::io::Error| HistoryError::Io {
             path: path.to_path_buf(),
@@ -115,14 +123,15 @@ impl History {
             .map_err(|e| io(&path, e))?;
         journal.set_len(good_len).map_err(|e| io(&path, e))?;
         let keys = entries.iter().map(|e| e.key().clone()).collect();
-        let history = History {
+        Ok(History {
             dir: state_dir.to_path_buf(),
             journal,
             entries,
             keys,
-        };
-        history.write_hdf5()?;
-        Ok(history)
+            len: good_len,
+            torn: false,
+            hdf5_stale: true,
+        })
     }
 
     /// The entries of the journal in `state_dir`, read without changing anything (a torn last
@@ -149,41 +158,71 @@ impl History {
         self.keys.contains(key)
     }
 
-    /// Appends an entry durably, then refreshes `history.h5`.
+    /// Appends an entry to the journal durably (written and `fsync`ed). On failure the journal
+    /// is cut back to its complete lines and the entry is not in the history: the caller may try
+    /// it again later.
     pub fn append(&mut self, entry: Entry) -> Result<(), HistoryError> {
         let path = self.dir.join(JOURNAL);
-        let mut line = serde_json::to_string(&entry).expect("entries serialize");
-        line.push('\n');
         let io = |e: std::io::Error| HistoryError::Io {
             path: path.clone(),
             message: e.to_string(),
         };
-        self.journal.write_all(line.as_bytes()).map_err(io)?;
-        self.journal.sync_data().map_err(io)?;
-        self.keys.insert(entry.key().clone());
-        let is_eval = matches!(entry, Entry::Evaluation { .. });
-        self.entries.push(entry);
-        if is_eval {
-            self.write_hdf5()?;
+        if self.torn {
+            self.journal.set_len(self.len).map_err(io)?;
+            self.torn = false;
         }
+        let mut line = serde_json::to_string(&entry).expect("entries serialize");
+        line.push('\n');
+        let written = self
+            .journal
+            .write_all(line.as_bytes())
+            .and_then(|_| self.journal.sync_data());
+        if let Err(e) = written {
+            // Part of the line may be in the file (a disk filling up mid-write).
+            self.torn = self.journal.set_len(self.len).is_err();
+            return Err(io(e));
+        }
+        self.len += line.len() as u64;
+        self.keys.insert(entry.key().clone());
+        self.hdf5_stale |= matches!(entry, Entry::Evaluation { .. });
+        self.entries.push(entry);
         Ok(())
     }
 
-    /// Rewrites `history.h5` from the journal (temporary file, then rename).
-    fn write_hdf5(&self) -> Result<(), HistoryError> {
+    /// Does `history.h5` miss evaluations of the journal?
+    pub fn hdf5_stale(&self) -> bool {
+        self.hdf5_stale
+    }
+
+    /// Rewrites `history.h5` from the journal if it misses evaluations (temporary file, then
+    /// rename). On failure the temporary file is removed and the next call tries again.
+    pub fn write_hdf5(&mut self) -> Result<(), HistoryError> {
+        if !self.hdf5_stale {
+            return Ok(());
+        }
         let path = self.dir.join(HDF5);
         let tmp = self.dir.join(format!("{HDF5}.tmp"));
         let records: Vec<&Evaluation> = self.evaluations().collect();
-        write_hdf5(&tmp, &records).map_err(|e| HistoryError::Io {
-            path: tmp.clone(),
-            message: e.to_string(),
-        })?;
-        let sync = File::open(&tmp).and_then(|f| f.sync_all());
-        sync.and_then(|_| std::fs::rename(&tmp, &path))
+        let written = write_hdf5(&tmp, &records)
             .map_err(|e| HistoryError::Io {
-                path: path.clone(),
+                path: tmp.clone(),
                 message: e.to_string(),
             })
+            .and_then(|_| {
+                File::open(&tmp)
+                    .and_then(|f| f.sync_all())
+                    .and_then(|_| std::fs::rename(&tmp, &path))
+                    .map_err(|e| HistoryError::Io {
+                        path: path.clone(),
+                        message: e.to_string(),
+                    })
+            });
+        if written.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        } else {
+            self.hdf5_stale = false;
+        }
+        written
     }
 }
 
@@ -364,9 +403,13 @@ mod tests {
         assert!(h.contains(entry(50, None).key()));
         h.append(entry(150, Some(0.4))).unwrap();
         drop(h);
-        let h = History::open(dir.path()).unwrap();
+        let mut h = History::open(dir.path()).unwrap();
         let steps: Vec<i64> = h.evaluations().map(|r| r.step).collect();
         assert_eq!(steps, vec![50, 100, 150]);
+        assert!(h.hdf5_stale());
+        h.write_hdf5().unwrap();
+        assert!(!h.hdf5_stale());
+        assert!(!dir.path().join(format!("{HDF5}.tmp")).exists());
 
         let file = hdf5::File::open(dir.path().join(HDF5)).unwrap();
         let g = file.group("evaluations").unwrap();

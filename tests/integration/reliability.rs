@@ -578,3 +578,146 @@ fn a_checkpoint_replaced_during_its_evaluation_is_evaluated_again_as_the_new_fil
         "ICR {got}, the new file's is {want}"
     );
 }
+
+/// A tmpfs mounted for one test (the disk-full test), unmounted when dropped.
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn mount(at: &Path, size: &str) -> Tmpfs {
+        fs::create_dir_all(at).unwrap();
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(at)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "this test mounts a {size} tmpfs as the state folder, which needs root (as `make setup` does): {}",
+            stderr(&out)
+        );
+        Tmpfs(at.to_path_buf())
+    }
+
+    /// Fills the file system with one file, until a write fails; returns the file.
+    fn fill(&self) -> PathBuf {
+        let path = self.0.join("filler");
+        let mut f = fs::File::create(&path).unwrap();
+        let page = [0u8; 4096];
+        while matches!(std::io::Write::write(&mut f, &page), Ok(n) if n > 0) {}
+        path
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// The steps in `history.h5` as h5py reads them (`[1, 2]`), or h5py's error.
+fn hdf5_rows(state: &Path) -> String {
+    let out = Command::new(crate::common::python())
+        .args([
+            "-c",
+            "import sys, h5py; print(h5py.File(sys.argv[1])['evaluations/step'][:].tolist())",
+            state.join("history.h5").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout).trim(),
+        stderr(&out)
+    )
+}
+
+/// Places checkpoints `step + 1`, `step + 2`, ... until one's outcome cannot be recorded (the
+/// journal's last page has room for a line or two after the disk is full); returns the last step
+/// placed, whose outcome waits.
+fn place_until_one_waits(d: &Daemon, dir: &Path, src: &Path, mut step: i64) -> i64 {
+    let stalls = d.log().matches("cannot record the outcome").count();
+    loop {
+        step += 1;
+        assert!(step < 20, "the journal never stopped taking lines");
+        place(dir, src, step);
+        let stalled = |d: &Daemon| d.log().matches("cannot record the outcome").count() > stalls;
+        d.wait_for(Duration::from_secs(120), "the outcome", |d| {
+            stalled(d) || evaluations(dir).len() as i64 == step
+        });
+        if stalled(d) {
+            return step;
+        }
+    }
+}
+
+#[test]
+fn a_full_state_folder_holds_outcomes_back_in_order_and_loses_nothing() {
+    let run = empty_run();
+    let dir = run.path();
+    let state = dir.join(".diffmon");
+    let disk = Tmpfs::mount(&state, "1m");
+    let src = crate::common::toy_run().join("ckpt_000060.pt");
+    let extra = "checkpoints: {pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}\n";
+    let mut d = Daemon::start(dir, extra);
+    place(dir, &src, 1);
+    d.wait_for(Duration::from_secs(120), "the first evaluation", |_| {
+        hdf5_rows(&state) == "[1]"
+    });
+
+    // The disk fills up during the run. The journal line that does not fit in its last page
+    // fails, after part of it went into that page.
+    let filler = disk.fill();
+    let waiting = place_until_one_waits(&d, dir, &src, 1);
+    place(dir, &src, waiting + 1);
+    d.wait_for(Duration::from_secs(120), "two outcomes waiting", |d| {
+        d.log().contains("waiting=2")
+    });
+    let log = d.log();
+    assert!(
+        log.contains("history.jsonl: No space left on device (os error 28)"),
+        "the error names the journal and the errno:\n{log}"
+    );
+    assert!(log.contains("cannot rewrite the HDF5 history"), "{log}");
+    // Nothing acts on an outcome before it is recorded, and the torn line was cut.
+    assert_eq!(d.evaluated(), (waiting - 1) as f64);
+    let text = fs::read_to_string(state.join("history.jsonl")).unwrap();
+    assert!(text.ends_with('\n'), "a torn line was left:\n{text}");
+    assert_eq!(evaluations(dir).len() as i64, waiting - 1);
+
+    // Space comes back: the waiting outcomes are recorded, in order, then published.
+    fs::remove_file(&filler).unwrap();
+    d.wait_for(Duration::from_secs(30), "the waiting outcomes", |d| {
+        d.evaluated() == (waiting + 1) as f64
+    });
+    let steps: Vec<i64> = evaluations(dir).iter().map(|r| r.0).collect();
+    assert_eq!(steps, (1..=waiting + 1).collect::<Vec<_>>());
+    assert!(d.log().contains("the state folder can be written again"));
+    d.wait_for(Duration::from_secs(10), "history.h5 with every row", |_| {
+        hdf5_rows(&state) == format!("{steps:?}")
+    });
+    assert!(!state.join("history.h5.tmp").exists());
+
+    // A start on a full disk: the daemon comes up, outcomes wait, nothing is evaluated twice.
+    let filler = disk.fill();
+    d.restart();
+    assert!(
+        d.log().contains("cannot rewrite the HDF5 history"),
+        "{}",
+        d.log()
+    );
+    let last = place_until_one_waits(&d, dir, &src, waiting + 1);
+    fs::remove_file(&filler).unwrap();
+    d.wait_for(Duration::from_secs(30), "the last outcome", |_| {
+        evaluations(dir).len() as i64 == last
+    });
+    let steps: Vec<i64> = evaluations(dir).iter().map(|r| r.0).collect();
+    assert_eq!(
+        steps,
+        (1..=last).collect::<Vec<_>>(),
+        "nothing lost, nothing twice"
+    );
+    d.wait_for(Duration::from_secs(10), "history.h5 with every row", |_| {
+        hdf5_rows(&state) == format!("{steps:?}")
+    });
+    drop(d);
+}
