@@ -805,7 +805,15 @@ impl Config {
         }
 
         let c = &self.checkpoints;
-        if let Err(e) = globset::Glob::new(&c.pattern) {
+        if c.pattern.contains('/') {
+            v.problem(
+                "checkpoints.pattern",
+                format!(
+                    "matches file names directly inside run.dir and must not contain `/`, got `{}`",
+                    c.pattern
+                ),
+            );
+        } else if let Err(e) = globset::Glob::new(&c.pattern) {
             v.problem("checkpoints.pattern", format!("is not a valid glob: {e}"));
         }
         match regex::Regex::new(&c.step_regex) {

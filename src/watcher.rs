@@ -367,7 +367,7 @@ mod tests {
     }
 
     #[test]
-    fn offers_in_step_order_and_skips_temporary_and_known_files() {
+    fn offers_in_step_order_and_skips_temporary_known_and_nested_files() {
         let dir = tempfile::tempdir().unwrap();
         for name in [
             "ckpt_200.pt",
@@ -379,6 +379,10 @@ mod tests {
         ] {
             write_checkpoint(&dir.path().join(name));
         }
+        // Only files directly inside the run folder: not a subfolder's, not a folder.
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        write_checkpoint(&dir.path().join("sub/ckpt_500.pt"));
+        std::fs::create_dir(dir.path().join("ckpt_600.pt")).unwrap();
         let done = HashSet::from([CheckpointKey::of(&dir.path().join("ckpt_100.pt")).unwrap()]);
         let mut w = Watcher::new(
             dir.path(),
