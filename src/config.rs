@@ -708,15 +708,32 @@ impl Config {
                 p => p,
             };
             let inner = e.into_inner();
-            let location = inner
-                .location()
-                .map(|l| format!("line {}, column {}: ", l.line(), l.column()))
-                .unwrap_or_default();
             // serde_yaml appends " at line L column C" itself; keep the message clean.
             let mut message = inner.to_string();
             if let Some(i) = message.find(" at line ") {
                 message.truncate(i);
             }
+            // For errors raised after a value was read (`device: tpu`) and for duplicate keys,
+            // serde_yaml points at the start of the enclosing mapping; the key is found in the
+            // text instead.
+            let duplicate = message
+                .strip_prefix("duplicate field `")
+                .and_then(|m| m.split('`').next());
+            let found = match duplicate {
+                Some(name) => {
+                    let parent = parent_key(&key);
+                    key_position(text, &parent, Some((name, 2)))
+                }
+                None if key != "(top level)" => key_position(text, &key, None),
+                None => None,
+            };
+            let reported = inner.location().map(|l| (l.line(), l.column()));
+            let location = match (reported, found) {
+                (Some((line, _)), Some(at)) if at.0 != line => Some(at),
+                (reported, found) => reported.or(found),
+            }
+            .map(|(line, column)| format!("line {line}, column {column}: "))
+            .unwrap_or_default();
             // It also starts nested messages with its own (shorter) path: `icr: unknown field`.
             if let Some((head, rest)) = message.split_once(": ")
                 && !head.contains(char::is_whitespace)
@@ -1077,11 +1094,98 @@ impl Validator {
     }
 }
 
+/// The parent of a key path: `icr` for `icr.samples`, empty for a top-level key or
+/// `(top level)`.
+fn parent_key(key: &str) -> String {
+    if key == "(top level)" {
+        return String::new();
+    }
+    key.rsplit_once('.')
+        .map(|(p, _)| p.to_string())
+        .unwrap_or_default()
+}
+
+/// Where the key at `path` (`icr.samples`, `alerts.webhooks[0].url`; empty for the top level)
+/// is written in `text`, as (line, column) counted from 1; with `extra = Some((name, n))`, the
+/// `n`-th occurrence of `name:` inside that key instead. A plain scan, for error messages: each
+/// segment is looked for from where its parent was found on, outside comments, in block or flow
+/// style.
+fn key_position(text: &str, path: &str, extra: Option<(&str, usize)>) -> Option<(usize, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut at = (0usize, 0usize);
+    let find = |name: &str, nth: usize, from: (usize, usize)| -> Option<(usize, usize)> {
+        let mut seen = 0;
+        for (i, line) in lines.iter().enumerate().skip(from.0) {
+            let code = line.split(" #").next().unwrap_or(line);
+            if code.trim_start().starts_with('#') {
+                continue;
+            }
+            let start = if i == from.0 { from.1 } else { 0 };
+            let mut search = start;
+            while let Some(off) = code.get(search..).and_then(|c| c.find(name)) {
+                let col = search + off;
+                let before = code[..col].chars().last();
+                let after = code[col + name.len()..].trim_start();
+                if before.is_none_or(|c| c.is_whitespace() || c == '{' || c == ',' || c == '-')
+                    && after.starts_with(':')
+                {
+                    seen += 1;
+                    if seen == nth {
+                        return Some((i, col));
+                    }
+                }
+                search = col + name.len();
+            }
+        }
+        None
+    };
+    for segment in path.split('.').filter(|s| !s.is_empty()) {
+        let name = segment.split('[').next().unwrap_or(segment);
+        at = find(name, 1, at)?;
+        at.1 += name.len();
+    }
+    if let Some((name, nth)) = extra {
+        at = find(name, nth, at)?;
+    } else {
+        at.1 -= path
+            .rsplit('.')
+            .next()
+            .map_or(0, |s| s.split('[').next().unwrap_or(s).len());
+    }
+    Some((at.0 + 1, at.1 + 1))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const MINIMAL: &str = "run: {dir: r}\nmodel: {architecture: m.ts}\ndata: {path: d.h5}\n";
+
+    #[test]
+    fn keys_are_found_in_the_text_for_error_positions() {
+        let text = "# a comment naming icr: and device:\n\
+                    run: {dir: ., name: x}\n\
+                    icr:\n  samples: 8  # not samples: here\n  seed: 1\n\
+                    pfd: {enabled: true, samples: 4}\n\
+                    alerts:\n  webhooks:\n    - {url: 'http://h', format: json}\n\
+                    device: tpu\n\
+                    icr: {samples: 16}\n";
+        assert_eq!(key_position(text, "device", None), Some((10, 1)));
+        assert_eq!(key_position(text, "icr.samples", None), Some((4, 3)));
+        assert_eq!(key_position(text, "pfd.samples", None), Some((6, 22)));
+        assert_eq!(key_position(text, "run.name", None), Some((2, 15)));
+        assert_eq!(
+            key_position(text, "alerts.webhooks[0].format", None),
+            Some((9, 25))
+        );
+        assert_eq!(key_position(text, "", Some(("icr", 2))), Some((11, 1)));
+        assert_eq!(key_position(text, "icr.sample", None), None);
+        assert_eq!(key_position(text, "", Some(("pfd", 2))), None);
+        // The error of a value checked after it was read names the key's line, not the start
+        // of the enclosing mapping.
+        let e = Config::parse(text, "c.yaml").unwrap_err().to_string();
+        assert!(e.starts_with("c.yaml: line 10, column 1: device: "), "{e}");
+    }
 
     #[test]
     fn defaults_follow_the_design() {
