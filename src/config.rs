@@ -1114,6 +1114,11 @@ fn key_position(text: &str, path: &str, extra: Option<(&str, usize)>) -> Option<
     let lines: Vec<&str> = text.lines().collect();
     let mut at = (0usize, 0usize);
     let find = |name: &str, nth: usize, from: (usize, usize)| -> Option<(usize, usize)> {
+        // A key such as `.[` gives a path with an empty name, which is nowhere (and would match
+        // at every column without moving on).
+        if name.is_empty() {
+            return None;
+        }
         let mut seen = 0;
         for (i, line) in lines.iter().enumerate().skip(from.0) {
             let code = line.split(" #").next().unwrap_or(line);
@@ -1301,6 +1306,19 @@ mod tests {
             assert!(problems.is_empty(), "{}: {problems:?}", path.display());
         }
         assert!(seen >= 2, "config/ holds {seen} yaml files");
+    }
+
+    /// Found by the `config` fuzz target (`make fuzz`): the 3-byte file `.[:` made `parse` loop
+    /// forever while locating the key `.[` in the text (its path has an empty segment name).
+    #[test]
+    fn fuzz_key_with_path_characters_does_not_hang() {
+        for text in [".[:", "a.[0]: 1", "run: {.: 1}", "\"\": 1\n\"\": 2"] {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let owned = text.to_string();
+            std::thread::spawn(move || tx.send(Config::parse(&owned, "c.yaml").is_err()));
+            let failed = rx.recv_timeout(std::time::Duration::from_secs(10));
+            assert_eq!(failed, Ok(true), "{text:?}: no error within 10 s");
+        }
     }
 
     #[test]
