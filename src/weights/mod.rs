@@ -38,7 +38,9 @@
 //!   objects, container items), keeps objects in a flat arena (so self-referencing or deeply
 //!   nested input cannot overflow the Rust stack, not even when dropped), and checks every size
 //!   computation (`numel * elem_size`, the last element a shape/stride/offset reaches) against
-//!   the storage length with checked arithmetic. Hostile input yields an error, never a panic.
+//!   the storage length with checked arithmetic. Views that repeat storage bytes (tied weights,
+//!   stride-0 broadcasts) may add at most the file's length plus 512 MiB to what is read, so a
+//!   tiny file cannot ask for terabytes. Hostile input yields an error, never a panic.
 //!
 //! safetensors files are parsed with the `safetensors` crate (JSON header, validated offsets);
 //! tensor bytes are read straight from the file into their final buffers.
@@ -295,7 +297,9 @@ fn sniff<R: Read + Seek>(r: &mut R, len: u64, path: &Path) -> Result<Container, 
     })
 }
 
-pub(crate) fn detect_format_from<R: Read + Seek>(
+/// [`detect_format`] on any seekable reader: `r` holds the whole file, `len` bytes long;
+/// `path` only names the file in errors.
+pub fn detect_format_from<R: Read + Seek>(
     mut r: R,
     len: u64,
     path: &Path,
@@ -312,7 +316,9 @@ pub(crate) fn detect_format_from<R: Read + Seek>(
     }
 }
 
-pub(crate) fn validate_structure_from<R: Read + Seek>(
+/// [`validate_structure`] on any seekable reader: `r` holds the whole file, `len` bytes long;
+/// `path` only names the file in errors.
+pub fn validate_structure_from<R: Read + Seek>(
     mut r: R,
     len: u64,
     path: &Path,
@@ -330,7 +336,9 @@ pub(crate) fn validate_structure_from<R: Read + Seek>(
     }
 }
 
-pub(crate) fn read_checkpoint_from<R: Read + Seek>(
+/// [`read_checkpoint`] on any seekable reader: `r` holds the whole file, `len` bytes long;
+/// `path` only names the file in errors.
+pub fn read_checkpoint_from<R: Read + Seek>(
     mut r: R,
     len: u64,
     path: &Path,

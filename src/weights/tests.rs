@@ -706,3 +706,48 @@ fn mutated_inputs_never_panic() {
     // Some mutations are harmless; the test is that none of them panicked.
     assert!(ok > 0);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Findings of the fuzz targets in `fuzz/` (`make fuzz`), each with its minimized input.
+
+/// Seen while reading the code during the fuzz runs, and reported by the `pickle` target as a
+/// libFuzzer out-of-memory (`malloc(3221225472)`): a 194-byte data.pkl whose tensor broadcasts a
+/// 1-byte storage (stride 0) to 3 GiB made the reader allocate and fill 3 GiB. What views
+/// repeat beyond their storages is now bounded per state dict.
+#[test]
+fn fuzz_broadcast_view_is_bounded() {
+    // (Without the bound the read succeeds: report its size, not its 3 GiB.)
+    let refused = |pkl: &[u8]| match read_default(&archive(pkl, &[("0", &[7])])) {
+        Ok(sd) => panic!(
+            "read {:?}",
+            sd.tensors.iter().map(|(n, t)| (n, t.data.len()))
+        ),
+        Err(e) => e,
+    };
+    let pkl = one_tensor_pickle("ByteStorage", 1, 0, &[3 << 30], &[0]);
+    let e = refused(&pkl);
+    assert!(matches!(e, WeightsError::BadTensor { .. }), "{e}");
+    assert!(e.to_string().contains("repeat storage bytes"), "{e}");
+    // Bounded across tensors too: 100 MiB is read, 100 + 450 MiB is refused before allocating.
+    let mut w = PickleWriter::new();
+    w.ordered_dict().op(b'(');
+    w.str("a")
+        .tensor_v2("ByteStorage", "0", 1, 0, &[100 << 20], &[0]);
+    w.str("b")
+        .tensor_v2("ByteStorage", "0", 1, 0, &[450 << 20], &[0]);
+    let e = refused(&w.op(b'u').finish());
+    assert!(e.to_string().contains("tensor `b`"), "{e}");
+    // Small broadcasts and tied weights (two views of one storage) are still read.
+    let pkl = one_tensor_pickle("ByteStorage", 1, 0, &[4, 3], &[0, 0]);
+    let sd = read_default(&archive(&pkl, &[("0", &[7])])).unwrap();
+    assert_eq!(sd.get("t").unwrap().data, [7; 12]);
+    let mut w = PickleWriter::new();
+    w.ordered_dict().op(b'(');
+    w.str("w").tensor_v2("FloatStorage", "0", 4, 0, &[4], &[1]);
+    w.str("tied")
+        .tensor_v2("FloatStorage", "0", 4, 0, &[2, 2], &[2, 1]);
+    let pkl = w.op(b'u').finish();
+    let data = f32_bytes(&[1.0, 2.0, 3.0, 4.0]);
+    let sd = read_default(&archive(&pkl, &[("0", &data)])).unwrap();
+    assert_eq!(f32s(sd.get("tied").unwrap()), [1.0, 2.0, 3.0, 4.0]);
+}

@@ -289,8 +289,23 @@ fn select<'p>(
         .collect())
 }
 
+/// How many bytes the selected tensors may hold beyond their storages' bytes, on top of the
+/// file's length. Views can repeat storage bytes: tied weights share one storage, and a stride-0
+/// (`expand`ed) view repeats elements, so that a tensor of a few hundred bytes in the file could
+/// otherwise ask for terabytes. Shared storages up to the file's length in all, and broadcasts
+/// of this size, are far more than real checkpoints hold.
+const MAX_REPEATED_BYTES: u64 = 512 << 20;
+
+/// Bytes of `t` once contiguous (`None` on overflow, which [`materialize`] reports).
+fn view_bytes(t: &TensorMeta, dtype: DType) -> Option<u64> {
+    t.size
+        .iter()
+        .try_fold(dtype.size() as u64, |n, &s| n.checked_mul(s))
+}
+
 /// Reads the storages of `selected` (each once, dropped after its last tensor) and turns every
-/// tensor into contiguous bytes.
+/// tensor into contiguous bytes, refusing views that repeat storage bytes beyond
+/// [`MAX_REPEATED_BYTES`] plus the file's length in all.
 fn materialize_all<R: Read + Seek>(
     archive: &mut ZipArchive<R>,
     prefix: &str,
@@ -303,6 +318,10 @@ fn materialize_all<R: Read + Seek>(
         *uses.entry(&*t.storage.key).or_default() += 1;
     }
     let mut loaded: HashMap<&str, Vec<u8>> = HashMap::new();
+    // Bytes of the tensors read from each storage, and how many more than the storages hold.
+    let mut viewed: HashMap<&str, u64> = HashMap::new();
+    let mut repeated = 0u64;
+    let repeat_budget = file_len.saturating_add(MAX_REPEATED_BYTES);
     let mut out = Vec::with_capacity(selected.len());
     for (name, t) in selected {
         let bad = |detail: String| WeightsError::BadTensor {
@@ -340,6 +359,24 @@ fn materialize_all<R: Read + Seek>(
                 )));
             }
             loaded.insert(key, bytes);
+        }
+        // Tensors may view the same storage bytes more than once (tied weights, a stride-0
+        // broadcast), so together they can be much larger than the file: bound what they add.
+        let storage_len = loaded.get(key).map_or(0, |b| b.len() as u64);
+        if let Some(n) = view_bytes(t, dtype) {
+            let seen = viewed.entry(key).or_default();
+            let before = seen.saturating_sub(storage_len);
+            *seen = seen.saturating_add(n);
+            repeated = repeated.saturating_add(seen.saturating_sub(storage_len) - before);
+            if repeated > repeat_budget {
+                return Err(bad(format!(
+                    "shape {:?} with stride {:?}: the selected tensors would repeat storage \
+                     bytes into {repeated} bytes more than their storages hold; at most \
+                     {repeat_budget} (the file's length plus {MAX_REPEATED_BYTES}) are read \
+                     (storage `{key}`)",
+                    t.size, t.stride
+                )));
+            }
         }
         let remaining = uses.get_mut(key).map(|n| {
             *n -= 1;
