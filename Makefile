@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh Debian machine (as root):
 #   make demo   set up if needed, then a toy training run evaluated by diffmon
 #   make test   set up if needed, then every test
+#   make fuzz   set up if needed, then each fuzz target for FUZZ_SECONDS (default 60)
 # `make setup` is idempotent and cheap once done.
 
 SHELL := /bin/bash
@@ -10,9 +11,11 @@ PY := $(VENV)/bin/python
 BIN := target/release/diffmon
 TORCH_VERSION := 2.13.0
 APT_PACKAGES := build-essential pkg-config libhdf5-dev libssl-dev python3-venv prometheus prometheus-alertmanager time chromium fonts-dejavu-core
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS ?= checkpoint pickle safetensors config
 export CARGO_TERM_COLOR := never
 
-.PHONY: setup apt venv build test demo bench clean-demo lint
+.PHONY: setup apt venv build test demo bench clean-demo lint fuzz
 
 setup: apt venv build
 
@@ -40,6 +43,12 @@ test: setup
 
 demo: setup
 	scripts/demo
+
+# cargo-fuzz targets in fuzz/ (README, "Fuzzing"); nightly with AddressSanitizer when rustup
+# has a nightly toolchain, else stable without a sanitizer. Exits non-zero on a finding.
+fuzz: setup
+	@cargo fuzz --version >/dev/null 2>&1 || cargo install cargo-fuzz --locked
+	FUZZ_SECONDS=$(FUZZ_SECONDS) PYTHON=$(PY) scripts/fuzz $(FUZZ_TARGETS)
 
 bench: setup
 	$(PY) bench/bench.py
