@@ -713,18 +713,22 @@ impl Config {
             if let Some(i) = message.find(" at line ") {
                 message.truncate(i);
             }
+            // It also starts nested messages with its own (shorter) path: `icr: unknown field`.
+            if let Some((head, rest)) = message.split_once(": ")
+                && !head.contains(char::is_whitespace)
+            {
+                message = rest.to_string();
+            }
             // For errors raised after a value was read (`device: tpu`) and for duplicate keys,
             // serde_yaml points at the start of the enclosing mapping; the key is found in the
-            // text instead.
+            // text instead. (A duplicate's path is the mapping that holds it.)
+            let path = if key == "(top level)" { "" } else { &key };
             let duplicate = message
                 .strip_prefix("duplicate field `")
                 .and_then(|m| m.split('`').next());
             let found = match duplicate {
-                Some(name) => {
-                    let parent = parent_key(&key);
-                    key_position(text, &parent, Some((name, 2)))
-                }
-                None if key != "(top level)" => key_position(text, &key, None),
+                Some(name) => key_position(text, path, Some((name, 2))),
+                None if !path.is_empty() => key_position(text, path, None),
                 None => None,
             };
             let reported = inner.location().map(|l| (l.line(), l.column()));
@@ -734,12 +738,6 @@ impl Config {
             }
             .map(|(line, column)| format!("line {line}, column {column}: "))
             .unwrap_or_default();
-            // It also starts nested messages with its own (shorter) path: `icr: unknown field`.
-            if let Some((head, rest)) = message.split_once(": ")
-                && !head.contains(char::is_whitespace)
-            {
-                message = rest.to_string();
-            }
             ConfigError::Parse {
                 file: file.to_string(),
                 location,
@@ -1094,17 +1092,6 @@ impl Validator {
     }
 }
 
-/// The parent of a key path: `icr` for `icr.samples`, empty for a top-level key or
-/// `(top level)`.
-fn parent_key(key: &str) -> String {
-    if key == "(top level)" {
-        return String::new();
-    }
-    key.rsplit_once('.')
-        .map(|(p, _)| p.to_string())
-        .unwrap_or_default()
-}
-
 /// Where the key at `path` (`icr.samples`, `alerts.webhooks[0].url`; empty for the top level)
 /// is written in `text`, as (line, column) counted from 1; with `extra = Some((name, n))`, the
 /// `n`-th occurrence of `name:` inside that key instead. A plain scan, for error messages: each
@@ -1112,7 +1099,6 @@ fn parent_key(key: &str) -> String {
 /// style.
 fn key_position(text: &str, path: &str, extra: Option<(&str, usize)>) -> Option<(usize, usize)> {
     let lines: Vec<&str> = text.lines().collect();
-    let mut at = (0usize, 0usize);
     let find = |name: &str, nth: usize, from: (usize, usize)| -> Option<(usize, usize)> {
         // A key such as `.[` gives a path with an empty name, which is nowhere (and would match
         // at every column without moving on).
@@ -1144,18 +1130,16 @@ fn key_position(text: &str, path: &str, extra: Option<(&str, usize)>) -> Option<
         }
         None
     };
+    // The start of the last key found, and where the next one is looked for.
+    let mut at = (0, 0);
+    let mut from = (0, 0);
     for segment in path.split('.').filter(|s| !s.is_empty()) {
         let name = segment.split('[').next().unwrap_or(segment);
-        at = find(name, 1, at)?;
-        at.1 += name.len();
+        at = find(name, 1, from)?;
+        from = (at.0, at.1 + name.len());
     }
     if let Some((name, nth)) = extra {
-        at = find(name, nth, at)?;
-    } else {
-        at.1 -= path
-            .rsplit('.')
-            .next()
-            .map_or(0, |s| s.split('[').next().unwrap_or(s).len());
+        at = find(name, nth, from)?;
     }
     Some((at.0 + 1, at.1 + 1))
 }
@@ -1190,6 +1174,27 @@ mod tests {
         // of the enclosing mapping.
         let e = Config::parse(text, "c.yaml").unwrap_err().to_string();
         assert!(e.starts_with("c.yaml: line 10, column 1: device: "), "{e}");
+        // A duplicate key names its second occurrence, at the top level and nested.
+        let e = Config::parse(
+            &format!("{MINIMAL}icr: {{seed: 1}}\nicr: {{seed: 2}}\n"),
+            "c.yaml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("c.yaml: line 5, column 1: (top level): duplicate field `icr`"),
+            "{e}"
+        );
+        let e = Config::parse(
+            &format!("{MINIMAL}icr:\n  seed: 1\n  samples: 8\n  samples: 16\n"),
+            "c.yaml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("c.yaml: line 7, column 3: icr: duplicate field `samples`"),
+            "{e}"
+        );
     }
 
     #[test]
