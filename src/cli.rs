@@ -258,7 +258,7 @@ pub fn run(command: Command) -> Result<()> {
         }
         Command::BiasVariance { config, students } => bias_variance(&config, &students),
         Command::Report { config, out } => {
-            crate::report::write(&Config::load(&config)?, &out)?;
+            crate::report::write(&Config::load_without_secrets(&config)?, &out)?;
             println!("{}", out.display());
             Ok(())
         }
@@ -266,7 +266,7 @@ pub fn run(command: Command) -> Result<()> {
 }
 
 fn eval(config_path: &std::path::Path, checkpoints: &[PathBuf], json: bool) -> Result<()> {
-    let config = Config::load(config_path)?;
+    let config = Config::load_without_secrets(config_path)?;
     let step_regex =
         regex::Regex::new(&config.checkpoints.step_regex).context("checkpoints.step_regex")?;
     let mut evaluator = Evaluator::new(&config)?;
@@ -464,7 +464,7 @@ fn sample(a: SampleArgs) -> Result<()> {
 
 /// `diffmon bias-variance`: E_gen of each student against the teacher, and its decomposition.
 fn bias_variance(config_path: &std::path::Path, students: &[PathBuf]) -> Result<()> {
-    let config = Config::load(config_path)?;
+    let config = Config::load_without_secrets(config_path)?;
     if config.pfd.teacher.is_none() {
         anyhow::bail!(
             "{}: pfd.teacher: bias-variance needs a teacher model",

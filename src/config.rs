@@ -5,10 +5,34 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::net::SocketAddr;
+use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 
 /// The annotated example printed by `diffmon init`.
 pub const EXAMPLE: &str = include_str!("../config/diffmon.example.yaml");
+
+/// Upper bounds of the validated ranges shared by several keys (documented in
+/// `config/diffmon.example.yaml`): noise levels (EDM's largest is 80), image counts and batches.
+const MAX_SIGMA: f64 = 1_000.0;
+const MAX_SAMPLES: usize = 1 << 20;
+const MAX_BATCH: usize = 1 << 16;
+
+/// A number as a person writes it in YAML: `1e20` rather than twenty-one digits.
+fn num(x: f64) -> String {
+    if x != 0.0 && x.is_finite() && !(1e-4..1e6).contains(&x.abs()) {
+        format!("{x:e}")
+    } else {
+        format!("{x}")
+    }
+}
+
+/// Largest config file read (a real one is a few KiB).
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// Deepest flow nesting (`[`/`{`) accepted. A real config nests 3 deep; the YAML scanner's cost
+/// grows with the square of the depth (100 KB of `[` took 12 s), so deeper input is refused
+/// before it is parsed.
+pub const MAX_FLOW_DEPTH: usize = 32;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -17,6 +41,8 @@ pub enum ConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("{path}: the config file is {size} bytes; at most {MAX_CONFIG_BYTES} are read")]
+    TooLarge { path: PathBuf, size: u64 },
     #[error("{file}: {location}{key}: {message}")]
     Parse {
         file: String,
@@ -680,15 +706,24 @@ impl Default for HttpConfig {
 
 impl Config {
     /// Reads, parses and validates a config file; relative paths become relative to its folder.
+    /// The webhooks' secrets must be set in the environment and well-formed (for `watch` and
+    /// `check-config`).
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        Config::load_checking(path, true)
+    }
+
+    /// [`Config::load`] for commands that send nothing (`eval`, `report`, `bias-variance`):
+    /// the webhooks' secrets are not looked up.
+    pub fn load_without_secrets(path: &Path) -> Result<Config, ConfigError> {
+        Config::load_checking(path, false)
+    }
+
+    fn load_checking(path: &Path, secrets: bool) -> Result<Config, ConfigError> {
+        let text = read_bounded(path)?;
         let base = path.parent().unwrap_or(Path::new("."));
         let mut config = Config::parse(&text, &path.display().to_string())?;
         config.resolve_paths(base);
-        let problems = config.validate();
+        let problems = config.problems(secrets);
         if problems.is_empty() {
             Ok(config)
         } else {
@@ -701,6 +736,16 @@ impl Config {
 
     /// Parses YAML text; `file` names the source in errors. No validation, no path resolution.
     pub fn parse(text: &str, file: &str) -> Result<Config, ConfigError> {
+        if let Some((line, column)) = too_deep(text) {
+            return Err(ConfigError::Parse {
+                file: file.to_string(),
+                location: format!("line {line}, column {column}: "),
+                key: "(top level)".to_string(),
+                message: format!(
+                    "brackets nest more than {MAX_FLOW_DEPTH} deep; a config needs at most a few levels"
+                ),
+            });
+        }
         let de = serde_yaml::Deserializer::from_str(text);
         serde_path_to_error::deserialize(de).map_err(|e| {
             let key = match e.path().to_string() {
@@ -749,19 +794,11 @@ impl Config {
 
     fn resolve_paths(&mut self, base: &Path) {
         let fix = |p: &mut PathBuf| {
-            if p.is_relative() {
-                // Lexically, without `.` components: `run.dir: .` is the config's folder itself.
-                let joined: PathBuf = base
-                    .join(&*p)
-                    .components()
-                    .filter(|c| !matches!(c, std::path::Component::CurDir))
-                    .collect();
-                *p = if joined.as_os_str().is_empty() {
-                    PathBuf::from(".")
-                } else {
-                    joined
-                };
-            }
+            *p = if p.is_relative() {
+                normalize(&base.join(&*p))
+            } else {
+                normalize(p)
+            };
         };
         fix(&mut self.run.dir);
         if let Some(p) = self.state_dir.as_mut() {
@@ -812,8 +849,13 @@ impl Config {
             .unwrap_or_else(|| self.run.dir.join(".diffmon"))
     }
 
-    /// Every problem of the config, each with its key; empty when it is valid.
+    /// Every problem of the config, each with its key; empty when it is valid. Includes the
+    /// webhooks' secrets, read from the environment.
     pub fn validate(&self) -> Vec<Problem> {
+        self.problems(true)
+    }
+
+    fn problems(&self, secrets: bool) -> Vec<Problem> {
         let mut v = Validator::default();
         if let Some(name) = &self.run.name {
             v.check(!name.trim().is_empty(), "run.name", "must not be empty");
@@ -842,11 +884,11 @@ impl Config {
                 format!("is not a valid regex: {e}"),
             ),
         }
-        v.non_negative("checkpoints.settle_secs", c.settle_secs);
-        v.positive("checkpoints.poll_secs", c.poll_secs);
+        v.real("checkpoints.settle_secs", c.settle_secs, 0.0..=86_400.0);
+        v.real("checkpoints.poll_secs", c.poll_secs, 0.1..=3_600.0);
 
         if let Some(n) = self.cpu_threads {
-            v.at_least("cpu_threads", n, 1);
+            v.count("cpu_threads", n, 1..=1024);
         }
         v.file("model.architecture", &self.model.architecture);
         v.file("data.path", &self.data.path);
@@ -860,20 +902,25 @@ impl Config {
         }
 
         let i = &self.icr;
-        v.positive("icr.sigma", i.sigma);
+        v.positive("icr.sigma", i.sigma, MAX_SIGMA);
         if let Some(sigmas) = &i.sigmas {
             v.check(
                 !sigmas.is_empty(),
                 "icr.sigmas",
                 "must list at least one sigma",
             );
+            v.check(
+                sigmas.len() <= 64,
+                "icr.sigmas",
+                format!("lists {} sigmas; at most 64", sigmas.len()),
+            );
             for (k, s) in sigmas.iter().enumerate() {
-                v.positive(&format!("icr.sigmas[{k}]"), *s);
+                v.positive(&format!("icr.sigmas[{k}]"), *s, MAX_SIGMA);
             }
         }
-        v.at_least("icr.samples", i.samples, 2);
-        v.non_negative("icr.ridge", i.ridge);
-        v.at_least("icr.batch_size", i.batch_size, 1);
+        v.count("icr.samples", i.samples, 2..=MAX_SAMPLES);
+        v.real("icr.ridge", i.ridge, 0.0..=1.0);
+        v.count("icr.batch_size", i.batch_size, 1..=MAX_BATCH);
         v.check(
             (0.0..0.5).contains(&i.augment.crop),
             "icr.augment.crop",
@@ -886,20 +933,21 @@ impl Config {
         );
 
         let p = &self.pfd;
-        v.at_least("pfd.samples", p.samples, 1);
-        v.at_least("pfd.steps", p.steps, 2);
-        v.positive("pfd.sigma_min", p.sigma_min);
+        v.count("pfd.samples", p.samples, 1..=MAX_SAMPLES);
+        v.count("pfd.steps", p.steps, 2..=1000);
+        v.positive("pfd.sigma_min", p.sigma_min, MAX_SIGMA);
+        v.positive("pfd.sigma_max", p.sigma_max, MAX_SIGMA);
         v.check(
-            p.sigma_max > p.sigma_min,
+            p.sigma_max > p.sigma_min || !(p.sigma_max.is_finite() && p.sigma_min.is_finite()),
             "pfd.sigma_max",
             format!(
                 "must be greater than pfd.sigma_min ({}), got {}",
                 p.sigma_min, p.sigma_max
             ),
         );
-        v.positive("pfd.rho", p.rho);
-        v.at_least("pfd.every", p.every, 1);
-        v.at_least("pfd.batch_size", p.batch_size, 1);
+        v.positive("pfd.rho", p.rho, 100.0);
+        v.count("pfd.every", p.every, 1..=1_000_000);
+        v.count("pfd.batch_size", p.batch_size, 1..=MAX_BATCH);
         for (key, path) in [
             ("pfd.teacher", &p.teacher),
             ("pfd.descriptor", &p.descriptor),
@@ -955,14 +1003,16 @@ impl Config {
         v.check(
             tl.scale != 0.0 && tl.scale.is_finite(),
             "tail.scale",
-            "must be a non-zero number",
+            format!("must be a finite, non-zero number, got {}", num(tl.scale)),
         );
+        v.real("tail.offset", tl.offset, f64::MIN..=f64::MAX);
 
         let e = &self.early_stop;
-        v.at_least("early_stop.window", e.window, 1);
-        v.at_least("early_stop.patience", e.patience, 1);
-        v.non_negative("early_stop.min_rise", e.min_rise);
-        v.positive("early_stop.confirm_rise", e.confirm_rise);
+        v.count("early_stop.window", e.window, 1..=1000);
+        v.count("early_stop.warmup", e.warmup, 0..=1_000_000);
+        v.count("early_stop.patience", e.patience, 1..=1_000_000);
+        v.real("early_stop.min_rise", e.min_rise, 0.0..=10.0);
+        v.positive("early_stop.confirm_rise", e.confirm_rise, 10.0);
         match e.metric {
             EarlyStopMetric::Icr => v.check(
                 i.enabled,
@@ -992,8 +1042,10 @@ impl Config {
         let a = &self.alerts;
         for (k, w) in a.webhooks.iter().enumerate() {
             v.url(&format!("alerts.webhooks[{k}].url"), &w.url);
-            if let Some(var) = &w.secret_env {
-                v.env_var(&format!("alerts.webhooks[{k}].secret_env"), var);
+            if let Some(var) = &w.secret_env
+                && secrets
+            {
+                v.secret(&format!("alerts.webhooks[{k}].secret_env"), var);
             }
         }
         if let Some(am) = &a.alertmanager {
@@ -1043,24 +1095,35 @@ impl Validator {
         }
     }
 
-    fn positive(&mut self, key: &str, x: f64) {
-        self.check(
-            x > 0.0 && x.is_finite(),
-            key,
-            format!("must be > 0, got {x}"),
-        );
+    /// `x` must be a finite number in `range`; the message names the bound that is broken.
+    fn real(&mut self, key: &str, x: f64, range: RangeInclusive<f64>) {
+        let message = if !x.is_finite() {
+            format!("must be a finite number, got {}", num(x))
+        } else if x < *range.start() {
+            format!("must be ≥ {}, got {}", num(*range.start()), num(x))
+        } else if x > *range.end() {
+            format!("must be ≤ {}, got {}", num(*range.end()), num(x))
+        } else {
+            return;
+        };
+        self.problem(key, message);
     }
 
-    fn non_negative(&mut self, key: &str, x: f64) {
-        self.check(
-            x >= 0.0 && x.is_finite(),
-            key,
-            format!("must be ≥ 0, got {x}"),
-        );
+    /// `x` must be a finite number in `(0, max]`.
+    fn positive(&mut self, key: &str, x: f64, max: f64) {
+        if x.is_finite() && x <= 0.0 {
+            self.problem(key, format!("must be > 0, got {}", num(x)));
+        } else {
+            self.real(key, x, 0.0..=max);
+        }
     }
 
-    fn at_least(&mut self, key: &str, x: usize, min: usize) {
-        self.check(x >= min, key, format!("must be ≥ {min}, got {x}"));
+    fn count(&mut self, key: &str, x: usize, range: RangeInclusive<usize>) {
+        if x < *range.start() {
+            self.problem(key, format!("must be ≥ {}, got {x}", range.start()));
+        } else if x > *range.end() {
+            self.problem(key, format!("must be ≤ {}, got {x}", range.end()));
+        }
     }
 
     fn file(&mut self, key: &str, path: &Path) {
@@ -1082,13 +1145,116 @@ impl Validator {
         );
     }
 
-    fn env_var(&mut self, key: &str, var: &str) {
-        if std::env::var_os(var).is_none() {
-            self.problem(
+    /// The variable `var` must hold a Standard-Webhooks secret (never shown in the message).
+    fn secret(&mut self, key: &str, var: &str) {
+        match std::env::var(var) {
+            Err(std::env::VarError::NotPresent) => self.problem(
                 key,
                 format!("names the environment variable {var}, which is not set"),
-            );
+            ),
+            Err(std::env::VarError::NotUnicode(_)) => self.problem(
+                key,
+                format!("names the environment variable {var}, whose value is not UTF-8"),
+            ),
+            Ok(value) => {
+                if let Err(reason) = crate::alerts::sign::Secret::parse(&value) {
+                    self.problem(
+                        key,
+                        format!(
+                            "names the environment variable {var}, whose value is not a \
+                             Standard-Webhooks secret: it {reason}"
+                        ),
+                    );
+                }
+            }
         }
+    }
+}
+
+/// Reads the config file, refusing one larger than [`MAX_CONFIG_BYTES`] before reading it.
+fn read_bounded(path: &Path) -> Result<String, ConfigError> {
+    use std::io::Read;
+    let read_error = |source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = std::fs::File::open(path).map_err(read_error)?;
+    let mut text = String::new();
+    file.take(MAX_CONFIG_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(read_error)?;
+    if text.len() as u64 > MAX_CONFIG_BYTES {
+        let size = std::fs::metadata(path).map_or(text.len() as u64, |m| m.len());
+        return Err(ConfigError::TooLarge {
+            path: path.to_path_buf(),
+            size,
+        });
+    }
+    Ok(text)
+}
+
+/// Where (line, column, from 1) flow collections first nest deeper than [`MAX_FLOW_DEPTH`], by a
+/// linear scan that skips comments and quoted scalars; `None` when they never do.
+fn too_deep(text: &str) -> Option<(usize, usize)> {
+    let (mut depth, mut line, mut column) = (0usize, 1, 0);
+    let (mut quote, mut comment, mut escaped) = (None::<char>, false, false);
+    let mut prev = '\n';
+    for c in text.chars() {
+        column += 1;
+        match (quote, c) {
+            (_, '\n') => {
+                comment = false;
+                line += 1;
+                column = 0;
+            }
+            _ if comment => {}
+            (Some('"'), '\\') => escaped = !escaped,
+            (Some(q), _) => {
+                if c == q && !escaped {
+                    quote = None;
+                }
+                escaped = false;
+            }
+            (None, '#') if prev.is_whitespace() => comment = true,
+            // A quote opens a scalar only where one may start (`don't` is plain text).
+            (None, '\'' | '"') if prev.is_whitespace() || "[{,:".contains(prev) => quote = Some(c),
+            (None, '[' | '{') => {
+                depth += 1;
+                if depth > MAX_FLOW_DEPTH {
+                    return Some((line, column));
+                }
+            }
+            (None, ']' | '}') => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        prev = c;
+    }
+    None
+}
+
+/// `path` without `.` components and with each `name/..` pair removed, lexically (what the user
+/// wrote, shorter: `config/../runs/demo` is `runs/demo`). Leading `..` stay; an empty result is
+/// `.`.
+fn normalize(path: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut out: Vec<Component> = Vec::new();
+    for c in path.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => match out.last() {
+                Some(Component::Normal(_)) => {
+                    out.pop();
+                }
+                Some(Component::RootDir | Component::Prefix(_)) => {}
+                _ => out.push(c),
+            },
+            _ => out.push(c),
+        }
+    }
+    if out.is_empty() {
+        PathBuf::from(".")
+    } else {
+        out.iter().collect()
     }
 }
 
@@ -1324,6 +1490,76 @@ mod tests {
             let failed = rx.recv_timeout(std::time::Duration::from_secs(10));
             assert_eq!(failed, Ok(true), "{text:?}: no error within 10 s");
         }
+    }
+
+    /// 100 KB of nested brackets took 12 s in the YAML scanner (quadratic in the depth); the
+    /// depth is now refused by a linear scan before the scanner runs. Brackets in comments and
+    /// quoted scalars do not count.
+    #[test]
+    fn deep_nesting_is_refused_before_parsing() {
+        let deep = format!("icr: {}{}", "[".repeat(50_000), "]".repeat(50_000));
+        match Config::parse(&deep, "c.yaml") {
+            Err(ConfigError::Parse {
+                location, message, ..
+            }) => {
+                assert_eq!(location, "line 1, column 38: ");
+                assert!(message.contains("nest more than 32 deep"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let fine = format!(
+            "# {open}\nrun: {{dir: '{open}'}}\nmodel: {{architecture: \"{open}\\\"\"}}\ndata: {{path: don't{open}}}\n",
+            open = "[".repeat(40)
+        );
+        assert_eq!(
+            too_deep(&fine),
+            Some((4, 50)),
+            "only the plain scalar counts"
+        );
+        let ok = format!("# {open}\nrun: {{dir: '{open}'}}\n", open = "[".repeat(40));
+        assert_eq!(too_deep(&ok), None);
+        assert_eq!(too_deep(&format!("a: {}", "[".repeat(32))), None);
+    }
+
+    #[test]
+    fn paths_are_normalized_lexically() {
+        for (path, want) in [
+            ("config/../runs/demo", "runs/demo"),
+            ("./a/./b/", "a/b"),
+            ("../x/../y", "../y"),
+            ("a/..", "."),
+            ("/a/../../b", "/b"),
+        ] {
+            assert_eq!(normalize(Path::new(path)), PathBuf::from(want), "{path}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("config");
+        std::fs::create_dir(&sub).unwrap();
+        for f in ["model.ts", "train.h5"] {
+            std::fs::write(dir.path().join(f), b"").unwrap();
+        }
+        let file = sub.join("c.yaml");
+        std::fs::write(
+            &file,
+            "run: {dir: ../runs/x}\nmodel: {architecture: ../model.ts}\ndata: {path: ./../train.h5}\n",
+        )
+        .unwrap();
+        let c = Config::load(&file).unwrap();
+        assert_eq!(c.run.dir, dir.path().join("runs/x"));
+        assert_eq!(c.model.architecture, dir.path().join("model.ts"));
+        assert_eq!(c.data.path, dir.path().join("train.h5"));
+    }
+
+    #[test]
+    fn a_config_larger_than_the_bound_is_not_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("big.yaml");
+        std::fs::write(&file, "#".repeat(MAX_CONFIG_BYTES as usize + 1)).unwrap();
+        let err = Config::load(&file).unwrap_err().to_string();
+        assert!(
+            err.contains("big.yaml: the config file is 1048577 bytes"),
+            "{err}"
+        );
     }
 
     #[test]

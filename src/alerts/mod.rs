@@ -32,9 +32,10 @@
 //!   restarting) tries again.
 //! - **Signing.** With `secret_env`, requests carry Standard-Webhooks headers `webhook-id` (the
 //!   event id), `webhook-timestamp` (unix seconds) and
-//!   `webhook-signature: v1,<base64 HMAC-SHA256(key, "{id}.{timestamp}.{body}")>`; a secret of the
-//!   form `whsec_<base64>` is base64-decoded into the key, like the Standard-Webhooks libraries do,
-//!   any other value is used as is. The secret is read once at start and never printed.
+//!   `webhook-signature: v1,<base64 HMAC-SHA256(key, "{id}.{timestamp}.{body}")>`. The secret is
+//!   the key in base64, with or without a `whsec_` prefix and padding, decoded as the official
+//!   `standardwebhooks` library decodes it ([`sign::Secret::parse`]); any other value is refused
+//!   at start and by `check-config`. The secret is read once at start and never printed.
 //! - **Alertmanager stays firing.** Alertmanager resolves an alert that is not re-sent within its
 //!   `resolve_timeout`; while an `early_stop` is active the firing alert is re-posted every
 //!   [`DeliveryPolicy::alertmanager_refresh`] (60 s). After a restart the active alert is taken
@@ -55,7 +56,7 @@
 mod deliver;
 mod event;
 mod format;
-mod sign;
+pub mod sign;
 mod store;
 
 #[cfg(test)]
@@ -104,6 +105,12 @@ pub enum AlertError {
         "{key} names the environment variable {var}, which is not set (or empty, or not UTF-8)"
     )]
     MissingSecret { key: String, var: String },
+    #[error("{key}: the value of {var} is not a Standard-Webhooks secret: it {reason}")]
+    InvalidSecret {
+        key: String,
+        var: String,
+        reason: sign::SecretError,
+    },
     #[error("{key}: {message}")]
     InvalidUrl { key: String, message: String },
     #[error("{}: cannot {action}: {source}", path.display())]
@@ -370,7 +377,15 @@ fn destinations(
         let url = parse_url(&format!("alerts.webhooks[{i}].url"), &w.url)?;
         let secret = match &w.secret_env {
             Some(var) => match secret_lookup(var) {
-                Some(v) if !v.is_empty() => Some(Secret::new(v)),
+                Some(v) if !v.is_empty() => {
+                    Some(
+                        Secret::parse(&v).map_err(|reason| AlertError::InvalidSecret {
+                            key: format!("alerts.webhooks[{i}].secret_env"),
+                            var: var.clone(),
+                            reason,
+                        })?,
+                    )
+                }
                 _ => {
                     return Err(AlertError::MissingSecret {
                         key: format!("alerts.webhooks[{i}].secret_env"),

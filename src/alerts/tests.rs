@@ -1,5 +1,6 @@
 //! Delivery tests against real servers on 127.0.0.1: a Python receiver (`test_receiver.py`,
-//! standard library only, verifying signatures itself) and Debian's `prometheus-alertmanager`.
+//! verifying signatures with the official `standardwebhooks` library) and Debian's
+//! `prometheus-alertmanager`.
 
 use super::*;
 use crate::config::{AlertmanagerConfig, AlertsConfig, WebhookConfig, WebhookFormat};
@@ -404,6 +405,58 @@ async fn signed_deliveries_are_retried_on_5xx_and_429_and_accepted_once() {
     );
 }
 
+/// Every form of one key that the official `standardwebhooks` library accepts (the `whsec_`
+/// prefix and the padding are optional there) signs requests that library verifies. The
+/// receiver is given the same string as diffmon, as an operator configures both ends. Before,
+/// diffmon used the unpadded and the bare forms as raw bytes: every signature failed while the
+/// log said "delivered".
+#[tokio::test]
+async fn every_secret_form_the_official_library_accepts_verifies_there() {
+    let d = dirs();
+    // 23 bytes: its base64 ends in padding, so the unpadded forms differ from the padded ones.
+    let b64 = base64::engine::general_purpose::STANDARD.encode(b"a-key-of-23-bytes-long!");
+    let bare = b64.trim_end_matches('=').to_string();
+    assert_ne!(bare, b64);
+    let forms = [
+        format!("whsec_{b64}"),
+        format!("whsec_{bare}"),
+        b64.clone(),
+        bare.clone(),
+    ];
+    for (k, form) in forms.iter().enumerate() {
+        let rx = Receiver::start(&d.work, 0, Some(form), "", 200, "").await;
+        let var = "DIFFMON_T9_SECRET";
+        let cfg = config(
+            vec![webhook(rx.url("/json"), WebhookFormat::Json, Some(var))],
+            None,
+        );
+        let lookup = |v: &str| (v == var).then(|| form.clone());
+        let state = d.work.join(format!("state-{k}"));
+        std::fs::create_dir(&state).unwrap();
+        let alerter = Alerter::start_with(
+            &cfg,
+            &d.run,
+            &state,
+            Outcomes::default().hook(),
+            fast_policy(),
+            &lookup,
+        )
+        .unwrap();
+        alerter.send(&early(&format!("run-9-{k}"))).unwrap();
+        wait_until("a delivery", Duration::from_secs(20), || {
+            !rx.lines().is_empty()
+        })
+        .await;
+        let got = rx.lines();
+        assert_eq!(got[0]["signed"], true, "{got:?}");
+        assert_eq!(
+            got[0]["valid"], true,
+            "form {k}: the official library refused the signature: {got:?}"
+        );
+        alerter.shutdown(Duration::from_millis(200)).await;
+    }
+}
+
 #[tokio::test]
 async fn pending_delivery_survives_a_restart_while_the_receiver_is_down() {
     let logs = Capture::default();
@@ -770,6 +823,24 @@ async fn stop_file_is_atomic_and_secrets_stay_hidden() {
     .unwrap_err()
     .to_string();
     assert!(err.starts_with("alerts.webhooks[0].url"), "{err}");
+
+    // A value that is not a Standard-Webhooks secret is refused at start, without showing it.
+    let mangled = "diffmon-planted-secret-6a1f93c2";
+    let err = Alerter::start_with(
+        &cfg,
+        &d.run,
+        &d.state,
+        Outcomes::default().hook(),
+        fast_policy(),
+        &|_| Some(mangled.to_string()),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.starts_with("alerts.webhooks[0].secret_env: the value of DIFFMON_T5_SECRET is not a Standard-Webhooks secret"),
+        "{err}"
+    );
+    assert!(!err.contains(mangled), "{err}");
 }
 
 #[test]

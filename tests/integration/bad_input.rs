@@ -1,28 +1,48 @@
 //! The corpus of invalid configs in `tests/bad_configs/`: each file states, in `# expect:` lines,
-//! what `diffmon check-config` must say about it. Every case must exit 2 with an error that
-//! names the file and contains each expected text (a key path, the bad value, the reason).
+//! what `diffmon check-config` must say about it, and in `# env: NAME=VALUE` lines the
+//! environment it runs in. Every case must exit 2 with an error that names the file and
+//! contains each expected text (a key path, the bad value, the reason); no `# env:` value may
+//! appear in the error (they are secrets).
 
 use crate::common::{root, stderr};
 use std::fs;
 use std::path::PathBuf;
 use std::process::Command;
 
-fn cases() -> Vec<(PathBuf, Vec<String>)> {
-    let mut cases: Vec<(PathBuf, Vec<String>)> = fs::read_dir(root().join("tests/bad_configs"))
+struct Case {
+    path: PathBuf,
+    expect: Vec<String>,
+    env: Vec<(String, String)>,
+}
+
+fn cases() -> Vec<Case> {
+    let mut cases: Vec<Case> = fs::read_dir(root().join("tests/bad_configs"))
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
-        .map(|p| {
-            let expect = fs::read_to_string(&p)
-                .unwrap()
-                .lines()
-                .filter_map(|l| l.strip_prefix("# expect: "))
-                .map(str::to_string)
+        .map(|path| {
+            let text = fs::read_to_string(&path).unwrap();
+            let tagged = |tag: &str| -> Vec<String> {
+                text.lines()
+                    .filter_map(|l| l.strip_prefix(tag))
+                    .map(str::to_string)
+                    .collect()
+            };
+            let env = tagged("# env: ")
+                .iter()
+                .map(|l| {
+                    let (k, v) = l.split_once('=').expect("# env: NAME=VALUE");
+                    (k.to_string(), v.to_string())
+                })
                 .collect();
-            (p, expect)
+            Case {
+                expect: tagged("# expect: "),
+                env,
+                path,
+            }
         })
         .collect();
-    cases.sort();
+    cases.sort_by(|a, b| a.path.cmp(&b.path));
     cases
 }
 
@@ -36,7 +56,7 @@ fn every_invalid_config_is_refused_with_the_expected_message() {
         fs::write(dir.path().join(f), b"").unwrap();
     }
     let mut failures = Vec::new();
-    for (path, expect) in &cases {
+    for Case { path, expect, env } in &cases {
         let name = path.file_name().unwrap().to_str().unwrap();
         assert!(!expect.is_empty(), "{name} has no `# expect:` line");
         let copy = dir.path().join(name);
@@ -46,6 +66,7 @@ fn every_invalid_config_is_refused_with_the_expected_message() {
         // Run from the folder, as a user would: paths in errors stay as the file wrote them.
         let out = Command::new(env!("CARGO_BIN_EXE_diffmon"))
             .args(["check-config", name])
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .current_dir(dir.path())
             .output()
             .unwrap();
@@ -60,6 +81,11 @@ fn every_invalid_config_is_refused_with_the_expected_message() {
         for e in expect {
             if !err.contains(e.as_str()) {
                 problems.push(format!("missing `{e}`"));
+            }
+        }
+        for (var, value) in env {
+            if err.contains(value.as_str()) {
+                problems.push(format!("the value of {var} is shown"));
             }
         }
         if !problems.is_empty() {

@@ -391,3 +391,37 @@ fn report_without_a_history_says_so() {
     );
     assert!(!out.exists());
 }
+
+/// `report` sends nothing, so it must not need the webhooks' secrets (before, it refused to run
+/// unless their variables were set); `check-config` still checks them.
+#[test]
+fn report_runs_without_the_webhook_secrets_that_check_config_requires() {
+    let finished = finished_run();
+    let dir = finished.dir.path();
+    let text = fs::read_to_string(dir.join("diffmon.yaml")).unwrap();
+    assert!(!text.contains("alerts:"), "{text}");
+    let var = "DIFFMON_TEST_UNSET_REPORT_SECRET";
+    assert!(std::env::var_os(var).is_none());
+    let config = dir.join("with-webhook.yaml");
+    fs::write(
+        &config,
+        format!(
+            "{text}alerts: {{webhooks: [{{url: 'http://127.0.0.1:1/h', secret_env: {var}}}]}}\n"
+        ),
+    )
+    .unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let svg = out.path().join("report.svg");
+    let o = diffmon(&[
+        "report",
+        "--config",
+        config.to_str().unwrap(),
+        "--out",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(svg.exists());
+    let o = diffmon(&["check-config", config.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains(var), "{}", stderr(&o));
+}
