@@ -171,6 +171,10 @@ impl Cache {
     ) -> Result<(), PfdError> {
         crate::safe_fs::create_private_dir(&self.dir).map_err(|e| file_error(&self.dir, e))?;
         let path = self.path(kind, key);
+        if let Some(name) = path.file_name() {
+            // Leftovers of a crash mid-write (and links planted at those names).
+            crate::safe_fs::remove_leftover_temps(&self.dir, &name.to_string_lossy());
+        }
         write_h5_atomically(&path, |tmp| write_cache(tmp, Some(key), data))?;
         tracing::info!(cache = %path.display(), "{kind}: cached");
         Ok(())
@@ -824,5 +828,38 @@ mod tests {
         let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
         f.set_len(len / 2).unwrap();
         assert!(cache.load("flow", &key, &["features"]).is_none());
+    }
+
+    #[test]
+    fn cache_and_sample_writes_never_follow_links_at_temporary_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        let cache = Cache {
+            dir: dir.path().join("cache"),
+        };
+        std::fs::create_dir(&cache.dir).unwrap();
+        let key = json!({"a": 1});
+        let path = cache.path("flow", &key);
+        let name = path.file_name().unwrap().to_str().unwrap().to_string();
+        // The old names: `<cache>.h5.tmp-<pid>` and, for samples, `<file>.h5.tmp`.
+        let link = |at: PathBuf| std::os::unix::fs::symlink(&victim, at).unwrap();
+        link(
+            cache
+                .dir
+                .join(format!("{}.tmp-{}", name, std::process::id())),
+        );
+        let t = Tensor::from_slice(&[1.0f64, 2.0]);
+        cache.store("flow", &key, &[("features", &t)]).unwrap();
+        assert_eq!(cache.load("flow", &key, &["features"]).unwrap()[0], t);
+        let samples = dir.path().join("samples.h5");
+        link(dir.path().join("samples.h5.tmp"));
+        write_samples(
+            &samples,
+            &Tensor::zeros([1, 1, 2, 2], (Kind::Float, Device::Cpu)),
+        )
+        .unwrap();
+        assert!(samples.is_file());
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
     }
 }

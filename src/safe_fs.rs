@@ -27,7 +27,9 @@ pub fn is_temp_name(name: &str, target: Option<&str>) -> bool {
             let new = name
                 .strip_prefix(&format!(".{t}."))
                 .is_some_and(|rest| rest.ends_with(TEMP_SUFFIX));
-            let old = name == format!("{t}.tmp") || name.starts_with(&format!(".{t}.tmp."));
+            // `history.h5.tmp`, `<cache>.h5.tmp-<pid>`, `.EARLY_STOP.tmp.<pid>.<n>`.
+            let old =
+                name.starts_with(&format!("{t}.tmp")) || name.starts_with(&format!(".{t}.tmp."));
             new || old
         }
         None => name.starts_with('.') && (name.ends_with(TEMP_SUFFIX) || name.contains(".tmp.")),

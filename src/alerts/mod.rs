@@ -185,6 +185,7 @@ impl Alerter {
             action: "create the outbox folder",
             source,
         })?;
+        crate::safe_fs::remove_leftover_temps(state_dir, LEDGER_FILE);
         let ledger = Ledger::load(state_dir.join(LEDGER_FILE));
         let loaded = outbox.load().map_err(|source| AlertError::Io {
             path: outbox_dir.clone(),

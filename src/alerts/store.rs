@@ -330,4 +330,36 @@ mod tests {
         let b = next_seq();
         assert!(b > a);
     }
+
+    #[test]
+    fn outbox_and_ledger_writes_never_follow_links_at_temporary_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        fs::write(&victim, "precious").unwrap();
+        let ob = Outbox::open(dir.path().join("outbox")).unwrap();
+        let e = Entry::new("webhook-1", &event(7));
+        let final_name = ob
+            .path(&e.event.id, "webhook-1")
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        // The old names `.<name>.tmp.<pid>.<n>` this process would have used.
+        for n in 0..64 {
+            let at = ob
+                .dir()
+                .join(format!(".{final_name}.tmp.{}.{n}", std::process::id()));
+            std::os::unix::fs::symlink(&victim, at).unwrap();
+        }
+        ob.put(&e).unwrap();
+        let mut l = Ledger::load(dir.path().join("alerts_delivered.json"));
+        l.insert("a/x".into()).unwrap();
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "precious");
+        // The links are cleaned up as leftovers; the victim stays.
+        assert_eq!(ob.load().unwrap(), vec![e]);
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "precious");
+        let mode = fs::metadata(ob.dir()).unwrap().permissions();
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(mode.mode() & 0o777, 0o700);
+    }
 }
