@@ -26,6 +26,7 @@ use crate::model::ModelError;
 use crate::pfd::PfdError;
 use crate::record::Evaluation;
 use crate::report::Snapshot;
+use crate::safe_fs::{untrusted, untrusted_text};
 use crate::watcher::{Watcher, WorkItem, work_channel};
 use anyhow::{Context, Result};
 use crossbeam_channel::RecvTimeoutError;
@@ -160,7 +161,7 @@ impl Recorder {
     /// waiting to be recorded.
     fn record(&mut self, outcome: Outcome, alerter: &Alerter) {
         if let Outcome::Failed(item, reason, message) = &outcome {
-            tracing::warn!(checkpoint = %item.path.display(), step = item.step, reason, "evaluation failed: {message}");
+            tracing::warn!(checkpoint = %untrusted(&item.path), step = item.step, reason, "evaluation failed: {}", untrusted_text(message));
         }
         self.unrecorded.push_back((outcome, now_rfc3339()));
         self.flush(alerter);
@@ -198,7 +199,7 @@ impl Recorder {
                         "the state folder still cannot be written"
                     );
                 } else {
-                    tracing::error!(checkpoint = %item.path.display(), "cannot record the outcome ({e}); it waits in memory, with any later ones, and is recorded and published as soon as the state folder can be written (a restart before then evaluates them again)");
+                    tracing::error!(checkpoint = %untrusted(&item.path), "cannot record the outcome ({e}); it waits in memory, with any later ones, and is recorded and published as soon as the state folder can be written (a restart before then evaluates them again)");
                     self.stalled = true;
                 }
                 return;
@@ -414,7 +415,7 @@ pub fn run(config: Config) -> Result<()> {
                 }
             };
             for item in work_rx {
-                tracing::debug!(checkpoint = %item.path.display(), step = item.step, "evaluating");
+                tracing::debug!(checkpoint = %untrusted(&item.path), step = item.step, "evaluating");
                 let outcome = match evaluator.evaluate(&item.path, item.step) {
                     // A file deleted or rewritten while it was read may not be what was evaluated.
                     Ok(_) if CheckpointKey::of(&item.path).ok().as_ref() != Some(&item.key) => {

@@ -265,7 +265,7 @@ impl Evaluator {
         }
         self.evaluated += 1;
         record.seconds = started.elapsed().as_secs_f64();
-        tracing::debug!(checkpoint = %checkpoint.display(), stages = ?record.stages, "evaluated");
+        tracing::debug!(checkpoint = %crate::safe_fs::untrusted(checkpoint), stages = ?record.stages, "evaluated");
         Ok(record)
     }
 }

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
@@ -109,21 +110,25 @@ impl History {
             path: path.to_path_buf(),
             message: e.to_string(),
         };
-        std::fs::create_dir_all(state_dir).map_err(|e| io(state_dir, e))?;
+        crate::safe_fs::create_private_dir(state_dir).map_err(|e| io(state_dir, e))?;
+        crate::safe_fs::remove_leftover_temps(state_dir, HDF5);
+        crate::safe_fs::remove_leftover_temps(state_dir, JOURNAL);
         let path = state_dir.join(JOURNAL);
-        let (entries, good_len) = if path.exists() {
+        let (entries, good_len, repairs) = if path.exists() {
             read_journal(&path)?
         } else {
-            (Vec::new(), 0)
+            (Vec::new(), 0, Repairs::default())
         };
+        repairs.log(&path);
         let journal = OpenOptions::new()
             .create(true)
             .append(true)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
             .map_err(|e| io(&path, e))?;
         journal.set_len(good_len).map_err(|e| io(&path, e))?;
         let keys = entries.iter().map(|e| e.key().clone()).collect();
-        Ok(History {
+        let mut history = History {
             dir: state_dir.to_path_buf(),
             journal,
             entries,
@@ -131,7 +136,67 @@ impl History {
             len: good_len,
             torn: false,
             hdf5_stale: true,
-        })
+        };
+        if repairs.changed() {
+            // Written back without the dropped lines, so the next start has nothing to repair.
+            history.rewrite_journal()?;
+        }
+        Ok(history)
+    }
+
+    /// Writes the journal anew from the entries in memory (exclusive temporary file, then
+    /// rename) and appends to the new file from now on.
+    fn rewrite_journal(&mut self) -> Result<(), HistoryError> {
+        let path = self.dir.join(JOURNAL);
+        let io = |e: std::io::Error| HistoryError::Io {
+            path: path.clone(),
+            message: e.to_string(),
+        };
+        let mut text = String::new();
+        for e in &self.entries {
+            text.push_str(&serde_json::to_string(e).expect("entries serialize"));
+            text.push('\n');
+        }
+        crate::safe_fs::atomic_write(&path, text.as_bytes()).map_err(io)?;
+        self.journal = OpenOptions::new()
+            .append(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .map_err(io)?;
+        self.len = text.len() as u64;
+        self.torn = false;
+        Ok(())
+    }
+
+    /// Was the journal file deleted under the daemon (`run.dir` or the state folder removed)?
+    /// Appends would go to a file nobody can see.
+    fn journal_deleted(&self) -> bool {
+        self.journal.metadata().is_ok_and(|m| m.nlink() == 0)
+    }
+
+    /// Re-creates the state folder and the journal from the entries in memory after they were
+    /// deleted. The folder's parent must exist: the daemon never re-creates `run.dir` itself (the
+    /// training job does), so until it is back this fails and the caller retries.
+    fn recreate(&mut self) -> Result<(), HistoryError> {
+        let journal = self.dir.join(JOURNAL);
+        let parent = crate::safe_fs::parent(&self.dir);
+        if !parent.is_dir() {
+            return Err(HistoryError::Io {
+                path: journal,
+                message: format!(
+                    "the journal was deleted and its folder's parent {} is gone; waiting for it to come back",
+                    crate::safe_fs::untrusted(parent)
+                ),
+            });
+        }
+        crate::safe_fs::create_private_dir(&self.dir).map_err(|e| HistoryError::Io {
+            path: self.dir.clone(),
+            message: e.to_string(),
+        })?;
+        self.rewrite_journal()?;
+        self.hdf5_stale = true;
+        tracing::warn!(journal = %crate::safe_fs::untrusted(&journal), entries = self.entries.len(), "journal re-created from the entries in memory; history.h5 follows");
+        Ok(())
     }
 
     /// The entries of the journal in `state_dir`, read without changing anything (a torn last
@@ -167,6 +232,10 @@ impl History {
             path: path.clone(),
             message: e.to_string(),
         };
+        if self.journal_deleted() {
+            tracing::error!(journal = %crate::safe_fs::untrusted(&path), "the history journal was deleted (was run.dir or the state folder removed?); re-creating it from the {} entries in memory", self.entries.len());
+            self.recreate()?;
+        }
         if self.torn {
             self.journal.set_len(self.len).map_err(io)?;
             self.torn = false;
@@ -201,22 +270,22 @@ impl History {
             return Ok(());
         }
         let path = self.dir.join(HDF5);
-        let tmp = self.dir.join(format!("{HDF5}.tmp"));
+        let io = |path: &Path, e: std::io::Error| HistoryError::Io {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        };
+        // The temporary file is created exclusively (O_EXCL|O_NOFOLLOW) under a random name;
+        // HDF5 then opens it again by path. That path cannot be swapped for a link in between:
+        // its name is unpredictable and the state folder is the daemon's own (mode 0700), and
+        // `persist` checks that the file renamed into place is still the one created here.
+        let (file, tmp) = crate::safe_fs::temp_file(&path).map_err(|e| io(&path, e))?;
         let records: Vec<&Evaluation> = self.evaluations().collect();
         let written = write_hdf5(&tmp, &records)
             .map_err(|e| HistoryError::Io {
                 path: tmp.clone(),
                 message: e.to_string(),
             })
-            .and_then(|_| {
-                File::open(&tmp)
-                    .and_then(|f| f.sync_all())
-                    .and_then(|_| std::fs::rename(&tmp, &path))
-                    .map_err(|e| HistoryError::Io {
-                        path: path.clone(),
-                        message: e.to_string(),
-                    })
-            });
+            .and_then(|_| crate::safe_fs::persist(&file, &tmp, &path).map_err(|e| io(&path, e)));
         if written.is_err() {
             let _ = std::fs::remove_file(&tmp);
         } else {
@@ -226,8 +295,46 @@ impl History {
     }
 }
 
-/// The complete lines of a journal, and their length in bytes (a torn last line is dropped).
-fn read_journal(path: &Path) -> Result<(Vec<Entry>, u64), HistoryError> {
+/// Lines of a journal that reading it dropped or noticed (1-based line numbers).
+#[derive(Debug, Default, PartialEq)]
+struct Repairs {
+    /// Blank lines, skipped.
+    blank: Vec<usize>,
+    /// (line, line of the first entry for the same checkpoint version): dropped, the first kept.
+    duplicates: Vec<(usize, usize)>,
+    /// Evaluations with a lower step than an evaluation before them: kept (a checkpoint that
+    /// arrived late is evaluated after newer ones).
+    out_of_order: Vec<usize>,
+}
+
+impl Repairs {
+    fn changed(&self) -> bool {
+        !self.blank.is_empty() || !self.duplicates.is_empty()
+    }
+
+    fn log(&self, path: &Path) {
+        let journal = crate::safe_fs::untrusted(path);
+        if !self.blank.is_empty() {
+            tracing::warn!(%journal, lines = ?self.blank, "blank journal lines skipped (and removed from the journal)");
+        }
+        if !self.duplicates.is_empty() {
+            let pairs: Vec<String> = self
+                .duplicates
+                .iter()
+                .map(|(l, first)| format!("{l} (same checkpoint as line {first})"))
+                .collect();
+            tracing::warn!(%journal, lines = %pairs.join(", "), "duplicate journal lines dropped: the first entry of each checkpoint version is kept (repaired in the journal)");
+        }
+        if !self.out_of_order.is_empty() {
+            tracing::info!(%journal, lines = ?self.out_of_order, "journal evaluations with a lower step than an earlier one (checkpoints that arrived late); kept, in evaluation order");
+        }
+    }
+}
+
+/// The complete lines of a journal, their length in bytes (a torn last line is dropped), and
+/// what was repaired: blank lines are skipped and a second entry for the same checkpoint version
+/// is dropped (the first is kept).
+fn read_journal(path: &Path) -> Result<(Vec<Entry>, u64, Repairs), HistoryError> {
     let io = |e: std::io::Error| HistoryError::Io {
         path: path.to_path_buf(),
         message: e.to_string(),
@@ -235,6 +342,9 @@ fn read_journal(path: &Path) -> Result<(Vec<Entry>, u64), HistoryError> {
     let file = File::open(path).map_err(io)?;
     let mut reader = BufReader::new(file);
     let mut entries = Vec::new();
+    let mut repairs = Repairs::default();
+    let mut first_line: std::collections::HashMap<CheckpointKey, usize> = Default::default();
+    let mut max_step: Option<i64> = None;
     let mut good_len = 0u64;
     let mut line = String::new();
     let mut number = 0;
@@ -250,15 +360,30 @@ fn read_journal(path: &Path) -> Result<(Vec<Entry>, u64), HistoryError> {
             tracing::warn!(journal = %path.display(), line = number, "dropping an incomplete last journal line");
             break;
         }
+        good_len += n as u64;
+        if line.trim().is_empty() {
+            repairs.blank.push(number);
+            continue;
+        }
         let entry: Entry = serde_json::from_str(&line).map_err(|e| HistoryError::Corrupt {
             path: path.to_path_buf(),
             line: number,
             message: e.to_string(),
         })?;
+        if let Some(&first) = first_line.get(entry.key()) {
+            repairs.duplicates.push((number, first));
+            continue;
+        }
+        first_line.insert(entry.key().clone(), number);
+        if let Entry::Evaluation { record, .. } = &entry {
+            if max_step.is_some_and(|m| record.step < m) {
+                repairs.out_of_order.push(number);
+            }
+            max_step = Some(max_step.map_or(record.step, |m| m.max(record.step)));
+        }
         entries.push(entry);
-        good_len += n as u64;
     }
-    Ok((entries, good_len))
+    Ok((entries, good_len, repairs))
 }
 
 /// The scalar float fields of a record, in the history file's order.
@@ -428,5 +553,183 @@ mod tests {
             .read_raw::<hdf5::types::VarLenUnicode>()
             .unwrap();
         assert_eq!(names[2].as_str(), "/r/ckpt_150.pt");
+    }
+
+    fn journal_lines(dir: &Path) -> Vec<String> {
+        std::fs::read_to_string(dir.join(JOURNAL))
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
+    fn write_lines(dir: &Path, lines: &[String]) {
+        let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+        std::fs::write(dir.join(JOURNAL), text).unwrap();
+    }
+
+    fn line(e: &Entry) -> String {
+        serde_json::to_string(e).unwrap()
+    }
+
+    #[test]
+    fn a_blank_journal_line_is_skipped_and_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        write_lines(
+            dir.path(),
+            &[
+                line(&entry(50, Some(0.5))),
+                String::new(),
+                "   ".into(),
+                line(&entry(100, None)),
+            ],
+        );
+        let (_, _, repairs) = read_journal(&dir.path().join(JOURNAL)).unwrap();
+        assert_eq!(repairs.blank, vec![2, 3]);
+        let h = History::open(dir.path()).unwrap();
+        let steps: Vec<i64> = h.evaluations().map(|r| r.step).collect();
+        assert_eq!(steps, vec![50, 100]);
+        assert_eq!(
+            journal_lines(dir.path()),
+            vec![line(&entry(50, Some(0.5))), line(&entry(100, None))],
+            "the journal was not repaired"
+        );
+        // Appends after the repair land after the kept lines.
+        let mut h = h;
+        h.append(entry(150, None)).unwrap();
+        drop(h);
+        assert_eq!(History::open(dir.path()).unwrap().entries().len(), 3);
+    }
+
+    #[test]
+    fn a_duplicate_journal_line_is_dropped_keeping_the_first() {
+        let dir = tempfile::tempdir().unwrap();
+        // The same checkpoint version twice (other values), and a failure for it as well.
+        let failure = Entry::Failure {
+            key: entry(50, None).key().clone(),
+            at: "2026-01-01T00:00:01Z".into(),
+            step: 50,
+            reason: "error".into(),
+            message: "x".into(),
+        };
+        write_lines(
+            dir.path(),
+            &[
+                line(&entry(50, Some(0.5))),
+                line(&entry(100, Some(0.4))),
+                line(&entry(50, Some(0.9))),
+                line(&failure),
+            ],
+        );
+        let (_, _, repairs) = read_journal(&dir.path().join(JOURNAL)).unwrap();
+        assert_eq!(repairs.duplicates, vec![(3, 1), (4, 1)]);
+        let h = History::open(dir.path()).unwrap();
+        assert_eq!(
+            h.entries(),
+            &[entry(50, Some(0.5)), entry(100, Some(0.4))],
+            "not the first entry of each checkpoint"
+        );
+        assert_eq!(
+            journal_lines(dir.path()).len(),
+            2,
+            "the journal was not repaired"
+        );
+        // `read` (beside a running daemon) drops them too, without changing the file.
+        assert_eq!(History::read(dir.path()).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn evaluations_out_of_step_order_are_kept_and_reported() {
+        // A checkpoint that arrives late is evaluated after newer ones: legitimate, kept.
+        let dir = tempfile::tempdir().unwrap();
+        write_lines(
+            dir.path(),
+            &[
+                line(&entry(100, Some(0.5))),
+                line(&entry(50, Some(0.4))),
+                line(&entry(150, Some(0.3))),
+            ],
+        );
+        let before = std::fs::read(dir.path().join(JOURNAL)).unwrap();
+        let (entries, _, repairs) = read_journal(&dir.path().join(JOURNAL)).unwrap();
+        assert_eq!(entries.len(), 3);
+        assert_eq!(repairs.out_of_order, vec![2]);
+        assert!(!repairs.changed());
+        let h = History::open(dir.path()).unwrap();
+        let steps: Vec<i64> = h.evaluations().map(|r| r.step).collect();
+        assert_eq!(steps, vec![100, 50, 150]);
+        assert_eq!(std::fs::read(dir.path().join(JOURNAL)).unwrap(), before);
+    }
+
+    #[test]
+    fn the_hdf5_temporary_file_never_follows_a_planted_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state");
+        std::fs::create_dir(&state).unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        // The old fixed name, and a guess at the new pattern.
+        std::os::unix::fs::symlink(&victim, state.join("history.h5.tmp")).unwrap();
+        std::os::unix::fs::symlink(&victim, state.join(".history.h5.aaaaaaaaaaaa.tmp")).unwrap();
+        let mut h = History::open(&state).unwrap();
+        h.append(entry(50, Some(0.5))).unwrap();
+        // Planted again after the start-up clean-up.
+        std::os::unix::fs::symlink(&victim, state.join("history.h5.tmp")).unwrap();
+        h.write_hdf5().unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+        let file = hdf5::File::open(state.join(HDF5)).unwrap();
+        assert_eq!(
+            file.dataset("evaluations/step")
+                .unwrap()
+                .read_raw::<i64>()
+                .unwrap(),
+            vec![50]
+        );
+        let leftovers: Vec<String> = std::fs::read_dir(&state)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".tmp") && n != "history.h5.tmp")
+            .collect();
+        assert!(leftovers.is_empty(), "{leftovers:?}");
+    }
+
+    #[test]
+    fn the_state_folder_is_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("run/.diffmon");
+        History::open(&state).unwrap();
+        let mode = std::fs::metadata(&state).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+    }
+
+    #[test]
+    fn a_deleted_state_folder_is_recreated_with_every_entry() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        let state = run.join(".diffmon");
+        let mut h = History::open(&state).unwrap();
+        h.append(entry(50, Some(0.5))).unwrap();
+        h.write_hdf5().unwrap();
+        // `run.dir` deleted: appends cannot go anywhere until it is back.
+        std::fs::remove_dir_all(&run).unwrap();
+        assert!(h.append(entry(100, Some(0.4))).is_err());
+        assert!(!run.exists(), "the daemon re-created run.dir itself");
+        std::fs::create_dir(&run).unwrap();
+        h.append(entry(100, Some(0.4))).unwrap();
+        assert!(h.hdf5_stale());
+        h.write_hdf5().unwrap();
+        drop(h);
+        let h = History::open(&state).unwrap();
+        let steps: Vec<i64> = h.evaluations().map(|r| r.step).collect();
+        assert_eq!(steps, vec![50, 100]);
+        let file = hdf5::File::open(state.join(HDF5)).unwrap();
+        assert_eq!(
+            file.dataset("evaluations/step")
+                .unwrap()
+                .read_raw::<i64>()
+                .unwrap(),
+            vec![50, 100]
+        );
     }
 }

@@ -17,6 +17,7 @@ pub mod pfd;
 pub mod progress;
 pub mod record;
 pub mod report;
+pub mod safe_fs;
 pub mod sampler;
 pub mod tail;
 pub mod watcher;

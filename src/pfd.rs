@@ -169,14 +169,13 @@ impl Cache {
         key: &serde_json::Value,
         data: &[(&str, &Tensor)],
     ) -> Result<(), PfdError> {
-        std::fs::create_dir_all(&self.dir).map_err(|e| file_error(&self.dir, e))?;
+        crate::safe_fs::create_private_dir(&self.dir).map_err(|e| file_error(&self.dir, e))?;
         let path = self.path(kind, key);
-        let tmp = path.with_extension(format!("h5.tmp-{}", std::process::id()));
-        write_cache(&tmp, Some(key), data).map_err(|e| file_error(&tmp, e))?;
-        std::fs::File::open(&tmp)
-            .and_then(|f| f.sync_all())
-            .and_then(|_| std::fs::rename(&tmp, &path))
-            .map_err(|e| file_error(&path, e))?;
+        if let Some(name) = path.file_name() {
+            // Leftovers of a crash mid-write (and links planted at those names).
+            crate::safe_fs::remove_leftover_temps(&self.dir, &name.to_string_lossy());
+        }
+        write_h5_atomically(&path, |tmp| write_cache(tmp, Some(key), data))?;
         tracing::info!(cache = %path.display(), "{kind}: cached");
         Ok(())
     }
@@ -258,10 +257,26 @@ pub fn read_latents(path: &Path, image_shape: Option<[usize; 3]>) -> Result<Tens
 
 /// Writes samples `[M,C,H,W]` as float32 `/samples` (temporary file, then rename).
 pub fn write_samples(path: &Path, samples: &Tensor) -> Result<(), PfdError> {
-    let tmp = path.with_extension("h5.tmp");
     let t = samples.to_kind(Kind::Float);
-    write_cache(&tmp, None, &[("samples", &t)]).map_err(|e| file_error(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| file_error(path, e))
+    write_h5_atomically(path, |tmp| write_cache(tmp, None, &[("samples", &t)]))
+}
+
+/// Writes an HDF5 file at `path` through `write` on a temporary file, then renames it into
+/// place. The temporary file is created exclusively (O_EXCL|O_NOFOLLOW) under a random name
+/// before HDF5 opens it again by path: that path cannot be swapped for a link in between, its
+/// name being unpredictable, and `persist` checks that the file renamed is the one created.
+fn write_h5_atomically(
+    path: &Path,
+    write: impl FnOnce(&Path) -> hdf5::Result<()>,
+) -> Result<(), PfdError> {
+    let (file, tmp) = crate::safe_fs::temp_file(path).map_err(|e| file_error(path, e))?;
+    let result = write(&tmp)
+        .map_err(|e| file_error(&tmp, e))
+        .and_then(|_| crate::safe_fs::persist(&file, &tmp, path).map_err(|e| file_error(path, e)));
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
 }
 
 /// The fixed latents and their identity in cache keys: `pfd.latents`'s content, or `pfd.samples`
@@ -813,5 +828,38 @@ mod tests {
         let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
         f.set_len(len / 2).unwrap();
         assert!(cache.load("flow", &key, &["features"]).is_none());
+    }
+
+    #[test]
+    fn cache_and_sample_writes_never_follow_links_at_temporary_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        let cache = Cache {
+            dir: dir.path().join("cache"),
+        };
+        std::fs::create_dir(&cache.dir).unwrap();
+        let key = json!({"a": 1});
+        let path = cache.path("flow", &key);
+        let name = path.file_name().unwrap().to_str().unwrap().to_string();
+        // The old names: `<cache>.h5.tmp-<pid>` and, for samples, `<file>.h5.tmp`.
+        let link = |at: PathBuf| std::os::unix::fs::symlink(&victim, at).unwrap();
+        link(
+            cache
+                .dir
+                .join(format!("{}.tmp-{}", name, std::process::id())),
+        );
+        let t = Tensor::from_slice(&[1.0f64, 2.0]);
+        cache.store("flow", &key, &[("features", &t)]).unwrap();
+        assert_eq!(cache.load("flow", &key, &["features"]).unwrap()[0], t);
+        let samples = dir.path().join("samples.h5");
+        link(dir.path().join("samples.h5.tmp"));
+        write_samples(
+            &samples,
+            &Tensor::zeros([1, 1, 2, 2], (Kind::Float, Device::Cpu)),
+        )
+        .unwrap();
+        assert!(samples.is_file());
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
     }
 }

@@ -49,8 +49,47 @@ pub struct Watcher {
     candidates: HashMap<PathBuf, Candidate>,
     /// Complete checkpoints by (step, path).
     ready: BTreeMap<(i64, PathBuf), WorkItem>,
+    /// Files matching the pattern whose name has no step: skipped by name, warned about once.
     warned_no_step: HashSet<PathBuf>,
+    /// Files matching the pattern that are not regular files (FIFO, socket, device), warned
+    /// about once: never opened.
+    warned_not_regular: HashSet<PathBuf>,
+    /// Files that could not be read (permission denied, EIO), warned about once: retried on
+    /// later scans, not recorded as failures.
+    unreadable: HashSet<PathBuf>,
+    /// The run folder could be listed at the last scan (`None`: not listed yet).
+    dir_present: Option<bool>,
+    /// The run folder came back after it disappeared: its notifications must be set up again.
+    rewatch: bool,
+    /// How many times a file's container structure was checked (each opens and reads it).
+    structure_checks: u64,
     metrics: Arc<Metrics>,
+}
+
+/// An error reading a file that may go away by itself (permissions fixed, a flaky disk or
+/// network filesystem), as opposed to a malformed file.
+fn is_transient(e: &crate::weights::WeightsError) -> bool {
+    let crate::weights::WeightsError::Io { source, .. } = e else {
+        return false;
+    };
+    source.kind() == std::io::ErrorKind::PermissionDenied
+        || matches!(
+            source.raw_os_error(),
+            Some(
+                libc::EIO
+                    | libc::EACCES
+                    | libc::EPERM
+                    | libc::EAGAIN
+                    | libc::EINTR
+                    | libc::ESTALE
+                    | libc::ETIMEDOUT
+            )
+        )
+}
+
+/// A name from `run.dir` for logs (control characters escaped).
+fn shown(path: &Path) -> String {
+    crate::safe_fs::untrusted(path)
 }
 
 /// Names that are never checkpoints: hidden files and files still being written.
@@ -80,6 +119,11 @@ impl Watcher {
             candidates: HashMap::new(),
             ready: BTreeMap::new(),
             warned_no_step: HashSet::new(),
+            warned_not_regular: HashSet::new(),
+            unreadable: HashSet::new(),
+            dir_present: None,
+            rewatch: false,
+            structure_checks: 0,
             metrics,
         }
     }
@@ -91,14 +135,29 @@ impl Watcher {
     /// Lists the folder and moves complete files to `ready`.
     fn scan(&mut self) {
         let entries = match std::fs::read_dir(&self.dir) {
-            Ok(e) => e,
+            Ok(e) => {
+                if self.dir_present == Some(false) {
+                    tracing::info!(dir = %shown(&self.dir), "the run folder is back; watching it again");
+                    self.rewatch = true;
+                }
+                self.dir_present = Some(true);
+                e
+            }
             Err(e) => {
-                tracing::debug!(dir = %self.dir.display(), "cannot list the run folder yet: {e}");
+                if self.dir_present == Some(true) {
+                    tracing::error!(dir = %shown(&self.dir), "the run folder disappeared ({e}); new checkpoints are found once it is back, and the history is re-created in it from memory");
+                } else {
+                    tracing::debug!(dir = %shown(&self.dir), "cannot list the run folder yet: {e}");
+                }
+                if self.dir_present.is_some() {
+                    self.dir_present = Some(false);
+                }
                 return;
             }
         };
         let now = Instant::now();
         let mut present = HashSet::new();
+        let mut matching = HashSet::new();
         for entry in entries.flatten() {
             let name = entry.file_name();
             let Some(name) = name.to_str() else { continue };
@@ -106,7 +165,40 @@ impl Watcher {
                 continue;
             }
             let path = entry.path();
-            // One stat per file; folders (and broken links) have no key.
+            matching.insert(path.clone());
+            // The step is in the name: a file without one is skipped before any stat or open.
+            let Some(step) = crate::eval::step_of(&path, &self.step_regex) else {
+                if self.warned_no_step.insert(path.clone()) {
+                    tracing::warn!(checkpoint = %shown(&path), regex = %self.config.step_regex,
+                        "no training step in the file name (checkpoints.step_regex); skipping it");
+                }
+                continue;
+            };
+            // Only regular files (or links to them) are checkpoints; a FIFO, socket or device
+            // is never opened (opening a FIFO would block).
+            let regular = match entry.file_type() {
+                Ok(t) if t.is_file() => Some(true),
+                Ok(t) if t.is_dir() => None,
+                Ok(t) if t.is_symlink() => match std::fs::metadata(&path) {
+                    Ok(m) if m.is_file() => Some(true),
+                    Ok(m) if m.is_dir() => None,
+                    Ok(_) => Some(false),
+                    Err(_) => None, // a broken link
+                },
+                Ok(_) => Some(false),
+                Err(_) => None,
+            };
+            match regular {
+                Some(true) => {}
+                Some(false) => {
+                    if self.warned_not_regular.insert(path.clone()) {
+                        tracing::warn!(checkpoint = %shown(&path), "not a regular file (FIFO, socket or device); skipping it");
+                    }
+                    continue;
+                }
+                None => continue,
+            }
+            // One stat per file.
             let Ok(key) = CheckpointKey::of(&path) else {
                 continue;
             };
@@ -114,6 +206,14 @@ impl Watcher {
                 continue;
             }
             present.insert(path.clone());
+            // Ready and unchanged: nothing to check again.
+            if self
+                .ready
+                .get(&(step, path.clone()))
+                .is_some_and(|w| w.key == key)
+            {
+                continue;
+            }
             let c = self.candidates.entry(path.clone()).or_insert(Candidate {
                 size: key.size,
                 mtime_ns: key.mtime_ns,
@@ -130,6 +230,9 @@ impl Watcher {
         // Files that vanished before evaluation are forgotten.
         self.candidates.retain(|p, _| present.contains(p));
         self.ready.retain(|(_, p), _| present.contains(p));
+        self.warned_no_step.retain(|p| matching.contains(p));
+        self.warned_not_regular.retain(|p| matching.contains(p));
+        self.unreadable.retain(|p| present.contains(p));
 
         let settle = self.settle();
         let give_up = (settle * 5).max(Duration::from_secs(30));
@@ -143,7 +246,22 @@ impl Watcher {
             // A file renamed into place is complete: if it is not a valid container it is
             // corrupt, and recorded as a failure at once. One found by the scan may still be
             // growing in a way size and mtime do not show (NFS), so it gets until `give_up`.
-            let valid = crate::weights::validate_structure(&path).is_ok();
+            self.structure_checks += 1;
+            let checked = crate::weights::validate_structure(&path);
+            // A file that cannot be read now (permission denied, EIO) is not corrupt: it is
+            // tried again at the next scans, and evaluated once it can be read.
+            if let Err(e) = &checked
+                && is_transient(e)
+            {
+                if self.unreadable.insert(path.clone()) {
+                    tracing::warn!(checkpoint = %shown(&path), "cannot read the file ({e}); trying again at the next scans");
+                }
+                continue;
+            }
+            if self.unreadable.remove(&path) {
+                tracing::info!(checkpoint = %shown(&path), "the file can be read again");
+            }
+            let valid = checked.is_ok();
             if !valid && !c.renamed_into_place && stable_for < give_up {
                 continue;
             }
@@ -154,14 +272,10 @@ impl Watcher {
             };
             self.candidates.remove(&path);
             let Some(step) = crate::eval::step_of(&path, &self.step_regex) else {
-                if self.warned_no_step.insert(path.clone()) {
-                    tracing::warn!(checkpoint = %path.display(), regex = %self.config.step_regex,
-                        "no training step in the file name (checkpoints.step_regex); skipping it");
-                }
-                continue;
+                continue; // names without a step never become candidates
             };
             if !valid {
-                tracing::warn!(checkpoint = %path.display(), "not a valid checkpoint container (renamed into place, or stable for {give_up:?}); handing it over to be recorded as a failure");
+                tracing::warn!(checkpoint = %shown(&path), "not a valid checkpoint container (renamed into place, or stable for {give_up:?}); handing it over to be recorded as a failure");
             }
             self.ready
                 .insert((step, path.clone()), WorkItem { path, step, key });
@@ -173,7 +287,14 @@ impl Watcher {
     fn renamed(&mut self, path: &Path) {
         if let Some(c) = self.candidates.get_mut(path) {
             c.renamed_into_place = true;
-        } else if let Ok(key) = CheckpointKey::of(path) {
+        } else if let Some(name) = path.file_name().and_then(|n| n.to_str())
+            && !is_temporary(name)
+            && self.pattern.is_match(name)
+            && crate::eval::step_of(path, &self.step_regex).is_some()
+            && std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file() || m.is_symlink())
+            && let Ok(key) = CheckpointKey::of(path)
+            && !self.offered.contains(&key)
+        {
             self.candidates.insert(
                 path.to_path_buf(),
                 Candidate {
@@ -214,7 +335,7 @@ impl Watcher {
         if self.config.backlog == Backlog::Latest && !self.ready.is_empty() {
             let skipped = std::mem::take(&mut self.ready);
             for w in skipped.values() {
-                tracing::info!(checkpoint = %w.path.display(), step = w.step, "skipped (backlog: latest)");
+                tracing::info!(checkpoint = %shown(&w.path), step = w.step, "skipped (backlog: latest)");
                 self.offered.insert(w.key.clone());
             }
             self.metrics.skipped(skipped.len());
@@ -225,8 +346,8 @@ impl Watcher {
     /// Runs until `shutdown` is set or the evaluator hangs up; offers work on `work`.
     pub fn run(mut self, work: Sender<WorkItem>, shutdown: Arc<AtomicBool>) {
         let (events_tx, events) = crossbeam_channel::unbounded();
-        let _notifier = if self.config.inotify {
-            self.start_notifications(events_tx)
+        let mut _notifier = if self.config.inotify {
+            self.start_notifications(events_tx.clone())
         } else {
             None
         };
@@ -239,6 +360,10 @@ impl Watcher {
             if now >= next_poll {
                 self.scan();
                 next_poll = now + poll;
+            }
+            if std::mem::take(&mut self.rewatch) && self.config.inotify {
+                // The old watch went with the deleted folder.
+                _notifier = self.start_notifications(events_tx.clone());
             }
             let mut wait = next_poll.saturating_duration_since(Instant::now());
             if !self.candidates.is_empty() {
@@ -522,5 +647,81 @@ mod tests {
         std::thread::sleep(Duration::from_millis(350));
         w.scan();
         assert_eq!(w.next().map(|i| i.step), Some(5));
+    }
+
+    #[test]
+    fn files_without_a_step_are_skipped_without_opening_them() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in ["ckpt_best.pt", "ckpt_last.pt", "ckpt_final.pt"] {
+            write_checkpoint(&dir.path().join(name));
+        }
+        write_checkpoint(&dir.path().join("ckpt_3.pt"));
+        let mut w = Watcher::new(
+            dir.path(),
+            &config(Backlog::All),
+            HashSet::new(),
+            Arc::new(Metrics::new("t")),
+        );
+        for _ in 0..5 {
+            w.scan();
+        }
+        assert_eq!(take_all(&mut w), vec![3]);
+        for _ in 0..5 {
+            w.scan();
+        }
+        // Only ckpt_3 was ever opened, once; the others are known by name.
+        assert_eq!(w.structure_checks, 1, "files without a step were checked");
+        assert_eq!(w.warned_no_step.len(), 3);
+        assert!(w.candidates.is_empty());
+    }
+
+    #[test]
+    fn a_fifo_named_like_a_checkpoint_is_skipped_and_never_opened() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("ckpt_1.pt");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+        // A link to the FIFO as well.
+        std::os::unix::fs::symlink(&fifo, dir.path().join("ckpt_2.pt")).unwrap();
+        write_checkpoint(&dir.path().join("ckpt_3.pt"));
+        let mut w = Watcher::new(
+            dir.path(),
+            &config(Backlog::All),
+            HashSet::new(),
+            Arc::new(Metrics::new("t")),
+        );
+        // Renamed into place (as a notification would say) changes nothing.
+        w.renamed(&fifo);
+        for _ in 0..3 {
+            w.scan();
+        }
+        assert_eq!(take_all(&mut w), vec![3]);
+        assert_eq!(w.warned_not_regular.len(), 2);
+        assert_eq!(w.structure_checks, 1);
+    }
+
+    #[test]
+    fn a_run_folder_deleted_and_recreated_is_watched_again() {
+        let base = tempfile::tempdir().unwrap();
+        let dir = base.path().join("run");
+        std::fs::create_dir(&dir).unwrap();
+        write_checkpoint(&dir.join("ckpt_1.pt"));
+        let mut w = Watcher::new(
+            &dir,
+            &config(Backlog::All),
+            HashSet::new(),
+            Arc::new(Metrics::new("t")),
+        );
+        w.scan();
+        assert_eq!(take_all(&mut w), vec![1]);
+        std::fs::remove_dir_all(&dir).unwrap();
+        w.scan();
+        assert_eq!(w.dir_present, Some(false));
+        assert!(!dir.exists(), "the watcher re-created the run folder");
+        std::fs::create_dir(&dir).unwrap();
+        write_checkpoint(&dir.join("ckpt_2.pt"));
+        w.scan();
+        assert!(w.rewatch, "the notifications are not set up again");
+        assert_eq!(take_all(&mut w), vec![2]);
     }
 }

@@ -9,6 +9,11 @@
 //!   `severity`).
 //!
 //! Guarantees:
+//! - **The stop file is retried until written.** When it cannot be written (or removed), the
+//!   failure is logged at WARN and retried with the webhooks' backoff ([`DeliveryPolicy`]) until it
+//!   succeeds (INFO then); a later event supersedes a pending one. Across a restart the history
+//!   replay sends the events again, which writes it again. Its temporary file is created
+//!   exclusively under a random name (never through a planted link, see `crate::safe_fs`).
 //! - **Durable before the first attempt.** Each (event, destination) is written to
 //!   `<state_dir>/outbox/<event id>.<destination key>.json` (tmp + fsync + rename) before it is
 //!   sent, and removed once the receiver accepted it. Entries left by a previous run are
@@ -131,6 +136,7 @@ pub struct Alerter {
     dests: Vec<Arc<Destination>>,
     senders: Vec<mpsc::UnboundedSender<Entry>>,
     stop_path: PathBuf,
+    stop: Arc<StopFile>,
     shutdown_tx: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -186,6 +192,7 @@ impl Alerter {
             action: "create the outbox folder",
             source,
         })?;
+        crate::safe_fs::remove_leftover_temps(state_dir, LEDGER_FILE);
         let ledger = Ledger::load(state_dir.join(LEDGER_FILE));
         let loaded = outbox.load().map_err(|source| AlertError::Io {
             path: outbox_dir.clone(),
@@ -227,6 +234,12 @@ impl Alerter {
             .map_err(|e| AlertError::Client(e.to_string()))?;
 
         let stop_path = run_dir.join(&config.stop_file);
+        if let Some(name) = stop_path.file_name() {
+            crate::safe_fs::remove_leftover_temps(
+                crate::safe_fs::parent(&stop_path),
+                &name.to_string_lossy(),
+            );
+        }
         let stop_event = std::fs::read(&stop_path)
             .ok()
             .and_then(|b| serde_json::from_slice::<Event>(&b).ok());
@@ -259,6 +272,16 @@ impl Alerter {
             senders.push(tx);
             tasks.push(handle.spawn(worker.run()));
         }
+        let stop = Arc::new(StopFile {
+            path: stop_path.clone(),
+            pending: Mutex::new(None),
+            wake: tokio::sync::Notify::new(),
+        });
+        tasks.push(handle.spawn(retry_stop_file(
+            stop.clone(),
+            shared.policy.clone(),
+            shutdown_rx.clone(),
+        )));
         tracing::info!(
             destinations = dests.len(),
             pending = restored,
@@ -270,6 +293,7 @@ impl Alerter {
             dests,
             senders,
             stop_path,
+            stop,
             shutdown_tx,
             tasks,
         })
@@ -285,25 +309,15 @@ impl Alerter {
     /// process runs).
     pub fn send(&self, event: &Event) -> Result<(), AlertError> {
         let mut first_error = None;
-        let stop = match event.event {
-            EventKind::EarlyStop => serde_json::to_vec_pretty(event)
-                .map_err(io::Error::other)
-                .and_then(|bytes| atomic_write(&self.stop_path, &bytes))
-                .map_err(|source| AlertError::Io {
-                    path: self.stop_path.clone(),
-                    action: "write the stop file",
-                    source,
-                }),
-            EventKind::Resolved => remove_durably(&self.stop_path)
-                .map(|_| ())
-                .map_err(|source| AlertError::Io {
-                    path: self.stop_path.clone(),
-                    action: "remove the stop file",
-                    source,
-                }),
+        let action = match event.event {
+            EventKind::EarlyStop => match serde_json::to_vec_pretty(event) {
+                Ok(bytes) => StopAction::Write(bytes),
+                Err(e) => unreachable!("events serialize: {e}"),
+            },
+            EventKind::Resolved => StopAction::Remove,
         };
-        if let Err(e) = stop {
-            tracing::error!(error = %e, event_id = %event.id, "cannot update the stop file");
+        if let Err(e) = self.stop.set(action, &event.id) {
+            tracing::warn!(error = %e, event_id = %event.id, "cannot update the stop file; retrying with backoff until it is done");
             first_error = Some(e);
         }
 
@@ -363,7 +377,116 @@ impl Alerter {
             }
         }
         let left = self.shared.book().pending.len();
+        if let Some((action, id)) = lock(&self.stop.pending).as_ref() {
+            tracing::error!(stop_file = %crate::safe_fs::untrusted(&self.stop.path), event_id = %id, action = action.verb(), "the stop file could not be updated before stopping; the next start does it again (history replay)");
+        }
         tracing::info!(pending = left, "alerter stopped");
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What the stop file must become.
+enum StopAction {
+    /// Written atomically with these bytes (the event JSON).
+    Write(Vec<u8>),
+    Remove,
+}
+
+impl StopAction {
+    fn verb(&self) -> &'static str {
+        match self {
+            StopAction::Write(_) => "write",
+            StopAction::Remove => "remove",
+        }
+    }
+}
+
+/// The stop file and the update still to be made to it, when the last attempt failed.
+struct StopFile {
+    path: PathBuf,
+    /// (update, event id) to retry; `None` when the file is as the last event wants it.
+    pending: Mutex<Option<(StopAction, String)>>,
+    wake: tokio::sync::Notify,
+}
+
+impl StopFile {
+    fn apply(&self, action: &StopAction) -> io::Result<()> {
+        match action {
+            StopAction::Write(bytes) => atomic_write(&self.path, bytes),
+            StopAction::Remove => remove_durably(&self.path).map(|_| ()),
+        }
+    }
+
+    /// Makes the stop file what `action` says now, or leaves the update to the retry task. A
+    /// newer update replaces one still pending.
+    fn set(&self, action: StopAction, id: &str) -> Result<(), AlertError> {
+        let mut pending = lock(&self.pending);
+        match self.apply(&action) {
+            Ok(()) => {
+                *pending = None;
+                Ok(())
+            }
+            Err(source) => {
+                let verb = action.verb();
+                *pending = Some((action, id.to_string()));
+                self.wake.notify_one();
+                Err(AlertError::Io {
+                    path: self.path.clone(),
+                    action: if verb == "write" {
+                        "write the stop file"
+                    } else {
+                        "remove the stop file"
+                    },
+                    source,
+                })
+            }
+        }
+    }
+}
+
+/// Retries a pending stop-file update with the webhooks' backoff until it succeeds; WARN per
+/// failed attempt, INFO when done.
+async fn retry_stop_file(
+    stop: Arc<StopFile>,
+    policy: DeliveryPolicy,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut failures = 0u32;
+    loop {
+        if *shutdown.borrow() {
+            return;
+        }
+        if lock(&stop.pending).is_none() {
+            failures = 0;
+            tokio::select! {
+                _ = stop.wake.notified() => {}
+                r = shutdown.changed() => if r.is_err() { return },
+            }
+            continue;
+        }
+        failures += 1;
+        let delay = policy.backoff(failures);
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            r = shutdown.changed() => if r.is_err() { return },
+        }
+        let mut pending = lock(&stop.pending);
+        let Some((action, id)) = pending.as_ref() else {
+            continue;
+        };
+        let path = crate::safe_fs::untrusted(&stop.path);
+        match stop.apply(action) {
+            Ok(()) => {
+                tracing::info!(stop_file = %path, event_id = %id, action = action.verb(), attempts = failures + 1, "stop file updated after failed attempts");
+                *pending = None;
+            }
+            Err(e) => {
+                tracing::warn!(stop_file = %path, event_id = %id, action = action.verb(), attempts = failures + 1, "cannot update the stop file ({e}); retrying");
+            }
+        }
     }
 }
 

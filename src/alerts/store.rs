@@ -5,38 +5,16 @@ use super::event::Event;
 use serde::{Deserialize, Serialize};
 use std::collections::{HashSet, VecDeque};
 use std::fs;
-use std::io::{self, Write};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// Writes `bytes` to `path` atomically: a temporary file in the same folder, fsync, rename over
-/// `path`, fsync of the folder. Readers see the old content or the new one, never a part.
+/// Writes `bytes` to `path` atomically: an exclusive temporary file with a random name in the
+/// same folder (never through a planted link), fsync, rename over `path`, fsync of the folder.
+/// Readers see the old content or the new one, never a part.
 pub fn atomic_write(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let dir = parent(path);
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(
-        ".{name}.tmp.{}.{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let result = (|| {
-        let mut f = fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        drop(f);
-        fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result?;
-    sync_dir(dir);
-    Ok(())
+    crate::safe_fs::atomic_write(path, bytes)
 }
 
 /// Removes `path` (absent is fine) and syncs its folder. Returns whether it existed.
@@ -51,22 +29,11 @@ pub fn remove_durably(path: &Path) -> io::Result<bool> {
     }
 }
 
-fn parent(path: &Path) -> &Path {
-    match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    }
-}
+use crate::safe_fs::{parent, sync_dir};
 
-/// Best effort: makes a rename or removal durable on filesystems that support syncing folders.
-fn sync_dir(dir: &Path) {
-    if let Ok(d) = fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
-}
-
+/// A temporary file of [`atomic_write`], or of the versions before it (`.<name>.tmp.<pid>.<n>`).
 fn is_temp_name(name: &str) -> bool {
-    name.starts_with('.') && name.contains(".tmp.")
+    crate::safe_fs::is_temp_name(name, None)
 }
 
 /// A monotonic sequence number (unix nanoseconds at creation, strictly increasing in this
@@ -126,7 +93,7 @@ pub struct Outbox {
 
 impl Outbox {
     pub fn open(dir: PathBuf) -> io::Result<Outbox> {
-        fs::create_dir_all(&dir)?;
+        crate::safe_fs::create_private_dir(&dir)?;
         Ok(Outbox { dir })
     }
 
@@ -153,7 +120,14 @@ impl Outbox {
     pub fn put(&self, entry: &Entry) -> io::Result<PathBuf> {
         let path = self.path(&entry.event.id, &entry.dest);
         let bytes = serde_json::to_vec_pretty(entry).map_err(io::Error::other)?;
-        atomic_write(&path, &bytes)?;
+        match atomic_write(&path, &bytes) {
+            // The state folder was deleted under the daemon: re-created (its parent must exist).
+            Err(e) if e.kind() == io::ErrorKind::NotFound && parent(&self.dir).is_dir() => {
+                crate::safe_fs::create_private_dir(&self.dir)?;
+                atomic_write(&path, &bytes)?;
+            }
+            other => other?,
+        }
         Ok(path)
     }
 
@@ -355,5 +329,37 @@ mod tests {
         let a = next_seq();
         let b = next_seq();
         assert!(b > a);
+    }
+
+    #[test]
+    fn outbox_and_ledger_writes_never_follow_links_at_temporary_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        fs::write(&victim, "precious").unwrap();
+        let ob = Outbox::open(dir.path().join("outbox")).unwrap();
+        let e = Entry::new("webhook-1", &event(7));
+        let final_name = ob
+            .path(&e.event.id, "webhook-1")
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        // The old names `.<name>.tmp.<pid>.<n>` this process would have used.
+        for n in 0..64 {
+            let at = ob
+                .dir()
+                .join(format!(".{final_name}.tmp.{}.{n}", std::process::id()));
+            std::os::unix::fs::symlink(&victim, at).unwrap();
+        }
+        ob.put(&e).unwrap();
+        let mut l = Ledger::load(dir.path().join("alerts_delivered.json"));
+        l.insert("a/x".into()).unwrap();
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "precious");
+        // The links are cleaned up as leftovers; the victim stays.
+        assert_eq!(ob.load().unwrap(), vec![e]);
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "precious");
+        let mode = fs::metadata(ob.dir()).unwrap().permissions();
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(mode.mode() & 0o777, 0o700);
     }
 }

@@ -862,3 +862,51 @@ fn start_outside_a_runtime_is_an_error() {
     .unwrap_err();
     assert!(matches!(err, AlertError::NoRuntime), "{err}");
 }
+
+#[tokio::test]
+async fn a_stop_file_that_cannot_be_written_is_retried_and_a_newer_event_supersedes_it() {
+    let d = dirs();
+    let cfg = config(vec![], None);
+    let a = Alerter::start_with(
+        &cfg,
+        &d.run,
+        &d.state,
+        Outcomes::default().hook(),
+        fast_policy(),
+        &|_| None,
+    )
+    .unwrap();
+    let stop = d.run.join("EARLY_STOP");
+    // A folder at the stop file's path: renaming a file over it fails, also for root.
+    std::fs::create_dir(&stop).unwrap();
+    std::fs::write(stop.join("keep"), "x").unwrap();
+    let e = early("run-r");
+    let err = a.send(&e).unwrap_err().to_string();
+    assert!(err.contains("EARLY_STOP"), "{err}");
+    // Retried (fast policy) while the obstacle stays: still not written, still pending.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(stop.is_dir());
+    assert!(a.stop.pending.lock().unwrap().is_some());
+    std::fs::remove_dir_all(&stop).unwrap();
+    wait_until("the stop file", Duration::from_secs(10), || stop.is_file()).await;
+    let back: Event = serde_json::from_slice(&std::fs::read(&stop).unwrap()).unwrap();
+    assert_eq!(back, e);
+    assert!(a.stop.pending.lock().unwrap().is_none());
+
+    // A resolution while an early stop is still pending replaces it: the stop file must not
+    // appear once the obstacle is gone.
+    std::fs::remove_file(&stop).unwrap();
+    std::fs::create_dir(&stop).unwrap();
+    std::fs::write(stop.join("keep"), "x").unwrap();
+    assert!(a.send(&early("run-s")).is_err());
+    assert!(a.send(&resolved("run-s")).is_err()); // a folder is not removed either
+    std::fs::remove_dir_all(&stop).unwrap();
+    wait_until(
+        "the pending update to be done",
+        Duration::from_secs(10),
+        || a.stop.pending.lock().unwrap().is_none(),
+    )
+    .await;
+    assert!(!stop.exists(), "a superseded early stop was written");
+    a.shutdown(Duration::from_millis(200)).await;
+}
