@@ -64,6 +64,10 @@ pub struct Config {
     /// when diffmon shares the CPU with the training job.
     #[serde(default)]
     pub cpu_threads: Option<usize>,
+    /// How long the first SIGINT/SIGTERM waits for the evaluation in flight before the daemon
+    /// exits anyway (that checkpoint is evaluated again after a restart).
+    #[serde(default = "default_shutdown_drain_secs")]
+    pub shutdown_drain_secs: f64,
     pub data: DataConfig,
     #[serde(default)]
     pub icr: IcrConfig,
@@ -122,6 +126,9 @@ pub struct CheckpointsConfig {
     pub inotify: bool,
 }
 
+fn default_shutdown_drain_secs() -> f64 {
+    120.0
+}
 fn default_pattern() -> String {
     "*.{pt,pth,ckpt,safetensors,ts}".into()
 }
@@ -848,6 +855,11 @@ impl Config {
         if let Some(n) = self.cpu_threads {
             v.at_least("cpu_threads", n, 1);
         }
+        v.check(
+            (0.1..=86_400.0).contains(&self.shutdown_drain_secs),
+            "shutdown_drain_secs",
+            format!("must be between 0.1 and 86400 (a day), got {}", self.shutdown_drain_secs),
+        );
         v.file("model.architecture", &self.model.architecture);
         v.file("data.path", &self.data.path);
         v.check(
