@@ -90,6 +90,10 @@ pub struct Config {
     /// when diffmon shares the CPU with the training job.
     #[serde(default)]
     pub cpu_threads: Option<usize>,
+    /// How long the first SIGINT/SIGTERM waits for the evaluation in flight before the daemon
+    /// exits anyway (that checkpoint is evaluated again after a restart).
+    #[serde(default = "default_shutdown_drain_secs")]
+    pub shutdown_drain_secs: f64,
     pub data: DataConfig,
     #[serde(default)]
     pub icr: IcrConfig,
@@ -146,6 +150,10 @@ pub struct CheckpointsConfig {
     /// Use filesystem notifications (inotify) besides the periodic rescan.
     #[serde(default = "default_true")]
     pub inotify: bool,
+}
+
+fn default_shutdown_drain_secs() -> f64 {
+    120.0
 }
 
 fn default_pattern() -> String {
@@ -890,6 +898,7 @@ impl Config {
         if let Some(n) = self.cpu_threads {
             v.count("cpu_threads", n, 1..=1024);
         }
+        v.real("shutdown_drain_secs", self.shutdown_drain_secs, 0.1..=86_400.0);
         v.file("model.architecture", &self.model.architecture);
         v.file("data.path", &self.data.path);
         v.check(

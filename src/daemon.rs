@@ -14,13 +14,22 @@
 //! and the alerter delivers each id once). Errors at start (bad architecture, unbindable port,
 //! unreadable state) stop the daemon with a message; per-checkpoint problems are logged, counted
 //! and survived. The first SIGINT/SIGTERM drains (the evaluation in flight finishes and is
-//! recorded); a second one exits at once.
+//! recorded, for at most `shutdown_drain_secs`); a second one exits at once (status 130),
+//! whatever is blocked.
+//!
+//! One daemon per state folder: [`crate::lock`]. A checkpoint that made the process die (a fatal
+//! signal, or a panic of the evaluator) is recorded after the restart as a failure with reason
+//! [`CRASHED`] rather than evaluated again ([`crate::crash`]); a panic in any thread ends the
+//! process with status 1.
 
 use crate::alerts::{Alerter, Event, EventKind, event_id};
 use crate::config::{Config, EarlyStopMetric};
+pub use crate::crash::CRASHED;
+use crate::crash::{Crash, InFlight};
 use crate::detector::{Best, Detector, DetectorState, Observation, Signal};
 use crate::eval::{EvalError, Evaluator};
 use crate::history::{CheckpointKey, Entry, History};
+use crate::lock::StateLock;
 use crate::metrics::Metrics;
 use crate::model::ModelError;
 use crate::pfd::PfdError;
@@ -36,9 +45,6 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// How long the first signal waits for the evaluation in flight.
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// How often the recorder tries again to write outcomes it could not record.
 const RECORD_RETRY: Duration = Duration::from_secs(2);
@@ -61,18 +67,32 @@ enum Outcome {
     Failed(WorkItem, &'static str, String),
 }
 
+/// Reasons (label `reason` of `diffmon_checkpoint_failures_total`) a checkpoint is a failure:
+/// deleted or rewritten during its evaluation,
+pub const VANISHED: &str = "vanished";
+/// its weights cannot be read,
+pub const UNREADABLE: &str = "unreadable";
+/// they do not fit the architecture,
+pub const MISMATCH: &str = "mismatch";
+/// the evaluation gave NaN or infinity,
+pub const NON_FINITE: &str = "non_finite";
+/// anything else; and [`CRASHED`]: the process died evaluating it.
+pub const ERROR: &str = "error";
+/// Every failure reason.
+pub const FAILURE_REASONS: [&str; 6] = [VANISHED, UNREADABLE, MISMATCH, NON_FINITE, ERROR, CRASHED];
+
 /// Failure reason label of `diffmon_checkpoint_failures_total{reason}`.
 fn failure_reason(item: &WorkItem, e: &EvalError) -> &'static str {
     if CheckpointKey::of(&item.path).ok().as_ref() != Some(&item.key) {
-        return "vanished";
+        return VANISHED;
     }
     match e {
-        EvalError::Model(ModelError::Weights(_) | ModelError::Load { .. }) => "unreadable",
-        EvalError::Model(ModelError::Mismatch { .. }) => "mismatch",
+        EvalError::Model(ModelError::Weights(_) | ModelError::Load { .. }) => UNREADABLE,
+        EvalError::Model(ModelError::Mismatch { .. }) => MISMATCH,
         EvalError::Invalid { .. } | EvalError::Icr(_) | EvalError::Pfd(PfdError::NonFinite(_)) => {
-            "non_finite"
+            NON_FINITE
         }
-        _ => "error",
+        _ => ERROR,
     }
 }
 
@@ -165,6 +185,34 @@ impl Recorder {
         }
         self.unrecorded.push_back((outcome, now_rfc3339()));
         self.flush(alerter);
+    }
+
+    /// Records the checkpoint a crashed process was evaluating (from its crash marker) as a
+    /// failure with reason [`CRASHED`], unless the history has it already.
+    fn record_crash(&mut self, crash: Crash, alerter: &Alerter) {
+        let Some(InFlight { key, step }) = crash.checkpoint else {
+            tracing::warn!(
+                "the last run died ({}) outside any evaluation; no checkpoint is blamed",
+                crash.cause
+            );
+            return;
+        };
+        if self.history.contains(&key) {
+            return;
+        }
+        tracing::error!(
+            checkpoint = %key.path,
+            step,
+            "the last run died ({}) while evaluating this checkpoint; it is recorded as a failure (reason {CRASHED}) and not evaluated again",
+            crash.cause
+        );
+        let message = format!("the process died ({}) while evaluating it", crash.cause);
+        let item = WorkItem {
+            path: key.path.clone().into(),
+            step,
+            key,
+        };
+        self.record(Outcome::Failed(item, CRASHED, message), alerter);
     }
 
     /// Records the waiting outcomes in order, publishing each once it is in the history. Stops at
@@ -321,7 +369,24 @@ impl Recorder {
 pub fn run(config: Config) -> Result<()> {
     let run = config.run_name();
     let state_dir = config.state_dir();
+    // A thread that dies takes the process with it, with a status a service manager restarts.
+    crate::crash::on_panic(|thread, message| {
+        tracing::error!(
+            thread,
+            "a thread of the daemon panicked ({message}); exiting with status 1"
+        );
+        crate::crash::exit_now(1);
+    });
+    // Held until the process ends (the kernel releases it, however the process ends).
+    let _lock = StateLock::acquire(&state_dir)?;
     let history = History::open(&state_dir).context("cannot open the history")?;
+    let crash = match crate::crash::read_marker(&state_dir) {
+        Ok(crash) => crash,
+        Err(e) => {
+            tracing::warn!("{e}; ignoring it");
+            None
+        }
+    };
     let metrics = Arc::new(Metrics::new(&run));
     let status = Arc::new(Mutex::new(EarlyStopStatus::default()));
     let snapshot = Arc::new(Mutex::new(Snapshot::new(&run, config.early_stop.metric)));
@@ -393,6 +458,11 @@ pub fn run(config: Config) -> Result<()> {
         alerter
     };
 
+    if let Some(crash) = crash {
+        recorder.record_crash(crash, &alerter);
+    }
+    crate::crash::arm(&state_dir)?;
+
     // The evaluator owns libtorch and HDF5 objects: it is built on its own thread.
     let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(), EvalError>>(1);
     let (work_tx, work_rx) = work_channel();
@@ -400,7 +470,7 @@ pub fn run(config: Config) -> Result<()> {
     let evaluator_config = config.clone();
     let evaluated_before = entries.len();
     let evaluator = std::thread::Builder::new()
-        .name("diffmon-eval".into())
+        .name(crate::crash::EVALUATOR_THREAD.into())
         .spawn(move || {
             let mut evaluator = match Evaluator::new(&evaluator_config) {
                 Ok(mut e) => {
@@ -415,13 +485,20 @@ pub fn run(config: Config) -> Result<()> {
                 }
             };
             for item in work_rx {
+                crate::crash::evaluating(Some(&InFlight {
+                    key: item.key.clone(),
+                    step: item.step,
+                }));
+                // Logged once a crash would be recorded against this checkpoint.
                 tracing::debug!(checkpoint = %untrusted(&item.path), step = item.step, "evaluating");
-                let outcome = match evaluator.evaluate(&item.path, item.step) {
+                let evaluated = evaluator.evaluate(&item.path, item.step);
+                crate::crash::evaluating(None);
+                let outcome = match evaluated {
                     // A file deleted or rewritten while it was read may not be what was evaluated.
                     Ok(_) if CheckpointKey::of(&item.path).ok().as_ref() != Some(&item.key) => {
                         Outcome::Failed(
                             item,
-                            "vanished",
+                            VANISHED,
                             "the checkpoint was deleted or rewritten during its evaluation".into(),
                         )
                     }
@@ -502,42 +579,86 @@ pub fn run(config: Config) -> Result<()> {
         let _guard = runtime.enter();
         Signals::install()?
     };
-    runtime.block_on(async {
-        tokio::select! {
+    let signalled = runtime.block_on(async {
+        let signalled = tokio::select! {
             _ = signals.next() => {
                 tracing::info!("draining: the evaluation in flight finishes (signal again to exit now)");
+                true
             }
             _ = finished_rx => {
                 tracing::error!("the evaluator stopped unexpectedly");
+                false
             }
-        }
+        };
         shutdown.store(true, Ordering::SeqCst);
+        // From now on a signal ends the process in its handler, whatever is blocked; one that
+        // came before the handler was in place is still queued here.
+        exit_on_next_signal();
         tokio::spawn(async move {
             signals.next().await;
-            tracing::warn!("second signal: exiting now");
-            std::process::exit(130);
+            second_signal();
         });
+        signalled
     });
-    let _ = watcher.join();
+    // Everything that waits for the evaluation in flight is bounded by one timeout.
+    let drain = Duration::from_secs_f64(config.shutdown_drain_secs);
     let drained = runtime.block_on(async {
         tokio::time::timeout(
-            DRAIN_TIMEOUT,
-            tokio::task::spawn_blocking(move || recorder_thread.join()),
+            drain,
+            tokio::task::spawn_blocking(move || {
+                let _ = watcher.join();
+                recorder_thread.join()
+            }),
         )
         .await
     });
-    match drained {
-        Ok(Ok(Ok(alerter))) => {
-            let _ = evaluator.join();
-            runtime.block_on(alerter.shutdown(Duration::from_secs(5)));
-        }
-        _ => tracing::warn!(
-            "the evaluation in flight did not finish within {DRAIN_TIMEOUT:?}; it will be evaluated again after a restart"
-        ),
-    }
+    let Ok(Ok(Ok(alerter))) = drained else {
+        // The evaluator is still busy (or blocked): nothing waits for it, and nothing it does
+        // from now on is the checkpoint's fault.
+        crate::crash::disarm();
+        tracing::warn!(
+            "the evaluation in flight did not finish within {drain:?} (shutdown_drain_secs); it will be evaluated again after a restart"
+        );
+        tracing::info!("stopped");
+        crate::crash::exit_now(if signalled { 0 } else { 1 });
+    };
+    let _ = evaluator.join();
+    runtime.block_on(alerter.shutdown(Duration::from_secs(5)));
     server.abort();
+    runtime.shutdown_timeout(Duration::from_secs(1));
     tracing::info!("stopped");
+    if !signalled {
+        anyhow::bail!("the evaluator stopped unexpectedly");
+    }
     Ok(())
+}
+
+/// The second signal: exits at once, with status 130.
+fn second_signal() -> ! {
+    tracing::warn!("second signal: exiting now");
+    crate::crash::exit_now(130);
+}
+
+/// Makes SIGINT and SIGTERM end the process in the signal handler itself, so that no blocked
+/// thread or runtime can hold it up.
+fn exit_on_next_signal() {
+    extern "C" fn on_signal(_: libc::c_int) {
+        const MESSAGE: &[u8] = b"second signal: exiting now\n";
+        // SAFETY: write and _exit are async-signal-safe.
+        unsafe {
+            libc::write(2, MESSAGE.as_ptr().cast(), MESSAGE.len());
+            libc::_exit(130);
+        }
+    }
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: a zeroed sigaction with an async-signal-safe handler.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+            libc::sigemptyset(&mut action.sa_mask);
+            libc::sigaction(sig, &action, std::ptr::null_mut());
+        }
+    }
 }
 
 /// SIGINT and SIGTERM, installed once so that a second signal is told from the first.

@@ -4,6 +4,7 @@
 pub mod alerts;
 pub mod cli;
 pub mod config;
+pub mod crash;
 pub mod daemon;
 pub mod data;
 pub mod detector;
@@ -11,6 +12,7 @@ pub mod eval;
 pub mod history;
 pub mod http;
 pub mod icr;
+pub mod lock;
 pub mod metrics;
 pub mod model;
 pub mod pfd;

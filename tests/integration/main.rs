@@ -9,6 +9,7 @@ mod data;
 mod early_stop;
 mod eval;
 mod hostile_files;
+mod hostile_process;
 mod icr;
 mod model;
 mod monitoring;

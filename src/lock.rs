@@ -1,0 +1,191 @@
+//! One daemon per state folder (DESIGN.md §1.8): `diffmon watch` holds an exclusive `flock` on
+//! `<state_dir>/lock` for as long as it runs. The file holds the holder's pid, host and start
+//! time, so a second daemon refuses to start naming them. The kernel releases the lock when the
+//! process ends, however it ends (a SIGKILL included), so a lock is never stale; the file itself
+//! stays. Readers of the state (`diffmon report`) take no lock.
+//!
+//! On network file systems `flock` is only as good as the mount: NFS emulates it with POSIX
+//! byte-range locks through the server (mounted with `nolock` it is local to one machine), and
+//! Lustre refuses it unless mounted with `flock`; a file system that refuses locks stops the start
+//! with a message that names it (point `state_dir` at a local disk).
+
+use std::fs::File;
+use std::io::{Read, Seek, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+/// The lock file's name inside the state folder.
+pub const LOCK_FILE: &str = "lock";
+
+/// The most of a lock file that is read to name its holder.
+const MAX_HOLDER: u64 = 4096;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    #[error(
+        "{path}: the state folder is in use by another diffmon ({holder}); one daemon per state folder: stop it, or give this run another state_dir"
+    )]
+    Held { path: PathBuf, holder: String },
+    #[error("{path}: cannot lock the state folder: {message}")]
+    Io { path: PathBuf, message: String },
+}
+
+/// The lock on a state folder, released when dropped (or when the process ends).
+#[derive(Debug)]
+pub struct StateLock {
+    file: File,
+    path: PathBuf,
+}
+
+impl StateLock {
+    /// Takes the state folder's lock (creating the folder), or says who holds it.
+    pub fn acquire(state_dir: &Path) -> Result<StateLock, LockError> {
+        let path = state_dir.join(LOCK_FILE);
+        let io = |e: std::io::Error| LockError::Io {
+            path: path.clone(),
+            message: e.to_string(),
+        };
+        std::fs::create_dir_all(state_dir).map_err(|e| LockError::Io {
+            path: state_dir.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        // O_CLOEXEC is std's default: no child process inherits (and holds) the lock.
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::ELOOP) => LockError::Io {
+                    path: path.clone(),
+                    message: "is a symbolic link; refusing to follow it".into(),
+                },
+                _ => io(e),
+            })?;
+        if !file.metadata().map_err(io)?.is_file() {
+            return Err(LockError::Io {
+                path,
+                message: "is not a regular file".into(),
+            });
+        }
+        // SAFETY: flock on a file descriptor this function owns.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::EWOULDBLOCK) => LockError::Held {
+                    holder: holder_of(&mut file),
+                    path,
+                },
+                Some(libc::ENOLCK | libc::ENOSYS | libc::EOPNOTSUPP | libc::EINVAL) => {
+                    LockError::Io {
+                        path,
+                        message: format!(
+                            "{e}: the file system does not support locks (NFS mounted with `nolock`, Lustre without `flock`?); put state_dir on a local disk"
+                        ),
+                    }
+                }
+                _ => io(e),
+            });
+        }
+        let holder = format!(
+            "pid {} on host {} since {}\n",
+            std::process::id(),
+            hostname(),
+            crate::alerts::rfc3339_utc(std::time::SystemTime::now())
+        );
+        file.set_len(0)
+            .and_then(|_| file.rewind())
+            .and_then(|_| file.write_all(holder.as_bytes()))
+            .map_err(io)?;
+        Ok(StateLock { file, path })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for StateLock {
+    fn drop(&mut self) {
+        // The lock goes with the descriptor; emptying the file says nobody holds it.
+        let _ = self.file.set_len(0);
+    }
+}
+
+/// Who holds the lock, from the lock file (bounded, control characters escaped).
+fn holder_of(file: &mut File) -> String {
+    let mut bytes = Vec::new();
+    let read = file
+        .rewind()
+        .and_then(|_| file.take(MAX_HOLDER).read_to_end(&mut bytes));
+    let text = String::from_utf8_lossy(&bytes);
+    let text = text.trim();
+    if read.is_err() || text.is_empty() {
+        return "holder unknown: it is starting, or did not write its name".into();
+    }
+    text.chars().flat_map(char::escape_debug).collect()
+}
+
+/// This machine's host name, or `unknown`.
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates within it or
+    // truncates (the last byte stays 0).
+    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len() - 1) } != 0 {
+        return "unknown".into();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_lock_is_refused_naming_the_holder_and_free_once_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state");
+        let first = StateLock::acquire(&state).unwrap();
+        // flock locks belong to the open file description: a second open in the same process
+        // conflicts like another process would.
+        let e = StateLock::acquire(&state).unwrap_err().to_string();
+        assert!(e.contains(&state.join(LOCK_FILE).display().to_string()), "{e}");
+        assert!(
+            e.contains(&format!("pid {} on host ", std::process::id())),
+            "{e}"
+        );
+        assert!(e.contains(" since "), "{e}");
+        drop(first);
+        StateLock::acquire(&state).unwrap();
+    }
+
+    #[test]
+    fn a_symlink_as_the_lock_file_is_refused_and_not_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("precious");
+        std::fs::write(&target, "keep me").unwrap();
+        std::os::unix::fs::symlink(&target, dir.path().join(LOCK_FILE)).unwrap();
+        let e = StateLock::acquire(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("symbolic link"), "{e}");
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep me");
+    }
+
+    #[test]
+    fn a_hostile_lock_file_is_named_bounded_and_escaped() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut held = StateLock::acquire(dir.path()).unwrap();
+        held.file.set_len(0).unwrap();
+        held.file.rewind().unwrap();
+        held.file
+            .write_all(&[b"\x1b[31mevil\nline".as_slice(), &[b'x'; 100_000]].concat())
+            .unwrap();
+        let e = StateLock::acquire(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("\\u{1b}[31mevil\\nline"), "{e}");
+        assert!(e.len() < 2 * MAX_HOLDER as usize, "{} bytes", e.len());
+    }
+}
