@@ -120,6 +120,10 @@ pub struct CheckpointsConfig {
     /// Use filesystem notifications (inotify) besides the periodic rescan.
     #[serde(default = "default_true")]
     pub inotify: bool,
+    /// The most MiB any one zip entry of a checkpoint may inflate to (bounds compressed
+    /// entries; a storage is also bounded by what its tensors declare).
+    #[serde(default = "default_max_entry_mib")]
+    pub max_entry_mib: u64,
 }
 
 fn default_pattern() -> String {
@@ -133,6 +137,11 @@ fn default_settle_secs() -> f64 {
 }
 fn default_poll_secs() -> f64 {
     10.0
+}
+/// Largest `checkpoints.max_entry_mib`: 1 TiB (the bound must stay far below what u64 bytes hold).
+const MAX_ENTRY_MIB: u64 = 1 << 20;
+fn default_max_entry_mib() -> u64 {
+    crate::weights::DEFAULT_MAX_ENTRY_MIB
 }
 fn default_backlog() -> Backlog {
     Backlog::All
@@ -152,6 +161,7 @@ impl Default for CheckpointsConfig {
             poll_secs: default_poll_secs(),
             backlog: default_backlog(),
             inotify: true,
+            max_entry_mib: default_max_entry_mib(),
         }
     }
 }
@@ -844,6 +854,11 @@ impl Config {
         }
         v.non_negative("checkpoints.settle_secs", c.settle_secs);
         v.positive("checkpoints.poll_secs", c.poll_secs);
+        v.check(
+            (1..=MAX_ENTRY_MIB).contains(&c.max_entry_mib),
+            "checkpoints.max_entry_mib",
+            format!("must be in [1, {MAX_ENTRY_MIB}], got {}", c.max_entry_mib),
+        );
 
         if let Some(n) = self.cpu_threads {
             v.at_least("cpu_threads", n, 1);

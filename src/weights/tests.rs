@@ -36,6 +36,7 @@ fn key(k: &str) -> ReadOptions {
     ReadOptions {
         weights_key: Some(k.to_string()),
         strip_prefix: None,
+        ..ReadOptions::default()
     }
 }
 
@@ -232,6 +233,7 @@ fn strip_prefix_removes_module_prefix() {
     let opts = ReadOptions {
         weights_key: None,
         strip_prefix: Some("module.".into()),
+        ..ReadOptions::default()
     };
     let sd = read(DDP_PT, &opts).unwrap();
     assert_eq!(sd.names().collect::<Vec<_>>(), ["w", "b", "other"]);
@@ -282,6 +284,7 @@ fn safetensors_in_file_order_with_key_filter_and_prefix() {
     let opts = ReadOptions {
         weights_key: None,
         strip_prefix: Some("ema.".into()),
+        ..ReadOptions::default()
     };
     let stripped = read(MODEL_SAFETENSORS, &opts).unwrap();
     assert_eq!(
