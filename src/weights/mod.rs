@@ -400,7 +400,10 @@ fn sniff<R: Read + Seek>(r: &mut R, len: u64, path: &Path) -> Result<Container, 
             .to_string()
     } else if head.first() == Some(&0x80) {
         "a bare pickle stream, not a torch.save zip archive".to_string()
-    } else if head.iter().all(|b| b.is_ascii_graphic() || b.is_ascii_whitespace()) {
+    } else if head
+        .iter()
+        .all(|b| b.is_ascii_graphic() || b.is_ascii_whitespace())
+    {
         format!("{len} bytes of text")
     } else {
         format!("{len} bytes, unrecognized content")

@@ -8,6 +8,7 @@ mod daemon;
 mod data;
 mod early_stop;
 mod eval;
+mod hostile;
 mod icr;
 mod model;
 mod monitoring;
