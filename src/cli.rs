@@ -433,6 +433,7 @@ fn sample(a: SampleArgs) -> Result<()> {
             let opts = ReadOptions {
                 weights_key: a.weights_key.clone(),
                 strip_prefix: a.strip_prefix.clone(),
+                ..ReadOptions::default()
             };
             m.load_weights(checkpoint, &opts)?;
         }
@@ -482,10 +483,7 @@ fn bias_variance(config_path: &std::path::Path, students: &[PathBuf]) -> Result<
     // A teacher-only probe needs the image shape, not the training set.
     let first = train.read(0, 1)?.to_device(device);
     let probe = PfdProbe::teacher_only(&config, &first, device)?;
-    let opts = ReadOptions {
-        weights_key: config.checkpoints.weights_key.clone(),
-        strip_prefix: config.checkpoints.strip_prefix.clone(),
-    };
+    let opts = crate::eval::read_options(&config.checkpoints);
     let mut features = Vec::new();
     for path in students {
         model.load_weights(path, &opts)?;

@@ -150,6 +150,10 @@ pub struct CheckpointsConfig {
     /// Use filesystem notifications (inotify) besides the periodic rescan.
     #[serde(default = "default_true")]
     pub inotify: bool,
+    /// The most MiB any one zip entry of a checkpoint may inflate to (bounds compressed
+    /// entries; a storage is also bounded by what its tensors declare).
+    #[serde(default = "default_max_entry_mib")]
+    pub max_entry_mib: u64,
 }
 
 fn default_shutdown_drain_secs() -> f64 {
@@ -167,6 +171,11 @@ fn default_settle_secs() -> f64 {
 }
 fn default_poll_secs() -> f64 {
     10.0
+}
+/// Largest `checkpoints.max_entry_mib`: 1 TiB (the bound must stay far below what u64 bytes hold).
+const MAX_ENTRY_MIB: u64 = 1 << 20;
+fn default_max_entry_mib() -> u64 {
+    crate::weights::DEFAULT_MAX_ENTRY_MIB
 }
 fn default_backlog() -> Backlog {
     Backlog::All
@@ -186,6 +195,7 @@ impl Default for CheckpointsConfig {
             poll_secs: default_poll_secs(),
             backlog: default_backlog(),
             inotify: true,
+            max_entry_mib: default_max_entry_mib(),
         }
     }
 }
@@ -894,6 +904,11 @@ impl Config {
         }
         v.real("checkpoints.settle_secs", c.settle_secs, 0.0..=86_400.0);
         v.real("checkpoints.poll_secs", c.poll_secs, 0.1..=3_600.0);
+        v.count(
+            "checkpoints.max_entry_mib",
+            usize::try_from(c.max_entry_mib).unwrap_or(usize::MAX),
+            1..=MAX_ENTRY_MIB as usize,
+        );
 
         if let Some(n) = self.cpu_threads {
             v.count("cpu_threads", n, 1..=1024);

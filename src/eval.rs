@@ -198,11 +198,7 @@ impl Evaluator {
     /// Loads `checkpoint`'s weights and computes the enabled metrics.
     pub fn evaluate(&mut self, checkpoint: &Path, step: i64) -> Result<Evaluation, EvalError> {
         let started = Instant::now();
-        let c = &self.config.checkpoints;
-        let opts = ReadOptions {
-            weights_key: c.weights_key.clone(),
-            strip_prefix: c.strip_prefix.clone(),
-        };
+        let opts = read_options(&self.config.checkpoints);
         self.model.load_weights(checkpoint, &opts)?;
         let mut record = Evaluation {
             step,
@@ -274,4 +270,14 @@ impl Evaluator {
 pub fn step_of(path: &Path, step_regex: &regex::Regex) -> Option<i64> {
     let name = path.file_name()?.to_str()?;
     step_regex.captures(name)?.get(1)?.as_str().parse().ok()
+}
+
+/// How the checkpoint readers pick and bound the weights (`checkpoints.weights_key`,
+/// `strip_prefix` and `max_entry_mib`).
+pub fn read_options(c: &crate::config::CheckpointsConfig) -> ReadOptions {
+    ReadOptions {
+        weights_key: c.weights_key.clone(),
+        strip_prefix: c.strip_prefix.clone(),
+        max_entry_bytes: c.max_entry_mib.saturating_mul(1 << 20),
+    }
 }

@@ -302,42 +302,38 @@ impl Model {
     /// Loads a checkpoint's weights (TorchScript, safetensors or torch.save zip) into the
     /// architecture. All names and shapes are checked before anything is written, so a failed
     /// load leaves the previous weights in place.
+    ///
+    /// Every format is read as data by [`weights::read_weights`]; libtorch never loads a
+    /// checkpoint (only the architecture, the trusted code named in the config). Matching:
+    /// for a state dict (torch.save, safetensors) the names must be exactly the architecture's
+    /// parameters and buffers; a TorchScript archive lists every tensor attribute of its modules
+    /// (parameters, buffers and plain tensor attributes look alike), so there every parameter
+    /// and buffer of the architecture must be found with its shape and other tensors are ignored.
     pub fn load_weights(
         &mut self,
         checkpoint: &Path,
         opts: &ReadOptions,
     ) -> Result<(), ModelError> {
-        match weights::detect_format(checkpoint)? {
-            CheckpointFormat::TorchScript => {
-                let source = Module::load(checkpoint, self.device)?;
-                let named = source.named_tensors()?;
-                self.check_names(
-                    checkpoint,
-                    named.iter().map(|(n, t)| (n.as_str(), t.size())),
-                )?;
-                tch::no_grad(|| {
-                    for (name, src) in &named {
-                        self.tensors[self.index[name]].1.copy_(src);
-                    }
-                });
+        let read = weights::read_weights(checkpoint, opts)?;
+        let lenient = read.format == CheckpointFormat::TorchScript;
+        let state: Vec<&(String, RawTensor)> = read
+            .state
+            .tensors
+            .iter()
+            .filter(|(n, _)| !lenient || self.index.contains_key(n))
+            .collect();
+        self.check_names(
+            checkpoint,
+            state
+                .iter()
+                .map(|(n, t)| (n.as_str(), t.shape.iter().map(|&d| d as i64).collect())),
+        )?;
+        tch::no_grad(|| {
+            for (name, raw) in state {
+                let src = raw_view(raw);
+                self.tensors[self.index[name]].1.copy_(&src);
             }
-            CheckpointFormat::TorchZip | CheckpointFormat::SafeTensors => {
-                let state = weights::read_checkpoint(checkpoint, opts)?;
-                self.check_names(
-                    checkpoint,
-                    state
-                        .tensors
-                        .iter()
-                        .map(|(n, t)| (n.as_str(), t.shape.iter().map(|&d| d as i64).collect())),
-                )?;
-                tch::no_grad(|| {
-                    for (name, raw) in &state.tensors {
-                        let src = raw_view(raw);
-                        self.tensors[self.index[name]].1.copy_(&src);
-                    }
-                });
-            }
-        }
+        });
         Ok(())
     }
 
@@ -357,11 +353,12 @@ impl Model {
                     let want = self.tensors[i].1.size();
                     if want != shape {
                         mismatched.push(format!(
-                            "{name}: checkpoint {shape:?}, architecture {want:?}"
+                            "{}: checkpoint {shape:?}, architecture {want:?}",
+                            weights::quote(name)
                         ));
                     }
                 }
-                None => unexpected.push(name.to_string()),
+                None => unexpected.push(weights::quote(name)),
             }
         }
         let missing: Vec<String> = self

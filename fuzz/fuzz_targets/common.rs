@@ -20,6 +20,7 @@ pub fn check_readers(file: &[u8]) {
         ReadOptions {
             weights_key: Some("state.ema".to_string()),
             strip_prefix: Some("module.".to_string()),
+            ..ReadOptions::default()
         },
     ];
     for opts in &options {

@@ -1,6 +1,13 @@
 //! Errors of the `weights` module. Every variant names the checkpoint file.
+//!
+//! No message quotes the content of a file: a checkpoint path may be a symlink to any file the
+//! daemon can read, and messages reach the journal and the logs. Messages carry sizes, offsets
+//! and kinds; a name taken from inside a file (a tensor name, a zip entry, a pickle global) is
+//! quoted through [`quote`](super::quote): control characters escaped, length capped.
 
 use std::path::PathBuf;
+
+use super::quote;
 
 /// Why a checkpoint could not be detected, validated or read.
 ///
@@ -13,6 +20,29 @@ pub enum WeightsError {
         path: PathBuf,
         #[source]
         source: std::io::Error,
+    },
+
+    /// Not a regular file (a FIFO, a device, a socket, a folder): never opened for reading.
+    #[error(
+        "{}: is a {kind}, not a regular file; a checkpoint must be a regular file (it is not \
+         read)",
+        path.display()
+    )]
+    NotRegularFile { path: PathBuf, kind: &'static str },
+
+    /// A zip entry would inflate to more than it may hold (a "zip bomb", or a storage larger
+    /// than its tensors declare). Refused before anything beyond the bound is allocated.
+    #[error(
+        "{}: zip entry `{}` holds more than {limit} bytes, the most it may hold ({why}); \
+         refused without reading further",
+        path.display(),
+        quote(entry)
+    )]
+    EntryTooLarge {
+        path: PathBuf,
+        entry: String,
+        limit: u64,
+        why: &'static str,
     },
 
     /// The file has zero bytes (typically a checkpoint that is still being written).
@@ -44,9 +74,10 @@ pub enum WeightsError {
 
     /// A zip archive that lacks an entry torch.save always writes, or that a tensor refers to.
     #[error(
-        "{}: zip archive has no entry `{entry}`{context}; the file is incomplete or was not \
+        "{}: zip archive has no entry `{}`{context}; the file is incomplete or was not \
          written by torch.save",
-        path.display()
+        path.display(),
+        quote(entry)
     )]
     MissingEntry {
         path: PathBuf,
@@ -55,28 +86,22 @@ pub enum WeightsError {
         context: String,
     },
 
-    /// The file is a TorchScript archive; the caller loads it with libtorch instead.
-    #[error(
-        "{}: is a TorchScript archive, not a state dict; it is loaded with libtorch \
-         (torch.jit.load), not read as weights",
-        path.display()
-    )]
-    IsTorchScript { path: PathBuf },
-
     /// The pickle names a Python global outside the allow-list. Nothing is executed; reading
     /// stops at the first such global.
     #[error(
-        "{}: pickle refers to global `{global}`, which diffmon does not load (only tensors, \
+        "{}: pickle refers to global `{}`, which diffmon does not load (only tensors, \
          storages and plain containers are read; no code from a checkpoint is ever executed)",
-        path.display()
+        path.display(),
+        quote(global)
     )]
     ForbiddenGlobal { path: PathBuf, global: String },
 
     /// An opcode outside the subset torch.save uses.
     #[error(
-        "{}: unsupported pickle opcode {name} (0x{code:02x}) at byte {offset} of `{entry}`; \
+        "{}: unsupported pickle opcode {name} (0x{code:02x}) at byte {offset} of `{}`; \
          diffmon reads only the pickle subset that torch.save writes",
-        path.display()
+        path.display(),
+        quote(entry)
     )]
     UnsupportedOpcode {
         path: PathBuf,
@@ -87,7 +112,11 @@ pub enum WeightsError {
     },
 
     /// The pickle stream is malformed, truncated, or exceeds a resource limit.
-    #[error("{}: malformed pickle `{entry}` at byte {offset}: {detail}", path.display())]
+    #[error(
+        "{}: malformed pickle `{}` at byte {offset}: {detail}",
+        path.display(),
+        quote(entry)
+    )]
     Pickle {
         path: PathBuf,
         entry: String,
@@ -97,14 +126,15 @@ pub enum WeightsError {
 
     /// The archive's `byteorder` entry is not `little`.
     #[error(
-        "{}: checkpoint byte order is `{order}`; diffmon reads only little-endian checkpoints \
+        "{}: checkpoint byte order is `{}`; diffmon reads only little-endian checkpoints \
          (load and re-save it with torch on a little-endian machine)",
-        path.display()
+        path.display(),
+        quote(order)
     )]
     ByteOrder { path: PathBuf, order: String },
 
     /// A tensor's shape, strides or offset do not fit its storage, or its sizes overflow.
-    #[error("{}: tensor `{name}`: {detail}", path.display())]
+    #[error("{}: tensor `{}`: {detail}", path.display(), quote(name))]
     BadTensor {
         path: PathBuf,
         name: String,
@@ -113,9 +143,11 @@ pub enum WeightsError {
 
     /// A selected tensor has a dtype outside [`super::DType`].
     #[error(
-        "{}: tensor `{name}` has dtype {dtype}, which diffmon does not read (supported: bool, \
+        "{}: tensor `{}` has dtype {}, which diffmon does not read (supported: bool, \
          uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64)",
-        path.display()
+        path.display(),
+        quote(name),
+        quote(dtype)
     )]
     UnsupportedDtype {
         path: PathBuf,
@@ -153,13 +185,14 @@ impl WeightsError {
     pub fn path(&self) -> &std::path::Path {
         match self {
             WeightsError::Io { path, .. }
+            | WeightsError::NotRegularFile { path, .. }
+            | WeightsError::EntryTooLarge { path, .. }
             | WeightsError::EmptyFile { path }
             | WeightsError::TooShort { path, .. }
             | WeightsError::UnknownFormat { path, .. }
             | WeightsError::CorruptZip { path, .. }
             | WeightsError::CorruptSafeTensors { path, .. }
             | WeightsError::MissingEntry { path, .. }
-            | WeightsError::IsTorchScript { path }
             | WeightsError::ForbiddenGlobal { path, .. }
             | WeightsError::UnsupportedOpcode { path, .. }
             | WeightsError::Pickle { path, .. }

@@ -5,8 +5,9 @@
 //! - a **`torch.save` zip archive** holding a state dict (`torch.save(model.state_dict())`) or a
 //!   dict nesting one under a key (`{"ema": ..., "model": ..., "step": 7}`);
 //! - a **safetensors** file;
-//! - a **TorchScript** archive (`torch.jit.save`), which is *not* read here: [`read_checkpoint`]
-//!   returns [`WeightsError::IsTorchScript`] and the caller loads it with libtorch.
+//! - a **TorchScript** archive (`torch.jit.save`), read here as data like the others: libtorch
+//!   never loads a checkpoint (its loader would run the archive's code, e.g. a module's
+//!   `__setstate__`). See "TorchScript archives" below.
 //!
 //! The format is detected from the content (zip magic and archive layout, or the safetensors
 //! length-prefixed JSON header), never from the file name. [`validate_structure`] is the cheap
@@ -43,7 +44,34 @@
 //!   tiny file cannot ask for terabytes. Hostile input yields an error, never a panic.
 //!
 //! safetensors files are parsed with the `safetensors` crate (JSON header, validated offsets);
-//! tensor bytes are read straight from the file into their final buffers.
+//! tensor bytes are read straight from the file into their final buffers. The header is parsed
+//! once per read ([`detect_format`] only sniffs it).
+//!
+//! # Reading is bounded, and only regular files are read
+//!
+//! Every checkpoint is opened through one function that opens it non-blocking, checks with
+//! `fstat` on the handle that it is a regular file (a FIFO, device or socket named like a
+//! checkpoint is refused with [`WeightsError::NotRegularFile`] instead of blocking or reading
+//! forever) and only then reads it. A zip entry is read through a bound, never trusting the sizes
+//! in the zip directory: `data.pkl` at most 128 MiB, a storage at most the bytes its tensors
+//! declare, and any entry at most [`ReadOptions::max_entry_bytes`] (config key
+//! `checkpoints.max_entry_mib`); a compressed entry that inflates beyond its bound ("zip bomb")
+//! stops the read with [`WeightsError::EntryTooLarge`] after at most bound + 1 bytes.
+//!
+//! # TorchScript archives
+//!
+//! A `torch.jit.save` archive has the same layout as a `torch.save` one (`data.pkl` +
+//! `data/<key>`) plus the compiled code (`code/`, `constants.pkl`), which is never read. Its
+//! `data.pkl` pickles the module tree as objects of `__torch__.<...>` classes; the interpreter
+//! runs it with those classes as inert placeholders (their BUILD state, the attribute dict, is
+//! kept as data; no `__setstate__` or any other code runs) and the `torch.jit._pickle` list
+//! helpers as identities; every other global is refused as for `torch.save` files. The tensors
+//! are every tensor attribute reachable through the modules' attribute dicts, named by dotted
+//! attribute path (`down.0.conv.weight`), in pickle order. Parameters, buffers and plain tensor
+//! attributes look alike there, so the caller matches them to the architecture leniently
+//! (`Model::load_weights`: every parameter and buffer of the architecture must be found with its
+//! shape; other tensor attributes of the archive are ignored). `weights_key` and `strip_prefix`
+//! do not apply to TorchScript archives (they never did).
 //!
 //! # Selecting the state dict
 //!
@@ -73,6 +101,8 @@ mod torchzip;
 use std::fmt;
 use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
 pub use error::WeightsError;
@@ -189,14 +219,36 @@ impl fmt::Display for CheckpointFormat {
     }
 }
 
-/// How to pick the weights out of a checkpoint (config keys `checkpoints.weights_key` and
-/// `checkpoints.strip_prefix`). See the module docs.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// How to pick the weights out of a checkpoint (config keys `checkpoints.weights_key`,
+/// `checkpoints.strip_prefix` and `checkpoints.max_entry_mib`). See the module docs.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReadOptions {
     /// Entry of the top-level dict holding the state dict (`ema`, `model`, `state.ema`).
     pub weights_key: Option<String>,
     /// Prefix removed from every tensor name that has it (`module.`).
     pub strip_prefix: Option<String>,
+    /// The most bytes any one zip entry of a checkpoint may inflate to.
+    pub max_entry_bytes: u64,
+}
+
+/// Default of `checkpoints.max_entry_mib`: 16 GiB, more than any one storage of real models.
+pub const DEFAULT_MAX_ENTRY_MIB: u64 = 16 << 10;
+
+impl Default for ReadOptions {
+    fn default() -> Self {
+        ReadOptions {
+            weights_key: None,
+            strip_prefix: None,
+            max_entry_bytes: DEFAULT_MAX_ENTRY_MIB << 20,
+        }
+    }
+}
+
+/// A checkpoint's tensors and its format.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checkpoint {
+    pub format: CheckpointFormat,
+    pub state: StateDict,
 }
 
 /// Detects the format by content (zip magic + archive layout; safetensors 8-byte header length
@@ -206,11 +258,16 @@ pub fn detect_format(path: &Path) -> Result<CheckpointFormat, WeightsError> {
     detect_format_from(file, len, path)
 }
 
-/// Reads the named tensors of a torch.save zip or a safetensors file. For TorchScript
-/// checkpoints returns [`WeightsError::IsTorchScript`] (the caller loads those with libtorch).
+/// Reads the named tensors of a checkpoint (torch.save zip, safetensors or TorchScript archive;
+/// see the module docs for how each is named).
 pub fn read_checkpoint(path: &Path, opts: &ReadOptions) -> Result<StateDict, WeightsError> {
+    Ok(read_weights(path, opts)?.state)
+}
+
+/// [`read_checkpoint`] that also says which format the file had (one open, one parse).
+pub fn read_weights(path: &Path, opts: &ReadOptions) -> Result<Checkpoint, WeightsError> {
     let (file, len) = open(path)?;
-    read_checkpoint_from(file, len, path, opts)
+    read_weights_from(file, len, path, opts)
 }
 
 /// Cheap structural validity check used to decide a file is complete (zip central directory
@@ -221,14 +278,69 @@ pub fn validate_structure(path: &Path) -> Result<CheckpointFormat, WeightsError>
     validate_structure_from(file, len, path)
 }
 
+/// Opens a checkpoint for reading: the one place the readers open files. Opens non-blocking (a
+/// FIFO would otherwise block the open until a writer comes) and close-on-exec, refuses anything
+/// that `fstat` on the handle does not call a regular file, then clears `O_NONBLOCK`.
 fn open(path: &Path) -> Result<(BufReader<File>, u64), WeightsError> {
     let io = |source| WeightsError::Io {
         path: path.to_path_buf(),
         source,
     };
-    let file = File::open(path).map_err(io)?;
-    let len = file.metadata().map_err(io)?.len();
-    Ok((BufReader::with_capacity(64 << 10, file), len))
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(io)?;
+    let meta = file.metadata().map_err(io)?;
+    let ft = meta.file_type();
+    if !ft.is_file() {
+        let kind = if ft.is_fifo() {
+            "FIFO (named pipe)"
+        } else if ft.is_socket() {
+            "socket"
+        } else if ft.is_block_device() {
+            "block device"
+        } else if ft.is_char_device() {
+            "character device"
+        } else if ft.is_dir() {
+            "directory"
+        } else {
+            "special file"
+        };
+        return Err(WeightsError::NotRegularFile {
+            path: path.to_path_buf(),
+            kind,
+        });
+    }
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl on a descriptor this function owns, with integer flags only.
+    let cleared = unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) == 0
+    };
+    if !cleared {
+        return Err(io(std::io::Error::last_os_error()));
+    }
+    Ok((BufReader::with_capacity(64 << 10, file), meta.len()))
+}
+
+/// A name taken from inside a file (tensor name, zip entry, pickle global, ...), made safe to
+/// quote in a message: control characters escaped (`\n`, `\u{1b}`), at most 120 characters.
+pub(crate) fn quote(s: &str) -> String {
+    const MAX: usize = 120;
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i == MAX {
+            out.push('…');
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// The container, from the first bytes.
@@ -281,15 +393,20 @@ fn sniff<R: Read + Seek>(r: &mut R, len: u64, path: &Path) -> Result<Container, 
             len,
         });
     }
+    // The content itself is never quoted (the path may be a symlink to any readable file).
     let detail = if head.starts_with(&[0x80, 0x02, 0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46]) {
         "legacy torch.save format from before PyTorch 1.6; load and re-save it with a recent \
          torch"
             .to_string()
     } else if head.first() == Some(&0x80) {
         "a bare pickle stream, not a torch.save zip archive".to_string()
+    } else if head
+        .iter()
+        .all(|b| b.is_ascii_graphic() || b.is_ascii_whitespace())
+    {
+        format!("{len} bytes of text")
     } else {
-        let hex: Vec<String> = head.iter().take(8).map(|b| format!("{b:02x}")).collect();
-        format!("unrecognized content, first bytes {}", hex.join(" "))
+        format!("{len} bytes, unrecognized content")
     };
     Err(WeightsError::UnknownFormat {
         path: path.to_path_buf(),
@@ -309,10 +426,8 @@ pub fn detect_format_from<R: Read + Seek>(
             let archive = torchzip::open(r, path)?;
             Ok(torchzip::layout(&archive, path)?.1)
         }
-        Container::SafeTensors => {
-            safetensors_file::read_header(&mut r, len, path)?;
-            Ok(CheckpointFormat::SafeTensors)
-        }
+        // The sniffed header length and `{` suffice; the header is parsed when read.
+        Container::SafeTensors => Ok(CheckpointFormat::SafeTensors),
     }
 }
 
@@ -339,24 +454,44 @@ pub fn validate_structure_from<R: Read + Seek>(
 /// [`read_checkpoint`] on any seekable reader: `r` holds the whole file, `len` bytes long;
 /// `path` only names the file in errors.
 pub fn read_checkpoint_from<R: Read + Seek>(
-    mut r: R,
+    r: R,
     len: u64,
     path: &Path,
     opts: &ReadOptions,
 ) -> Result<StateDict, WeightsError> {
-    let mut sd = match sniff(&mut r, len, path)? {
+    Ok(read_weights_from(r, len, path, opts)?.state)
+}
+
+/// [`read_weights`] on any seekable reader: `r` holds the whole file, `len` bytes long; `path`
+/// only names the file in errors.
+pub fn read_weights_from<R: Read + Seek>(
+    mut r: R,
+    len: u64,
+    path: &Path,
+    opts: &ReadOptions,
+) -> Result<Checkpoint, WeightsError> {
+    let (format, mut sd) = match sniff(&mut r, len, path)? {
         Container::Zip => {
             let mut archive = torchzip::open(r, path)?;
             match torchzip::layout(&archive, path)? {
-                (_, CheckpointFormat::TorchScript) => {
-                    return Err(WeightsError::IsTorchScript {
-                        path: path.to_path_buf(),
+                (prefix, CheckpointFormat::TorchScript) => {
+                    let sd = torchzip::read_torchscript(&mut archive, &prefix, len, path, opts)?;
+                    // Names are attribute paths; weights_key and strip_prefix do not apply.
+                    return Ok(Checkpoint {
+                        format: CheckpointFormat::TorchScript,
+                        state: sd,
                     });
                 }
-                (prefix, _) => torchzip::read(&mut archive, &prefix, len, path, opts)?,
+                (prefix, format) => (
+                    format,
+                    torchzip::read(&mut archive, &prefix, len, path, opts)?,
+                ),
             }
         }
-        Container::SafeTensors => safetensors_file::read(r, len, path, opts)?,
+        Container::SafeTensors => (
+            CheckpointFormat::SafeTensors,
+            safetensors_file::read(r, len, path, opts)?,
+        ),
     };
     if let Some(prefix) = opts.strip_prefix.as_deref().filter(|p| !p.is_empty()) {
         for (name, _) in &mut sd.tensors {
@@ -365,7 +500,7 @@ pub fn read_checkpoint_from<R: Read + Seek>(
             }
         }
     }
-    Ok(sd)
+    Ok(Checkpoint { format, state: sd })
 }
 
 /// `a, b, c` (at most 20 names, then a count) for messages.
@@ -378,7 +513,7 @@ fn list_names<'a>(names: impl IntoIterator<Item = &'a str>) -> String {
     let mut out = names
         .iter()
         .take(MAX)
-        .map(|n| n.chars().take(80).collect::<String>())
+        .map(|n| quote(&n.chars().take(80).collect::<String>()))
         .collect::<Vec<_>>()
         .join(", ");
     if names.len() > MAX {

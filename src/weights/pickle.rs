@@ -2,7 +2,11 @@
 //!
 //! Nothing is ever called: the interpreter knows a short allow-list of globals and builds plain
 //! data for them (dicts, tensor descriptions, storage references). Any other global stops the
-//! run with [`PickleError::Forbidden`] the moment it is read. Objects live in an arena and are
+//! run with [`PickleError::Forbidden`] the moment it is read, unless the [`Classes`] policy of
+//! the run makes it an inert *placeholder class* (TorchScript archives pickle their modules as
+//! `__torch__.<...>` classes): creating an instance of a placeholder (NEWOBJ, REDUCE) records the
+//! class name and the arguments, and BUILD keeps the state (a module's attribute dict) as data;
+//! no `__setstate__`, no constructor, nothing of the class is ever looked up or run. Objects live in an arena and are
 //! referred to by index, so shared references (memo) behave like Python's, self-references
 //! cannot build recursive Rust values, and dropping the result never recurses. Every quantity
 //! that grows with the input (stack, marks, memo, objects, container items) is bounded.
@@ -47,6 +51,41 @@ pub(crate) enum Obj {
     Global(Global),
     Storage(StorageRef),
     Tensor(TensorMeta),
+    /// A placeholder class the [`Classes`] policy admits (`module.name`, sanitized).
+    Class(Rc<str>),
+    /// An instance of a placeholder class: data only.
+    Instance(Instance),
+}
+
+/// An object of a placeholder class, as the pickle describes it. Nothing of the class runs:
+/// `args` are what NEWOBJ/REDUCE passed, `state` what BUILD set (for a module, the dict of its
+/// attributes: submodules, tensors, `training`, ...).
+#[derive(Debug)]
+#[allow(dead_code)] // class and args: kept for messages and for whole-module pickles later
+pub(crate) struct Instance {
+    pub(crate) class: Rc<str>,
+    pub(crate) args: Vec<Value>,
+    pub(crate) state: Option<Value>,
+}
+
+/// Which globals outside the fixed allow-list a pickle may name, as inert placeholders.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Classes {
+    /// None: `torch.save` state dicts (the strict allow-list only).
+    None,
+    /// A TorchScript archive's `data.pkl`: classes of the `__torch__` namespace (the archive's
+    /// own compiled modules and classes) are placeholders, and the `torch.jit._pickle` list and
+    /// type-tag helpers (identities) are allowed. Anything else is still refused.
+    TorchScript,
+}
+
+impl Classes {
+    fn admits_class(self, module: &str) -> bool {
+        match self {
+            Classes::None => false,
+            Classes::TorchScript => module == "__torch__" || module.starts_with("__torch__."),
+        }
+    }
 }
 
 /// A dict or `collections.OrderedDict`, in insertion order.
@@ -127,6 +166,9 @@ pub(crate) enum Global {
     UntypedStorage,
     /// `torch.float32` and friends.
     Dtype(ElemType),
+    /// `torch.jit._pickle.build_{int,double,bool,tensor}list` and `restore_type_tag`: return
+    /// their first argument (TorchScript archives only).
+    JitIdentity,
 }
 
 /// Element type of a storage or tensor: one diffmon reads, or another torch dtype (kept by name
@@ -205,6 +247,13 @@ impl Pickle {
         }
     }
 
+    pub(crate) fn instance(&self, v: &Value) -> Option<&Instance> {
+        match self.obj(v) {
+            Some(Obj::Instance(i)) => Some(i),
+            _ => None,
+        }
+    }
+
     /// "an int", "a dict", ... for messages.
     pub(crate) fn describe(&self, v: &Value) -> &'static str {
         describe(&self.objs, v)
@@ -227,15 +276,18 @@ fn describe(objs: &[Obj], v: &Value) -> &'static str {
             Some(Obj::Global(_)) => "a type or function",
             Some(Obj::Storage(_)) => "a storage",
             Some(Obj::Tensor(_)) => "a tensor",
+            Some(Obj::Class(_)) => "a class",
+            Some(Obj::Instance(_)) => "an object",
             None => "an unknown object",
         },
     }
 }
 
 /// Runs `data` (a whole data.pkl) and returns the unpickled value.
-pub(crate) fn parse(data: &[u8]) -> Result<Pickle, PickleError> {
+pub(crate) fn parse(data: &[u8], classes: Classes) -> Result<Pickle, PickleError> {
     let mut vm = Vm {
         data,
+        classes,
         pos: 0,
         op_start: 0,
         stack: Vec::new(),
@@ -292,6 +344,7 @@ const BINUNICODE8: u8 = 0x8d;
 const STACK_GLOBAL: u8 = 0x93;
 const MEMOIZE: u8 = 0x94;
 const FRAME: u8 = 0x95;
+const NEWOBJ: u8 = 0x81;
 
 /// The pickletools name of any opcode byte, for error messages.
 pub(crate) fn opcode_name(code: u8) -> &'static str {
@@ -369,8 +422,13 @@ pub(crate) fn opcode_name(code: u8) -> &'static str {
 }
 
 /// Maps `module`, `name` to an allowed global, or `None` (refused).
-fn resolve_global(module: &str, name: &str) -> Option<Global> {
+fn resolve_global(module: &str, name: &str, classes: Classes) -> Option<Global> {
     Some(match (module, name) {
+        (
+            "torch.jit._pickle",
+            "build_intlist" | "build_doublelist" | "build_boollist" | "build_tensorlist"
+            | "restore_type_tag",
+        ) if classes == Classes::TorchScript => Global::JitIdentity,
         ("collections", "OrderedDict") => Global::OrderedDict,
         ("torch._utils", "_rebuild_tensor_v2") => Global::RebuildTensorV2,
         ("torch._utils", "_rebuild_tensor_v3") => Global::RebuildTensorV3,
@@ -474,6 +532,7 @@ fn sanitize_global(module: &str, name: &str) -> String {
 
 struct Vm<'a> {
     data: &'a [u8],
+    classes: Classes,
     pos: usize,
     op_start: usize,
     stack: Vec<Value>,
@@ -642,13 +701,36 @@ impl<'a> Vm<'a> {
     }
 
     fn global(&mut self, module: &str, name: &str) -> R<()> {
-        match resolve_global(module, name) {
+        match resolve_global(module, name, self.classes) {
             Some(g) => {
                 let v = self.new_obj(Obj::Global(g))?;
                 self.push(v)
             }
+            None if self.classes.admits_class(module) => {
+                let v = self.new_obj(Obj::Class(Rc::from(sanitize_global(module, name))))?;
+                self.push(v)
+            }
             None => Err(PickleError::Forbidden(sanitize_global(module, name))),
         }
+    }
+
+    /// A placeholder instance of the class `cls` (NEWOBJ, or REDUCE on a class): data only.
+    fn instantiate(&mut self, cls: &Value, args: Vec<Value>) -> R<Value> {
+        let class = match self.obj(cls) {
+            Some(Obj::Class(c)) => c.clone(),
+            _ => {
+                let kind = self.kind(cls);
+                return self.err(format!(
+                    "NEWOBJ on {kind}; only the archive's own classes can be instantiated"
+                ));
+            }
+        };
+        self.count_items(args.len())?;
+        self.new_obj(Obj::Instance(Instance {
+            class,
+            args,
+            state: None,
+        }))
     }
 
     fn tuple(&mut self, items: Vec<Value>) -> R<()> {
@@ -807,12 +889,27 @@ impl<'a> Vm<'a> {
                     let v = self.reduce(&f, &args)?;
                     self.push(v)?;
                 }
+                NEWOBJ if self.classes != Classes::None => {
+                    let args = self.pop()?;
+                    let cls = self.pop()?;
+                    let args = self.tuple_items(&args, "NEWOBJ arguments")?;
+                    let v = self.instantiate(&cls, args)?;
+                    self.push(v)?;
+                }
                 BUILD => {
-                    let _state = self.pop()?;
+                    let state = self.pop()?;
                     let top = self.top()?.clone();
                     match self.obj(&top) {
                         // OrderedDict state (`_metadata` of a module state dict): ignored.
                         Some(Obj::Dict(d)) if d.ordered => {}
+                        // A placeholder's state is kept as data; nothing is called.
+                        Some(Obj::Instance(_)) => {
+                            if let Value::Obj(id) = top
+                                && let Some(Obj::Instance(i)) = self.objs.get_mut(id.0)
+                            {
+                                i.state = Some(state);
+                            }
+                        }
                         _ => {
                             let kind = self.kind(&top);
                             return self.err(format!("BUILD on {kind} is not supported"));
@@ -902,6 +999,10 @@ impl<'a> Vm<'a> {
     }
 
     fn reduce(&mut self, f: &Value, args: &Value) -> R<Value> {
+        if matches!(self.obj(f), Some(Obj::Class(_))) {
+            let args = self.tuple_items(args, "REDUCE arguments")?;
+            return self.instantiate(f, args);
+        }
         let Some(g) = self.global_of(f) else {
             return self.err(format!(
                 "REDUCE on {}, not an allowed callable",
@@ -937,6 +1038,10 @@ impl<'a> Vm<'a> {
                     Ok(Value::Bytes(Rc::from(out)))
                 }
                 _ => self.err("_codecs.encode supports only (str, 'latin1')"),
+            },
+            Global::JitIdentity => match args.first() {
+                Some(v) => Ok(v.clone()),
+                None => self.err("torch.jit._pickle helper called without arguments"),
             },
             Global::StorageType(_) | Global::UntypedStorage | Global::Dtype(_) => {
                 self.err("a storage type or dtype cannot be called")
@@ -1133,7 +1238,7 @@ pub(crate) mod tests {
     }
 
     fn run(data: &[u8]) -> Result<Pickle, PickleError> {
-        parse(data)
+        parse(data, Classes::None)
     }
 
     #[test]

@@ -35,12 +35,20 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> WeightsError + '_ {
     }
 }
 
+#[cfg(test)]
+thread_local! {
+    /// How many headers this thread parsed (the tests check that a read parses once).
+    pub(crate) static HEADER_PARSES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 /// Reads and validates the JSON header.
 pub(crate) fn read_header<R: Read + Seek>(
     r: &mut R,
     len: u64,
     path: &Path,
 ) -> Result<Header, WeightsError> {
+    #[cfg(test)]
+    HEADER_PARSES.with(|n| n.set(n.get() + 1));
     if len < 8 {
         return Err(corrupt(path, format!("file is only {len} bytes")));
     }
@@ -63,8 +71,24 @@ pub(crate) fn read_header<R: Read + Seek>(
     }
     let mut header = vec![0u8; n as usize]; // n <= 100 MB, checked above
     r.read_exact(&mut header).map_err(io(path))?;
-    let meta: Metadata = serde_json::from_slice(&header)
-        .map_err(|e| corrupt(path, format!("invalid header: {e}")))?;
+    // serde's messages may quote the header's text (`unknown variant `...``); only the kind of
+    // error and its position are reported, never the file's content.
+    let meta: Metadata = serde_json::from_slice(&header).map_err(|e| {
+        let kind = match e.classify() {
+            serde_json::error::Category::Io => "unreadable",
+            serde_json::error::Category::Syntax => "not valid JSON",
+            serde_json::error::Category::Data => "not a safetensors header",
+            serde_json::error::Category::Eof => "cut off",
+        };
+        corrupt(
+            path,
+            format!(
+                "invalid header ({kind} at line {}, column {})",
+                e.line(),
+                e.column()
+            ),
+        )
+    })?;
     Ok(Header { data_start, meta })
 }
 

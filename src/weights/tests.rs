@@ -36,6 +36,7 @@ fn key(k: &str) -> ReadOptions {
     ReadOptions {
         weights_key: Some(k.to_string()),
         strip_prefix: None,
+        ..ReadOptions::default()
     }
 }
 
@@ -232,6 +233,7 @@ fn strip_prefix_removes_module_prefix() {
     let opts = ReadOptions {
         weights_key: None,
         strip_prefix: Some("module.".into()),
+        ..ReadOptions::default()
     };
     let sd = read(DDP_PT, &opts).unwrap();
     assert_eq!(sd.names().collect::<Vec<_>>(), ["w", "b", "other"]);
@@ -282,6 +284,7 @@ fn safetensors_in_file_order_with_key_filter_and_prefix() {
     let opts = ReadOptions {
         weights_key: None,
         strip_prefix: Some("ema.".into()),
+        ..ReadOptions::default()
     };
     let stripped = read(MODEL_SAFETENSORS, &opts).unwrap();
     assert_eq!(
@@ -313,7 +316,7 @@ fn safetensors_truncated_or_padded_is_invalid() {
 }
 
 #[test]
-fn torchscript_is_detected_not_read() {
+fn torchscript_is_read_as_data_by_attribute_path() {
     assert_eq!(
         detect(TORCHSCRIPT_PT).unwrap(),
         CheckpointFormat::TorchScript
@@ -322,10 +325,163 @@ fn torchscript_is_detected_not_read() {
         validate(TORCHSCRIPT_PT).unwrap(),
         CheckpointFormat::TorchScript
     );
-    let e = read_default(TORCHSCRIPT_PT).unwrap_err();
-    assert!(matches!(e, WeightsError::IsTorchScript { .. }), "{e}");
+    // torch.jit.script(nn.Linear(2, 1)): the module's own tensor attributes.
+    let ck = read_weights_from(
+        Cursor::new(TORCHSCRIPT_PT),
+        TORCHSCRIPT_PT.len() as u64,
+        Path::new(MEM),
+        &ReadOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(ck.format, CheckpointFormat::TorchScript);
+    let names: Vec<&str> = ck.state.names().collect();
+    assert_eq!(names, ["weight", "bias"]);
+    assert_eq!(ck.state.get("weight").unwrap().shape, [1, 2]);
+    assert_eq!(ck.state.get("bias").unwrap().shape, [1]);
     assert_eq!(detect(DTYPES_PT).unwrap(), CheckpointFormat::TorchZip);
     assert_eq!(validate(DTYPES_PT).unwrap(), CheckpointFormat::TorchZip);
+}
+
+/// A module pickle as TorchScript writes it: `__torch__.M` NEWOBJ + BUILD of its attributes.
+fn module_pickle() -> Vec<u8> {
+    let mut w = PickleWriter::new();
+    w.global("__torch__", "M").op(b')').op(0x81);
+    w.op(b'}').op(b'(');
+    w.str("training").op(0x88);
+    w.str("w").tensor_v2("FloatStorage", "0", 2, 0, &[2], &[1]);
+    w.str("sub").global("__torch__.x", "Sub").op(b')').op(0x81);
+    w.op(b'}')
+        .str("v")
+        .tensor_v2("FloatStorage", "0", 2, 1, &[1], &[1]);
+    w.op(b's').op(b'b');
+    w.op(b'u').op(b'b');
+    w.finish()
+}
+
+#[test]
+fn torchscript_classes_are_placeholders_only_in_torchscript_archives() {
+    let pkl = module_pickle();
+    let data = le(&[1.0f32, 2.0], |x| x.to_le_bytes());
+    let ts = zip_bytes(&[
+        ("m/data.pkl", &pkl),
+        ("m/code/__torch__.py", b"raise SystemExit"),
+        ("m/data/0", &data),
+    ]);
+    let sd = read_default(&ts).unwrap();
+    let names: Vec<&str> = sd.names().collect();
+    assert_eq!(names, ["w", "sub.v"]);
+    assert_eq!(f32s(sd.get("sub.v").unwrap()), [2.0]);
+    // The same pickle in a torch.save archive: the class is refused, as any foreign global.
+    let pt = zip_bytes(&[("m/data.pkl", &pkl), ("m/data/0", &data)]);
+    let e = read_default(&pt).unwrap_err();
+    assert!(matches!(e, WeightsError::ForbiddenGlobal { .. }), "{e}");
+    // Other globals stay forbidden in TorchScript archives.
+    let mut w = PickleWriter::new();
+    w.global("os", "system").str("id").op(0x85).op(b'R');
+    let evil = zip_bytes(&[("m/data.pkl", &w.finish()), ("m/constants.pkl", b"")]);
+    let e = read_default(&evil).unwrap_err();
+    assert!(e.to_string().contains("os.system"), "{e}");
+}
+
+#[test]
+fn safetensors_header_is_parsed_once_per_read() {
+    let parses = || safetensors_file::HEADER_PARSES.with(|n| n.get());
+    let before = parses();
+    detect(MODEL_SAFETENSORS).unwrap();
+    assert_eq!(parses() - before, 0, "detect_format parses no header");
+    read_default(MODEL_SAFETENSORS).unwrap();
+    assert_eq!(parses() - before, 1, "a read parses the header once");
+}
+
+fn deflated_zip(entries: &[(&str, &[u8])], big: (&str, usize)) -> Vec<u8> {
+    let mut w = zip::ZipWriter::new(Cursor::new(Vec::new()));
+    let stored =
+        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    for (name, data) in entries {
+        w.start_file(*name, stored).unwrap();
+        w.write_all(data).unwrap();
+    }
+    let deflated = zip::write::SimpleFileOptions::default()
+        .compression_method(zip::CompressionMethod::Deflated)
+        .large_file(true);
+    w.start_file(big.0, deflated).unwrap();
+    let zeros = vec![0u8; 1 << 20];
+    for _ in 0..big.1 {
+        w.write_all(&zeros).unwrap();
+    }
+    w.finish().unwrap().into_inner()
+}
+
+#[test]
+fn a_deflate_bomb_entry_is_refused_at_its_bound() {
+    // A storage declared as 4 floats whose entry inflates to 64 MiB.
+    let mut w = PickleWriter::new();
+    w.op(b'}')
+        .str("w")
+        .tensor_v2("FloatStorage", "0", 4, 0, &[4], &[1]);
+    w.op(b's');
+    let pkl = w.finish();
+    let bomb = deflated_zip(&[("a/data.pkl", &pkl)], ("a/data/0", 64));
+    assert!(bomb.len() < 1 << 20, "{}", bomb.len());
+    let e = read_default(&bomb).unwrap_err();
+    assert!(
+        matches!(&e, WeightsError::EntryTooLarge { limit: 16, .. }),
+        "{e}"
+    );
+    assert!(!e.is_incomplete());
+    assert!(e.to_string().contains("what its tensors declare"), "{e}");
+    // Declared as large as it inflates, but over the configured ceiling.
+    let mut w = PickleWriter::new();
+    w.op(b'}')
+        .str("w")
+        .tensor_v2("FloatStorage", "0", 16 << 20, 0, &[16 << 20], &[1]);
+    w.op(b's');
+    let pkl = w.finish();
+    let bomb = deflated_zip(&[("a/data.pkl", &pkl)], ("a/data/0", 64));
+    let opts = ReadOptions {
+        max_entry_bytes: 8 << 20,
+        ..ReadOptions::default()
+    };
+    let e = read(&bomb, &opts).unwrap_err();
+    assert!(e.to_string().contains("checkpoints.max_entry_mib"), "{e}");
+    assert!(read_default(&bomb).is_ok());
+}
+
+#[test]
+fn only_regular_files_are_opened() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("ckpt_10.pt");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    // Without a writer, a blocking open would never return.
+    let e = read_checkpoint(&fifo, &ReadOptions::default()).unwrap_err();
+    assert!(
+        matches!(e, WeightsError::NotRegularFile { kind, .. } if kind.contains("FIFO")),
+        "{e}"
+    );
+    assert!(validate_structure(&fifo).is_err());
+    assert!(detect_format(dir.path()).is_err());
+}
+
+#[test]
+fn messages_never_quote_file_content() {
+    let secret = b"root:x:0:0:TOPSECRET-4242:/root:/bin/bash\n";
+    let e = read_default(secret).unwrap_err().to_string();
+    let hex: Vec<String> = secret[..4].iter().map(|b| format!("{b:02x}")).collect();
+    assert!(!e.contains("root") && !e.contains("TOPSECRET"), "{e}");
+    assert!(!e.contains(&hex.join(" ")), "{e}");
+    // A name from inside a file is escaped and capped.
+    let name = format!("a\nb\x1b[31m{}", "x".repeat(500));
+    let mut w = PickleWriter::new();
+    w.op(b'}')
+        .str(&name)
+        .tensor_v2("ComplexFloatStorage", "0", 1, 0, &[1], &[1]);
+    w.op(b's');
+    let pt = zip_bytes(&[("a/data.pkl", &w.finish()), ("a/data/0", &[0; 8])]);
+    let e = read_default(&pt).unwrap_err().to_string();
+    assert!(!e.contains('\n') && !e.contains('\x1b'), "{e}");
+    assert!(e.contains("a\\nb\\u{1b}[31m"), "{e}");
+    assert!(e.len() < 400, "{e}");
 }
 
 #[test]

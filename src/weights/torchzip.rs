@@ -8,7 +8,9 @@ use zip::ZipArchive;
 use zip::result::ZipError;
 
 use super::pickle::{self, Dict, ElemType, Pickle, PickleError, StorageKind, TensorMeta, Value};
-use super::{CheckpointFormat, DType, RawTensor, ReadOptions, StateDict, WeightsError, list_names};
+use super::{
+    CheckpointFormat, DType, RawTensor, ReadOptions, StateDict, WeightsError, list_names, quote,
+};
 
 /// Opens the zip's central directory.
 pub(crate) fn open<R: Read + Seek>(r: R, path: &Path) -> Result<ZipArchive<R>, WeightsError> {
@@ -66,11 +68,38 @@ pub(crate) fn layout<R: Read + Seek>(
     }
 }
 
-/// Reads one zip entry completely (CRC-checked), refusing entries larger than `limit`.
+/// How large an entry may inflate to, and why (for the message).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limit {
+    pub(crate) bytes: u64,
+    pub(crate) why: &'static str,
+}
+
+impl Limit {
+    /// The smaller of what the content declares and the configured ceiling
+    /// (`checkpoints.max_entry_mib`).
+    fn declared(declared: Option<u64>, ceiling: u64) -> Limit {
+        match declared {
+            Some(d) if d <= ceiling => Limit {
+                bytes: d,
+                why: "what its tensors declare",
+            },
+            _ => Limit {
+                bytes: ceiling,
+                why: "checkpoints.max_entry_mib",
+            },
+        }
+    }
+}
+
+/// Reads one zip entry completely (CRC-checked), refusing entries larger than `limit`. The
+/// directory's sizes are not trusted: the entry is read through `take(limit + 1)`, so a
+/// compressed entry never inflates to more than `limit + 1` bytes, and at most a few times the
+/// file's length is reserved up front.
 fn read_entry<R: Read + Seek>(
     archive: &mut ZipArchive<R>,
     name: &str,
-    limit: u64,
+    limit: Limit,
     file_len: u64,
     path: &Path,
     context: &str,
@@ -84,14 +113,17 @@ fn read_entry<R: Read + Seek>(
                 context: context.to_string(),
             });
         }
-        Err(e) => return Err(corrupt(path, format!("entry `{name}`: {e}"))),
+        Err(e) => return Err(corrupt(path, format!("entry `{}`: {e}", quote(name)))),
+    };
+    let too_large = || WeightsError::EntryTooLarge {
+        path: path.to_path_buf(),
+        entry: name.to_string(),
+        limit: limit.bytes,
+        why: limit.why,
     };
     let size = entry.size();
-    if size > limit {
-        return Err(corrupt(
-            path,
-            format!("entry `{name}` is {size} bytes, more than the {limit} expected"),
-        ));
+    if size > limit.bytes {
+        return Err(too_large());
     }
     // Stored entries (what torch writes) cannot be larger than the file; for compressed ones
     // reserve at most a few times the file size up front and let the buffer grow.
@@ -99,7 +131,10 @@ fn read_entry<R: Read + Seek>(
     if stored && size > file_len {
         return Err(corrupt(
             path,
-            format!("entry `{name}` claims {size} bytes, more than the whole file"),
+            format!(
+                "entry `{}` claims {size} bytes, more than the whole file",
+                quote(name)
+            ),
         ));
     }
     let reserve = if stored {
@@ -111,19 +146,28 @@ fn read_entry<R: Read + Seek>(
     usize::try_from(reserve)
         .ok()
         .and_then(|n| buf.try_reserve_exact(n).ok())
-        .ok_or_else(|| corrupt(path, format!("cannot allocate {size} bytes for `{name}`")))?;
-    // Read one byte past the declared size: the zip reader checks the CRC when it reaches the
-    // end of the entry, and an over-long entry is detected.
+        .ok_or_else(|| {
+            corrupt(
+                path,
+                format!("cannot allocate {size} bytes for `{}`", quote(name)),
+            )
+        })?;
+    // Read one byte past the bound: the zip reader checks the CRC when it reaches the end of the
+    // entry, and an entry longer than its directory says (or than the limit) is detected.
     entry
         .by_ref()
-        .take(size.saturating_add(1))
+        .take(size.min(limit.bytes).saturating_add(1))
         .read_to_end(&mut buf)
-        .map_err(|e| corrupt(path, format!("reading `{name}`: {e}")))?;
+        .map_err(|e| corrupt(path, format!("reading `{}`: {e}", quote(name))))?;
+    if buf.len() as u64 > limit.bytes {
+        return Err(too_large());
+    }
     if buf.len() as u64 != size {
         return Err(corrupt(
             path,
             format!(
-                "entry `{name}` holds {} bytes, its directory entry says {size}",
+                "entry `{}` holds {} bytes, its directory entry says {size}",
+                quote(name),
                 buf.len()
             ),
         ));
@@ -151,6 +195,48 @@ fn pickle_error(e: PickleError, path: &Path, entry: &str) -> WeightsError {
     }
 }
 
+/// Refuses archives whose `byteorder` entry is not `little`.
+fn check_byteorder<R: Read + Seek>(
+    archive: &mut ZipArchive<R>,
+    prefix: &str,
+    file_len: u64,
+    path: &Path,
+) -> Result<(), WeightsError> {
+    let byteorder = format!("{prefix}byteorder");
+    if archive.index_for_name(&byteorder).is_some() {
+        let limit = Limit {
+            bytes: 64,
+            why: "a byte order name",
+        };
+        let bytes = read_entry(archive, &byteorder, limit, file_len, path, "")?;
+        let order = String::from_utf8_lossy(&bytes);
+        let order = order.trim();
+        if order != "little" {
+            return Err(WeightsError::ByteOrder {
+                path: path.to_path_buf(),
+                order: order.to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Runs the archive's `data.pkl` under the `classes` policy.
+fn read_pickle<R: Read + Seek>(
+    archive: &mut ZipArchive<R>,
+    prefix: &str,
+    file_len: u64,
+    path: &Path,
+    opts: &ReadOptions,
+    classes: pickle::Classes,
+) -> Result<Pickle, WeightsError> {
+    check_byteorder(archive, prefix, file_len, path)?;
+    let pkl = format!("{prefix}data.pkl");
+    let limit = Limit::declared(Some(pickle::MAX_PICKLE_BYTES), opts.max_entry_bytes);
+    let data = read_entry(archive, &pkl, limit, file_len, path, "")?;
+    pickle::parse(&data, classes).map_err(|e| pickle_error(e, path, &pkl))
+}
+
 /// Reads the selected state dict of a `torch.save` archive whose entries start with `prefix`.
 pub(crate) fn read<R: Read + Seek>(
     archive: &mut ZipArchive<R>,
@@ -159,25 +245,112 @@ pub(crate) fn read<R: Read + Seek>(
     path: &Path,
     opts: &ReadOptions,
 ) -> Result<StateDict, WeightsError> {
-    let byteorder = format!("{prefix}byteorder");
-    if archive.index_for_name(&byteorder).is_some() {
-        let bytes = read_entry(archive, &byteorder, 64, file_len, path, "")?;
-        let order = String::from_utf8_lossy(&bytes);
-        let order = order.trim();
-        if order != "little" {
-            return Err(WeightsError::ByteOrder {
-                path: path.to_path_buf(),
-                order: order.chars().take(32).collect(),
-            });
+    let pickle = read_pickle(archive, prefix, file_len, path, opts, pickle::Classes::None)?;
+    let selected = select(&pickle, opts.weights_key.as_deref(), path)?;
+    let tensors = materialize_all(archive, prefix, file_len, path, opts, selected)?;
+    Ok(StateDict { tensors })
+}
+
+/// Deepest module nesting followed in a TorchScript archive.
+const MAX_MODULE_DEPTH: usize = 256;
+/// Most attributes visited while collecting a TorchScript archive's tensors (a module shared
+/// under many names is visited once per name).
+const MAX_MODULE_VISITS: usize = 1 << 22;
+
+/// Reads every tensor attribute of a TorchScript archive's module tree, named by its dotted
+/// attribute path (`down.0.conv.weight`), in pickle order. The archive's `data.pkl` runs with
+/// `__torch__.*` classes as inert placeholders ([`pickle::Classes::TorchScript`]); the `code/`
+/// folder and `constants.pkl` (the compiled code and its constants) are never read. Tensors are
+/// found in the attribute dicts that BUILD gave the module objects; a module whose state is not
+/// a dict (a custom `__getstate__`) contributes no names.
+pub(crate) fn read_torchscript<R: Read + Seek>(
+    archive: &mut ZipArchive<R>,
+    prefix: &str,
+    file_len: u64,
+    path: &Path,
+    opts: &ReadOptions,
+) -> Result<StateDict, WeightsError> {
+    let pkl = format!("{prefix}data.pkl");
+    let pickle = read_pickle(
+        archive,
+        prefix,
+        file_len,
+        path,
+        opts,
+        pickle::Classes::TorchScript,
+    )?;
+    let malformed = |detail: String| WeightsError::Pickle {
+        path: path.to_path_buf(),
+        entry: pkl.clone(),
+        offset: 0,
+        detail,
+    };
+    if pickle.instance(&pickle.root).is_none() {
+        return Err(malformed(format!(
+            "the archive's root is {}, not a module",
+            pickle.describe(&pickle.root)
+        )));
+    }
+    let mut selected = Vec::new();
+    let mut on_path = Vec::new();
+    let mut visits = 0usize;
+    collect_attributes(
+        &pickle,
+        &pickle.root,
+        "",
+        &mut on_path,
+        &mut visits,
+        &mut selected,
+    )
+    .map_err(malformed)?;
+    let tensors = materialize_all(archive, prefix, file_len, path, opts, selected)?;
+    Ok(StateDict { tensors })
+}
+
+/// Appends the tensors reachable from the module `v` through attribute dicts, as
+/// `(prefix + dotted path, tensor)`. `on_path` holds the objects being walked (a cycle is
+/// skipped); depth and the number of visits are bounded.
+fn collect_attributes<'p>(
+    p: &'p Pickle,
+    v: &'p Value,
+    prefix: &str,
+    on_path: &mut Vec<&'p Value>,
+    visits: &mut usize,
+    out: &mut Vec<(String, &'p TensorMeta)>,
+) -> Result<(), String> {
+    let Some(state) = p.instance(v).and_then(|i| i.state.as_ref()) else {
+        return Ok(());
+    };
+    let Some(attrs) = p.dict(state) else {
+        return Ok(());
+    };
+    if on_path.len() >= MAX_MODULE_DEPTH {
+        return Err(format!(
+            "modules nested deeper than {MAX_MODULE_DEPTH} levels"
+        ));
+    }
+    on_path.push(v);
+    for (k, value) in attrs.items() {
+        let Value::Str(name) = k else { continue };
+        *visits += 1;
+        if *visits > MAX_MODULE_VISITS {
+            return Err(format!(
+                "more than {MAX_MODULE_VISITS} module attributes (modules shared under many names?)"
+            ));
+        }
+        let full = format!("{prefix}{name}");
+        if let Some(t) = p.tensor(value) {
+            out.push((full, t));
+        } else if p.instance(value).is_some() && !on_path.iter().any(|o| same_obj(o, value)) {
+            collect_attributes(p, value, &format!("{full}."), on_path, visits, out)?;
         }
     }
-    let pkl = format!("{prefix}data.pkl");
-    let data = read_entry(archive, &pkl, pickle::MAX_PICKLE_BYTES, file_len, path, "")?;
-    let pickle = pickle::parse(&data).map_err(|e| pickle_error(e, path, &pkl))?;
-    drop(data);
-    let selected = select(&pickle, opts.weights_key.as_deref(), path)?;
-    let tensors = materialize_all(archive, prefix, file_len, path, selected)?;
-    Ok(StateDict { tensors })
+    on_path.pop();
+    Ok(())
+}
+
+fn same_obj(a: &Value, b: &Value) -> bool {
+    matches!((a, b), (Value::Obj(x), Value::Obj(y)) if x == y)
 }
 
 fn key_name(p: &Pickle, k: &Value) -> String {
@@ -311,6 +484,7 @@ fn materialize_all<R: Read + Seek>(
     prefix: &str,
     file_len: u64,
     path: &Path,
+    opts: &ReadOptions,
     selected: Vec<(String, &TensorMeta)>,
 ) -> Result<Vec<(String, RawTensor)>, WeightsError> {
     let mut uses: HashMap<&str, usize> = HashMap::new();
@@ -342,8 +516,7 @@ fn materialize_all<R: Read + Seek>(
         let key: &str = &t.storage.key;
         if !loaded.contains_key(key) {
             let entry = format!("{prefix}data/{key}");
-            let context = format!(" (storage of tensor `{name}`)");
-            let bytes = read_entry(archive, &entry, u64::MAX, file_len, path, &context)?;
+            let context = format!(" (storage of tensor `{}`)", quote(&name));
             let declared = match t.storage.kind {
                 StorageKind::Typed(ElemType::Known(d)) => {
                     t.storage.numel.checked_mul(d.size() as u64)
@@ -351,10 +524,14 @@ fn materialize_all<R: Read + Seek>(
                 StorageKind::Typed(ElemType::Other(_)) => None,
                 StorageKind::Untyped => Some(t.storage.numel),
             };
+            // The entry may hold what its tensors declare, and never more than the ceiling.
+            let limit = Limit::declared(declared, opts.max_entry_bytes);
+            let bytes = read_entry(archive, &entry, limit, file_len, path, &context)?;
             if let Some(declared) = declared.filter(|&d| d > bytes.len() as u64) {
                 return Err(bad(format!(
-                    "storage `{key}` holds {} bytes but the checkpoint declares {declared} \
+                    "storage `{}` holds {} bytes but the checkpoint declares {declared} \
                      (truncated or corrupt file)",
+                    quote(key),
                     bytes.len()
                 )));
             }
@@ -373,8 +550,10 @@ fn materialize_all<R: Read + Seek>(
                     "shape {:?} with stride {:?}: the selected tensors would repeat storage \
                      bytes into {repeated} bytes more than their storages hold; at most \
                      {repeat_budget} (the file's length plus {MAX_REPEATED_BYTES}) are read \
-                     (storage `{key}`)",
-                    t.size, t.stride
+                     (storage `{}`)",
+                    t.size,
+                    t.stride,
+                    quote(key)
                 )));
             }
         }
@@ -389,7 +568,7 @@ fn materialize_all<R: Read + Seek>(
             let storage = loaded.get(key).map(Vec::as_slice).unwrap_or_default();
             materialize(Storage::Borrowed(storage), t, dtype)
         }
-        .map_err(|detail| bad(format!("{detail} (storage `{key}`)")))?;
+        .map_err(|detail| bad(format!("{detail} (storage `{}`)", quote(key))))?;
         out.push((name, raw));
     }
     Ok(out)

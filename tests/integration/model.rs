@@ -54,6 +54,7 @@ fn nested_ema_dict_loads_with_weights_key() {
     let opts = ReadOptions {
         weights_key: Some("ema".into()),
         strip_prefix: None,
+        ..ReadOptions::default()
     };
     assert_reproduces_pytorch("ckpt_ema.pt", opts);
 }
@@ -63,6 +64,7 @@ fn module_prefix_is_stripped() {
     let opts = ReadOptions {
         weights_key: None,
         strip_prefix: Some("module.".into()),
+        ..ReadOptions::default()
     };
     assert_reproduces_pytorch("ckpt_module_prefix.pt", opts);
 }

@@ -1,0 +1,294 @@
+//! Hostile checkpoints (DESIGN.md §1.8) against the real binary: a TorchScript archive's code
+//! never runs, a malformed archive is a recorded failure, a deflate bomb is refused with bounded
+//! memory, a FIFO never blocks the evaluator, and no file content reaches messages or the
+//! journal.
+
+use crate::common::{python, stderr, toy_run};
+use crate::daemon::{Daemon, empty_run, journal, journal_entries};
+use std::fs;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// A run folder with the toy architecture and data, and an eval config.
+fn run_dir() -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = empty_run();
+    let cfg = dir.path().join("eval.yaml");
+    fs::write(
+        &cfg,
+        "run: {dir: .}\nmodel: {architecture: model.ts}\ndevice: cpu\n\
+         data: {path: train.h5, heldout_path: heldout.h5}\n\
+         icr: {samples: 256, batch_size: 128, seed: 5}\n",
+    )
+    .unwrap();
+    (dir, cfg)
+}
+
+fn py(script: &str, args: &[&Path]) {
+    let out = Command::new(python())
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+/// `diffmon eval --json` of `ckpts`, killed (and the test failed) if it has not ended within
+/// `limit`: a regression that blocks fails instead of hanging the suite.
+fn eval(cfg: &Path, ckpts: &[&Path], limit: Duration) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_diffmon"))
+        .args(["eval", "--config", cfg.to_str().unwrap(), "--json"])
+        .args(ckpts)
+        .env("DIFFMON_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            child.kill().unwrap();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "diffmon eval still running after {limit:?}: {}",
+                stderr(&out)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// A TorchScript module whose `__setstate__` creates `marker` (what libtorch's loader runs).
+const EVIL_TS: &str = r#"
+import sys, textwrap, importlib.util, pathlib, torch
+out, marker = sys.argv[1], sys.argv[2]
+src = textwrap.dedent(f'''
+import torch
+from typing import Tuple
+class Evil(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+    def forward(self, x):
+        return x * self.w
+    @torch.jit.export
+    def __getstate__(self) -> Tuple[torch.Tensor, bool]:
+        return (self.w, self.training)
+    @torch.jit.export
+    def __setstate__(self, state: Tuple[torch.Tensor, bool]) -> None:
+        self.training = state[1]
+        t = torch.from_file({marker!r}, shared=True, size=3)
+        self.w = state[0] + t * 0.0
+''')
+p = pathlib.Path(out + ".gen.py")
+p.write_text(src)
+spec = importlib.util.spec_from_file_location("evilmod", p)
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+torch.jit.save(torch.jit.script(mod.Evil()), out)
+p.unlink()
+"#;
+
+#[test]
+fn a_torchscript_checkpoint_never_runs_its_code() {
+    let (dir, cfg) = run_dir();
+    let ckpt = dir.path().join("ckpt_000090.ts");
+    let marker = dir.path().join("PWNED");
+    py(EVIL_TS, &[&ckpt, &marker]);
+    assert!(!marker.exists());
+    let out = eval(&cfg, &[&ckpt], Duration::from_secs(300));
+    assert!(!marker.exists(), "the checkpoint's __setstate__ ran");
+    // Its weights are not where the architecture's are (a custom __getstate__): a clear
+    // failure naming the file.
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("ckpt_000090.ts") && err.contains("missing"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_torchscript_checkpoint_gives_the_icr_of_the_same_weights_in_safetensors() {
+    let (dir, cfg) = run_dir();
+    let d = dir.path();
+    py(
+        "import sys, torch\n\
+         from safetensors.torch import save_file\n\
+         m = torch.jit.load(sys.argv[1])\n\
+         sd = torch.load(sys.argv[2])\n\
+         m.load_state_dict(sd)\n\
+         torch.jit.save(m, sys.argv[3])\n\
+         save_file({k: v.contiguous() for k, v in sd.items()}, sys.argv[4])",
+        &[
+            &d.join("model.ts"),
+            &toy_run().join("ckpt_000060.pt"),
+            &d.join("ckpt_000060.ts"),
+            &d.join("ckpt_000060.safetensors"),
+        ],
+    );
+    let out = eval(
+        &cfg,
+        &[
+            &d.join("ckpt_000060.ts"),
+            &d.join("ckpt_000060.safetensors"),
+        ],
+        Duration::from_secs(300),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let icr: Vec<f64> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["icr"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(icr.len(), 2);
+    assert!((icr[0] - icr[1]).abs() <= 1e-12 * icr[1].abs(), "{icr:?}");
+}
+
+/// Rewrites the TorchScript archive `src` into `dst` with its storage `data/1` cut in half.
+const SHORT_STORAGE: &str = "import sys, zipfile\n\
+zin = zipfile.ZipFile(sys.argv[1])\n\
+with zipfile.ZipFile(sys.argv[2], 'w', zipfile.ZIP_STORED) as zout:\n\
+    for info in zin.infolist():\n\
+        data = zin.read(info.filename)\n\
+        if info.filename.split('/')[1:] == ['data', '1']:\n\
+            data = data[: len(data) // 2]\n\
+        zout.writestr(info.filename, data)\n";
+
+const SECRET: &str = "TOPSECRET-4242";
+
+#[test]
+fn hostile_checkpoints_are_recorded_failures_and_the_daemon_goes_on() {
+    let run = empty_run();
+    let dir = run.path();
+    // 1: a TorchScript archive whose storage is shorter than its tensors declare.
+    py(
+        SHORT_STORAGE,
+        &[&dir.join("model.ts"), &dir.join("short.src")],
+    );
+    // 3: a symlink to a secret file.
+    let secret = dir.join("secret.txt");
+    fs::write(&secret, format!("root:x:0:0:{SECRET}:/root:/bin/bash\n")).unwrap();
+    // 2: a FIFO named like a checkpoint.
+    let fifo = dir.join("ckpt_2.ts");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let cfg = dir.join("eval.yaml");
+    fs::write(
+        &cfg,
+        "run: {dir: .}\nmodel: {architecture: model.ts}\ndevice: cpu\n\
+         data: {path: train.h5, heldout_path: heldout.h5}\n\
+         icr: {samples: 256, batch_size: 128, seed: 5}\n",
+    )
+    .unwrap();
+    fs::rename(dir.join("short.src"), dir.join("ckpt_1.ts")).unwrap();
+    std::os::unix::fs::symlink(&secret, dir.join("ckpt_3.ts")).unwrap();
+
+    // `diffmon eval`: each is a clear error naming the file, promptly, without the secret.
+    let out = eval(
+        &cfg,
+        &[&dir.join("ckpt_1.ts"), &fifo, &dir.join("ckpt_3.ts")],
+        Duration::from_secs(120),
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("ckpt_1.ts") && err.contains("holds 1024 bytes but the checkpoint declares"),
+        "{err}"
+    );
+    assert!(err.contains("ckpt_2.ts") && err.contains("FIFO"), "{err}");
+    assert!(err.contains("ckpt_3.ts"), "{err}");
+    assert!(!err.contains(SECRET) && !err.contains("root:"), "{err}");
+    assert!(!err.contains("72 6f 6f 74"), "{err}");
+
+    // The daemon records each file as a failure and evaluates the good checkpoint after them
+    // (its watcher skips the FIFO: only regular files are candidates).
+    fs::copy(dir.join("model.ts"), dir.join("ckpt_4.ts.tmp")).unwrap();
+    let d = Daemon::start(
+        dir,
+        "checkpoints: {pattern: \"ckpt_*.ts\", settle_secs: 0.2, poll_secs: 0.5}\n",
+    );
+    fs::rename(dir.join("ckpt_4.ts.tmp"), dir.join("ckpt_4.ts")).unwrap();
+    d.wait_for(
+        Duration::from_secs(180),
+        "two failures and one evaluation",
+        |_| {
+            let (evals, failures) = journal(dir);
+            evals.len() + failures.len() >= 3
+        },
+    );
+    let (evals, mut failures) = journal(dir);
+    failures.sort();
+    let reasons: Vec<(i64, &str)> = failures.iter().map(|(s, r)| (*s, r.as_str())).collect();
+    assert_eq!(reasons, vec![(1, "unreadable"), (3, "unreadable")]);
+    assert_eq!(evals, vec![4]);
+    let journal_text = serde_json::to_string(&journal_entries(dir)).unwrap();
+    assert!(!journal_text.contains(SECRET), "{journal_text}");
+    let log = d.log();
+    assert!(!log.contains(SECRET), "{log}");
+}
+
+/// Peak resident memory (KiB) and output of a `diffmon eval` child, from `wait4` on that child
+/// alone (not the other tests' children).
+fn eval_peak_rss(cfg: &Path, ckpt: &Path) -> (i64, i32, String) {
+    let child = Command::new(env!("CARGO_BIN_EXE_diffmon"))
+        .args(["eval", "--config", cfg.to_str().unwrap(), "--json"])
+        .arg(ckpt)
+        .env("DIFFMON_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as libc::pid_t;
+    let mut stderr_pipe = child.stderr.unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut stderr_pipe, &mut err).unwrap();
+    let mut status = 0;
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    assert_eq!(r, pid);
+    let code = if libc::WIFEXITED(status) {
+        libc::WEXITSTATUS(status)
+    } else {
+        -libc::WTERMSIG(status)
+    };
+    (usage.ru_maxrss, code, err)
+}
+
+#[test]
+fn a_deflate_bomb_is_refused_with_bounded_memory() {
+    let (dir, cfg) = run_dir();
+    let bomb = dir.path().join("ckpt_000010.pt");
+    // A torch.save of 4 floats whose storage entry is replaced by 1.5 GiB of zeros, deflated
+    // by Python's zlib while streaming (to about 1.5 MB).
+    py(
+        "import sys, zipfile, torch, io\n\
+         buf = io.BytesIO(); torch.save({'w': torch.zeros(4)}, buf)\n\
+         zin = zipfile.ZipFile(buf)\n\
+         zeros = bytes(1 << 20)\n\
+         with zipfile.ZipFile(sys.argv[1], 'w', zipfile.ZIP_DEFLATED) as zout:\n\
+         \x20   for info in zin.infolist():\n\
+         \x20       if info.filename.endswith('/data/0'):\n\
+         \x20           with zout.open(info.filename, 'w', force_zip64=True) as f:\n\
+         \x20               for _ in range(1536): f.write(zeros)\n\
+         \x20       else:\n\
+         \x20           zout.writestr(info.filename, zin.read(info.filename))\n",
+        &[&bomb],
+    );
+    assert!(fs::metadata(&bomb).unwrap().len() < 4 << 20);
+    let (peak_kib, code, err) = eval_peak_rss(&cfg, &bomb);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("ckpt_000010.pt") && err.contains("holds more than 16 bytes"),
+        "{err}"
+    );
+    // `diffmon eval` of a good checkpoint of this toy run peaks near 190 MiB (libtorch, the
+    // model, the data); inflating the bomb would add 1.5 GiB. 400 MiB leaves room for the
+    // baseline to grow and is far below what any inflation of the entry would take.
+    assert!(peak_kib < 400 << 10, "peak RSS {peak_kib} KiB");
+}
