@@ -21,7 +21,7 @@ use crate::config::{Config, EarlyStopMetric};
 use crate::detector::{Best, Detector, DetectorState, Observation, Signal};
 use crate::eval::{EvalError, Evaluator};
 use crate::history::{CheckpointKey, Entry, History};
-use crate::metrics::Metrics;
+use crate::metrics::{self, Metrics};
 use crate::model::ModelError;
 use crate::pfd::PfdError;
 use crate::record::Evaluation;
@@ -63,15 +63,17 @@ enum Outcome {
 /// Failure reason label of `diffmon_checkpoint_failures_total{reason}`.
 fn failure_reason(item: &WorkItem, e: &EvalError) -> &'static str {
     if CheckpointKey::of(&item.path).ok().as_ref() != Some(&item.key) {
-        return "vanished";
+        return metrics::REASON_VANISHED;
     }
     match e {
-        EvalError::Model(ModelError::Weights(_) | ModelError::Load { .. }) => "unreadable",
-        EvalError::Model(ModelError::Mismatch { .. }) => "mismatch",
-        EvalError::Invalid { .. } | EvalError::Icr(_) | EvalError::Pfd(PfdError::NonFinite(_)) => {
-            "non_finite"
+        EvalError::Model(ModelError::Weights(_) | ModelError::Load { .. }) => {
+            metrics::REASON_UNREADABLE
         }
-        _ => "error",
+        EvalError::Model(ModelError::Mismatch { .. }) => metrics::REASON_MISMATCH,
+        EvalError::Invalid { .. } | EvalError::Icr(_) | EvalError::Pfd(PfdError::NonFinite(_)) => {
+            metrics::REASON_NON_FINITE
+        }
+        _ => metrics::REASON_ERROR,
     }
 }
 
@@ -125,6 +127,7 @@ impl Recorder {
             s.best.as_ref().map(|b| b.step),
             s.fired.is_some() && !s.resolved,
             decision.unconfirmed,
+            at,
         );
         let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
         status.fired = s.fired.is_some() && !s.resolved;
@@ -382,7 +385,9 @@ pub fn run(config: Config) -> Result<()> {
             &config.alerts,
             &config.run.dir,
             &state_dir,
-            Arc::new(move |outcome: &'static str| outcome_metrics.delivery(outcome)),
+            Arc::new(move |receiver: &'static str, outcome: &'static str| {
+                outcome_metrics.delivery(receiver, outcome)
+            }),
         )?;
         for event in &replayed {
             alerter
@@ -420,7 +425,7 @@ pub fn run(config: Config) -> Result<()> {
                     Ok(_) if CheckpointKey::of(&item.path).ok().as_ref() != Some(&item.key) => {
                         Outcome::Failed(
                             item,
-                            "vanished",
+                            metrics::REASON_VANISHED,
                             "the checkpoint was deleted or rewritten during its evaluation".into(),
                         )
                     }
@@ -483,12 +488,11 @@ pub fn run(config: Config) -> Result<()> {
         })?;
 
     let app = crate::http::router(metrics.clone(), status.clone(), snapshot);
+    let limits = crate::http::Limits::of(&config.http);
     let server = runtime.spawn(async move {
         let listener =
             tokio::net::TcpListener::from_std(listener).expect("a non-blocking std listener");
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!("HTTP server stopped: {e}");
-        }
+        crate::http::serve(listener, app, limits).await;
     });
     tracing::info!(
         run = %run,
