@@ -1046,8 +1046,16 @@ impl Config {
             );
         }
         for (key, x, max) in [
-            ("http.header_timeout_secs", self.http.header_timeout_secs, 3600.0),
-            ("http.idle_timeout_secs", self.http.idle_timeout_secs, 86400.0),
+            (
+                "http.header_timeout_secs",
+                self.http.header_timeout_secs,
+                3600.0,
+            ),
+            (
+                "http.idle_timeout_secs",
+                self.http.idle_timeout_secs,
+                86400.0,
+            ),
         ] {
             v.check(
                 (0.1..=max).contains(&x),

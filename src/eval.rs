@@ -232,7 +232,9 @@ impl Evaluator {
                 }
                 record.icr_sweep = Some(sweep);
             }
-            record.stages.push((metrics::STAGE_ICR, stage.elapsed().as_secs_f64()));
+            record
+                .stages
+                .push((metrics::STAGE_ICR, stage.elapsed().as_secs_f64()));
             stage = Instant::now();
         }
         if let (Some(train), Some(heldout)) = (&self.train_probe, &self.heldout_probe) {
@@ -251,7 +253,9 @@ impl Evaluator {
             record.loss_train = Some(lt);
             record.loss_heldout = Some(lh);
             record.generalization_gap = Some(lh - lt);
-            record.stages.push((metrics::STAGE_LOSS, stage.elapsed().as_secs_f64()));
+            record
+                .stages
+                .push((metrics::STAGE_LOSS, stage.elapsed().as_secs_f64()));
             stage = Instant::now();
         }
         let pfd_due = self.evaluated.is_multiple_of(self.config.pfd.every.max(1));
@@ -262,7 +266,9 @@ impl Evaluator {
             record.memorization_ratio = r.memorization_ratio;
             record.tail_rmsqe = r.tail.map(|t| t.rmsqe);
             record.tail_loader = r.tail.map(|t| t.loader);
-            record.stages.push((metrics::STAGE_PFD, stage.elapsed().as_secs_f64()));
+            record
+                .stages
+                .push((metrics::STAGE_PFD, stage.elapsed().as_secs_f64()));
         }
         self.evaluated += 1;
         record.seconds = started.elapsed().as_secs_f64();

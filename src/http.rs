@@ -63,9 +63,7 @@ pub fn router(
             get(move |headers: HeaderMap| {
                 let metrics = metrics.clone();
                 async move {
-                    let accept = headers
-                        .get(header::ACCEPT)
-                        .and_then(|v| v.to_str().ok());
+                    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
                     let format = metrics::Format::negotiate(accept);
                     (
                         [(header::CONTENT_TYPE, format.content_type())],
@@ -184,9 +182,9 @@ impl AsyncRead for Tracked {
             let now = a.now_ms();
             a.last_ms.store(now, Ordering::Release);
             if a.in_flight.load(Ordering::Acquire) == 0 {
-                let _ = a
-                    .head_since_ms
-                    .compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire);
+                let _ =
+                    a.head_since_ms
+                        .compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire);
             }
         }
         r
@@ -276,7 +274,9 @@ async fn serve_connection(stream: TcpStream, app: Router, limits: Limits) {
         let last = activity.last_ms.load(Ordering::Acquire);
         let wait_ms = if head != 0 {
             if now >= head + header_ms {
-                tracing::debug!("HTTP request headers not received in time (http.header_timeout_secs); connection closed");
+                tracing::debug!(
+                    "HTTP request headers not received in time (http.header_timeout_secs); connection closed"
+                );
                 return; // dropping the connection closes the socket
             }
             (head + header_ms - now).min(idle_ms.max(1))

@@ -241,7 +241,13 @@ impl Format {
                 };
                 let v = v.trim().trim_matches('"');
                 match k.trim().to_ascii_lowercase().as_str() {
-                    "q" => q = v.parse::<f64>().ok().filter(|q| q.is_finite()).unwrap_or(0.0),
+                    "q" => {
+                        q = v
+                            .parse::<f64>()
+                            .ok()
+                            .filter(|q| q.is_finite())
+                            .unwrap_or(0.0)
+                    }
                     "version" => version_ok = matches!(v, "1.0.0" | "0.0.1"),
                     _ => {}
                 }
@@ -348,7 +354,12 @@ fn unix_now() -> f64 {
 /// (`2023-11-14T22:13:20.123Z`, fraction optional); None if it is not one.
 pub fn parse_rfc3339_utc(s: &str) -> Option<f64> {
     let b = s.as_bytes();
-    if b.len() < 20 || b[4] != b'-' || b[7] != b'-' || b[10] != b'T' || b[13] != b':' || b[16] != b':'
+    if b.len() < 20
+        || b[4] != b'-'
+        || b[7] != b'-'
+        || b[10] != b'T'
+        || b[13] != b':'
+        || b[16] != b':'
     {
         return None;
     }
@@ -481,7 +492,11 @@ impl Collector for ProcessCollector {
                 "Start time of the process since unix epoch in seconds.",
                 p.start_time_seconds,
             ),
-            (PROCESS_OPEN_FDS, "Number of open file descriptors.", p.open_fds),
+            (
+                PROCESS_OPEN_FDS,
+                "Number of open file descriptors.",
+                p.open_fds,
+            ),
             (
                 PROCESS_MAX_FDS,
                 "Maximum number of open file descriptors.",
@@ -878,9 +893,18 @@ mod tests {
             stages: vec![("icr", 1.0)],
             ..Evaluation::default()
         });
-        m.set_detector(Some(0.5), Some(100), false, false, "2023-11-14T22:13:20.123Z");
+        m.set_detector(
+            Some(0.5),
+            Some(100),
+            false,
+            false,
+            "2023-11-14T22:13:20.123Z",
+        );
         m.failure(REASON_MISMATCH);
-        m.delivery(crate::alerts::RECEIVER_WEBHOOK, crate::alerts::OUTCOME_DELIVERED);
+        m.delivery(
+            crate::alerts::RECEIVER_WEBHOOK,
+            crate::alerts::OUTCOME_DELIVERED,
+        );
         let text = m.encode();
         for name in exported_names() {
             let series = if name == EVALUATION_DURATION {
@@ -912,9 +936,16 @@ mod tests {
         let om = m.encode();
         assert!(om.ends_with("# EOF\n"), "{om}");
         let text = m.encode_as(Format::Text);
-        assert!(!text.contains("# EOF") && !text.contains("# UNIT"), "{text}");
+        assert!(
+            !text.contains("# EOF") && !text.contains("# UNIT"),
+            "{text}"
+        );
         assert!(!text.contains("_created"), "{text}");
-        for c in [CHECKPOINTS_EVALUATED, CHECKPOINT_FAILURES, WEBHOOK_DELIVERIES] {
+        for c in [
+            CHECKPOINTS_EVALUATED,
+            CHECKPOINT_FAILURES,
+            WEBHOOK_DELIVERIES,
+        ] {
             assert!(
                 text.contains(&format!("# TYPE {c}_total counter\n")),
                 "{c}: {text}"
@@ -931,7 +962,10 @@ mod tests {
             if let Some(rest) = l.strip_prefix("# TYPE ") {
                 family = rest.split(' ').next().unwrap();
                 let help = lines[i - 1];
-                assert!(help.starts_with(&format!("# HELP {family} ")), "{help} / {l}");
+                assert!(
+                    help.starts_with(&format!("# HELP {family} ")),
+                    "{help} / {l}"
+                );
             } else if !l.starts_with('#') {
                 let name = l.split(['{', ' ']).next().unwrap();
                 let ok = name == family
@@ -950,7 +984,13 @@ mod tests {
         };
         let (a, b) = (samples(&om), samples(&text));
         assert_eq!(a.len(), b.len());
-        assert!(b.contains(&"diffmon_checkpoint_failures_total{run=\"exp1\",reason=\"vanished\"} 1".to_string()), "{text}");
+        assert!(
+            b.contains(
+                &"diffmon_checkpoint_failures_total{run=\"exp1\",reason=\"vanished\"} 1"
+                    .to_string()
+            ),
+            "{text}"
+        );
     }
 
     #[test]
@@ -989,7 +1029,10 @@ mod tests {
             (Some("text/plain;version=0.0.4"), text),
             (Some("text/plain; version=0.0.4; charset=utf-8"), text),
             (Some("application/openmetrics-text"), om),
-            (Some("application/openmetrics-text; version=1.0.0; charset=utf-8"), om),
+            (
+                Some("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+                om,
+            ),
             // What Prometheus 2.42 sends.
             (
                 Some(
@@ -1037,7 +1080,10 @@ mod tests {
             }
         }
         for name in [BEST_STEP_TIMESTAMP, EARLY_STOP_TIMESTAMP] {
-            assert!(text.contains(&format!("{name}{{run=\"exp1\"}} 0.0\n")), "{name}: {text}");
+            assert!(
+                text.contains(&format!("{name}{{run=\"exp1\"}} 0.0\n")),
+                "{name}: {text}"
+            );
         }
         let started = text
             .lines()
@@ -1047,7 +1093,10 @@ mod tests {
             .unwrap();
         assert!((started - unix_now()).abs() < 3600.0, "{started}");
         let p = ProcessStats::read();
-        assert!(p.cpu_seconds.is_some() && p.resident_bytes.unwrap() > 0.0, "{p:?}");
+        assert!(
+            p.cpu_seconds.is_some() && p.resident_bytes.unwrap() > 0.0,
+            "{p:?}"
+        );
         assert!(p.open_fds.unwrap() >= 3.0 && p.max_fds.unwrap() >= p.open_fds.unwrap());
         let start = p.start_time_seconds.unwrap();
         assert!(start <= unix_now() + 1.0 && start > unix_now() - 86400.0 * 365.0);
@@ -1088,10 +1137,21 @@ mod tests {
                 let t = UNIX_EPOCH + Duration::from_millis(secs * 1000 + ms);
                 let s = crate::alerts::rfc3339_utc(t);
                 let back = parse_rfc3339_utc(&s).unwrap();
-                assert!((back - (secs as f64 + ms as f64 / 1000.0)).abs() < 1e-6, "{s}");
+                assert!(
+                    (back - (secs as f64 + ms as f64 / 1000.0)).abs() < 1e-6,
+                    "{s}"
+                );
             }
         }
-        for bad in ["", "2023-11-14 22:13:20Z", "2023-13-14T22:13:20Z", "2023-11-14T22:13:20", "2023-11-14T22:13:20.Z", "2023-11-14T22:13:20.1234567890Z", "２023-11-14T22:13:20Z"] {
+        for bad in [
+            "",
+            "2023-11-14 22:13:20Z",
+            "2023-13-14T22:13:20Z",
+            "2023-11-14T22:13:20",
+            "2023-11-14T22:13:20.Z",
+            "2023-11-14T22:13:20.1234567890Z",
+            "２023-11-14T22:13:20Z",
+        ] {
             assert_eq!(parse_rfc3339_utc(bad), None, "{bad}");
         }
     }

@@ -331,7 +331,14 @@ mod tests {
             let ann = &v[0]["annotations"];
             assert_eq!(ann["summary"], summary(&e));
             let d = ann["description"].as_str().expect("a description");
-            for part in ["Run run-a", "icr", "step 1000", "0.123457", "step 3000", "0.1302"] {
+            for part in [
+                "Run run-a",
+                "icr",
+                "step 1000",
+                "0.123457",
+                "step 3000",
+                "0.1302",
+            ] {
                 assert!(d.contains(part), "{part:?} not in {d:?}");
             }
             assert!(d.ends_with('.') && !d.contains('\n'), "{d:?}");
