@@ -708,16 +708,41 @@ impl Default for AlertsConfig {
 pub struct HttpConfig {
     #[serde(default = "default_listen")]
     pub listen: String,
+    /// A request's headers must arrive within this time after its first byte, else the
+    /// connection is closed. Range 0.1 to 3600.
+    #[serde(default = "default_header_timeout_secs")]
+    pub header_timeout_secs: f64,
+    /// A connection without a request in flight is closed after this time. Range 0.1 to 86400.
+    #[serde(default = "default_idle_timeout_secs")]
+    pub idle_timeout_secs: f64,
+    /// Connections open at once; one more is accepted and closed at once. Range 1 to 65536.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: u32,
 }
 
 fn default_listen() -> String {
     "127.0.0.1:9464".into()
 }
 
+fn default_header_timeout_secs() -> f64 {
+    10.0
+}
+
+fn default_idle_timeout_secs() -> f64 {
+    60.0
+}
+
+fn default_max_connections() -> u32 {
+    256
+}
+
 impl Default for HttpConfig {
     fn default() -> Self {
         HttpConfig {
             listen: default_listen(),
+            header_timeout_secs: default_header_timeout_secs(),
+            idle_timeout_secs: default_idle_timeout_secs(),
+            max_connections: default_max_connections(),
         }
     }
 }
@@ -913,7 +938,11 @@ impl Config {
         if let Some(n) = self.cpu_threads {
             v.count("cpu_threads", n, 1..=1024);
         }
-        v.real("shutdown_drain_secs", self.shutdown_drain_secs, 0.1..=86_400.0);
+        v.real(
+            "shutdown_drain_secs",
+            self.shutdown_drain_secs,
+            0.1..=86_400.0,
+        );
         v.file("model.architecture", &self.model.architecture);
         v.file("data.path", &self.data.path);
         v.check(
@@ -1096,6 +1125,32 @@ impl Config {
                 ),
             );
         }
+        for (key, x, max) in [
+            (
+                "http.header_timeout_secs",
+                self.http.header_timeout_secs,
+                3600.0,
+            ),
+            (
+                "http.idle_timeout_secs",
+                self.http.idle_timeout_secs,
+                86400.0,
+            ),
+        ] {
+            v.check(
+                (0.1..=max).contains(&x),
+                key,
+                format!("must be between 0.1 and {max}, got {x}"),
+            );
+        }
+        v.check(
+            (1..=65536).contains(&self.http.max_connections),
+            "http.max_connections",
+            format!(
+                "must be between 1 and 65536, got {}",
+                self.http.max_connections
+            ),
+        );
         v.problems
     }
 }

@@ -19,18 +19,17 @@
 //!
 //! One daemon per state folder: [`crate::lock`]. A checkpoint that made the process die (a fatal
 //! signal, or a panic of the evaluator) is recorded after the restart as a failure with reason
-//! [`CRASHED`] rather than evaluated again ([`crate::crash`]); a panic in any thread ends the
+//! [`metrics::REASON_CRASHED`] rather than evaluated again ([`crate::crash`]); a panic in any thread ends the
 //! process with status 1.
 
 use crate::alerts::{Alerter, Event, EventKind, event_id};
 use crate::config::{Config, EarlyStopMetric};
-pub use crate::crash::CRASHED;
 use crate::crash::{Crash, InFlight};
 use crate::detector::{Best, Detector, DetectorState, Observation, Signal};
 use crate::eval::{EvalError, Evaluator};
 use crate::history::{CheckpointKey, Entry, History};
 use crate::lock::StateLock;
-use crate::metrics::Metrics;
+use crate::metrics::{self, Metrics};
 use crate::model::ModelError;
 use crate::pfd::PfdError;
 use crate::record::Evaluation;
@@ -67,32 +66,20 @@ enum Outcome {
     Failed(WorkItem, &'static str, String),
 }
 
-/// Reasons (label `reason` of `diffmon_checkpoint_failures_total`) a checkpoint is a failure:
-/// deleted or rewritten during its evaluation,
-pub const VANISHED: &str = "vanished";
-/// its weights cannot be read,
-pub const UNREADABLE: &str = "unreadable";
-/// they do not fit the architecture,
-pub const MISMATCH: &str = "mismatch";
-/// the evaluation gave NaN or infinity,
-pub const NON_FINITE: &str = "non_finite";
-/// anything else; and [`CRASHED`]: the process died evaluating it.
-pub const ERROR: &str = "error";
-/// Every failure reason.
-pub const FAILURE_REASONS: [&str; 6] = [VANISHED, UNREADABLE, MISMATCH, NON_FINITE, ERROR, CRASHED];
-
 /// Failure reason label of `diffmon_checkpoint_failures_total{reason}`.
 fn failure_reason(item: &WorkItem, e: &EvalError) -> &'static str {
     if CheckpointKey::of(&item.path).ok().as_ref() != Some(&item.key) {
-        return VANISHED;
+        return metrics::REASON_VANISHED;
     }
     match e {
-        EvalError::Model(ModelError::Weights(_) | ModelError::Load { .. }) => UNREADABLE,
-        EvalError::Model(ModelError::Mismatch { .. }) => MISMATCH,
-        EvalError::Invalid { .. } | EvalError::Icr(_) | EvalError::Pfd(PfdError::NonFinite(_)) => {
-            NON_FINITE
+        EvalError::Model(ModelError::Weights(_) | ModelError::Load { .. }) => {
+            metrics::REASON_UNREADABLE
         }
-        _ => ERROR,
+        EvalError::Model(ModelError::Mismatch { .. }) => metrics::REASON_MISMATCH,
+        EvalError::Invalid { .. } | EvalError::Icr(_) | EvalError::Pfd(PfdError::NonFinite(_)) => {
+            metrics::REASON_NON_FINITE
+        }
+        _ => metrics::REASON_ERROR,
     }
 }
 
@@ -146,6 +133,7 @@ impl Recorder {
             s.best.as_ref().map(|b| b.step),
             s.fired.is_some() && !s.resolved,
             decision.unconfirmed,
+            at,
         );
         let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
         status.fired = s.fired.is_some() && !s.resolved;
@@ -188,7 +176,7 @@ impl Recorder {
     }
 
     /// Records the checkpoint a crashed process was evaluating (from its crash marker) as a
-    /// failure with reason [`CRASHED`], unless the history has it already.
+    /// failure with reason [`metrics::REASON_CRASHED`], unless the history has it already.
     fn record_crash(&mut self, crash: Crash, alerter: &Alerter) {
         let Some(InFlight { key, step }) = crash.checkpoint else {
             tracing::warn!(
@@ -201,10 +189,11 @@ impl Recorder {
             return;
         }
         tracing::error!(
-            checkpoint = %key.path,
+            checkpoint = %crate::safe_fs::untrusted_text(&key.path),
             step,
-            "the last run died ({}) while evaluating this checkpoint; it is recorded as a failure (reason {CRASHED}) and not evaluated again",
-            crash.cause
+            "the last run died ({}) while evaluating this checkpoint; it is recorded as a failure (reason {}) and not evaluated again",
+            crash.cause,
+            metrics::REASON_CRASHED
         );
         let message = format!("the process died ({}) while evaluating it", crash.cause);
         let item = WorkItem {
@@ -212,7 +201,10 @@ impl Recorder {
             step,
             key,
         };
-        self.record(Outcome::Failed(item, CRASHED, message), alerter);
+        self.record(
+            Outcome::Failed(item, metrics::REASON_CRASHED, message),
+            alerter,
+        );
     }
 
     /// Records the waiting outcomes in order, publishing each once it is in the history. Stops at
@@ -448,7 +440,9 @@ pub fn run(config: Config) -> Result<()> {
             &config.alerts,
             &config.run.dir,
             &state_dir,
-            Arc::new(move |outcome: &'static str| outcome_metrics.delivery(outcome)),
+            Arc::new(move |receiver: &'static str, outcome: &'static str| {
+                outcome_metrics.delivery(receiver, outcome)
+            }),
         )?;
         for event in &replayed {
             alerter
@@ -498,7 +492,7 @@ pub fn run(config: Config) -> Result<()> {
                     Ok(_) if CheckpointKey::of(&item.path).ok().as_ref() != Some(&item.key) => {
                         Outcome::Failed(
                             item,
-                            VANISHED,
+                            metrics::REASON_VANISHED,
                             "the checkpoint was deleted or rewritten during its evaluation".into(),
                         )
                     }
@@ -561,12 +555,11 @@ pub fn run(config: Config) -> Result<()> {
         })?;
 
     let app = crate::http::router(metrics.clone(), status.clone(), snapshot);
+    let limits = crate::http::Limits::of(&config.http);
     let server = runtime.spawn(async move {
         let listener =
             tokio::net::TcpListener::from_std(listener).expect("a non-blocking std listener");
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!("HTTP server stopped: {e}");
-        }
+        crate::http::serve(listener, app, limits).await;
     });
     tracing::info!(
         run = %run,

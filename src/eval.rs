@@ -5,6 +5,7 @@
 use crate::config::Config;
 use crate::data::{DataError, ImageSet};
 use crate::icr::{IcrError, ViewProbe};
+use crate::metrics;
 use crate::model::{ContractInfo, Model, ModelError};
 use crate::pfd::{PfdError, PfdProbe};
 use crate::record::{Evaluation, SweepPoint};
@@ -207,7 +208,7 @@ impl Evaluator {
         };
         record
             .stages
-            .push(("load", started.elapsed().as_secs_f64()));
+            .push((metrics::STAGE_LOAD, started.elapsed().as_secs_f64()));
         let mut stage = Instant::now();
         if let Some(views) = &self.views {
             let what = checkpoint.display().to_string();
@@ -227,7 +228,9 @@ impl Evaluator {
                 }
                 record.icr_sweep = Some(sweep);
             }
-            record.stages.push(("icr", stage.elapsed().as_secs_f64()));
+            record
+                .stages
+                .push((metrics::STAGE_ICR, stage.elapsed().as_secs_f64()));
             stage = Instant::now();
         }
         if let (Some(train), Some(heldout)) = (&self.train_probe, &self.heldout_probe) {
@@ -246,7 +249,9 @@ impl Evaluator {
             record.loss_train = Some(lt);
             record.loss_heldout = Some(lh);
             record.generalization_gap = Some(lh - lt);
-            record.stages.push(("loss", stage.elapsed().as_secs_f64()));
+            record
+                .stages
+                .push((metrics::STAGE_LOSS, stage.elapsed().as_secs_f64()));
             stage = Instant::now();
         }
         let pfd_due = self.evaluated.is_multiple_of(self.config.pfd.every.max(1));
@@ -257,7 +262,9 @@ impl Evaluator {
             record.memorization_ratio = r.memorization_ratio;
             record.tail_rmsqe = r.tail.map(|t| t.rmsqe);
             record.tail_loader = r.tail.map(|t| t.loader);
-            record.stages.push(("pfd", stage.elapsed().as_secs_f64()));
+            record
+                .stages
+                .push((metrics::STAGE_PFD, stage.elapsed().as_secs_f64()));
         }
         self.evaluated += 1;
         record.seconds = started.elapsed().as_secs_f64();

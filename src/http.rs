@@ -1,18 +1,31 @@
 //! The daemon's HTTP endpoints (DESIGN.md §2.6): `GET /metrics` (Prometheus), `GET /healthz`,
 //! `GET /v1/early-stop` (the detector's status as JSON), and `GET /`, the live page: the plots
 //! of `diffmon report` drawn from the daemon's in-memory history, reloading itself.
+//!
+//! [`serve`] runs them under bounds (`http.*` of the config): a request's headers must arrive
+//! within `header_timeout_secs` of its first byte, a connection with no request in flight is
+//! closed after `idle_timeout_secs`, and at most `max_connections` are open at once: one more
+//! is accepted and closed at once (the kernel's backlog would otherwise hold it), so a flood of
+//! slow or idle clients costs bounded memory and file descriptors, and frees its places when
+//! its connections time out.
 
+use crate::config::HttpConfig;
 use crate::daemon::EarlyStopStatus;
-use crate::metrics::Metrics;
+use crate::metrics::{self, Metrics};
 use crate::report::{self, Format, Snapshot};
 use axum::Router;
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
+use hyper_util::rt::TokioIo;
+use hyper_util::service::TowerToHyperService;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-
-/// OpenMetrics text, the format `prometheus-client` writes.
-const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
 
 pub fn router(
     metrics: Arc<Metrics>,
@@ -47,12 +60,14 @@ pub fn router(
         )
         .route(
             "/metrics",
-            get(move || {
+            get(move |headers: HeaderMap| {
                 let metrics = metrics.clone();
                 async move {
+                    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+                    let format = metrics::Format::negotiate(accept);
                     (
-                        [(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)],
-                        metrics.encode(),
+                        [(header::CONTENT_TYPE, format.content_type())],
+                        metrics.encode_as(format),
                     )
                 }
             }),
@@ -65,4 +80,225 @@ pub fn router(
                 async move { axum::Json(status).into_response() }
             }),
         )
+}
+
+/// The bounds of [`serve`], from `http.*` of the config.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub header_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_connections: usize,
+}
+
+impl Limits {
+    pub fn of(c: &HttpConfig) -> Limits {
+        Limits {
+            header_timeout: Duration::from_secs_f64(c.header_timeout_secs),
+            idle_timeout: Duration::from_secs_f64(c.idle_timeout_secs),
+            max_connections: c.max_connections as usize,
+        }
+    }
+}
+
+/// Serves `app` on `listener` until the task is dropped, under `limits`.
+pub async fn serve(listener: TcpListener, app: Router, limits: Limits) {
+    let open = Arc::new(AtomicUsize::new(0));
+    // Log the first connection refused of a burst, not every one.
+    let mut refusing = false;
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors, or a connection reset before it was accepted: go on
+                // after a pause rather than spin.
+                tracing::warn!("cannot accept an HTTP connection: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        if open.load(Ordering::Acquire) >= limits.max_connections {
+            drop(stream);
+            if !refusing {
+                tracing::warn!(
+                    max_connections = limits.max_connections,
+                    "too many HTTP connections open (http.max_connections): new ones are closed at once until some time out"
+                );
+                refusing = true;
+            }
+            continue;
+        }
+        refusing = false;
+        open.fetch_add(1, Ordering::AcqRel);
+        let slot = Slot(open.clone());
+        let app = app.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            serve_connection(stream, app, limits).await;
+        });
+    }
+}
+
+/// One place of `max_connections`, freed when the connection's task ends.
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// What a connection's watchdog reads: milliseconds since `origin` of the last byte moved, of
+/// the first byte of a request head still being read (0: none), and the requests in flight.
+struct Activity {
+    origin: Instant,
+    last_ms: AtomicU64,
+    head_since_ms: AtomicU64,
+    in_flight: AtomicUsize,
+}
+
+impl Activity {
+    fn now_ms(&self) -> u64 {
+        // +1: 0 means "none" for head_since_ms.
+        self.origin.elapsed().as_millis() as u64 + 1
+    }
+}
+
+/// The connection's socket, noting when bytes move and when a request head starts.
+struct Tracked {
+    inner: TcpStream,
+    activity: Arc<Activity>,
+}
+
+impl AsyncRead for Tracked {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            let a = &self.activity;
+            let now = a.now_ms();
+            a.last_ms.store(now, Ordering::Release);
+            if a.in_flight.load(Ordering::Acquire) == 0 {
+                let _ =
+                    a.head_since_ms
+                        .compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire);
+            }
+        }
+        r
+    }
+}
+
+impl AsyncWrite for Tracked {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            let now = self.activity.now_ms();
+            self.activity.last_ms.store(now, Ordering::Release);
+        }
+        r
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Counts a request in flight from its head's end to its response's start.
+struct InFlight(Arc<Activity>);
+
+impl InFlight {
+    fn start(a: &Arc<Activity>) -> InFlight {
+        a.in_flight.fetch_add(1, Ordering::AcqRel);
+        a.head_since_ms.store(0, Ordering::Release);
+        InFlight(a.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let a = &self.0;
+        a.last_ms.store(a.now_ms(), Ordering::Release);
+        a.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Serves one connection (HTTP/1.1, keep-alive) until the client closes it, its request head
+/// takes longer than `header_timeout`, or it stays idle for `idle_timeout`.
+async fn serve_connection(stream: TcpStream, app: Router, limits: Limits) {
+    let activity = Arc::new(Activity {
+        origin: Instant::now(),
+        last_ms: AtomicU64::new(0),
+        head_since_ms: AtomicU64::new(0),
+        in_flight: AtomicUsize::new(0),
+    });
+    activity.last_ms.store(activity.now_ms(), Ordering::Release);
+    let io = TokioIo::new(Tracked {
+        inner: stream,
+        activity: activity.clone(),
+    });
+    let tower = TowerToHyperService::new(app);
+    let tracker = activity.clone();
+    let service = hyper::service::service_fn(move |req| {
+        let guard = InFlight::start(&tracker);
+        let fut = hyper::service::Service::call(&tower, req);
+        async move {
+            let response = fut.await;
+            drop(guard);
+            response
+        }
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .keep_alive(true)
+        // Our own watchdog below times the head from its first byte; hyper's would also close
+        // a connection idle between two requests after the same time.
+        .header_read_timeout(None)
+        .serve_connection(io, service);
+    tokio::pin!(conn);
+    let header_ms = limits.header_timeout.as_millis() as u64;
+    let idle_ms = limits.idle_timeout.as_millis() as u64;
+    loop {
+        let now = activity.now_ms();
+        let head = activity.head_since_ms.load(Ordering::Acquire);
+        let busy = activity.in_flight.load(Ordering::Acquire) > 0;
+        let last = activity.last_ms.load(Ordering::Acquire);
+        let wait_ms = if head != 0 {
+            if now >= head + header_ms {
+                tracing::debug!(
+                    "HTTP request headers not received in time (http.header_timeout_secs); connection closed"
+                );
+                return; // dropping the connection closes the socket
+            }
+            (head + header_ms - now).min(idle_ms.max(1))
+        } else if busy {
+            idle_ms.max(1)
+        } else {
+            if now >= last + idle_ms {
+                break;
+            }
+            last + idle_ms - now
+        };
+        tokio::select! {
+            r = conn.as_mut() => {
+                if let Err(e) = r {
+                    tracing::debug!("HTTP connection ended: {e}");
+                }
+                return;
+            }
+            _ = tokio::time::sleep(Duration::from_millis(wait_ms)) => {}
+        }
+    }
+    // Idle: close it the polite way (a response being written is finished), within bounds.
+    conn.as_mut().graceful_shutdown();
+    let _ = tokio::time::timeout(limits.idle_timeout, conn.as_mut()).await;
 }

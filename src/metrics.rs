@@ -1,15 +1,26 @@
 //! Prometheus metrics (DESIGN.md §2.6), through the official `prometheus-client` crate. Every
 //! metric carries the label `run`. Metric names are the constants below (without the `_total`
-//! suffix the text format adds to counters); dashboards and tests refer to these.
+//! suffix the text format adds to counters); dashboards and tests refer to these. So are the
+//! known values of every other label ([`STAGES`], [`FAILURE_REASONS`], the alerts' receivers and
+//! outcomes): each of their series exists, at zero, from the start.
+//!
+//! `/metrics` speaks both exposition formats, chosen from the `Accept` header like Prometheus'
+//! own client libraries do ([`Format::negotiate`]): OpenMetrics 1.0 (what `prometheus-client`
+//! writes) when asked for `application/openmetrics-text`, else the text format 0.0.4
+//! ([`openmetrics_to_text`]).
 
+use crate::alerts::{OUTCOMES, RECEIVERS};
 use crate::record::Evaluation;
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 pub const ICR: &str = "diffmon_icr";
 pub const ICR_SMOOTHED: &str = "diffmon_icr_smoothed";
@@ -33,6 +44,42 @@ pub const CHECKPOINTS_SKIPPED: &str = "diffmon_checkpoints_skipped";
 pub const EVALUATION_DURATION: &str = "diffmon_evaluation_duration_seconds";
 pub const WEBHOOK_DELIVERIES: &str = "diffmon_webhook_deliveries";
 pub const BUILD_INFO: &str = "diffmon_build_info";
+pub const LAST_EVALUATION_TIMESTAMP: &str = "diffmon_last_evaluation_timestamp_seconds";
+pub const BEST_STEP_TIMESTAMP: &str = "diffmon_best_step_timestamp_seconds";
+pub const EARLY_STOP_TIMESTAMP: &str = "diffmon_early_stop_timestamp_seconds";
+// The standard process metrics (https://prometheus.io/docs/instrumenting/writing_clientlibs/),
+// read from /proc/self at each scrape (absent where /proc is not).
+pub const PROCESS_CPU_SECONDS: &str = "process_cpu_seconds";
+pub const PROCESS_RESIDENT_MEMORY: &str = "process_resident_memory_bytes";
+pub const PROCESS_VIRTUAL_MEMORY: &str = "process_virtual_memory_bytes";
+pub const PROCESS_START_TIME: &str = "process_start_time_seconds";
+pub const PROCESS_OPEN_FDS: &str = "process_open_fds";
+pub const PROCESS_MAX_FDS: &str = "process_max_fds";
+
+/// `stage` label values of the duration histogram: the whole evaluation and its stages.
+pub const STAGE_TOTAL: &str = "total";
+pub const STAGE_LOAD: &str = "load";
+pub const STAGE_ICR: &str = "icr";
+pub const STAGE_LOSS: &str = "loss";
+pub const STAGE_PFD: &str = "pfd";
+pub const STAGES: [&str; 5] = [STAGE_TOTAL, STAGE_LOAD, STAGE_ICR, STAGE_LOSS, STAGE_PFD];
+
+/// `reason` label values of `diffmon_checkpoint_failures_total`.
+pub const REASON_UNREADABLE: &str = "unreadable";
+pub const REASON_MISMATCH: &str = "mismatch";
+pub const REASON_NON_FINITE: &str = "non_finite";
+pub const REASON_VANISHED: &str = "vanished";
+pub const REASON_ERROR: &str = "error";
+/// The process died (a fatal signal) while evaluating it; recorded after the restart.
+pub const REASON_CRASHED: &str = "crashed";
+pub const FAILURE_REASONS: [&str; 6] = [
+    REASON_UNREADABLE,
+    REASON_MISMATCH,
+    REASON_NON_FINITE,
+    REASON_VANISHED,
+    REASON_ERROR,
+    REASON_CRASHED,
+];
 
 /// Every exported name as it appears in the text format (counters get `_total`).
 pub fn exported_names() -> Vec<String> {
@@ -41,6 +88,7 @@ pub fn exported_names() -> Vec<String> {
         CHECKPOINT_FAILURES,
         CHECKPOINTS_SKIPPED,
         WEBHOOK_DELIVERIES,
+        PROCESS_CPU_SECONDS,
     ];
     let mut names: Vec<String> = [
         ICR,
@@ -61,6 +109,14 @@ pub fn exported_names() -> Vec<String> {
         CHECKPOINTS_PENDING,
         EVALUATION_DURATION,
         BUILD_INFO,
+        LAST_EVALUATION_TIMESTAMP,
+        BEST_STEP_TIMESTAMP,
+        EARLY_STOP_TIMESTAMP,
+        PROCESS_RESIDENT_MEMORY,
+        PROCESS_VIRTUAL_MEMORY,
+        PROCESS_START_TIME,
+        PROCESS_OPEN_FDS,
+        PROCESS_MAX_FDS,
     ]
     .iter()
     .map(|s| s.to_string())
@@ -95,6 +151,7 @@ pub struct StageLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
     pub run: String,
+    pub receiver: String,
     pub outcome: String,
 }
 
@@ -131,12 +188,333 @@ pub struct Metrics {
     checkpoints_skipped: Family<RunLabel, Counter>,
     evaluation_duration: Family<StageLabels, Histogram>,
     webhook_deliveries: Family<OutcomeLabels, Counter>,
+    last_evaluation_timestamp: Family<RunLabel, FGauge>,
+    best_step_timestamp: Family<RunLabel, FGauge>,
+    early_stop_timestamp: Family<RunLabel, FGauge>,
+    /// The detector's state last published: (best step, fired), to time their changes.
+    seen: Mutex<(Option<i64>, bool)>,
 }
 
+/// Bucket bounds of the duration histogram, in seconds: from 1 ms (loading a small checkpoint
+/// takes a few) to 10 minutes.
+pub const DURATION_BUCKETS: [f64; 19] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0, 600.0, 1200.0,
+];
+
 fn duration_histogram() -> Histogram {
-    Histogram::new([
-        0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
-    ])
+    Histogram::new(DURATION_BUCKETS)
+}
+
+/// The format of a `/metrics` answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// OpenMetrics 1.0.0 text.
+    OpenMetrics,
+    /// Prometheus text format 0.0.4.
+    Text,
+}
+
+impl Format {
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            Format::Text => "text/plain; version=0.0.4; charset=utf-8",
+        }
+    }
+
+    /// The format an `Accept` header asks for: OpenMetrics only when it names
+    /// `application/openmetrics-text` (version 1.0.0 or 0.0.1, or none) with a quality at least
+    /// that of `text/plain` (or `text/*`, `*/*`); the text format otherwise, absent header
+    /// included. Prometheus sends
+    /// `application/openmetrics-text;version=1.0.0,...,text/plain;version=0.0.4;q=0.5,*/*;q=0.1`.
+    pub fn negotiate(accept: Option<&str>) -> Format {
+        let Some(accept) = accept else {
+            return Format::Text;
+        };
+        let (mut om, mut text) = (0.0f64, 0.0f64);
+        for range in accept.split(',') {
+            let mut parts = range.split(';').map(str::trim);
+            let media = parts.next().unwrap_or("").to_ascii_lowercase();
+            let mut q = 1.0;
+            let mut version_ok = true;
+            for p in parts {
+                let Some((k, v)) = p.split_once('=') else {
+                    continue;
+                };
+                let v = v.trim().trim_matches('"');
+                match k.trim().to_ascii_lowercase().as_str() {
+                    "q" => {
+                        q = v
+                            .parse::<f64>()
+                            .ok()
+                            .filter(|q| q.is_finite())
+                            .unwrap_or(0.0)
+                    }
+                    "version" => version_ok = matches!(v, "1.0.0" | "0.0.1"),
+                    _ => {}
+                }
+            }
+            match media.as_str() {
+                "application/openmetrics-text" if version_ok => om = om.max(q),
+                "text/plain" | "text/*" | "*/*" => text = text.max(q),
+                _ => {}
+            }
+        }
+        if om > 0.0 && om >= text {
+            Format::OpenMetrics
+        } else {
+            Format::Text
+        }
+    }
+}
+
+/// Converts OpenMetrics text, as `prometheus-client` writes it, into the Prometheus text format
+/// 0.0.4: no `# EOF` and no `# UNIT`; a counter's `HELP` and `TYPE` name its `_total` series;
+/// `info` families become gauges named `*_info`, `unknown` ones `untyped`; no `_created` series;
+/// exemplars dropped. `prometheus-client` writes HELP texts as they are, which must not contain
+/// a backslash or a newline (ours do not: a test checks).
+pub fn openmetrics_to_text(om: &str) -> String {
+    let mut out = String::with_capacity(om.len());
+    let mut help: Option<(&str, &str)> = None; // (family, text)
+    let mut family = String::new();
+    let mut kind = "";
+    for line in om.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, text) = rest.split_once(' ').unwrap_or((rest, ""));
+            help = Some((name, text));
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, t) = rest.split_once(' ').unwrap_or((rest, "unknown"));
+            kind = t.trim();
+            let (series, text_type) = match kind {
+                "counter" => (format!("{name}_total"), "counter"),
+                "gauge" => (name.to_string(), "gauge"),
+                "histogram" => (name.to_string(), "histogram"),
+                "summary" => (name.to_string(), "summary"),
+                "info" => (format!("{name}_info"), "gauge"),
+                "stateset" => (name.to_string(), "gauge"),
+                _ => (name.to_string(), "untyped"),
+            };
+            family = name.to_string();
+            if let Some((_, text)) = help.take().filter(|(h, _)| *h == name) {
+                out.push_str(&format!("# HELP {series} {text}\n"));
+            }
+            out.push_str(&format!("# TYPE {series} {text_type}\n"));
+            continue;
+        }
+        if line.starts_with('#') || line.trim().is_empty() {
+            continue; // # UNIT, # EOF
+        }
+        let sample_name = line.split(['{', ' ']).next().unwrap_or("");
+        if sample_name == format!("{family}_created")
+            && matches!(kind, "counter" | "histogram" | "summary")
+        {
+            continue;
+        }
+        // An exemplar follows ` # ` after the value; label values (quoted) may hold `#` and `}`.
+        let body_start = labels_end(line);
+        let sample = match line[body_start..].find(" # ") {
+            Some(i) => &line[..body_start + i],
+            None => line,
+        };
+        out.push_str(sample);
+        out.push('\n');
+    }
+    out
+}
+
+/// The byte index just after a sample line's label set (after its name if it has none).
+fn labels_end(line: &str) -> usize {
+    let Some(open) = line.find(['{', ' ']) else {
+        return line.len();
+    };
+    if line.as_bytes()[open] != b'{' {
+        return open;
+    }
+    let (mut quoted, mut escaped) = (false, false);
+    for (i, c) in line[open..].char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if quoted => escaped = true,
+            '"' => quoted = !quoted,
+            '}' if !quoted => return open + i + 1,
+            _ => {}
+        }
+    }
+    line.len()
+}
+
+/// Seconds since the Unix epoch now.
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Seconds since the Unix epoch of an RFC 3339 time in UTC as the history writes it
+/// (`2023-11-14T22:13:20.123Z`, fraction optional); None if it is not one.
+pub fn parse_rfc3339_utc(s: &str) -> Option<f64> {
+    let b = s.as_bytes();
+    if b.len() < 20
+        || b[4] != b'-'
+        || b[7] != b'-'
+        || b[10] != b'T'
+        || b[13] != b':'
+        || b[16] != b':'
+    {
+        return None;
+    }
+    let num = |r: std::ops::Range<usize>| -> Option<i64> {
+        let t = s.get(r)?;
+        if t.bytes().all(|c| c.is_ascii_digit()) {
+            t.parse().ok()
+        } else {
+            None
+        }
+    };
+    let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
+    let (h, mi, sec) = (num(11..13)?, num(14..16)?, num(17..19)?);
+    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || sec > 60 {
+        return None;
+    }
+    let rest = s.get(19..)?;
+    let frac = match rest.strip_suffix('Z')? {
+        "" => 0.0,
+        f => {
+            let digits = f.strip_prefix('.')?;
+            if digits.is_empty() || digits.len() > 9 || !digits.bytes().all(|c| c.is_ascii_digit())
+            {
+                return None;
+            }
+            format!("0.{digits}").parse::<f64>().ok()?
+        }
+    };
+    // Days from civil (H. Hinnant).
+    let y = if mo <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (mo + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some((days * 86_400 + h * 3600 + mi * 60 + sec) as f64 + frac)
+}
+
+/// One reading of /proc/self; a field is None where it could not be read.
+#[derive(Debug, Default)]
+pub struct ProcessStats {
+    pub cpu_seconds: Option<f64>,
+    pub resident_bytes: Option<f64>,
+    pub virtual_bytes: Option<f64>,
+    pub start_time_seconds: Option<f64>,
+    pub open_fds: Option<f64>,
+    pub max_fds: Option<f64>,
+}
+
+impl ProcessStats {
+    pub fn read() -> ProcessStats {
+        let mut p = ProcessStats::default();
+        // SAFETY: sysconf and getrlimit only read process-wide settings into our variables.
+        let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as f64;
+        if let Ok(stat) = std::fs::read_to_string("/proc/self/stat") {
+            // Fields after the command name in parentheses (which may hold spaces): state is
+            // field 3, utime 14, stime 15, starttime 22, vsize 23, rss 24.
+            if let Some(i) = stat.rfind(')') {
+                let f: Vec<&str> = stat[i + 1..].split_whitespace().collect();
+                let field = |n: usize| f.get(n - 3).and_then(|v| v.parse::<f64>().ok());
+                if ticks > 0.0 {
+                    if let (Some(u), Some(s)) = (field(14), field(15)) {
+                        p.cpu_seconds = Some((u + s) / ticks);
+                    }
+                    let boot = std::fs::read_to_string("/proc/stat").ok().and_then(|t| {
+                        t.lines()
+                            .find_map(|l| l.strip_prefix("btime "))
+                            .and_then(|v| v.trim().parse::<f64>().ok())
+                    });
+                    if let (Some(b), Some(st)) = (boot, field(22)) {
+                        p.start_time_seconds = Some(b + st / ticks);
+                    }
+                }
+                p.virtual_bytes = field(23);
+                if page > 0.0 {
+                    p.resident_bytes = field(24).map(|r| r * page);
+                }
+            }
+        }
+        if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
+            // The directory handle itself is one of the entries.
+            p.open_fds = Some(dir.count().saturating_sub(1) as f64);
+        }
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: `lim` is a valid rlimit for getrlimit to fill.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+            p.max_fds = Some(lim.rlim_cur as f64);
+        }
+        p
+    }
+}
+
+/// The `process_*` metrics, read at each scrape.
+#[derive(Debug)]
+struct ProcessCollector {
+    label: RunLabel,
+}
+
+impl Collector for ProcessCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let p = ProcessStats::read();
+        if let Some(v) = p.cpu_seconds {
+            let c = ConstCounter::new(v);
+            let mut e = encoder.encode_descriptor(
+                PROCESS_CPU_SECONDS,
+                "Total user and system CPU time spent in seconds.",
+                None,
+                c.metric_type(),
+            )?;
+            c.encode(e.encode_family(&self.label)?)?;
+        }
+        let gauges = [
+            (
+                PROCESS_RESIDENT_MEMORY,
+                "Resident memory size in bytes.",
+                p.resident_bytes,
+            ),
+            (
+                PROCESS_VIRTUAL_MEMORY,
+                "Virtual memory size in bytes.",
+                p.virtual_bytes,
+            ),
+            (
+                PROCESS_START_TIME,
+                "Start time of the process since unix epoch in seconds.",
+                p.start_time_seconds,
+            ),
+            (
+                PROCESS_OPEN_FDS,
+                "Number of open file descriptors.",
+                p.open_fds,
+            ),
+            (
+                PROCESS_MAX_FDS,
+                "Maximum number of open file descriptors.",
+                p.max_fds,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            if let Some(v) = value {
+                let g = ConstGauge::new(v);
+                let mut e = encoder.encode_descriptor(name, help, None, g.metric_type())?;
+                g.encode(e.encode_family(&self.label)?)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Metrics {
@@ -165,6 +543,10 @@ impl Metrics {
             checkpoints_skipped: Family::default(),
             evaluation_duration: Family::new_with_constructor(duration_histogram),
             webhook_deliveries: Family::default(),
+            last_evaluation_timestamp: Family::default(),
+            best_step_timestamp: Family::default(),
+            early_stop_timestamp: Family::default(),
+            seen: Mutex::new((None, false)),
             registry: Registry::default(),
         };
         registry.register(
@@ -269,9 +651,25 @@ impl Metrics {
         );
         registry.register(
             WEBHOOK_DELIVERIES,
-            "Alert deliveries by outcome",
+            "Alert deliveries by receiver (webhook, alertmanager) and outcome",
             m.webhook_deliveries.clone(),
         );
+        registry.register(
+            LAST_EVALUATION_TIMESTAMP,
+            "Unix time of the last checkpoint evaluated by this process (its start until the first)",
+            m.last_evaluation_timestamp.clone(),
+        );
+        registry.register(
+            BEST_STEP_TIMESTAMP,
+            "Unix time of the evaluation that made the best step what it is (0 before any)",
+            m.best_step_timestamp.clone(),
+        );
+        registry.register(
+            EARLY_STOP_TIMESTAMP,
+            "Unix time of the evaluation that fired the early stop last (0 if it never fired)",
+            m.early_stop_timestamp.clone(),
+        );
+        registry.register_collector(Box::new(ProcessCollector { label: m.label() }));
         let build: Family<VersionLabels, Gauge> = Family::default();
         build
             .get_or_create(&VersionLabels {
@@ -287,6 +685,26 @@ impl Metrics {
         m.checkpoints_pending.get_or_create(&l).set(0);
         m.early_stop_triggered.get_or_create(&l).set(0);
         m.early_stop_unconfirmed.get_or_create(&l).set(0);
+        m.last_evaluation_timestamp
+            .get_or_create(&l)
+            .set(unix_now());
+        m.best_step_timestamp.get_or_create(&l).set(0.0);
+        m.early_stop_timestamp.get_or_create(&l).set(0.0);
+        for reason in FAILURE_REASONS {
+            m.checkpoint_failures
+                .get_or_create(&m.reason_labels(reason))
+                .inc_by(0);
+        }
+        for stage in STAGES {
+            let _ = m.evaluation_duration.get_or_create(&m.stage_labels(stage));
+        }
+        for receiver in RECEIVERS {
+            for outcome in OUTCOMES {
+                m.webhook_deliveries
+                    .get_or_create(&m.outcome_labels(receiver, outcome))
+                    .inc_by(0);
+            }
+        }
         Metrics { registry, ..m }
     }
 
@@ -296,12 +714,42 @@ impl Metrics {
         }
     }
 
-    /// The text exposition format.
+    fn reason_labels(&self, reason: &str) -> ReasonLabels {
+        ReasonLabels {
+            run: self.run.clone(),
+            reason: reason.into(),
+        }
+    }
+
+    fn stage_labels(&self, stage: &str) -> StageLabels {
+        StageLabels {
+            run: self.run.clone(),
+            stage: stage.into(),
+        }
+    }
+
+    fn outcome_labels(&self, receiver: &str, outcome: &str) -> OutcomeLabels {
+        OutcomeLabels {
+            run: self.run.clone(),
+            receiver: receiver.into(),
+            outcome: outcome.into(),
+        }
+    }
+
+    /// The OpenMetrics text exposition.
     pub fn encode(&self) -> String {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String");
         out
+    }
+
+    /// The exposition in the given format.
+    pub fn encode_as(&self, format: Format) -> String {
+        match format {
+            Format::OpenMetrics => self.encode(),
+            Format::Text => openmetrics_to_text(&self.encode()),
+        }
     }
 
     /// Publishes one evaluation's values (gauges only: a restart republishes the last one).
@@ -338,30 +786,45 @@ impl Metrics {
         self.checkpoints_evaluated
             .get_or_create(&self.label())
             .inc();
-        self.observe_stage("total", e.seconds);
+        self.last_evaluation_timestamp
+            .get_or_create(&self.label())
+            .set(unix_now());
+        self.observe_stage(STAGE_TOTAL, e.seconds);
         for (stage, seconds) in &e.stages {
             self.observe_stage(stage, *seconds);
         }
     }
 
     pub fn observe_stage(&self, stage: &str, seconds: f64) {
-        let labels = StageLabels {
-            run: self.run.clone(),
-            stage: stage.into(),
-        };
         self.evaluation_duration
-            .get_or_create(&labels)
+            .get_or_create(&self.stage_labels(stage))
             .observe(seconds);
     }
 
+    /// Publishes the detector's state after the evaluation made at `at` (RFC 3339, as the
+    /// history records it; replayed evaluations keep their own time). A change of the best step,
+    /// and the early stop firing, set their timestamp gauges to that time: the dashboard's
+    /// annotations read them as the annotation's time, so none is missed between two steps.
     pub fn set_detector(
         &self,
         smoothed: Option<f64>,
         best_step: Option<i64>,
         triggered: bool,
         unconfirmed: bool,
+        at: &str,
     ) {
         let l = self.label();
+        {
+            let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            let when = || parse_rfc3339_utc(at).unwrap_or_else(unix_now);
+            if best_step.is_some() && best_step != seen.0 {
+                self.best_step_timestamp.get_or_create(&l).set(when());
+            }
+            if triggered && !seen.1 {
+                self.early_stop_timestamp.get_or_create(&l).set(when());
+            }
+            *seen = (best_step.or(seen.0), triggered);
+        }
         if let Some(s) = smoothed {
             self.icr_smoothed.get_or_create(&l).set(s);
         }
@@ -376,12 +839,12 @@ impl Metrics {
             .set(unconfirmed as i64);
     }
 
+    /// Counts one failure; `reason` is one of [`FAILURE_REASONS`].
     pub fn failure(&self, reason: &str) {
-        let labels = ReasonLabels {
-            run: self.run.clone(),
-            reason: reason.into(),
-        };
-        self.checkpoint_failures.get_or_create(&labels).inc();
+        debug_assert!(FAILURE_REASONS.contains(&reason), "unknown reason {reason}");
+        self.checkpoint_failures
+            .get_or_create(&self.reason_labels(reason))
+            .inc();
     }
 
     pub fn set_pending(&self, n: usize) {
@@ -396,12 +859,11 @@ impl Metrics {
             .inc_by(n as u64);
     }
 
-    pub fn delivery(&self, outcome: &str) {
-        let labels = OutcomeLabels {
-            run: self.run.clone(),
-            outcome: outcome.into(),
-        };
-        self.webhook_deliveries.get_or_create(&labels).inc();
+    /// Counts one delivery outcome of a receiver (`crate::alerts::RECEIVERS`, `OUTCOMES`).
+    pub fn delivery(&self, receiver: &str, outcome: &str) {
+        self.webhook_deliveries
+            .get_or_create(&self.outcome_labels(receiver, outcome))
+            .inc();
     }
 }
 
@@ -434,9 +896,18 @@ mod tests {
             stages: vec![("icr", 1.0)],
             ..Evaluation::default()
         });
-        m.set_detector(Some(0.5), Some(100), false, false);
-        m.failure("corrupt");
-        m.delivery("delivered");
+        m.set_detector(
+            Some(0.5),
+            Some(100),
+            false,
+            false,
+            "2023-11-14T22:13:20.123Z",
+        );
+        m.failure(REASON_MISMATCH);
+        m.delivery(
+            crate::alerts::RECEIVER_WEBHOOK,
+            crate::alerts::OUTCOME_DELIVERED,
+        );
         let text = m.encode();
         for name in exported_names() {
             let series = if name == EVALUATION_DURATION {
@@ -456,6 +927,236 @@ mod tests {
             text.contains("diffmon_last_evaluated_step{run=\"exp1\"} 100"),
             "{text}"
         );
+    }
+
+    /// Issue 15: the text format 0.0.4 (no `# EOF`, no `# UNIT`, counters' HELP and TYPE name
+    /// the `_total` series, no `_created`), with a HELP line for every TYPE.
+    #[test]
+    fn text_format_is_prometheus_0_0_4() {
+        let m = Metrics::new("exp1");
+        m.failure(REASON_VANISHED);
+        m.observe_stage(STAGE_LOAD, 0.002);
+        let om = m.encode();
+        assert!(om.ends_with("# EOF\n"), "{om}");
+        let text = m.encode_as(Format::Text);
+        assert!(
+            !text.contains("# EOF") && !text.contains("# UNIT"),
+            "{text}"
+        );
+        assert!(!text.contains("_created"), "{text}");
+        for c in [
+            CHECKPOINTS_EVALUATED,
+            CHECKPOINT_FAILURES,
+            WEBHOOK_DELIVERIES,
+        ] {
+            assert!(
+                text.contains(&format!("# TYPE {c}_total counter\n")),
+                "{c}: {text}"
+            );
+            assert!(text.contains(&format!("# HELP {c}_total ")), "{c}: {text}");
+        }
+        assert!(text.contains("# TYPE process_cpu_seconds_total counter\n"));
+        assert!(text.contains(&format!("# TYPE {EVALUATION_DURATION} histogram\n")));
+        // Every TYPE has its HELP just before, naming the same series; every sample belongs to
+        // the family of the TYPE before it.
+        let lines: Vec<&str> = text.lines().collect();
+        let mut family = "";
+        for (i, l) in lines.iter().enumerate() {
+            if let Some(rest) = l.strip_prefix("# TYPE ") {
+                family = rest.split(' ').next().unwrap();
+                let help = lines[i - 1];
+                assert!(
+                    help.starts_with(&format!("# HELP {family} ")),
+                    "{help} / {l}"
+                );
+            } else if !l.starts_with('#') {
+                let name = l.split(['{', ' ']).next().unwrap();
+                let ok = name == family
+                    || ["_bucket", "_sum", "_count"]
+                        .iter()
+                        .any(|s| name == format!("{family}{s}"));
+                assert!(ok, "{name} under TYPE {family}");
+            }
+        }
+        // Samples are the same in both formats, but for OpenMetrics' extra lines.
+        let samples = |t: &str| -> Vec<String> {
+            t.lines()
+                .filter(|l| !l.starts_with('#'))
+                .map(str::to_string)
+                .collect()
+        };
+        let (a, b) = (samples(&om), samples(&text));
+        assert_eq!(a.len(), b.len());
+        assert!(
+            b.contains(
+                &"diffmon_checkpoint_failures_total{run=\"exp1\",reason=\"vanished\"} 1"
+                    .to_string()
+            ),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn conversion_handles_what_prometheus_client_may_write() {
+        let om = "# HELP a_seconds A.\n# TYPE a_seconds counter\n# UNIT a_seconds seconds\n\
+                  a_seconds_total{x=\"}#\"} 3 # {id=\"e\"} 1.0\na_seconds_created 1.7e9\n\
+                  # HELP i Build.\n# TYPE i info\ni_info{v=\"1\"} 1\n\
+                  # HELP u U.\n# TYPE u unknown\nu 2\n# EOF\n";
+        assert_eq!(
+            openmetrics_to_text(om),
+            "# HELP a_seconds_total A.\n# TYPE a_seconds_total counter\n\
+             a_seconds_total{x=\"}#\"} 3\n\
+             # HELP i_info Build.\n# TYPE i_info gauge\ni_info{v=\"1\"} 1\n\
+             # HELP u U.\n# TYPE u untyped\nu 2\n"
+        );
+    }
+
+    /// HELP texts go out unescaped: none may hold a backslash or a newline.
+    #[test]
+    fn help_texts_need_no_escaping() {
+        let text = Metrics::new("r").encode();
+        for l in text.lines().filter(|l| l.starts_with("# HELP ")) {
+            assert!(!l.contains('\\'), "{l}");
+        }
+    }
+
+    /// Issue 15: negotiated like Prometheus' client libraries.
+    #[test]
+    fn accept_header_negotiation() {
+        let om = Format::OpenMetrics;
+        let text = Format::Text;
+        for (accept, want) in [
+            (None, text),
+            (Some(""), text),
+            (Some("*/*"), text),
+            (Some("text/plain;version=0.0.4"), text),
+            (Some("text/plain; version=0.0.4; charset=utf-8"), text),
+            (Some("application/openmetrics-text"), om),
+            (
+                Some("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+                om,
+            ),
+            // What Prometheus 2.42 sends.
+            (
+                Some(
+                    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+                ),
+                om,
+            ),
+            // Prometheus with `scrape_classic...`/text preferred.
+            (
+                Some("text/plain;version=0.0.4;q=1,application/openmetrics-text;q=0.5"),
+                text,
+            ),
+            (Some("application/openmetrics-text;q=0"), text),
+            (Some("application/openmetrics-text;version=9.9.9"), text),
+            (Some("application/json"), text),
+        ] {
+            assert_eq!(Format::negotiate(accept), want, "{accept:?}");
+        }
+        assert_eq!(
+            Format::Text.content_type(),
+            "text/plain; version=0.0.4; charset=utf-8"
+        );
+    }
+
+    /// Issue 15: every known label value's series exists at zero from the start; so do the
+    /// process metrics and the timestamps.
+    #[test]
+    fn known_series_exist_at_zero_from_the_start() {
+        let m = Metrics::new("exp1");
+        let text = m.encode_as(Format::Text);
+        for reason in FAILURE_REASONS {
+            let s = format!("{CHECKPOINT_FAILURES}_total{{run=\"exp1\",reason=\"{reason}\"}} 0\n");
+            assert!(text.contains(&s), "{s} missing in\n{text}");
+        }
+        for stage in STAGES {
+            let s = format!("{EVALUATION_DURATION}_count{{run=\"exp1\",stage=\"{stage}\"}} 0\n");
+            assert!(text.contains(&s), "{s} missing in\n{text}");
+        }
+        for receiver in RECEIVERS {
+            for outcome in OUTCOMES {
+                let s = format!(
+                    "{WEBHOOK_DELIVERIES}_total{{run=\"exp1\",receiver=\"{receiver}\",outcome=\"{outcome}\"}} 0\n"
+                );
+                assert!(text.contains(&s), "{s} missing in\n{text}");
+            }
+        }
+        for name in [BEST_STEP_TIMESTAMP, EARLY_STOP_TIMESTAMP] {
+            assert!(
+                text.contains(&format!("{name}{{run=\"exp1\"}} 0.0\n")),
+                "{name}: {text}"
+            );
+        }
+        let started = text
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{LAST_EVALUATION_TIMESTAMP}{{run=\"exp1\"}} ")))
+            .unwrap()
+            .parse::<f64>()
+            .unwrap();
+        assert!((started - unix_now()).abs() < 3600.0, "{started}");
+        let p = ProcessStats::read();
+        assert!(
+            p.cpu_seconds.is_some() && p.resident_bytes.unwrap() > 0.0,
+            "{p:?}"
+        );
+        assert!(p.open_fds.unwrap() >= 3.0 && p.max_fds.unwrap() >= p.open_fds.unwrap());
+        let start = p.start_time_seconds.unwrap();
+        assert!(start <= unix_now() + 1.0 && start > unix_now() - 86400.0 * 365.0);
+        assert_eq!(DURATION_BUCKETS[0], 0.001);
+    }
+
+    /// The annotation gauges move only when the best step changes or the stop fires, to the
+    /// evaluation's own time.
+    #[test]
+    fn best_step_and_early_stop_timestamps_are_the_evaluations_times() {
+        let m = Metrics::new("r");
+        let value = |name: &str| -> f64 {
+            let text = m.encode_as(Format::Text);
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("{name}{{run=\"r\"}} ")))
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        m.set_detector(Some(1.0), Some(1), false, false, "2023-11-14T22:13:20.500Z");
+        assert_eq!(value(BEST_STEP_TIMESTAMP), 1_700_000_000.5);
+        m.set_detector(Some(1.0), Some(1), false, false, "2023-11-14T22:13:30.000Z");
+        assert_eq!(value(BEST_STEP_TIMESTAMP), 1_700_000_000.5);
+        m.set_detector(Some(0.5), Some(2), false, false, "2023-11-14T22:13:40Z");
+        assert_eq!(value(BEST_STEP_TIMESTAMP), 1_700_000_020.0);
+        assert_eq!(value(EARLY_STOP_TIMESTAMP), 0.0);
+        m.set_detector(Some(0.9), Some(2), true, false, "2023-11-14T22:13:50.000Z");
+        m.set_detector(Some(0.9), Some(2), true, false, "2023-11-14T22:14:00.000Z");
+        assert_eq!(value(EARLY_STOP_TIMESTAMP), 1_700_000_030.0);
+        assert_eq!(value(BEST_STEP_TIMESTAMP), 1_700_000_020.0);
+    }
+
+    #[test]
+    fn rfc3339_times_parse_back() {
+        use std::time::{Duration, UNIX_EPOCH};
+        for secs in [0u64, 951_782_400, 1_700_000_000, 4_102_444_800 + 86_399] {
+            for ms in [0u64, 1, 999] {
+                let t = UNIX_EPOCH + Duration::from_millis(secs * 1000 + ms);
+                let s = crate::alerts::rfc3339_utc(t);
+                let back = parse_rfc3339_utc(&s).unwrap();
+                assert!(
+                    (back - (secs as f64 + ms as f64 / 1000.0)).abs() < 1e-6,
+                    "{s}"
+                );
+            }
+        }
+        for bad in [
+            "",
+            "2023-11-14 22:13:20Z",
+            "2023-13-14T22:13:20Z",
+            "2023-11-14T22:13:20",
+            "2023-11-14T22:13:20.Z",
+            "2023-11-14T22:13:20.1234567890Z",
+            "２023-11-14T22:13:20Z",
+        ] {
+            assert_eq!(parse_rfc3339_utc(bad), None, "{bad}");
+        }
     }
 
     /// Every metric a shipped dashboard queries is one the code exports.

@@ -84,6 +84,16 @@ pub enum DestKind {
     Alertmanager,
 }
 
+impl DestKind {
+    /// The `receiver` label of the delivery counter.
+    pub fn receiver(&self) -> &'static str {
+        match self {
+            DestKind::Webhook(_) => super::RECEIVER_WEBHOOK,
+            DestKind::Alertmanager => super::RECEIVER_ALERTMANAGER,
+        }
+    }
+}
+
 /// One configured receiver.
 pub struct Destination {
     /// Stable across restarts and config reorderings: `webhook-<hash>` / `alertmanager-<hash>`
@@ -385,7 +395,7 @@ impl Worker {
             match result {
                 Attempt::Delivered(status) => {
                     self.shared.finish(entry, true, &dest);
-                    (self.shared.on_outcome)(OUTCOME_DELIVERED);
+                    (self.shared.on_outcome)(dest.kind.receiver(), OUTCOME_DELIVERED);
                     tracing::info!(
                         destination = %dest.label,
                         event_id = %id,
@@ -405,7 +415,7 @@ impl Worker {
                 }
                 Attempt::Rejected { reason } => {
                     self.shared.finish(entry, false, &dest);
-                    (self.shared.on_outcome)(OUTCOME_REJECTED);
+                    (self.shared.on_outcome)(dest.kind.receiver(), OUTCOME_REJECTED);
                     tracing::warn!(
                         destination = %dest.label,
                         event_id = %id,
@@ -421,7 +431,7 @@ impl Worker {
                     retry_after,
                 } => {
                     self.failures += 1;
-                    (self.shared.on_outcome)(OUTCOME_RETRIED);
+                    (self.shared.on_outcome)(dest.kind.receiver(), OUTCOME_RETRIED);
                     let delay = self.shared.policy.next_delay(self.failures, retry_after);
                     let delay_ms = delay.as_millis() as u64;
                     if !self.escalated && self.failures >= self.shared.policy.escalate_after {

@@ -48,6 +48,33 @@ pub fn summary(event: &Event) -> String {
     }
 }
 
+/// The alert's `description` annotation: complete sentences naming the run, the metric, the
+/// best and the current step and value, and what to do, ending with a full stop so that a
+/// grouped notification (Slack lists its alerts' descriptions) keeps them apart.
+pub fn description(event: &Event) -> String {
+    let best = format!(
+        "Its best value, {}, was at step {} (checkpoint {})",
+        fmt_value(event.best_value),
+        event.best_step,
+        event.best_checkpoint
+    );
+    let now = format!(
+        "at step {} it is {}",
+        event.current_step,
+        fmt_value(event.current_value)
+    );
+    match event.event {
+        EventKind::EarlyStop => format!(
+            "Run {}: the early-stop metric {} has turned up (the model starts to memorize). {best}; {now}. The stop file has been written: stop the training and keep the checkpoint of step {}.",
+            event.run, event.metric, event.best_step
+        ),
+        EventKind::Resolved => format!(
+            "Run {}: the early stop is resolved: the metric {} went below its previous best again. {best}; {now}.",
+            event.run, event.metric
+        ),
+    }
+}
+
 fn fmt_value(v: f64) -> String {
     if !v.is_finite() {
         return v.to_string();
@@ -79,6 +106,7 @@ pub fn labels(event: &Event) -> Map<String, Value> {
 pub fn annotations(event: &Event) -> Map<String, Value> {
     let mut m = Map::new();
     m.insert("summary".into(), summary(event).into());
+    m.insert("description".into(), description(event).into());
     m.insert("event_id".into(), event.id.clone().into());
     m.insert("best_step".into(), event.best_step.to_string().into());
     m.insert(
@@ -291,6 +319,32 @@ mod tests {
         ));
         assert_eq!(r["status"], "resolved");
         assert_eq!(r["alerts"][0]["endsAt"], "2026-01-31T12:00:00.000Z");
+    }
+
+    /// Issue 15: the pushed alert has a `description` (and a `summary`): complete sentences
+    /// with the run, the metric, the best and the current step and value.
+    #[test]
+    fn alerts_carry_a_description_of_full_sentences() {
+        for kind in [EventKind::EarlyStop, EventKind::Resolved] {
+            let e = event(kind);
+            let v = parse(&alertmanager_api_body(&e));
+            let ann = &v[0]["annotations"];
+            assert_eq!(ann["summary"], summary(&e));
+            let d = ann["description"].as_str().expect("a description");
+            for part in [
+                "Run run-a",
+                "icr",
+                "step 1000",
+                "0.123457",
+                "step 3000",
+                "0.1302",
+            ] {
+                assert!(d.contains(part), "{part:?} not in {d:?}");
+            }
+            assert!(d.ends_with('.') && !d.contains('\n'), "{d:?}");
+            let w = parse(&webhook_body(WebhookFormat::Alertmanager, &e));
+            assert_eq!(w["alerts"][0]["annotations"]["description"], d);
+        }
     }
 
     #[test]

@@ -51,8 +51,8 @@
 //! thread (e.g. the evaluator's, through an `Arc<Alerter>`). Dropping the `Alerter` without
 //! [`Alerter::shutdown`] also stops the tasks, at their next wait.
 //!
-//! Outcomes reported to the [`OutcomeHook`] (the label of
-//! `diffmon_webhook_deliveries_total{outcome}`): [`OUTCOME_DELIVERED`] (accepted),
+//! Outcomes reported to the [`OutcomeHook`] with the receiver kind ([`RECEIVER_WEBHOOK`],
+//! [`RECEIVER_ALERTMANAGER`]) (the labels of `diffmon_webhook_deliveries_total{receiver,outcome}`): [`OUTCOME_DELIVERED`] (accepted),
 //! [`OUTCOME_RETRIED`] (one failed attempt that will be retried), [`OUTCOME_REJECTED`] (given up:
 //! non-retryable answer, dropped from the outbox). There is no give-up on retryable failures
 //! while the process lives; undelivered entries stay on disk across restarts. Alertmanager
@@ -85,9 +85,17 @@ use store::{Entry, Ledger, Outbox, atomic_write, remove_durably};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
-/// Called once per delivery outcome with one of [`OUTCOMES`]; the metrics module counts them in
-/// `diffmon_webhook_deliveries_total{outcome}`. Must be cheap and must not block.
-pub type OutcomeHook = Arc<dyn Fn(&'static str) + Send + Sync>;
+/// Called once per delivery outcome with one of [`RECEIVERS`] and one of [`OUTCOMES`]; the
+/// metrics module counts them in `diffmon_webhook_deliveries_total{receiver,outcome}`. Must be
+/// cheap and must not block.
+pub type OutcomeHook = Arc<dyn Fn(&'static str, &'static str) + Send + Sync>;
+
+/// A webhook (`alerts.webhooks`, any format).
+pub const RECEIVER_WEBHOOK: &str = "webhook";
+/// Alertmanager's API (`alerts.alertmanager`).
+pub const RECEIVER_ALERTMANAGER: &str = "alertmanager";
+/// Every receiver label value, for pre-registering the metric's series.
+pub const RECEIVERS: [&str; 2] = [RECEIVER_WEBHOOK, RECEIVER_ALERTMANAGER];
 
 /// The receiver accepted the delivery (2xx).
 pub const OUTCOME_DELIVERED: &str = "delivered";

@@ -130,7 +130,7 @@ struct Outcomes(Arc<Mutex<Vec<&'static str>>>);
 impl Outcomes {
     fn hook(&self) -> OutcomeHook {
         let v = self.0.clone();
-        Arc::new(move |o| v.lock().unwrap().push(o))
+        Arc::new(move |_receiver, o| v.lock().unwrap().push(o))
     }
     fn list(&self) -> Vec<&'static str> {
         self.0.lock().unwrap().clone()

@@ -64,7 +64,7 @@ impl Daemon {
         *self = Daemon::spawn(self.config.clone(), self.port);
     }
 
-    fn spawn(config: PathBuf, port: u16) -> Daemon {
+    pub fn spawn(config: PathBuf, port: u16) -> Daemon {
         let log = config.with_file_name(format!(
             "daemon-{}.log",
             std::time::SystemTime::now()

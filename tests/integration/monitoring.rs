@@ -3,15 +3,19 @@
 //! config and alert rules through `promtool` (the same package).
 
 use crate::common::{http_get, root};
-use crate::daemon::{Daemon, empty_run, free_port, journal};
-use crate::early_stop::{checkpoints_by_icr, detector_config, place, write_base_config};
+use crate::daemon::{Daemon, empty_run, free_port, journal, journal_entries};
+use crate::early_stop::{
+    Alertmanager, checkpoints_by_icr, detector_config, place, write_base_config,
+};
 use regex::Regex;
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::fs;
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// One PromQL expression of a dashboard: (file name, where in the file, expression).
 type Expr = (String, String, String);
@@ -368,6 +372,19 @@ impl Prometheus {
         v["data"]["result"].as_array().cloned().unwrap_or_default()
     }
 
+    /// The result matrix of a range query, as Grafana sends it (start, end, step in seconds).
+    fn query_range(&self, promql: &str, start: f64, end: f64, step: f64) -> Vec<Value> {
+        let body = http_get(&format!(
+            "{}/api/v1/query_range?query={}&start={start:.3}&end={end:.3}&step={step}",
+            self.url,
+            encode(promql)
+        ))
+        .unwrap_or_else(|| panic!("range query {promql:?} failed; log:\n{}", self.log()));
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["status"], "success", "{promql}: {v}");
+        v["data"]["result"].as_array().cloned().unwrap_or_default()
+    }
+
     fn log(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -397,15 +414,16 @@ fn encode(s: &str) -> String {
         .collect()
 }
 
-/// A dashboard expression as Grafana sends it for run `test`. The windows are longer than the
-/// test's data is old, so each covers all of it (Grafana's `$__rate_interval` is at least four
-/// scrape intervals; `$__interval` and `$__range` follow the time picker).
+/// A dashboard expression as Grafana sends it for run `test` with the tests' Prometheus
+/// (`scrape_interval: 1s`): `$__interval` at its smallest, the scrape interval;
+/// `$__rate_interval` = max($__interval + scrape interval, 4 scrape intervals); `$__range` the
+/// time picker's (1 h covers all the test's data).
 fn substitute(expr: &str) -> String {
     let e = expr
         .replace("${run}", "test")
         .replace("$run", "test")
-        .replace("$__rate_interval", "5m")
-        .replace("$__interval", "5m")
+        .replace("$__rate_interval", "4s")
+        .replace("$__interval", "1s")
         .replace("$__range", "1h");
     assert!(
         !e.contains('$'),
@@ -467,9 +485,10 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
         "the early stop, the failure and a webhook attempt",
         |d| {
             let text = d.get("/metrics").unwrap_or_default();
+            // Every series exists from the start (at 0): wait for non-zero values.
             text.contains("diffmon_early_stop_triggered{run=\"test\"} 1")
-                && text.contains("diffmon_checkpoint_failures_total{")
-                && text.contains("diffmon_webhook_deliveries_total{")
+                && sum_of(&text, "diffmon_checkpoint_failures_total{") > 0.0
+                && sum_of(&text, "diffmon_webhook_deliveries_total{") > 0.0
         },
     );
     let (steps, failures) = journal(dir);
@@ -517,6 +536,13 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
     let best = prom.query("diffmon_best_step{run=\"test\"}");
     assert_eq!(best[0]["value"][1], "2", "{best:?}");
 
+    // Prometheus (2.42 asks for OpenMetrics first) parsed every scrape.
+    let targets: Value =
+        serde_json::from_str(&http_get(&format!("{}/api/v1/targets", prom.url)).unwrap()).unwrap();
+    let target = &targets["data"]["activeTargets"][0];
+    assert_eq!(target["health"], "up", "{target}");
+    assert_eq!(target["lastError"], "", "{target}");
+
     // The alert rules fire on the real series.
     prom.wait_for(Duration::from_secs(30), "the alerts", |p| {
         let firing: BTreeSet<String> = p
@@ -526,4 +552,523 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
             .collect();
         firing.contains("DiffmonEarlyStop") && firing.contains("DiffmonCheckpointFailures")
     });
+}
+
+/// The sum of the values of the series of a `/metrics` text whose line starts with `prefix`.
+fn sum_of(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Writes `<dir>/diffmon.yaml` like `Daemon::start` does, with `http_keys` (flow-mapping
+/// entries) beside `http.listen`, and starts the daemon.
+fn start_daemon_with_http(dir: &Path, http_keys: &str, extra: &str) -> Daemon {
+    let port = free_port();
+    let config = dir.join("diffmon.yaml");
+    fs::write(
+        &config,
+        format!(
+            "run: {{dir: ., name: test}}\nmodel: {{architecture: model.ts}}\ndevice: cpu\n\
+             data: {{path: train.h5, heldout_path: heldout.h5}}\n\
+             http: {{listen: \"127.0.0.1:{port}\", {http_keys}}}\n\
+             icr: {{samples: 256, batch_size: 256}}\n{extra}"
+        ),
+    )
+    .unwrap();
+    Daemon::spawn(config, port)
+}
+
+/// `GET path` over HTTP/1.0 with `Accept: accept`: (status line and headers, body).
+fn get_accepting(port: u16, path: &str, accept: &str) -> (String, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nAccept: {accept}\r\n\r\n"
+    )
+    .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    (head.to_string(), body.to_string())
+}
+
+/// `promtool check metrics` on `body`: (success, output).
+fn promtool_check_metrics(body: &str) -> (bool, String) {
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian package prometheus, installed by make setup)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(body.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// Issue 15: a fresh daemon's `/metrics` has every known series, at 0: each failure reason,
+/// each stage of the duration histogram, each receiver and outcome of the deliveries, the
+/// timestamps and the process metrics.
+#[test]
+fn a_fresh_daemon_exports_every_known_series_at_zero() {
+    use diffmon::alerts::{OUTCOMES, RECEIVERS};
+    use diffmon::metrics::{FAILURE_REASONS, STAGES};
+    let run = empty_run();
+    let d = Daemon::start(run.path(), "");
+    let text = d.get("/metrics").unwrap();
+    let mut zero = vec![
+        "diffmon_checkpoints_evaluated_total{run=\"test\"}".to_string(),
+        "diffmon_checkpoints_skipped_total{run=\"test\"}".to_string(),
+        "diffmon_checkpoints_pending{run=\"test\"}".to_string(),
+        "diffmon_early_stop_triggered{run=\"test\"}".to_string(),
+        "diffmon_best_step_timestamp_seconds{run=\"test\"}".to_string(),
+        "diffmon_early_stop_timestamp_seconds{run=\"test\"}".to_string(),
+    ];
+    for r in FAILURE_REASONS {
+        zero.push(format!(
+            "diffmon_checkpoint_failures_total{{run=\"test\",reason=\"{r}\"}}"
+        ));
+    }
+    for s in STAGES {
+        zero.push(format!(
+            "diffmon_evaluation_duration_seconds_count{{run=\"test\",stage=\"{s}\"}}"
+        ));
+        zero.push(format!(
+            "diffmon_evaluation_duration_seconds_bucket{{le=\"0.001\",run=\"test\",stage=\"{s}\"}}"
+        ));
+    }
+    for r in RECEIVERS {
+        for o in OUTCOMES {
+            zero.push(format!(
+                "diffmon_webhook_deliveries_total{{run=\"test\",receiver=\"{r}\",outcome=\"{o}\"}}"
+            ));
+        }
+    }
+    for series in &zero {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("{series} ")))
+            .unwrap_or_else(|| panic!("{series} missing in\n{text}"));
+        let v: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+        assert_eq!(v, 0.0, "{line}");
+    }
+    let now = unix_now();
+    for (series, low, high) in [
+        (
+            "diffmon_last_evaluation_timestamp_seconds",
+            now - 600.0,
+            now + 1.0,
+        ),
+        ("process_start_time_seconds", now - 600.0, now + 1.0),
+        ("process_resident_memory_bytes", 1e6, 1e12),
+        ("process_virtual_memory_bytes", 1e6, 1e15),
+        ("process_open_fds", 3.0, 1e6),
+        ("process_max_fds", 16.0, 1e9),
+        ("process_cpu_seconds_total", 0.0, 1e6),
+    ] {
+        let v = sum_of(&text, &format!("{series}{{run=\"test\"}}"));
+        assert!((low..=high).contains(&v), "{series} = {v}\n{text}");
+    }
+}
+
+/// Issue 15: `/metrics` answers the text format 0.0.4 unless OpenMetrics is asked for, and
+/// `promtool check metrics` (which reads the text format) passes on the daemon's body after
+/// evaluations and a failure. The OpenMetrics body is OpenMetrics (a real Prometheus parses it:
+/// the test above).
+#[test]
+fn metrics_are_negotiated_and_the_text_format_passes_promtool() {
+    let run = empty_run();
+    let dir = run.path();
+    write_base_config(dir, "");
+    let (hi, lo, _) = checkpoints_by_icr(dir);
+    let dead_port = free_port();
+    let extra = format!(
+        "checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n\
+         alerts:\n  webhooks:\n    - url: http://127.0.0.1:{dead_port}/hook\n      format: json\n"
+    );
+    let d = Daemon::start(dir, &extra);
+    place(dir, &hi, 1);
+    place(dir, &lo, 2);
+    let header = b"{}      ";
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header);
+    fs::write(dir.join("ckpt_3.pt.tmp"), bytes).unwrap();
+    fs::rename(dir.join("ckpt_3.pt.tmp"), dir.join("ckpt_3.pt")).unwrap();
+    d.wait_for(
+        Duration::from_secs(240),
+        "two evaluations and a failure",
+        |d| {
+            let text = d.get("/metrics").unwrap_or_default();
+            sum_of(&text, "diffmon_checkpoints_evaluated_total{") == 2.0
+                && sum_of(&text, "diffmon_checkpoint_failures_total{") == 1.0
+        },
+    );
+
+    let text_type = "text/plain; version=0.0.4; charset=utf-8";
+    let om_type = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+    let prometheus_accept = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+    for (accept, want) in [
+        ("text/plain;version=0.0.4", text_type),
+        ("*/*", text_type),
+        ("application/openmetrics-text; version=1.0.0", om_type),
+        (prometheus_accept, om_type),
+    ] {
+        let (head, body) = get_accepting(d.port, "/metrics", accept);
+        assert!(head.starts_with("HTTP/1.0 200"), "{head}");
+        let content_type = head
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-type: ")
+                    .map(str::to_string)
+            })
+            .unwrap();
+        assert_eq!(content_type, want, "Accept: {accept}");
+        if want == om_type {
+            assert!(body.ends_with("# EOF\n"), "{body}");
+            assert!(body.contains("# TYPE diffmon_checkpoints_evaluated counter\n"));
+        } else {
+            assert!(
+                !body.contains("# EOF") && !body.contains("# UNIT"),
+                "{body}"
+            );
+            assert!(body.contains("# TYPE diffmon_checkpoints_evaluated_total counter\n"));
+            let (ok, out) = promtool_check_metrics(&body);
+            assert!(ok, "promtool check metrics failed:\n{out}\non:\n{body}");
+        }
+    }
+    // Without an Accept header (curl, the tests' http_get): the text format too.
+    let body = d.get("/metrics").unwrap();
+    assert!(!body.contains("# EOF"));
+    let (ok, out) = promtool_check_metrics(&body);
+    assert!(ok, "{out}");
+}
+
+/// Grafana's annotation events for a range query's result, as its Prometheus data source makes
+/// them (`transformToAnnotations`): each sample's time, or with "series value as timestamp"
+/// (`useValueForTime`) its value, in ms; samples with a value > 0 (all of them with
+/// `useValueForTime`); times at most one step apart make one event (a region). Returns the
+/// events' start times in ms.
+fn grafana_annotation_events(series: &[Value], step_secs: f64, use_value: bool) -> Vec<f64> {
+    let step_ms = (step_secs.floor() * 1000.0).max(0.0);
+    let mut events = Vec::new();
+    for s in series {
+        let mut times = Vec::new();
+        for pair in s["values"].as_array().unwrap() {
+            let t = pair[0].as_f64().unwrap() * 1000.0;
+            let v: f64 = pair[1].as_str().unwrap().parse().unwrap();
+            let (time, value) = if use_value {
+                (v.floor(), 1.0)
+            } else {
+                (t.floor(), v)
+            };
+            if value > 0.0 {
+                times.push(time);
+            }
+        }
+        let mut latest: Option<(f64, f64)> = None;
+        for t in times {
+            if let Some((_, end)) = latest.as_mut()
+                && *end + step_ms >= t
+            {
+                *end = t;
+                continue;
+            }
+            if let Some((start, _)) = latest {
+                events.push(start);
+            }
+            latest = Some((t, t));
+        }
+        if let Some((start, _)) = latest {
+            events.push(start);
+        }
+    }
+    events
+}
+
+/// Issue 15: the dashboard's annotations, run as Grafana runs them at its default interval (a
+/// range query with step = `$__interval` = the scrape interval), find every change of the best
+/// step and the early stop, once each, at the time of the evaluation that made it.
+#[test]
+fn dashboard_annotations_find_every_best_step_change_and_the_early_stop() {
+    use diffmon::metrics::parse_rfc3339_utc;
+    let run = empty_run();
+    let dir = run.path();
+    write_base_config(dir, "");
+    let (hi, lo, rise) = checkpoints_by_icr(dir);
+    let extra = format!(
+        "checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{}",
+        detector_config(rise)
+    );
+    let d = Daemon::start(dir, &extra);
+    let prom = Prometheus::start(dir, &format!("127.0.0.1:{}", d.port));
+    prom.wait_for(Duration::from_secs(60), "the first scrape", |p| {
+        !p.query("diffmon_build_info{run=\"test\"}").is_empty()
+    });
+    let start = unix_now() - 5.0;
+    let mut best: Option<i64> = None;
+    let mut best_changes = Vec::new(); // evaluation times (s) of the steps that changed the best
+    let mut fired = Vec::new();
+    for (step, src) in [(1, &hi), (2, &lo), (3, &lo), (4, &hi), (5, &hi)] {
+        place(dir, src, step);
+        // Evaluated, and scraped more than one scrape interval after its evaluation: the next
+        // change comes more than one step later (Grafana merges closer ones into a region).
+        let q = format!(
+            "diffmon_last_evaluated_step{{run=\"test\"}} == {step} and on (run) \
+             (timestamp(diffmon_last_evaluation_timestamp_seconds{{run=\"test\"}}) \
+             - diffmon_last_evaluation_timestamp_seconds{{run=\"test\"}}) > 1.5"
+        );
+        prom.wait_for(
+            Duration::from_secs(180),
+            &format!("step {step} scraped after its evaluation"),
+            |p| !p.query(&q).is_empty(),
+        );
+        let status: Value = serde_json::from_str(&d.get("/v1/early-stop").unwrap()).unwrap();
+        let at = journal_entries(dir)
+            .iter()
+            .find(|e| e["kind"] == "evaluation" && e["record"]["step"] == step)
+            .map(|e| parse_rfc3339_utc(e["at"].as_str().unwrap()).unwrap())
+            .unwrap();
+        if status["best_step"].as_i64() != best {
+            best = status["best_step"].as_i64();
+            best_changes.push(at);
+        }
+        if status["fired"] == true && fired.is_empty() {
+            fired.push(at);
+        }
+    }
+    assert!(best_changes.len() >= 2, "{best_changes:?}");
+    assert_eq!(fired.len(), 1, "the early stop did not fire");
+    let end = unix_now() + 1.0;
+
+    let dash: Value =
+        serde_json::from_str(&fs::read_to_string(root().join("dashboards/diffmon.json")).unwrap())
+            .unwrap();
+    let annotations = dash["annotations"]["list"].as_array().unwrap();
+    for (name, expected) in [
+        ("New best checkpoint", &best_changes),
+        ("Early stop", &fired),
+    ] {
+        let a = annotations
+            .iter()
+            .find(|a| a["name"] == name)
+            .unwrap_or_else(|| panic!("no annotation {name:?}"));
+        assert_eq!(a["step"], "$__interval", "{a}");
+        let use_value = a["useValueForTime"] == true;
+        let step = 1.0; // $__interval at Grafana's default = the scrape interval
+        let expr = substitute(a["expr"].as_str().unwrap());
+        let series = prom.query_range(&expr, start, end, step);
+        let events = grafana_annotation_events(&series, step, use_value);
+        assert_eq!(
+            events.len(),
+            expected.len(),
+            "{name}: events at {events:?} ms, expected {expected:?} s ({expr})"
+        );
+        for (e, x) in events.iter().zip(expected.iter()) {
+            assert!(
+                (e - x * 1000.0).abs() <= 1.0,
+                "{name}: an event at {e} ms, expected {x} s"
+            );
+        }
+    }
+}
+
+/// Issue 15: the alert Alertmanager receives (its API v2) has a `description` and a `summary`;
+/// `diffmon_webhook_deliveries_total` counts Alertmanager pushes apart from webhooks.
+#[test]
+fn alertmanager_gets_a_description_and_deliveries_are_counted_per_receiver() {
+    let run = empty_run();
+    let dir = run.path();
+    write_base_config(dir, "");
+    let (hi, lo, rise) = checkpoints_by_icr(dir);
+    let am = Alertmanager::start_on(dir, free_port());
+    let dead_port = free_port(); // nothing listens there: the webhook is retried
+    let extra = format!(
+        "checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{}\
+         alerts:\n  webhooks:\n    - url: http://127.0.0.1:{dead_port}/hook\n      format: json\n\
+         \x20 alertmanager:\n    url: {}\n",
+        detector_config(rise),
+        am.url
+    );
+    let d = Daemon::start(dir, &extra);
+    for (step, src) in [(1, &hi), (2, &lo), (3, &lo), (4, &hi), (5, &hi)] {
+        place(dir, src, step);
+    }
+    let start = Instant::now();
+    let alert = loop {
+        let found = am.active_alerts().into_iter().find(|a| {
+            a["labels"]["alertname"] == "DiffusionEarlyStop" && a["labels"]["run"] == "test"
+        });
+        if let Some(a) = found {
+            break a;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(240),
+            "no DiffusionEarlyStop alert in Alertmanager; log:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let status: Value = serde_json::from_str(&d.get("/v1/early-stop").unwrap()).unwrap();
+    let best = status["best_step"].as_i64().unwrap();
+    let description = alert["annotations"]["description"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no description: {alert}"));
+    for part in [
+        "Run test".to_string(),
+        "icr".to_string(),
+        format!("step {best}"),
+    ] {
+        assert!(
+            description.contains(&part),
+            "{part:?} not in {description:?}"
+        );
+    }
+    assert!(description.ends_with('.'), "{description:?}");
+    assert!(
+        alert["annotations"]["summary"]
+            .as_str()
+            .is_some_and(|s| s.contains("test")),
+        "{alert}"
+    );
+
+    let series = |r: &str, o: &str| {
+        format!("diffmon_webhook_deliveries_total{{run=\"test\",receiver=\"{r}\",outcome=\"{o}\"}}")
+    };
+    d.wait_for(
+        Duration::from_secs(60),
+        "the Alertmanager push and a webhook retry counted",
+        |d| {
+            d.metric(&series("alertmanager", "delivered"))
+                .unwrap_or(0.0)
+                >= 1.0
+                && d.metric(&series("webhook", "retried")).unwrap_or(0.0) >= 1.0
+        },
+    );
+    assert_eq!(d.metric(&series("webhook", "delivered")), Some(0.0));
+    assert_eq!(d.metric(&series("alertmanager", "retried")), Some(0.0));
+    assert_eq!(d.metric(&series("alertmanager", "rejected")), Some(0.0));
+}
+
+/// Issue 15: the HTTP server's bounds, with short settings. Slow clients (a request head sent a
+/// byte every 100 ms) are closed after `http.header_timeout_secs` without an answer; idle
+/// connections filling `http.max_connections` make one more be closed at once, and are closed
+/// after `http.idle_timeout_secs`, after which `/healthz` answers again.
+#[test]
+fn slow_and_idle_http_clients_are_closed_and_the_connection_cap_frees_up() {
+    let run = empty_run();
+    let dir = run.path();
+    let d = start_daemon_with_http(
+        dir,
+        "header_timeout_secs: 1, idle_timeout_secs: 2, max_connections: 16",
+        "",
+    );
+    let port = d.port;
+    // A head of 230 bytes: 23 s at a byte every 100 ms, if nothing closes it.
+    let head = format!(
+        "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: {}\r\n\r\n",
+        "a".repeat(180)
+    );
+    let slow: Vec<_> = (0..12)
+        .map(|_| {
+            let head = head.clone();
+            std::thread::spawn(move || {
+                let started = Instant::now();
+                let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+                s.set_read_timeout(Some(Duration::from_millis(100)))
+                    .unwrap();
+                let mut buf = [0u8; 256];
+                for b in head.bytes() {
+                    if s.write_all(&[b]).is_err() {
+                        return Ok(started.elapsed());
+                    }
+                    match s.read(&mut buf) {
+                        Ok(0) => return Ok(started.elapsed()),
+                        Ok(n) => {
+                            return Err(format!(
+                                "an answer: {}",
+                                String::from_utf8_lossy(&buf[..n])
+                            ));
+                        }
+                        Err(e)
+                            if matches!(
+                                e.kind(),
+                                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                            ) => {}
+                        Err(_) => return Ok(started.elapsed()), // reset
+                    }
+                }
+                Err("the whole head went through, the connection still open".into())
+            })
+        })
+        .collect();
+    for t in slow {
+        let closed_after = t.join().unwrap().unwrap();
+        assert!(
+            closed_after >= Duration::from_millis(900),
+            "closed before the header timeout: {closed_after:?}"
+        );
+    }
+    assert_eq!(
+        http_get(&format!("http://127.0.0.1:{port}/healthz")).as_deref(),
+        Some("ok\n")
+    );
+
+    // The cap: 16 idle connections, then one more is closed without an answer.
+    let mut idle: Vec<TcpStream> = (0..16)
+        .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
+    let mut extra = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    extra
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let _ = write!(extra, "GET /healthz HTTP/1.0\r\n\r\n");
+    let mut answer = Vec::new();
+    let _ = extra.read_to_end(&mut answer);
+    assert!(
+        answer.is_empty(),
+        "an answer over the cap: {}",
+        String::from_utf8_lossy(&answer)
+    );
+    // The idle ones are closed by the server (EOF) after the idle timeout.
+    for s in &mut idle {
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut buf = [0u8; 16];
+        match s.read(&mut buf) {
+            Ok(0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            other => panic!("an idle connection was not closed: {other:?}"),
+        }
+    }
+    assert_eq!(
+        http_get(&format!("http://127.0.0.1:{port}/healthz")).as_deref(),
+        Some("ok\n")
+    );
+    assert!(
+        d.log().contains("too many HTTP connections open"),
+        "{}",
+        d.log()
+    );
 }

@@ -491,8 +491,11 @@ fn a_receiver_that_hangs_is_timed_out_and_the_event_retried_until_delivered() {
     let accepted = receiver.accepted();
     assert_eq!(accepted.len(), 1, "{accepted:?}");
     assert_eq!(Some(accepted[0].0.as_str()), requests[0]["id"].as_str());
-    let series =
-        |o: &str| format!("diffmon_webhook_deliveries_total{{run=\"test\",outcome=\"{o}\"}}");
+    let series = |o: &str| {
+        format!(
+            "diffmon_webhook_deliveries_total{{run=\"test\",receiver=\"webhook\",outcome=\"{o}\"}}"
+        )
+    };
     d.wait_for(
         Duration::from_secs(10),
         "the delivered outcome counted",
