@@ -91,11 +91,16 @@ pub struct Limits {
 }
 
 impl Limits {
+    /// The bounds of a validated config (out-of-range values, which validation refuses, are
+    /// clamped rather than trusted).
     pub fn of(c: &HttpConfig) -> Limits {
+        let secs = |x: f64, max: f64| {
+            Duration::try_from_secs_f64(x.clamp(0.1, max)).unwrap_or(Duration::from_secs(10))
+        };
         Limits {
-            header_timeout: Duration::from_secs_f64(c.header_timeout_secs),
-            idle_timeout: Duration::from_secs_f64(c.idle_timeout_secs),
-            max_connections: c.max_connections as usize,
+            header_timeout: secs(c.header_timeout_secs, 3600.0),
+            idle_timeout: secs(c.idle_timeout_secs, 86400.0),
+            max_connections: (c.max_connections as usize).max(1),
         }
     }
 }
@@ -301,4 +306,48 @@ async fn serve_connection(stream: TcpStream, app: Router, limits: Limits) {
     // Idle: close it the polite way (a response being written is finished), within bounds.
     conn.as_mut().graceful_shutdown();
     let _ = tokio::time::timeout(limits.idle_timeout, conn.as_mut()).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    const MINIMAL: &str = "run: {dir: r}\nmodel: {architecture: m.ts}\ndata: {path: d.h5}\n";
+
+    /// The `http.*` bounds: documented defaults, and values out of range refused by key.
+    #[test]
+    fn http_bounds_have_defaults_and_ranges() {
+        let c = Config::parse(MINIMAL, "t.yaml").unwrap();
+        let l = Limits::of(&c.http);
+        assert_eq!(l.header_timeout, Duration::from_secs(10));
+        assert_eq!(l.idle_timeout, Duration::from_secs(60));
+        assert_eq!(l.max_connections, 256);
+        let http_problems = |c: &Config| -> Vec<String> {
+            let problems = c.validate();
+            problems
+                .iter()
+                .filter(|p| p.key.starts_with("http."))
+                .map(|p| format!("{}: {}", p.key, p.message))
+                .collect()
+        };
+        assert!(http_problems(&c).is_empty(), "{:?}", http_problems(&c));
+        for (yaml, key) in [
+            ("header_timeout_secs: 0", "http.header_timeout_secs"),
+            ("header_timeout_secs: .nan", "http.header_timeout_secs"),
+            ("header_timeout_secs: 1e20", "http.header_timeout_secs"),
+            ("idle_timeout_secs: .inf", "http.idle_timeout_secs"),
+            ("idle_timeout_secs: 0.01", "http.idle_timeout_secs"),
+            ("max_connections: 0", "http.max_connections"),
+            ("max_connections: 1000000", "http.max_connections"),
+        ] {
+            let text = format!("{MINIMAL}http: {{{yaml}}}\n");
+            let c = Config::parse(&text, "t.yaml").unwrap();
+            let problems = http_problems(&c);
+            assert!(
+                problems.len() == 1 && problems[0].starts_with(&format!("{key}: ")),
+                "{yaml}: {problems:?}"
+            );
+        }
+    }
 }

@@ -460,7 +460,8 @@ impl ProcessStats {
     }
 }
 
-/// The `process_*` metrics, read at each scrape.
+/// The `process_*` metrics, read at each scrape. (A collector's HELP is written as given: with
+/// its full stop, which `Registry::register` adds to the others.)
 #[derive(Debug)]
 struct ProcessCollector {
     label: RunLabel,
@@ -1011,12 +1012,14 @@ mod tests {
         );
     }
 
-    /// HELP texts go out unescaped: none may hold a backslash or a newline.
+    /// HELP texts go out unescaped: none may hold a backslash or a newline; prometheus-client
+    /// adds the final full stop.
     #[test]
     fn help_texts_need_no_escaping() {
         let text = Metrics::new("r").encode();
         for l in text.lines().filter(|l| l.starts_with("# HELP ")) {
             assert!(!l.contains('\\'), "{l}");
+            assert!(l.ends_with('.') && !l.ends_with(".."), "{l}");
         }
     }
 

@@ -51,10 +51,10 @@
 //! thread (e.g. the evaluator's, through an `Arc<Alerter>`). Dropping the `Alerter` without
 //! [`Alerter::shutdown`] also stops the tasks, at their next wait.
 //!
-//! Outcomes reported to the [`OutcomeHook`] with the receiver kind ([`RECEIVER_WEBHOOK`],
-//! [`RECEIVER_ALERTMANAGER`]) (the labels of `diffmon_webhook_deliveries_total{receiver,outcome}`): [`OUTCOME_DELIVERED`] (accepted),
-//! [`OUTCOME_RETRIED`] (one failed attempt that will be retried), [`OUTCOME_REJECTED`] (given up:
-//! non-retryable answer, dropped from the outbox). There is no give-up on retryable failures
+//! Outcomes reported to the [`OutcomeHook`], with the receiver kind ([`RECEIVER_WEBHOOK`],
+//! [`RECEIVER_ALERTMANAGER`]; the labels of `diffmon_webhook_deliveries_total{receiver,outcome}`):
+//! [`OUTCOME_DELIVERED`] (accepted), [`OUTCOME_RETRIED`] (one failed attempt that will be
+//! retried), [`OUTCOME_REJECTED`] (given up: non-retryable answer, dropped from the outbox). There is no give-up on retryable failures
 //! while the process lives; undelivered entries stay on disk across restarts. Alertmanager
 //! re-posts are not counted.
 
