@@ -237,6 +237,8 @@ fn hostile_checkpoints_are_recorded_failures_and_the_daemon_goes_on() {
 
 /// Peak resident memory (KiB) and output of a `diffmon eval` child, from `wait4` on that child
 /// alone (not the other tests' children).
+// The child is reaped by `wait4` below (which also returns its rusage), not by `Child::wait`.
+#[allow(clippy::zombie_processes)]
 fn eval_peak_rss(cfg: &Path, ckpt: &Path) -> (i64, i32, String) {
     let child = Command::new(env!("CARGO_BIN_EXE_diffmon"))
         .args(["eval", "--config", cfg.to_str().unwrap(), "--json"])
