@@ -151,14 +151,16 @@ fn a_torchscript_checkpoint_gives_the_icr_of_the_same_weights_in_safetensors() {
 }
 
 /// Rewrites the TorchScript archive `src` into `dst` with its storage `data/1` cut in half.
-const SHORT_STORAGE: &str = "import sys, zipfile\n\
-zin = zipfile.ZipFile(sys.argv[1])\n\
-with zipfile.ZipFile(sys.argv[2], 'w', zipfile.ZIP_STORED) as zout:\n\
-    for info in zin.infolist():\n\
-        data = zin.read(info.filename)\n\
-        if info.filename.split('/')[1:] == ['data', '1']:\n\
-            data = data[: len(data) // 2]\n\
-        zout.writestr(info.filename, data)\n";
+const SHORT_STORAGE: &str = r#"
+import sys, zipfile
+zin = zipfile.ZipFile(sys.argv[1])
+with zipfile.ZipFile(sys.argv[2], "w", zipfile.ZIP_STORED) as zout:
+    for info in zin.infolist():
+        data = zin.read(info.filename)
+        if info.filename.split("/")[1:] == ["data", "1"]:
+            data = data[: len(data) // 2]
+        zout.writestr(info.filename, data)
+"#;
 
 const SECRET: &str = "TOPSECRET-4242";
 
@@ -235,6 +237,8 @@ fn hostile_checkpoints_are_recorded_failures_and_the_daemon_goes_on() {
 
 /// Peak resident memory (KiB) and output of a `diffmon eval` child, from `wait4` on that child
 /// alone (not the other tests' children).
+// The child is reaped by `wait4` below (which also returns its rusage), not by `Child::wait`.
+#[allow(clippy::zombie_processes)]
 fn eval_peak_rss(cfg: &Path, ckpt: &Path) -> (i64, i32, String) {
     let child = Command::new(env!("CARGO_BIN_EXE_diffmon"))
         .args(["eval", "--config", cfg.to_str().unwrap(), "--json"])
