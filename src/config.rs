@@ -858,7 +858,10 @@ impl Config {
         v.check(
             (0.1..=86_400.0).contains(&self.shutdown_drain_secs),
             "shutdown_drain_secs",
-            format!("must be between 0.1 and 86400 (a day), got {}", self.shutdown_drain_secs),
+            format!(
+                "must be between 0.1 and 86400 (a day), got {}",
+                self.shutdown_drain_secs
+            ),
         );
         v.file("model.architecture", &self.model.architecture);
         v.file("data.path", &self.data.path);

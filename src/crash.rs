@@ -205,7 +205,10 @@ fn parse_marker(bytes: &[u8]) -> Result<Crash, String> {
                 .map_err(|e| format!("the checkpoint in flight is unreadable: {e}"))?,
         );
     }
-    if let Some(message) = lines.next().and_then(|l| serde_json::from_str::<String>(l).ok()) {
+    if let Some(message) = lines
+        .next()
+        .and_then(|l| serde_json::from_str::<String>(l).ok())
+    {
         crash.cause = format!("{}: {message}", crash.cause);
     }
     Ok(crash)
@@ -273,7 +276,11 @@ fn write_marker(cause: &[u8], signal: Option<libc::c_int>, message: &[u8]) {
     unsafe { libc::fsync(fd) };
 }
 
-extern "C" fn on_fatal_signal(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+extern "C" fn on_fatal_signal(
+    sig: libc::c_int,
+    info: *mut libc::siginfo_t,
+    ctx: *mut libc::c_void,
+) {
     write_marker(b"signal ", Some(sig), b"");
     if let Some(k) = SIGNALS.iter().position(|&s| s == sig) {
         let previous = PREVIOUS[k].0.load(Ordering::Acquire);
@@ -376,7 +383,11 @@ mod tests {
         assert_eq!(crash.checkpoint, Some(what));
 
         arm(dir.path()).unwrap();
-        assert_eq!(read_marker(dir.path()).unwrap(), None, "re-arming removes it");
+        assert_eq!(
+            read_marker(dir.path()).unwrap(),
+            None,
+            "re-arming removes it"
+        );
         evaluating(None);
         write_marker(b"panic", None, b"\"boom\"");
         let crash = read_marker(dir.path()).unwrap().unwrap();
@@ -400,7 +411,11 @@ mod tests {
             assert!(e.starts_with(&path.display().to_string()), "{e}");
         }
         // Huge: read bounded, then refused as unparsable.
-        std::fs::write(&path, [HEADER, b"signal 11\n", &vec![b'x'; 10 << 20]].concat()).unwrap();
+        std::fs::write(
+            &path,
+            [HEADER, b"signal 11\n", &vec![b'x'; 10 << 20]].concat(),
+        )
+        .unwrap();
         assert!(read_marker(dir.path()).is_err());
         // A symlink is not followed, nor is a FIFO opened for reading (it would block).
         std::fs::remove_file(&path).unwrap();
@@ -440,6 +455,9 @@ mod tests {
         assert!(t.join().is_err());
         let (thread, message) = rx.recv().unwrap();
         assert_eq!(thread, "supervised-test-thread");
-        assert!(message.starts_with("the watcher met 1e20 at src/crash.rs:"), "{message}");
+        assert!(
+            message.starts_with("the watcher met 1e20 at src/crash.rs:"),
+            "{message}"
+        );
     }
 }

@@ -154,7 +154,10 @@ mod tests {
         // flock locks belong to the open file description: a second open in the same process
         // conflicts like another process would.
         let e = StateLock::acquire(&state).unwrap_err().to_string();
-        assert!(e.contains(&state.join(LOCK_FILE).display().to_string()), "{e}");
+        assert!(
+            e.contains(&state.join(LOCK_FILE).display().to_string()),
+            "{e}"
+        );
         assert!(
             e.contains(&format!("pid {} on host ", std::process::id())),
             "{e}"

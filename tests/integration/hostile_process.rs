@@ -54,7 +54,11 @@ fn a_checkpoint_that_crashed_the_process_is_a_recorded_failure_after_the_restart
 
     // Restarted with fast settings: the crashed checkpoint is a failure, not evaluated again.
     let config = fs::read_to_string(&d.config).unwrap();
-    fs::write(&d.config, config.replace("samples: 10000000", "samples: 256")).unwrap();
+    fs::write(
+        &d.config,
+        config.replace("samples: 10000000", "samples: 256"),
+    )
+    .unwrap();
     d.restart();
     d.wait_for(Duration::from_secs(60), "the crash to be counted", |d| {
         d.metric("diffmon_checkpoint_failures_total{run=\"test\",reason=\"crashed\"}") == Some(1.0)
@@ -98,7 +102,11 @@ fn a_sigkilled_evaluation_is_retried_not_recorded_as_crashed() {
     d.child.kill().unwrap();
     assert_eq!(d.child.wait().unwrap().signal(), Some(libc::SIGKILL));
     let config = fs::read_to_string(&d.config).unwrap();
-    fs::write(&d.config, config.replace("samples: 10000000", "samples: 256")).unwrap();
+    fs::write(
+        &d.config,
+        config.replace("samples: 10000000", "samples: 256"),
+    )
+    .unwrap();
     d.restart();
     d.wait_for(Duration::from_secs(180), "the retried evaluation", |d| {
         d.evaluated() >= 1.0
@@ -202,7 +210,10 @@ fn a_first_signal_ends_the_process_when_the_drain_times_out() {
     let status = exited_within(&mut d.child, Duration::from_secs(60))
         .unwrap_or_else(|| panic!("the daemon did not exit:\n{}", d.log()));
     let log = d.log();
-    assert!(status.code() == Some(0) || status.code() == Some(130), "{status:?}\n{log}");
+    assert!(
+        status.code() == Some(0) || status.code() == Some(130),
+        "{status:?}\n{log}"
+    );
     assert!(log.contains("did not finish within 1s"), "{log}");
     // The checkpoint in flight is evaluated again after a restart, not a failure.
     assert!(journal_entries(dir).is_empty());
@@ -223,7 +234,11 @@ fn a_second_signal_exits_at_once_during_the_drain() {
     let status = exited_within(&mut d.child, Duration::from_secs(30))
         .unwrap_or_else(|| panic!("the second signal did not end the daemon:\n{}", d.log()));
     assert_eq!(status.code(), Some(130), "{}", d.log());
-    assert!(d.log().contains("second signal: exiting now"), "{}", d.log());
+    assert!(
+        d.log().contains("second signal: exiting now"),
+        "{}",
+        d.log()
+    );
 }
 
 #[test]
