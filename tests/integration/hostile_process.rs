@@ -11,9 +11,10 @@ use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-/// An evaluation that takes minutes on the toy model (streamed moments: little memory).
+/// An evaluation far longer than these tests wait: 2^20 view pairs, the most `icr.samples`
+/// allows (streamed moments: little memory).
 const SLOW: &str = "checkpoints: {pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}\n\
-                    icr: {samples: 10000000, batch_size: 256}\n";
+                    icr: {samples: 1048576, batch_size: 256}\n";
 
 /// A complete checkpoint `ckpt_<step>.pt` (copied, then renamed into place).
 fn place(dir: &Path, step: i64) {
@@ -56,7 +57,7 @@ fn a_checkpoint_that_crashed_the_process_is_a_recorded_failure_after_the_restart
     let config = fs::read_to_string(&d.config).unwrap();
     fs::write(
         &d.config,
-        config.replace("samples: 10000000", "samples: 256"),
+        config.replace("samples: 1048576", "samples: 256"),
     )
     .unwrap();
     d.restart();
@@ -104,7 +105,7 @@ fn a_sigkilled_evaluation_is_retried_not_recorded_as_crashed() {
     let config = fs::read_to_string(&d.config).unwrap();
     fs::write(
         &d.config,
-        config.replace("samples: 10000000", "samples: 256"),
+        config.replace("samples: 1048576", "samples: 256"),
     )
     .unwrap();
     d.restart();
