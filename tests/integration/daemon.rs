@@ -65,6 +65,13 @@ impl Daemon {
     }
 
     pub fn spawn(config: PathBuf, port: u16) -> Daemon {
+        Daemon::spawn_wrapped(config, port, &[])
+    }
+
+    /// [`Daemon::spawn`] through `wrapper`, a command that runs the daemon (`setpriv ...`),
+    /// when it is not empty. Waits until the HTTP endpoint answers, and fails at once, with the
+    /// log, if the daemon exits first (a config it refuses).
+    pub fn spawn_wrapped(config: PathBuf, port: u16, wrapper: &[&str]) -> Daemon {
         let log = config.with_file_name(format!(
             "daemon-{}.log",
             std::time::SystemTime::now()
@@ -73,7 +80,16 @@ impl Daemon {
                 .as_nanos()
         ));
         let out = fs::File::create(&log).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_diffmon"))
+        let bin = env!("CARGO_BIN_EXE_diffmon");
+        let mut cmd = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(bin);
+                c
+            }
+            None => Command::new(bin),
+        };
+        let child = cmd
             .args(["watch", "--config", config.to_str().unwrap()])
             .env("DIFFMON_LOG", "info,diffmon=debug")
             .stdout(out.try_clone().unwrap())
@@ -81,15 +97,27 @@ impl Daemon {
             .stdin(Stdio::null())
             .spawn()
             .unwrap();
-        let d = Daemon {
+        let mut d = Daemon {
             child,
             port,
             config,
             log,
         };
-        d.wait_for(Duration::from_secs(180), "the HTTP endpoint", |d| {
-            d.get("/healthz").is_some()
-        });
+        let start = Instant::now();
+        while d.get("/healthz").is_none() {
+            if let Some(status) = d.child.try_wait().unwrap() {
+                panic!(
+                    "the daemon exited ({status}) before answering; daemon log:\n{}",
+                    d.log()
+                );
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(180),
+                "timed out after 180s waiting for the HTTP endpoint; daemon log:\n{}",
+                d.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
         d
     }
 

@@ -9,7 +9,6 @@ use crate::early_stop::{checkpoints_by_icr, detector_config, place, write_base_c
 use serde_json::Value;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 /// Daemon config text for a U-turn without webhooks (the stop file only).
@@ -18,40 +17,6 @@ fn u_turn(rise: f64) -> String {
         "checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{}",
         detector_config(rise)
     )
-}
-
-/// Starts `diffmon watch --config config` (through `wrapper`, e.g. `setpriv ...`, when given),
-/// logging to a file beside the config.
-fn spawn(config: &Path, port: u16, wrapper: &[&str]) -> Daemon {
-    let log = config.with_file_name("daemon.log");
-    let out = fs::File::create(&log).unwrap();
-    let bin = env!("CARGO_BIN_EXE_diffmon");
-    let mut cmd = match wrapper.split_first() {
-        Some((first, rest)) => {
-            let mut c = Command::new(first);
-            c.args(rest).arg(bin);
-            c
-        }
-        None => Command::new(bin),
-    };
-    let child = cmd
-        .args(["watch", "--config", config.to_str().unwrap()])
-        .env("DIFFMON_LOG", "info,diffmon=debug")
-        .stdout(out.try_clone().unwrap())
-        .stderr(out)
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap();
-    let d = Daemon {
-        child,
-        port,
-        config: config.to_path_buf(),
-        log,
-    };
-    d.wait_for(Duration::from_secs(180), "the HTTP endpoint", |d| {
-        d.get("/healthz").is_some()
-    });
-    d
 }
 
 /// Places the U-turn's five checkpoints and waits for the early stop to be reported.
@@ -189,8 +154,8 @@ fn a_file_that_cannot_be_read_yet_is_retried_not_failed() {
         ),
     )
     .unwrap();
-    let d = spawn(
-        &config,
+    let d = Daemon::spawn_wrapped(
+        config.clone(),
         port,
         &[
             "setpriv",
@@ -284,7 +249,7 @@ fn run_dir_deleted_and_recreated_keeps_the_whole_history() {
         ),
     )
     .unwrap();
-    let d = spawn(&config, port, &[]);
+    let d = Daemon::spawn(config.clone(), port);
     place(&run, &toy_run().join("ckpt_000030.pt"), 1);
     d.wait_for(Duration::from_secs(180), "ckpt_1", |_| {
         journal(&run).0 == vec![1]
