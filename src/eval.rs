@@ -286,5 +286,6 @@ pub fn read_options(c: &crate::config::CheckpointsConfig) -> ReadOptions {
         weights_key: c.weights_key.clone(),
         strip_prefix: c.strip_prefix.clone(),
         max_entry_bytes: c.max_entry_mib.saturating_mul(1 << 20),
+        prefer_ema: true,
     }
 }

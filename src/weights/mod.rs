@@ -229,6 +229,10 @@ pub struct ReadOptions {
     pub strip_prefix: Option<String>,
     /// The most bytes any one zip entry of a checkpoint may inflate to.
     pub max_entry_bytes: u64,
+    /// Where a checkpoint holds both EMA and raw weights (an `ema` entry beside the model's,
+    /// Lightning's weight averaging, diffusers' `unet_ema/` folder), take the EMA ones
+    /// (config key `checkpoints.prefer_ema`).
+    pub prefer_ema: bool,
 }
 
 /// Default of `checkpoints.max_entry_mib`: 16 GiB, more than any one storage of real models.
@@ -240,6 +244,7 @@ impl Default for ReadOptions {
             weights_key: None,
             strip_prefix: None,
             max_entry_bytes: DEFAULT_MAX_ENTRY_MIB << 20,
+            prefer_ema: true,
         }
     }
 }
