@@ -3,7 +3,7 @@
 //! buffers alike. A `Model` owns libtorch objects and is confined to the thread that made it.
 
 use crate::config::DeviceSpec;
-use crate::weights::{self, CheckpointFormat, DType, RawTensor, ReadOptions};
+use crate::weights::{self, DType, Naming, RawTensor, ReadOptions};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
@@ -147,8 +147,8 @@ impl Module {
         })
     }
 
-    /// Parameters then buffers, aliasing the module's storage.
-    fn named_tensors(&self) -> Result<Vec<(String, Tensor)>, ModelError> {
+    /// Parameters then buffers, aliasing the module's storage, and how many are parameters.
+    fn named_tensors(&self) -> Result<(Vec<(String, Tensor)>, usize), ModelError> {
         let mut out: Vec<(String, Tensor)> = Vec::new();
         let mut err = std::ptr::null_mut();
         let rc = unsafe {
@@ -159,13 +159,14 @@ impl Module {
                 &mut err,
             )
         };
-        if rc != 0 {
+        let Ok(params) = usize::try_from(rc) else {
             return Err(ModelError::Load {
                 path: self.path.clone(),
                 message: take_error(err),
             });
-        }
-        Ok(out)
+        };
+        let params = params.min(out.len());
+        Ok((out, params))
     }
 
     fn forward(&self, x: &Tensor, sigma: &Tensor) -> Result<(Tensor, Tensor), String> {
@@ -209,6 +210,8 @@ pub struct Model {
     device: Device,
     /// Parameters and buffers by name, aliasing the module's storage.
     tensors: Vec<(String, Tensor)>,
+    /// How many of `tensors` (the first ones) are parameters.
+    params: usize,
     index: HashMap<String, usize>,
 }
 
@@ -216,7 +219,7 @@ impl Model {
     /// Loads the architecture on `device` (its own initial weights stay until a checkpoint is loaded).
     pub fn load(path: &Path, device: Device) -> Result<Model, ModelError> {
         let module = Module::load(path, device)?;
-        let tensors = module.named_tensors()?;
+        let (tensors, params) = module.named_tensors()?;
         let index = tensors
             .iter()
             .enumerate()
@@ -226,6 +229,7 @@ impl Model {
             module,
             device,
             tensors,
+            params,
             index,
         })
     }
@@ -236,6 +240,13 @@ impl Model {
 
     pub fn path(&self) -> &Path {
         &self.module.path
+    }
+
+    /// The current value of a parameter or buffer (sharing its storage), by name.
+    pub fn tensor(&self, name: &str) -> Option<Tensor> {
+        self.index
+            .get(name)
+            .map(|&i| self.tensors[i].1.shallow_clone())
     }
 
     /// Names and shapes of the parameters and buffers, in module order.
@@ -299,42 +310,141 @@ impl Model {
         })
     }
 
-    /// Loads a checkpoint's weights (TorchScript, safetensors or torch.save zip) into the
+    /// Loads a checkpoint's weights (any format of [`weights::read_weights`]) into the
     /// architecture. All names and shapes are checked before anything is written, so a failed
     /// load leaves the previous weights in place.
     ///
     /// Every format is read as data by [`weights::read_weights`]; libtorch never loads a
-    /// checkpoint (only the architecture, the trusted code named in the config). Matching:
-    /// for a state dict (torch.save, safetensors) the names must be exactly the architecture's
-    /// parameters and buffers; a TorchScript archive lists every tensor attribute of its modules
-    /// (parameters, buffers and plain tensor attributes look alike), so there every parameter
-    /// and buffer of the architecture must be found with its shape and other tensors are ignored.
+    /// checkpoint (only the architecture, the trusted code named in the config). Matching, by the
+    /// checkpoint's [`Naming`]:
+    ///
+    /// - `ByName` (state dicts, safetensors, pickled module trees): the names must be exactly the
+    ///   architecture's parameters and buffers. When they are not, but all of them are after
+    ///   removing one common prefix (`model.` from Lightning, `module.` from DDP, `_orig_mod.`
+    ///   from `torch.compile`, `net.`, ...; the candidates are the checkpoint names' own leading
+    ///   dotted components, each tested exactly), that prefix is removed (logged at debug).
+    /// - `AttributePaths` (TorchScript archives): parameters, buffers and plain tensor attributes
+    ///   look alike, so every parameter and buffer of the architecture must be found with its
+    ///   shape and other tensors are ignored.
+    /// - `Ordered` (diffusers' EMA `shadow_params`): the list is the architecture's parameters in
+    ///   order; the count and every shape must match (a mismatch names the index, the parameter
+    ///   and both shapes). The architecture's buffers keep their current values: such a
+    ///   checkpoint holds none.
     pub fn load_weights(
         &mut self,
         checkpoint: &Path,
         opts: &ReadOptions,
     ) -> Result<(), ModelError> {
         let read = weights::read_weights(checkpoint, opts)?;
-        let lenient = read.format == CheckpointFormat::TorchScript;
-        let state: Vec<&(String, RawTensor)> = read
-            .state
-            .tensors
-            .iter()
-            .filter(|(n, _)| !lenient || self.index.contains_key(n))
-            .collect();
-        self.check_names(
-            checkpoint,
-            state
-                .iter()
-                .map(|(n, t)| (n.as_str(), t.shape.iter().map(|&d| d as i64).collect())),
-        )?;
+        let targets: Vec<(usize, &RawTensor)> = match read.naming {
+            Naming::Ordered => self.check_ordered(checkpoint, &read.state.tensors)?,
+            Naming::AttributePaths => {
+                let state: Vec<&(String, RawTensor)> = read
+                    .state
+                    .tensors
+                    .iter()
+                    .filter(|(n, _)| self.index.contains_key(n))
+                    .collect();
+                self.check_names(
+                    checkpoint,
+                    state.iter().map(|(n, t)| (n.as_str(), shape_of(t))),
+                )?;
+                state.iter().map(|(n, t)| (self.index[n], t)).collect()
+            }
+            Naming::ByName => {
+                let prefix = self.detect_prefix(&read.state.tensors);
+                if let Some(p) = prefix {
+                    tracing::debug!(
+                        "{}: tensor names carry the prefix `{}`; removed",
+                        checkpoint.display(),
+                        weights::quote(p)
+                    );
+                }
+                let strip = |n: &'_ str| -> String {
+                    prefix
+                        .and_then(|p| n.strip_prefix(p))
+                        .unwrap_or(n)
+                        .to_string()
+                };
+                let names: Vec<String> = read.state.tensors.iter().map(|(n, _)| strip(n)).collect();
+                self.check_names(
+                    checkpoint,
+                    names
+                        .iter()
+                        .zip(&read.state.tensors)
+                        .map(|(n, (_, t))| (n.as_str(), shape_of(t))),
+                )?;
+                names
+                    .iter()
+                    .zip(&read.state.tensors)
+                    .map(|(n, (_, t))| (self.index[n], t))
+                    .collect()
+            }
+        };
         tch::no_grad(|| {
-            for (name, raw) in state {
+            for (i, raw) in targets {
                 let src = raw_view(raw);
-                self.tensors[self.index[name]].1.copy_(&src);
+                self.tensors[i].1.copy_(&src);
             }
         });
         Ok(())
+    }
+
+    /// The one prefix (ending in `.`) whose removal makes every checkpoint name an architecture
+    /// name, when the names do not match as they are. Candidates are the leading dotted
+    /// components of the first checkpoint name (`a.`, `a.b.`, ...); each is tested exactly.
+    fn detect_prefix<'n>(&self, tensors: &'n [(String, RawTensor)]) -> Option<&'n str> {
+        let all_known = |strip: &str| {
+            tensors.len() == self.tensors.len()
+                && tensors.iter().all(|(n, _)| {
+                    n.strip_prefix(strip)
+                        .is_some_and(|rest| self.index.contains_key(rest))
+                })
+        };
+        if tensors.is_empty() || all_known("") {
+            return None;
+        }
+        let first = &tensors[0].0;
+        first
+            .match_indices('.')
+            .map(|(i, _)| &first[..=i])
+            .find(|p| all_known(p))
+    }
+
+    /// Maps an ordered list onto the architecture's parameters, checking count and shapes.
+    fn check_ordered<'r>(
+        &self,
+        checkpoint: &Path,
+        tensors: &'r [(String, RawTensor)],
+    ) -> Result<Vec<(usize, &'r RawTensor)>, ModelError> {
+        let mismatch = |details: String| ModelError::Mismatch {
+            checkpoint: checkpoint.to_path_buf(),
+            architecture: self.module.path.clone(),
+            details,
+        };
+        if tensors.len() != self.params {
+            return Err(mismatch(format!(
+                "the checkpoint lists {} tensors in parameter order, the architecture has {} \
+                 parameters",
+                tensors.len(),
+                self.params
+            )));
+        }
+        for (i, ((_, raw), (name, t))) in tensors.iter().zip(&self.tensors).enumerate() {
+            let (got, want) = (shape_of(raw), t.size());
+            if got != want {
+                return Err(mismatch(format!(
+                    "tensor {i} of the ordered list has shape {got:?}, but parameter {i} ({}) of \
+                     the architecture has shape {want:?}",
+                    weights::quote(name)
+                )));
+            }
+        }
+        Ok(tensors
+            .iter()
+            .enumerate()
+            .map(|(i, (_, t))| (i, t))
+            .collect())
     }
 
     /// One error listing missing, unexpected and shape-mismatched names (first few of each).
@@ -403,6 +513,10 @@ impl Model {
             details: format!("{}{hint}", parts.join("; ")),
         })
     }
+}
+
+fn shape_of(raw: &RawTensor) -> Vec<i64> {
+    raw.shape.iter().map(|&d| d as i64).collect()
 }
 
 fn kind_of(dtype: DType) -> Kind {

@@ -54,18 +54,21 @@ void *dm_module_load(const char *path, int device_index, char **err) {
 
 void dm_module_free(void *module) { delete static_cast<torch::jit::Module *>(module); }
 
-// Calls `cb` for every parameter, then every buffer, with its dotted name. The tensors alias the
-// module's own storage: writing into them (under no-grad) changes the module.
+// Calls `cb` for every parameter, then every buffer, with its dotted name, and returns the number
+// of parameters (-1 on error). The tensors alias the module's own storage: writing into them
+// (under no-grad) changes the module.
 int dm_module_named_tensors(void *module, void *data, dm_named_tensor_cb cb, char **err) {
   return guarded<int>(err, -1, [&]() -> int {
         auto *m = static_cast<torch::jit::Module *>(module);
+        int params = 0;
         for (const auto &p : m->named_parameters(/*recurse=*/true)) {
           cb(data, p.name.c_str(), new torch::Tensor(p.value));
+          params++;
         }
         for (const auto &b : m->named_buffers(/*recurse=*/true)) {
           cb(data, b.name.c_str(), new torch::Tensor(b.value));
         }
-        return 0;
+        return params;
       });
 }
 

@@ -68,6 +68,15 @@ pub enum WeightsError {
     #[error("{}: truncated or corrupt zip archive: {detail}", path.display())]
     CorruptZip { path: PathBuf, detail: String },
 
+    /// A bare pickle file (EDM network snapshot) that does not end with its STOP opcode, or
+    /// that changed length while being read: typically still being written.
+    #[error(
+        "{}: pickle stream is incomplete (it does not end where a pickle ends; still being \
+         written?)",
+        path.display()
+    )]
+    TruncatedPickle { path: PathBuf },
+
     /// The safetensors header is invalid or does not match the file length.
     #[error("{}: truncated or corrupt safetensors file: {detail}", path.display())]
     CorruptSafeTensors { path: PathBuf, detail: String },
@@ -192,6 +201,7 @@ impl WeightsError {
             | WeightsError::UnknownFormat { path, .. }
             | WeightsError::CorruptZip { path, .. }
             | WeightsError::CorruptSafeTensors { path, .. }
+            | WeightsError::TruncatedPickle { path }
             | WeightsError::MissingEntry { path, .. }
             | WeightsError::ForbiddenGlobal { path, .. }
             | WeightsError::UnsupportedOpcode { path, .. }
@@ -217,6 +227,7 @@ impl WeightsError {
                 | WeightsError::TooShort { .. }
                 | WeightsError::CorruptZip { .. }
                 | WeightsError::CorruptSafeTensors { .. }
+                | WeightsError::TruncatedPickle { .. }
         )
     }
 }

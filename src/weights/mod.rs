@@ -93,7 +93,9 @@
 
 mod error;
 mod pickle;
+mod plain_pickle;
 mod safetensors_file;
+mod select;
 #[cfg(test)]
 mod tests;
 mod torchzip;
@@ -207,6 +209,8 @@ pub enum CheckpointFormat {
     SafeTensors,
     /// A TorchScript archive (`torch.jit.save`): also a zip, with `constants.pkl` / `code/`.
     TorchScript,
+    /// A plain pickle stream (`pickle.dump`, e.g. an EDM `network-snapshot-*.pkl`).
+    Pickle,
 }
 
 impl fmt::Display for CheckpointFormat {
@@ -215,6 +219,7 @@ impl fmt::Display for CheckpointFormat {
             CheckpointFormat::TorchZip => "torch.save zip",
             CheckpointFormat::SafeTensors => "safetensors",
             CheckpointFormat::TorchScript => "TorchScript",
+            CheckpointFormat::Pickle => "pickle",
         })
     }
 }
@@ -249,11 +254,27 @@ impl Default for ReadOptions {
     }
 }
 
-/// A checkpoint's tensors and its format.
+/// How a checkpoint's tensor names are to be matched to the architecture's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Naming {
+    /// `state_dict()` names (a state dict, safetensors, a pickled module tree): exactly the
+    /// architecture's parameters and buffers.
+    ByName,
+    /// Attribute paths of a TorchScript archive: every parameter and buffer of the architecture
+    /// must be found; other tensor attributes are ignored.
+    AttributePaths,
+    /// A list in `model.parameters()` order (diffusers' `EMAModel` `shadow_params`); the names
+    /// are `<key>.<index>` and only say where a tensor came from. Mapped onto the
+    /// architecture's parameters by position.
+    Ordered,
+}
+
+/// A checkpoint's tensors, its format and how its names are matched.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Checkpoint {
     pub format: CheckpointFormat,
     pub state: StateDict,
+    pub naming: Naming,
 }
 
 /// Detects the format by content (zip magic + archive layout; safetensors 8-byte header length
@@ -353,6 +374,8 @@ pub(crate) fn quote(s: &str) -> String {
 enum Container {
     Zip,
     SafeTensors,
+    /// A pickle stream (protocol 2 to 5) that is not a legacy `torch.save` file.
+    Pickle,
 }
 
 /// Longest safetensors header accepted (the `safetensors` crate's own limit).
@@ -398,13 +421,17 @@ fn sniff<R: Read + Seek>(r: &mut R, len: u64, path: &Path) -> Result<Container, 
             len,
         });
     }
+    let legacy = head.starts_with(&[0x80, 0x02, 0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46]);
+    if !legacy && head.first() == Some(&0x80) && head.get(1).is_some_and(|v| (2..=5).contains(v)) {
+        return Ok(Container::Pickle);
+    }
     // The content itself is never quoted (the path may be a symlink to any readable file).
-    let detail = if head.starts_with(&[0x80, 0x02, 0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46]) {
+    let detail = if legacy {
         "legacy torch.save format from before PyTorch 1.6; load and re-save it with a recent \
          torch"
             .to_string()
     } else if head.first() == Some(&0x80) {
-        "a bare pickle stream, not a torch.save zip archive".to_string()
+        "a pickle stream of an unknown protocol".to_string()
     } else if head
         .iter()
         .all(|b| b.is_ascii_graphic() || b.is_ascii_whitespace())
@@ -433,6 +460,7 @@ pub fn detect_format_from<R: Read + Seek>(
         }
         // The sniffed header length and `{` suffice; the header is parsed when read.
         Container::SafeTensors => Ok(CheckpointFormat::SafeTensors),
+        Container::Pickle => Ok(CheckpointFormat::Pickle),
     }
 }
 
@@ -452,6 +480,10 @@ pub fn validate_structure_from<R: Read + Seek>(
             let header = safetensors_file::read_header(&mut r, len, path)?;
             safetensors_file::check_length(&header, len, path)?;
             Ok(CheckpointFormat::SafeTensors)
+        }
+        Container::Pickle => {
+            plain_pickle::validate(r, len, path)?;
+            Ok(CheckpointFormat::Pickle)
         }
     }
 }
@@ -475,7 +507,7 @@ pub fn read_weights_from<R: Read + Seek>(
     path: &Path,
     opts: &ReadOptions,
 ) -> Result<Checkpoint, WeightsError> {
-    let (format, mut sd) = match sniff(&mut r, len, path)? {
+    let (format, (mut sd, naming)) = match sniff(&mut r, len, path)? {
         Container::Zip => {
             let mut archive = torchzip::open(r, path)?;
             match torchzip::layout(&archive, path)? {
@@ -485,6 +517,7 @@ pub fn read_weights_from<R: Read + Seek>(
                     return Ok(Checkpoint {
                         format: CheckpointFormat::TorchScript,
                         state: sd,
+                        naming: Naming::AttributePaths,
                     });
                 }
                 (prefix, format) => (
@@ -495,17 +528,27 @@ pub fn read_weights_from<R: Read + Seek>(
         }
         Container::SafeTensors => (
             CheckpointFormat::SafeTensors,
-            safetensors_file::read(r, len, path, opts)?,
+            (safetensors_file::read(r, len, path, opts)?, Naming::ByName),
+        ),
+        Container::Pickle => (
+            CheckpointFormat::Pickle,
+            plain_pickle::read_bare_pickle(r, len, path, opts)?,
         ),
     };
-    if let Some(prefix) = opts.strip_prefix.as_deref().filter(|p| !p.is_empty()) {
+    if let Some(prefix) = opts.strip_prefix.as_deref().filter(|p| !p.is_empty())
+        && naming == Naming::ByName
+    {
         for (name, _) in &mut sd.tensors {
             if let Some(rest) = name.strip_prefix(prefix) {
                 *name = rest.to_string();
             }
         }
     }
-    Ok(Checkpoint { format, state: sd })
+    Ok(Checkpoint {
+        format,
+        state: sd,
+        naming,
+    })
 }
 
 /// `a, b, c` (at most 20 names, then a count) for messages.

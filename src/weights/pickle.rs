@@ -55,13 +55,14 @@ pub(crate) enum Obj {
     Class(Rc<str>),
     /// An instance of a placeholder class: data only.
     Instance(Instance),
+    /// A `set` or `frozenset` (protocol 4 opcodes), in insertion order.
+    Set(Vec<Value>),
 }
 
 /// An object of a placeholder class, as the pickle describes it. Nothing of the class runs:
 /// `args` are what NEWOBJ/REDUCE passed, `state` what BUILD set (for a module, the dict of its
 /// attributes: submodules, tensors, `training`, ...).
 #[derive(Debug)]
-#[allow(dead_code)] // class and args: kept for messages and for whole-module pickles later
 pub(crate) struct Instance {
     pub(crate) class: Rc<str>,
     pub(crate) args: Vec<Value>,
@@ -77,6 +78,14 @@ pub(crate) enum Classes {
     /// own compiled modules and classes) are placeholders, and the `torch.jit._pickle` list and
     /// type-tag helpers (identities) are allowed. Anything else is still refused.
     TorchScript,
+    /// Every global outside the allow-list is an inert placeholder (`torch.save(model)`,
+    /// Lightning's hyper-parameters, EDM's network snapshots): calling one records an
+    /// [`Instance`], BUILD records its state, nothing is ever looked up or run. The copyreg
+    /// helpers that pickle objects (`copyreg._reconstructor`, `copyreg.__newobj__`,
+    /// `copyreg.__newobj_ex__`) instantiate the placeholder class they name, and
+    /// `torch.storage._load_from_bytes(bytes)` (how a plain pickle stores a tensor's storage) is
+    /// read as a legacy `torch.save` stream of one storage, by [`legacy_storage`], as data.
+    Inert,
 }
 
 impl Classes {
@@ -84,6 +93,7 @@ impl Classes {
         match self {
             Classes::None => false,
             Classes::TorchScript => module == "__torch__" || module.starts_with("__torch__."),
+            Classes::Inert => true,
         }
     }
 }
@@ -169,6 +179,9 @@ pub(crate) enum Global {
     /// `torch.jit._pickle.build_{int,double,bool,tensor}list` and `restore_type_tag`: return
     /// their first argument (TorchScript archives only).
     JitIdentity,
+    /// `torch.storage._load_from_bytes(bytes)`: a storage in a plain pickle (inert mode only;
+    /// the bytes are parsed as data, never loaded by torch).
+    LoadFromBytes,
 }
 
 /// Element type of a storage or tensor: one diffmon reads, or another torch dtype (kept by name
@@ -187,6 +200,9 @@ pub(crate) struct StorageRef {
     pub(crate) kind: StorageKind,
     /// Elements (typed storage) or bytes (untyped storage), as recorded by torch.
     pub(crate) numel: u64,
+    /// The storage's bytes when the pickle itself holds them (a plain pickle's
+    /// `_load_from_bytes`); `None` for a zip archive's `data/<key>` entry.
+    pub(crate) inline: Option<Rc<[u8]>>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -278,6 +294,7 @@ fn describe(objs: &[Obj], v: &Value) -> &'static str {
             Some(Obj::Tensor(_)) => "a tensor",
             Some(Obj::Class(_)) => "a class",
             Some(Obj::Instance(_)) => "an object",
+            Some(Obj::Set(_)) => "a set",
             None => "an unknown object",
         },
     }
@@ -285,6 +302,12 @@ fn describe(objs: &[Obj], v: &Value) -> &'static str {
 
 /// Runs `data` (a whole data.pkl) and returns the unpickled value.
 pub(crate) fn parse(data: &[u8], classes: Classes) -> Result<Pickle, PickleError> {
+    Ok(parse_prefix(data, classes)?.0)
+}
+
+/// Runs the pickle at the start of `data` and returns it with the number of bytes it spans
+/// (up to and including its STOP); what follows is not looked at.
+pub(crate) fn parse_prefix(data: &[u8], classes: Classes) -> Result<(Pickle, usize), PickleError> {
     let mut vm = Vm {
         data,
         classes,
@@ -297,10 +320,113 @@ pub(crate) fn parse(data: &[u8], classes: Classes) -> Result<Pickle, PickleError
         items: 0,
     };
     let root = vm.run()?;
-    Ok(Pickle {
-        objs: vm.objs,
-        root,
-    })
+    let end = vm.pos;
+    Ok((
+        Pickle {
+            objs: vm.objs,
+            root,
+        },
+        end,
+    ))
+}
+
+/// The magic number pickle that starts a legacy (pre-zip) `torch.save` stream:
+/// `0x1950a86a20f9469cfc6c` as a protocol 2 LONG1.
+const LEGACY_MAGIC: &[u8] = &[
+    0x80, 0x02, 0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19, b'.',
+];
+/// The only legacy protocol version torch writes.
+const LEGACY_PROTOCOL: i64 = 1001;
+
+/// A storage saved by `torch.save(storage, _use_new_zipfile_serialization=False)`, which is
+/// what `torch.storage._load_from_bytes` receives in a plain pickle. The stream is five pickles
+/// and raw bytes: the magic number, the protocol version (1001), a dict of system info
+/// (`little_endian` must be true), the object (here a persistent id naming the storage, with a
+/// sixth view-metadata field), the list of storage keys (one), then per storage an 8-byte
+/// little-endian element count and the elements. Every pickle runs under the strict allow-list;
+/// sizes are checked against the bytes given. Returns the storage's kind, element count and
+/// bytes.
+pub(crate) fn legacy_storage(b: &[u8]) -> Result<(StorageKind, u64, Vec<u8>), String> {
+    let rest = b
+        .strip_prefix(LEGACY_MAGIC)
+        .ok_or("not a legacy torch.save stream (no magic number)")?;
+    let sub = |data: &[u8], what: &str| -> Result<(Pickle, usize), String> {
+        parse_prefix(data, Classes::None).map_err(|e| match e {
+            PickleError::Forbidden(g) => format!("{what} names global `{g}`"),
+            PickleError::Opcode { offset, code } => {
+                format!("{what}: opcode {} at byte {offset}", opcode_name(code))
+            }
+            PickleError::Malformed { offset, detail } => {
+                format!("{what} at byte {offset}: {detail}")
+            }
+        })
+    };
+    let (version, n) = sub(rest, "protocol version")?;
+    if !matches!(version.root, Value::Int(LEGACY_PROTOCOL)) {
+        return Err("unknown legacy protocol version".into());
+    }
+    let rest = &rest[n..];
+    let (info, n) = sub(rest, "system info")?;
+    let little = info
+        .dict(&info.root)
+        .and_then(|d| d.get_str("little_endian"))
+        .is_some_and(|v| matches!(v, Value::Bool(true)));
+    if !little {
+        return Err("written on a big-endian machine (only little-endian is read)".into());
+    }
+    let rest = &rest[n..];
+    let (obj, n) = sub(rest, "storage pickle")?;
+    let storage = match obj.obj(&obj.root) {
+        Some(Obj::Storage(s)) => s.clone(),
+        _ => {
+            return Err(format!(
+                "holds {}, not a storage",
+                describe(&obj.objs, &obj.root)
+            ));
+        }
+    };
+    let rest = &rest[n..];
+    let (keys, n) = sub(rest, "storage key list")?;
+    match keys.obj(&keys.root) {
+        Some(Obj::List(k)) if k.len() == 1 => {}
+        _ => return Err("the storage key list does not hold exactly one key".into()),
+    }
+    let rest = &rest[n..];
+    let (count, data) = rest
+        .split_first_chunk::<8>()
+        .ok_or("the storage's element count is missing")?;
+    let count = u64::from_le_bytes(*count);
+    let elem = match storage.kind {
+        StorageKind::Typed(t) => elem_size(t),
+        StorageKind::Untyped => 1,
+    };
+    let nbytes = count
+        .checked_mul(elem)
+        .filter(|&n| n <= data.len() as u64)
+        .ok_or_else(|| {
+            format!(
+                "the storage declares {count} elements of {elem} bytes but {} bytes follow",
+                data.len()
+            )
+        })?;
+    if count != storage.numel {
+        return Err(format!(
+            "the storage holds {count} elements but its pickle declares {}",
+            storage.numel
+        ));
+    }
+    Ok((storage.kind, count, data[..nbytes as usize].to_vec()))
+}
+
+/// Bytes per element of a storage type (also of those diffmon does not convert).
+fn elem_size(t: ElemType) -> u64 {
+    match t {
+        ElemType::Known(d) => d.size() as u64,
+        ElemType::Other("complex128") => 16,
+        ElemType::Other("complex64") => 8,
+        ElemType::Other("qint32") => 4,
+        ElemType::Other(_) => 1,
+    }
 }
 
 // Opcodes (names as in Python's pickletools).
@@ -345,6 +471,12 @@ const STACK_GLOBAL: u8 = 0x93;
 const MEMOIZE: u8 = 0x94;
 const FRAME: u8 = 0x95;
 const NEWOBJ: u8 = 0x81;
+const LONG4: u8 = 0x8b;
+const BINBYTES8: u8 = 0x8e;
+const EMPTY_SET: u8 = 0x8f;
+const ADDITEMS: u8 = 0x90;
+const FROZENSET: u8 = 0x91;
+const NEWOBJ_EX: u8 = 0x92;
 
 /// The pickletools name of any opcode byte, for error messages.
 pub(crate) fn opcode_name(code: u8) -> &'static str {
@@ -429,6 +561,7 @@ fn resolve_global(module: &str, name: &str, classes: Classes) -> Option<Global> 
             "build_intlist" | "build_doublelist" | "build_boollist" | "build_tensorlist"
             | "restore_type_tag",
         ) if classes == Classes::TorchScript => Global::JitIdentity,
+        ("torch.storage", "_load_from_bytes") if classes == Classes::Inert => Global::LoadFromBytes,
         ("collections", "OrderedDict") => Global::OrderedDict,
         ("torch._utils", "_rebuild_tensor_v2") => Global::RebuildTensorV2,
         ("torch._utils", "_rebuild_tensor_v3") => Global::RebuildTensorV3,
@@ -715,7 +848,32 @@ impl<'a> Vm<'a> {
     }
 
     /// A placeholder instance of the class `cls` (NEWOBJ, or REDUCE on a class): data only.
+    /// The copyreg helpers that pickle protocols use to create objects instantiate the class
+    /// they are given instead.
     fn instantiate(&mut self, cls: &Value, args: Vec<Value>) -> R<Value> {
+        if let Some(Obj::Class(c)) = self.obj(cls) {
+            let helper = c.strip_prefix("copyreg.").or(c.strip_prefix("copy_reg."));
+            let target = args.first().cloned();
+            let target_is_class = matches!(
+                target.as_ref().and_then(|t| self.obj(t)),
+                Some(Obj::Class(_))
+            );
+            if let (Some(helper), Some(target), true) = (helper, target, target_is_class) {
+                let rest = match helper {
+                    // _reconstructor(cls, base, state): the state is a base-class value.
+                    "_reconstructor" => Some(Vec::new()),
+                    "__newobj__" => Some(args[1..].to_vec()),
+                    "__newobj_ex__" => Some(match args.get(1) {
+                        Some(a) => self.tuple_items(a, "__newobj_ex__ arguments")?,
+                        None => Vec::new(),
+                    }),
+                    _ => None,
+                };
+                if let Some(rest) = rest {
+                    return self.instantiate(&target, rest);
+                }
+            }
+        }
         let class = match self.obj(cls) {
             Some(Obj::Class(c)) => c.clone(),
             _ => {
@@ -745,6 +903,13 @@ impl<'a> Vm<'a> {
             *slot = self.pop()?;
         }
         Ok(items)
+    }
+
+    /// In inert mode, items appended or set on a placeholder object (a list or dict subclass
+    /// such as Lightning's `AttributeDict`) are counted and dropped: true when `what` targets one.
+    fn drops_items(&self) -> R<bool> {
+        Ok(self.classes == Classes::Inert
+            && matches!(self.obj(self.top()?), Some(Obj::Instance(_))))
     }
 
     fn list_mut(&mut self, what: &str) -> R<&mut Vec<Value>> {
@@ -825,18 +990,24 @@ impl<'a> Vm<'a> {
                 APPEND => {
                     let v = self.pop()?;
                     self.count_items(1)?;
-                    self.list_mut("APPEND")?.push(v);
+                    if !self.drops_items()? {
+                        self.list_mut("APPEND")?.push(v);
+                    }
                 }
                 APPENDS => {
                     let items = self.pop_mark()?;
                     self.count_items(items.len())?;
-                    self.list_mut("APPENDS")?.extend(items);
+                    if !self.drops_items()? {
+                        self.list_mut("APPENDS")?.extend(items);
+                    }
                 }
                 SETITEM => {
                     let v = self.pop()?;
                     let k = self.pop()?;
                     self.count_items(1)?;
-                    self.dict_mut("SETITEM")?.insert(k, v);
+                    if !self.drops_items()? {
+                        self.dict_mut("SETITEM")?.insert(k, v);
+                    }
                 }
                 SETITEMS => {
                     let items = self.pop_mark()?;
@@ -844,6 +1015,9 @@ impl<'a> Vm<'a> {
                         return self.err("SETITEMS with an odd number of values");
                     }
                     self.count_items(items.len() / 2)?;
+                    if self.drops_items()? {
+                        continue;
+                    }
                     let d = self.dict_mut("SETITEMS")?;
                     let mut it = items.into_iter();
                     while let (Some(k), Some(v)) = (it.next(), it.next()) {
@@ -896,6 +1070,47 @@ impl<'a> Vm<'a> {
                     let v = self.instantiate(&cls, args)?;
                     self.push(v)?;
                 }
+                NEWOBJ_EX if self.classes == Classes::Inert => {
+                    let _kwargs = self.pop()?;
+                    let args = self.pop()?;
+                    let cls = self.pop()?;
+                    let args = self.tuple_items(&args, "NEWOBJ_EX arguments")?;
+                    let v = self.instantiate(&cls, args)?;
+                    self.push(v)?;
+                }
+                EMPTY_SET if self.classes == Classes::Inert => {
+                    let v = self.new_obj(Obj::Set(Vec::new()))?;
+                    self.push(v)?;
+                }
+                ADDITEMS if self.classes == Classes::Inert => {
+                    let items = self.pop_mark()?;
+                    self.count_items(items.len())?;
+                    let top = self.top()?.clone();
+                    let kind = self.kind(&top);
+                    match top {
+                        Value::Obj(id) if matches!(self.objs.get(id.0), Some(Obj::Set(_))) => {
+                            if let Some(Obj::Set(s)) = self.objs.get_mut(id.0) {
+                                s.extend(items);
+                            }
+                        }
+                        _ => return self.err(format!("ADDITEMS on {kind}, expected a set")),
+                    }
+                }
+                FROZENSET if self.classes == Classes::Inert => {
+                    let items = self.pop_mark()?;
+                    self.count_items(items.len())?;
+                    let v = self.new_obj(Obj::Set(items))?;
+                    self.push(v)?;
+                }
+                BINBYTES8 if self.classes == Classes::Inert => {
+                    let n = self.len_u64()?;
+                    self.bytes(n)?;
+                }
+                LONG4 if self.classes == Classes::Inert => {
+                    let n = self.len_u32()?;
+                    self.take(n)?;
+                    self.push(Value::BigInt)?;
+                }
                 BUILD => {
                     let state = self.pop()?;
                     let top = self.top()?.clone();
@@ -910,6 +1125,8 @@ impl<'a> Vm<'a> {
                                 i.state = Some(state);
                             }
                         }
+                        // Inert mode: state set on anything else is dropped (nothing is called).
+                        _ if self.classes == Classes::Inert => {}
                         _ => {
                             let kind = self.kind(&top);
                             return self.err(format!("BUILD on {kind} is not supported"));
@@ -1043,6 +1260,23 @@ impl<'a> Vm<'a> {
                 Some(v) => Ok(v.clone()),
                 None => self.err("torch.jit._pickle helper called without arguments"),
             },
+            Global::LoadFromBytes => {
+                let [Value::Bytes(b)] = args.as_slice() else {
+                    return self.err("_load_from_bytes needs one bytes argument");
+                };
+                let (kind, numel, data) = match legacy_storage(b) {
+                    Ok(s) => s,
+                    Err(e) => return self.err(format!("storage of _load_from_bytes: {e}")),
+                };
+                // A key of its own: the same legacy key may appear in several storages.
+                let key: Rc<str> = Rc::from(format!("inline-{}", self.objs.len()));
+                self.new_obj(Obj::Storage(StorageRef {
+                    key,
+                    kind,
+                    numel,
+                    inline: Some(Rc::from(data)),
+                }))
+            }
             Global::StorageType(_) | Global::UntypedStorage | Global::Dtype(_) => {
                 self.err("a storage type or dtype cannot be called")
             }
@@ -1118,11 +1352,18 @@ impl<'a> Vm<'a> {
     /// `('storage', storage_type, key, location, numel)`.
     fn persistent(&self, pid: &Value) -> R<StorageRef> {
         let items = self.tuple_items(pid, "persistent id")?;
-        let [tag, ty, key, _location, numel] = items.as_slice() else {
-            return self.err(format!(
-                "persistent id has {} fields, expected 5 ('storage', type, key, location, numel)",
-                items.len()
-            ));
+        // The legacy format adds a sixth field (view metadata, always None since torch 1.x).
+        let (tag, ty, key, numel) = match items.as_slice() {
+            [tag, ty, key, _location, numel] | [tag, ty, key, _location, numel, Value::None] => {
+                (tag, ty, key, numel)
+            }
+            _ => {
+                return self.err(format!(
+                    "persistent id has {} fields, expected 5 ('storage', type, key, location, \
+                     numel)",
+                    items.len()
+                ));
+            }
         };
         if !matches!(tag, Value::Str(s) if &**s == "storage") {
             return self.err("persistent id does not start with 'storage'");
@@ -1141,7 +1382,12 @@ impl<'a> Vm<'a> {
             }
         };
         let numel = self.as_u64(numel, "storage size")?;
-        Ok(StorageRef { key, kind, numel })
+        Ok(StorageRef {
+            key,
+            kind,
+            numel,
+            inline: None,
+        })
     }
 }
 

@@ -7,9 +7,10 @@ use std::path::Path;
 use zip::ZipArchive;
 use zip::result::ZipError;
 
-use super::pickle::{self, Dict, ElemType, Pickle, PickleError, StorageKind, TensorMeta, Value};
+use super::pickle::{self, ElemType, Pickle, PickleError, StorageKind, TensorMeta, Value};
+use super::select::{self, MAX_MODULE_DEPTH, MAX_MODULE_VISITS, same_obj};
 use super::{
-    CheckpointFormat, DType, RawTensor, ReadOptions, StateDict, WeightsError, list_names, quote,
+    CheckpointFormat, DType, Naming, RawTensor, ReadOptions, StateDict, WeightsError, quote,
 };
 
 /// Opens the zip's central directory.
@@ -175,7 +176,7 @@ fn read_entry<R: Read + Seek>(
     Ok(buf)
 }
 
-fn pickle_error(e: PickleError, path: &Path, entry: &str) -> WeightsError {
+pub(crate) fn pickle_error(e: PickleError, path: &Path, entry: &str) -> WeightsError {
     let path = path.to_path_buf();
     match e {
         PickleError::Forbidden(global) => WeightsError::ForbiddenGlobal { path, global },
@@ -237,25 +238,55 @@ fn read_pickle<R: Read + Seek>(
     pickle::parse(&data, classes).map_err(|e| pickle_error(e, path, &pkl))
 }
 
-/// Reads the selected state dict of a `torch.save` archive whose entries start with `prefix`.
+/// Reads the selected weights of a `torch.save` archive whose entries start with `prefix`.
+///
+/// `data.pkl` runs under the strict allow-list first. Only when that stops at a foreign global
+/// ([`WeightsError::ForbiddenGlobal`]: a pickled module, Lightning's hyper-parameters, ...) is it
+/// run again, under the same bounds, in inert mode ([`pickle::Classes::Inert`]); that result is
+/// used if the selection rules find weights in it (a module tree, a state dict, a
+/// `shadow_params` list). Otherwise the strict error is returned unchanged.
 pub(crate) fn read<R: Read + Seek>(
     archive: &mut ZipArchive<R>,
     prefix: &str,
     file_len: u64,
     path: &Path,
     opts: &ReadOptions,
-) -> Result<StateDict, WeightsError> {
-    let pickle = read_pickle(archive, prefix, file_len, path, opts, pickle::Classes::None)?;
-    let selected = select(&pickle, opts.weights_key.as_deref(), path)?;
-    let tensors = materialize_all(archive, prefix, file_len, path, opts, selected)?;
-    Ok(StateDict { tensors })
+) -> Result<(StateDict, Naming), WeightsError> {
+    let pkl = format!("{prefix}data.pkl");
+    let bad = |detail: String| WeightsError::Pickle {
+        path: path.to_path_buf(),
+        entry: pkl.clone(),
+        offset: 0,
+        detail,
+    };
+    let pickle = match read_pickle(archive, prefix, file_len, path, opts, pickle::Classes::None) {
+        Ok(p) => p,
+        Err(strict @ WeightsError::ForbiddenGlobal { .. }) => {
+            let Ok(inert) = read_pickle(
+                archive,
+                prefix,
+                file_len,
+                path,
+                opts,
+                pickle::Classes::Inert,
+            ) else {
+                return Err(strict);
+            };
+            match select::select(&inert, opts, path, &bad) {
+                Ok(sel) if !sel.tensors.is_empty() => {
+                    let tensors =
+                        materialize_all(Some(archive), prefix, file_len, path, opts, sel.tensors)?;
+                    return Ok((StateDict { tensors }, sel.naming));
+                }
+                _ => return Err(strict),
+            }
+        }
+        Err(e) => return Err(e),
+    };
+    let sel = select::select(&pickle, opts, path, &bad)?;
+    let tensors = materialize_all(Some(archive), prefix, file_len, path, opts, sel.tensors)?;
+    Ok((StateDict { tensors }, sel.naming))
 }
-
-/// Deepest module nesting followed in a TorchScript archive.
-const MAX_MODULE_DEPTH: usize = 256;
-/// Most attributes visited while collecting a TorchScript archive's tensors (a module shared
-/// under many names is visited once per name).
-const MAX_MODULE_VISITS: usize = 1 << 22;
 
 /// Reads every tensor attribute of a TorchScript archive's module tree, named by its dotted
 /// attribute path (`down.0.conv.weight`), in pickle order. The archive's `data.pkl` runs with
@@ -303,7 +334,7 @@ pub(crate) fn read_torchscript<R: Read + Seek>(
         &mut selected,
     )
     .map_err(malformed)?;
-    let tensors = materialize_all(archive, prefix, file_len, path, opts, selected)?;
+    let tensors = materialize_all(Some(archive), prefix, file_len, path, opts, selected)?;
     Ok(StateDict { tensors })
 }
 
@@ -349,119 +380,6 @@ fn collect_attributes<'p>(
     Ok(())
 }
 
-fn same_obj(a: &Value, b: &Value) -> bool {
-    matches!((a, b), (Value::Obj(x), Value::Obj(y)) if x == y)
-}
-
-fn key_name(p: &Pickle, k: &Value) -> String {
-    match k {
-        Value::Str(s) => s.to_string(),
-        Value::Int(i) => i.to_string(),
-        other => format!("<{}>", p.describe(other)),
-    }
-}
-
-fn dict_keys(p: &Pickle, d: &Dict) -> String {
-    let names: Vec<String> = d.items().iter().map(|(k, _)| key_name(p, k)).collect();
-    list_names(names.iter().map(String::as_str))
-}
-
-/// Non-empty and every value a tensor.
-fn is_tensor_dict(p: &Pickle, d: &Dict) -> bool {
-    !d.items().is_empty() && d.items().iter().all(|(_, v)| p.tensor(v).is_some())
-}
-
-/// `key` in `d`, where dots may also separate nested dicts (`state.ema`).
-fn find_path<'p>(p: &'p Pickle, d: &'p Dict, key: &str) -> Option<&'p Value> {
-    if let Some(v) = d.get_str(key) {
-        return Some(v);
-    }
-    for (i, _) in key.match_indices('.') {
-        let (head, tail) = (&key[..i], &key[i + 1..]);
-        if let Some(sub) = d.get_str(head).and_then(|v| p.dict(v))
-            && let Some(v) = find_path(p, sub, tail)
-        {
-            return Some(v);
-        }
-    }
-    None
-}
-
-/// The tensors of the state dict chosen by `weights_key` (see the module docs), in order.
-fn select<'p>(
-    p: &'p Pickle,
-    weights_key: Option<&str>,
-    path: &Path,
-) -> Result<Vec<(String, &'p TensorMeta)>, WeightsError> {
-    let Some(root) = p.dict(&p.root) else {
-        return Err(WeightsError::NotAStateDict {
-            path: path.to_path_buf(),
-            what: format!("the checkpoint holds {}", p.describe(&p.root)),
-        });
-    };
-    let chosen: &Dict = match weights_key {
-        Some(key) => {
-            let Some(v) = find_path(p, root, key) else {
-                return Err(WeightsError::NoStateDict {
-                    path: path.to_path_buf(),
-                    key: key.to_string(),
-                    keys: dict_keys(p, root),
-                });
-            };
-            let Some(d) = p.dict(v) else {
-                return Err(WeightsError::NotAStateDict {
-                    path: path.to_path_buf(),
-                    what: format!("entry `{key}` holds {}", p.describe(v)),
-                });
-            };
-            if !d.items().is_empty() && !d.items().iter().any(|(_, v)| p.tensor(v).is_some()) {
-                return Err(WeightsError::NotAStateDict {
-                    path: path.to_path_buf(),
-                    what: format!(
-                        "entry `{key}` is a dict without tensors (keys: {})",
-                        dict_keys(p, d)
-                    ),
-                });
-            }
-            d
-        }
-        None if root.items().iter().all(|(_, v)| p.tensor(v).is_some()) => root,
-        None => {
-            let candidates: Vec<(&Value, &Dict)> = root
-                .items()
-                .iter()
-                .filter_map(|(k, v)| p.dict(v).filter(|d| is_tensor_dict(p, d)).map(|d| (k, d)))
-                .collect();
-            match candidates.as_slice() {
-                [(_, d)] => d,
-                [] => {
-                    return Err(WeightsError::AmbiguousStateDict {
-                        path: path.to_path_buf(),
-                        reason: "no entry is a dict of tensors".to_string(),
-                        keys: dict_keys(p, root),
-                    });
-                }
-                several => {
-                    let names: Vec<String> = several.iter().map(|(k, _)| key_name(p, k)).collect();
-                    return Err(WeightsError::AmbiguousStateDict {
-                        path: path.to_path_buf(),
-                        reason: format!(
-                            "several entries hold state dicts ({})",
-                            list_names(names.iter().map(String::as_str))
-                        ),
-                        keys: dict_keys(p, root),
-                    });
-                }
-            }
-        }
-    };
-    Ok(chosen
-        .items()
-        .iter()
-        .filter_map(|(k, v)| p.tensor(v).map(|t| (key_name(p, k), t)))
-        .collect())
-}
-
 /// How many bytes the selected tensors may hold beyond their storages' bytes, on top of the
 /// file's length. Views can repeat storage bytes: tied weights share one storage, and a stride-0
 /// (`expand`ed) view repeats elements, so that a tensor of a few hundred bytes in the file could
@@ -479,8 +397,8 @@ fn view_bytes(t: &TensorMeta, dtype: DType) -> Option<u64> {
 /// Reads the storages of `selected` (each once, dropped after its last tensor) and turns every
 /// tensor into contiguous bytes, refusing views that repeat storage bytes beyond
 /// [`MAX_REPEATED_BYTES`] plus the file's length in all.
-fn materialize_all<R: Read + Seek>(
-    archive: &mut ZipArchive<R>,
+pub(crate) fn materialize_all<R: Read + Seek>(
+    mut archive: Option<&mut ZipArchive<R>>,
     prefix: &str,
     file_len: u64,
     path: &Path,
@@ -526,7 +444,19 @@ fn materialize_all<R: Read + Seek>(
             };
             // The entry may hold what its tensors declare, and never more than the ceiling.
             let limit = Limit::declared(declared, opts.max_entry_bytes);
-            let bytes = read_entry(archive, &entry, limit, file_len, path, &context)?;
+            let bytes = match (&t.storage.inline, archive.as_deref_mut()) {
+                // A plain pickle's storage: its bytes were read (bounded) with the pickle.
+                (Some(inline), _) => inline.to_vec(),
+                (None, Some(archive)) => {
+                    read_entry(archive, &entry, limit, file_len, path, &context)?
+                }
+                (None, None) => {
+                    return Err(bad(format!(
+                        "storage `{}` is not in the file (a persistent id outside a zip archive)",
+                        quote(key)
+                    )));
+                }
+            };
             if let Some(declared) = declared.filter(|&d| d > bytes.len() as u64) {
                 return Err(bad(format!(
                     "storage `{}` holds {} bytes but the checkpoint declares {declared} \
@@ -716,6 +646,7 @@ mod tests {
                 key: Rc::from("0"),
                 kind: StorageKind::Typed(ElemType::Known(dtype)),
                 numel: 0,
+                inline: None,
             },
             dtype: ElemType::Known(dtype),
             offset,

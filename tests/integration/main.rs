@@ -8,6 +8,7 @@ mod daemon;
 mod data;
 mod early_stop;
 mod eval;
+mod formats;
 mod hostile;
 mod hostile_files;
 mod hostile_process;
