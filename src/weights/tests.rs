@@ -202,13 +202,18 @@ fn nested_dict_is_picked_automatically_when_unique() {
 #[test]
 fn weights_key_selects_among_several_state_dicts() {
     // {"model": sd1, "ema": sd10, "step": 7, "state": {"ema": <same object as ema>, "big": 2**40}}
-    let e = read_default(NESTED_TWO_PT).unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "mem/ckpt.pt: cannot tell which entry holds the weights: several entries hold state \
-         dicts (model, ema) (top-level keys: model, ema, step, state); set \
-         `checkpoints.weights_key` to the entry to use"
-    );
+    // Without weights_key: `ema` with prefer_ema (the default), `model` without.
+    let auto = read_default(NESTED_TWO_PT).unwrap();
+    assert_eq!(f32s(auto.get("w").unwrap()), [10.0, 20.0]);
+    let raw = read(
+        NESTED_TWO_PT,
+        &ReadOptions {
+            prefer_ema: false,
+            ..ReadOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(f32s(raw.get("w").unwrap()), [1.0, 2.0]);
     let model = read(NESTED_TWO_PT, &key("model")).unwrap();
     assert_eq!(f32s(model.get("w").unwrap()), [1.0, 2.0]);
     let ema = read(NESTED_TWO_PT, &key("ema")).unwrap();
@@ -906,4 +911,243 @@ fn fuzz_broadcast_view_is_bounded() {
     let data = f32_bytes(&[1.0, 2.0, 3.0, 4.0]);
     let sd = read_default(&archive(&pkl, &[("0", &data)])).unwrap();
     assert_eq!(f32s(sd.get("tied").unwrap()), [1.0, 2.0, 3.0, 4.0]);
+}
+
+/// `{"a": {"w": t}, "b": {"w": t}}`: two state dicts under names no rule ranks.
+#[test]
+fn unranked_state_dicts_stay_ambiguous() {
+    let mut w = PickleWriter::new();
+    w.op(b'}').op(b'(');
+    for k in ["a", "b"] {
+        w.str(k).op(b'}').str("w");
+        w.tensor_v2("FloatStorage", "0", 2, 0, &[2], &[1]);
+        w.op(b's');
+    }
+    w.op(b'u');
+    let data = f32_bytes(&[1.0, 2.0]);
+    let e = read_default(&archive(&w.finish(), &[("0", &data)])).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "mem/ckpt.pt: cannot tell which entry holds the weights: several entries hold weights \
+         (a, b) (top-level keys: a, b); set `checkpoints.weights_key` to the entry to use"
+    );
+}
+
+/// A module object as `torch.save(model)` pickles it at protocol 2: `cls` NEWOBJ, then BUILD of
+/// its `__dict__` with `_parameters`, `_buffers`, `_non_persistent_buffers_set` (a
+/// `__builtin__.set([...])`) and `_modules`.
+fn module_obj(
+    w: &mut PickleWriter,
+    cls: (&str, &str),
+    params: &[(&str, i64)],
+    buffers: &[(&str, i64)],
+    skip: &[&str],
+    children: &mut dyn FnMut(&mut PickleWriter),
+) {
+    w.global(cls.0, cls.1).op(b')').op(0x81);
+    w.op(b'}').op(b'(');
+    w.str("training").op(0x88);
+    for (field, list) in [("_parameters", params), ("_buffers", buffers)] {
+        w.str(field).ordered_dict().op(b'(');
+        for &(name, offset) in list {
+            w.str(name);
+            w.global("torch._utils", "_rebuild_parameter");
+            w.tensor_v2("FloatStorage", "0", 4, offset, &[1], &[1]);
+            w.op(0x88).ordered_dict().op(0x87).op(b'R');
+        }
+        w.op(b'u');
+    }
+    w.str("_non_persistent_buffers_set")
+        .global("__builtin__", "set")
+        .op(b']')
+        .op(b'(');
+    for s in skip {
+        w.str(s);
+    }
+    w.op(b'e').op(0x85).op(b'R');
+    w.str("hook")
+        .global("os", "system")
+        .str("touch /tmp/never")
+        .op(0x85)
+        .op(b'R');
+    w.str("_modules").ordered_dict().op(b'(');
+    children(w);
+    w.op(b'u');
+    w.op(b'u').op(b'b');
+}
+
+fn whole_module_pickle() -> Vec<u8> {
+    let mut w = PickleWriter::new();
+    module_obj(
+        &mut w,
+        ("__main__", "Net"),
+        &[("w", 0)],
+        &[("keep", 1), ("cache", 2)],
+        &["cache"],
+        &mut |w| {
+            w.str("sub");
+            module_obj(
+                w,
+                ("torch.nn.modules.linear", "Linear"),
+                &[("weight", 3)],
+                &[],
+                &[],
+                &mut |_| {},
+            );
+            w.str("none").op(b'N');
+        },
+    );
+    w.finish()
+}
+
+#[test]
+fn whole_module_pickle_is_read_in_inert_mode_only_as_a_fallback() {
+    let data = f32_bytes(&[1.0, 2.0, 3.0, 4.0]);
+    let bytes = archive(&whole_module_pickle(), &[("0", &data)]);
+    let ck = read_weights_from(
+        Cursor::new(&bytes),
+        bytes.len() as u64,
+        Path::new(MEM),
+        &ReadOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(ck.naming, Naming::ByName);
+    let names: Vec<&str> = ck.state.names().collect();
+    // Parameters, persistent buffers, then children; the non-persistent buffer is skipped.
+    assert_eq!(names, ["w", "keep", "sub.weight"]);
+    assert_eq!(f32s(ck.state.get("sub.weight").unwrap()), [4.0]);
+    assert_eq!(f32s(ck.state.get("keep").unwrap()), [2.0]);
+
+    // A foreign global that yields no weights keeps the strict error (first global named).
+    let mut w = PickleWriter::new();
+    w.op(b'}')
+        .str("x")
+        .global("os", "system")
+        .str("id")
+        .op(0x85)
+        .op(b'R')
+        .op(b's');
+    let e = read_default(&archive(&w.finish(), &[])).unwrap_err();
+    assert_eq!(e.to_string(), forbidden_message("os.system"));
+}
+
+#[test]
+fn inert_mode_never_calls_and_bounds_nesting() {
+    // A module whose child is itself (a cycle) is walked once.
+    let mut w = PickleWriter::new();
+    w.global("__main__", "M").op(b')').op(0x81).op(b'q').op(9);
+    w.op(b'}').op(b'(');
+    w.str("_parameters").op(b'}').str("p");
+    w.tensor_v2("FloatStorage", "0", 1, 0, &[1], &[1]);
+    w.op(b's');
+    w.str("_buffers").op(b'}');
+    w.str("_modules").op(b'}').str("me").op(b'h').op(9).op(b's');
+    w.op(b'u').op(b'b');
+    let data = f32_bytes(&[5.0]);
+    let sd = read_default(&archive(&w.finish(), &[("0", &data)])).unwrap();
+    assert_eq!(sd.names().collect::<Vec<_>>(), ["p"]);
+
+    // Inert objects: REDUCE and BUILD only record data, whatever the global.
+    let mut w = PickleWriter::new();
+    w.global("builtins", "eval").str("1/0").op(0x85).op(b'R');
+    w.op(b'}').str("k").int(1).op(b's').op(b'b');
+    let p = pickle::parse(&w.finish(), pickle::Classes::Inert).unwrap();
+    let inst = p.instance(&p.root).unwrap();
+    assert_eq!(&*inst.class, "builtins.eval");
+    assert!(inst.state.is_some());
+}
+
+/// A legacy `torch.save(storage)` stream, as `torch.storage._load_from_bytes` receives it.
+fn legacy_storage_bytes(values: &[f32], count: u64) -> Vec<u8> {
+    let mut out = vec![
+        0x80, 0x02, 0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19, b'.',
+    ];
+    let mut w = PickleWriter::new();
+    w.op(b'M').0.extend_from_slice(&1001u16.to_le_bytes());
+    out.extend(w.finish());
+    let mut w = PickleWriter::new();
+    w.op(b'}').str("little_endian").op(0x88).op(b's');
+    out.extend(w.finish());
+    let mut w = PickleWriter::new();
+    w.op(b'(')
+        .str("storage")
+        .global("torch", "FloatStorage")
+        .str("93")
+        .str("cpu");
+    w.long(values.len() as i64).op(b'N').op(b't').op(b'Q');
+    out.extend(w.finish());
+    let mut w = PickleWriter::new();
+    w.op(b']').str("93").op(b'a');
+    out.extend(w.finish());
+    out.extend(count.to_le_bytes());
+    out.extend(f32_bytes(values));
+    out
+}
+
+/// `pickle.dump({"ema": <persistent module>, "loss": <object>})` with the storage inline.
+fn snapshot_pickle(storage: &[u8]) -> Vec<u8> {
+    let mut w = PickleWriter::new();
+    w.op(b'}').str("ema");
+    w.global("torch_utils.persistence", "_reconstruct_persistent_obj");
+    w.op(b'}').op(b'(').str("type").str("class");
+    w.str("module_src")
+        .str("import os; os.system('touch /tmp/never')");
+    w.str("state").op(b'}').op(b'(');
+    w.str("_parameters").op(b'}').str("w");
+    w.global("torch._utils", "_rebuild_tensor_v2").op(b'(');
+    w.global("torch.storage", "_load_from_bytes").op(b'B');
+    w.0.extend_from_slice(&(storage.len() as u32).to_le_bytes());
+    w.0.extend_from_slice(storage);
+    w.op(0x85).op(b'R');
+    w.long(0)
+        .int_tuple(&[2])
+        .int_tuple(&[1])
+        .op(0x89)
+        .ordered_dict()
+        .op(b't')
+        .op(b'R');
+    w.op(b's');
+    w.str("_buffers").op(b'}').str("_modules").op(b'}');
+    w.op(b'u').op(b'u').op(0x85).op(b'R');
+    w.op(b's');
+    w.str("loss")
+        .global("training.loss", "Loss")
+        .op(b')')
+        .op(0x81)
+        .op(b's');
+    w.finish()
+}
+
+#[test]
+fn plain_pickle_snapshot_with_inline_legacy_storages() {
+    let bytes = snapshot_pickle(&legacy_storage_bytes(&[1.5, -2.0], 2));
+    assert_eq!(detect(&bytes).unwrap(), CheckpointFormat::Pickle);
+    assert_eq!(validate(&bytes).unwrap(), CheckpointFormat::Pickle);
+    let ck = read_weights_from(
+        Cursor::new(&bytes),
+        bytes.len() as u64,
+        Path::new(MEM),
+        &ReadOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(ck.format, CheckpointFormat::Pickle);
+    assert_eq!(ck.state.names().collect::<Vec<_>>(), ["w"]);
+    assert_eq!(f32s(ck.state.get("w").unwrap()), [1.5, -2.0]);
+
+    // A storage stream that declares more elements than it holds is an error, not a panic.
+    let bad = snapshot_pickle(&legacy_storage_bytes(&[1.5, -2.0], 3));
+    let e = read_default(&bad).unwrap_err();
+    assert!(e.to_string().contains("_load_from_bytes"), "{e}");
+    // Cut short: incomplete.
+    let e = validate(&bytes[..bytes.len() - 3]).unwrap_err();
+    assert!(e.is_incomplete(), "{e}");
+    for cut in [3, bytes.len() / 2, bytes.len() - 1] {
+        assert!(read_default(&bytes[..cut]).is_err());
+    }
+    // Random mutations never panic.
+    let mut rng = Rng(11);
+    for _ in 0..300 {
+        let m = mutate(&mut rng, &bytes);
+        let _ = read_default(&m);
+    }
 }
