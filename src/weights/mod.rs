@@ -2,14 +2,18 @@
 //!
 //! diffmon evaluates checkpoints that a training job writes. A checkpoint is one of:
 //!
-//! - a **`torch.save` zip archive** holding a state dict (`torch.save(model.state_dict())`) or a
-//!   dict nesting one under a key (`{"ema": ..., "model": ..., "step": 7}`);
+//! - a **`torch.save` zip archive** holding a state dict (`torch.save(model.state_dict())`), a
+//!   dict nesting one under a key (`{"ema": ..., "model": ..., "step": 7}`, Lightning `.ckpt`),
+//!   a whole pickled module (`torch.save(model)`, EDM's `training-state-*.pt`), or diffusers'
+//!   `EMAModel.state_dict()` (an ordered `shadow_params` list);
+//! - a **plain pickle** (`pickle.dump`, EDM/EDM2 `network-snapshot-*.pkl`), read as data;
 //! - a **safetensors** file;
 //! - a **TorchScript** archive (`torch.jit.save`), read here as data like the others: libtorch
 //!   never loads a checkpoint (its loader would run the archive's code, e.g. a module's
 //!   `__setstate__`). See "TorchScript archives" below.
 //!
-//! The format is detected from the content (zip magic and archive layout, or the safetensors
+//! The format is detected from the content (zip magic and archive layout, a pickle protocol
+//! header (2 to 5) for plain pickles, or the safetensors
 //! length-prefixed JSON header), never from the file name. [`validate_structure`] is the cheap
 //! check the watcher uses to decide that a file is completely written; [`read_checkpoint`]
 //! returns the tensors, in file order, as contiguous little-endian bytes ([`RawTensor`]).
@@ -35,6 +39,19 @@
 //!   of a tensor as a strided view of a named storage). Storages are only named by the pickle
 //!   (persistent ids); their bytes are read afterwards from the zip, only for the tensors of the
 //!   selected state dict, each storage entry once;
+//! - **inert fallback**: a `torch.save` archive whose strict read stops at a foreign global is
+//!   read a second time, under the same bounds, with every global outside the allow-list an
+//!   inert placeholder (`pickle::Classes::Inert`): calling one (REDUCE, NEWOBJ) records its name
+//!   and arguments, BUILD records its state, `copyreg._reconstructor` / `__newobj__` instantiate
+//!   the placeholder class they name; no constructor, `__setstate__`, `__reduce__` callable or
+//!   any other code is looked up or run. That result is used only if the selection rules below
+//!   find weights in it (a module tree, a state dict, a `shadow_params` list); otherwise the
+//!   original [`WeightsError::ForbiddenGlobal`] is returned. Plain pickle files are read in
+//!   inert mode directly; there a tensor's storage is `torch.storage._load_from_bytes(<bytes>)`,
+//!   a legacy (pre-zip) `torch.save` stream of one storage that is parsed as data (magic
+//!   number, protocol version 1001, little-endian system info, the storage's persistent id,
+//!   its key list, an 8-byte element count and the raw bytes, all checked against the bytes
+//!   given). A plain pickle is read whole, at most `checkpoints.max_entry_mib`;
 //! - bounds every resource that grows with the input (pickle size, stack, MARK nesting, memo,
 //!   objects, container items), keeps objects in a flat arena (so self-referencing or deeply
 //!   nested input cannot overflow the Rust stack, not even when dropped), and checks every size
@@ -73,16 +90,36 @@
 //! shape; other tensor attributes of the archive are ignored). `weights_key` and `strip_prefix`
 //! do not apply to TorchScript archives (they never did).
 //!
-//! # Selecting the state dict
+//! # Pickled modules
 //!
+//! A module object (`torch.save(model)`: a placeholder whose BUILD state has `_parameters` and
+//! `_modules`; or an EDM-style persistent object: a placeholder call whose one dict argument has
+//! a `state` entry that is such an attribute dict, whose `module_src` is never looked at) is
+//! read with exactly `module.state_dict()`'s names and order: per module its non-None
+//! parameters, its non-None buffers except those in `_non_persistent_buffers_set`, then its
+//! children with `name.` prefixes. A module met again on its own path (a cycle) is skipped;
+//! depth (256) and entries visited (2^22) are bounded.
+//!
+//! # Selecting the weights
+//!
+//! - A pickled module at the root is used as a whole.
 //! - With [`ReadOptions::weights_key`] set, that entry of the top-level dict is used; a dotted
-//!   path (`state.ema`) walks nested dicts (a key containing dots literally is tried first).
-//!   Entries of the selected dict that are not tensors are skipped.
-//! - Without it, a top-level dict whose values are all tensors is the state dict; otherwise the
-//!   one entry whose value is a non-empty dict of tensors is used, and if there are none or
-//!   several, the error lists the top-level keys.
+//!   path (`state.ema`) walks nested dicts (a key containing dots literally is tried first). It
+//!   may hold a state dict (entries that are not tensors are skipped), a module, or a list of
+//!   tensors (`shadow_params`, matched by order).
+//! - Without it, a top-level dict whose values are all tensors is the state dict. Otherwise the
+//!   candidates are the entries holding a non-empty dict of tensors or a module with tensors;
+//!   one candidate is used. Among several, with [`ReadOptions::prefer_ema`] `state_dict` when
+//!   `current_model_state` is also one (Lightning's weight averaging keeps the averaged weights
+//!   in `state_dict`), else the first of `ema`, `ema_model`, `model_ema`, `ema_state_dict`;
+//!   then (and always without `prefer_ema`) the first of `current_model_state`, `state_dict`,
+//!   `model_state_dict`, `model`, `net`, `module`. Candidates under none of these names are an
+//!   error listing the top-level keys. With no candidate, a `shadow_params` list of tensors
+//!   (diffusers' `EMAModel.state_dict()`) is used, matched by order ([`Naming::Ordered`]);
+//!   otherwise the error lists the top-level keys.
 //! - [`ReadOptions::strip_prefix`] (e.g. `module.`) is removed from every name that starts with
-//!   it.
+//!   it (not from ordered lists). `Model::load_weights` also removes a prefix common to every
+//!   name by itself when that makes the names match the architecture.
 //! - safetensors files are flat: there `weights_key = k` keeps only the tensors named `k.*` and
 //!   removes that `k.` prefix, *if any tensor has it*; otherwise `weights_key` is ignored, so one
 //!   configuration serves both `.pt` checkpoints with an `ema` entry and plain safetensors.
@@ -90,6 +127,10 @@
 //! Supported dtypes are those of [`DType`]; a selected tensor of another dtype (complex,
 //! uint16, float8, quantized) is an error naming it, while such tensors elsewhere in the file
 //! (e.g. optimizer state) do not matter. Checkpoints written on big-endian machines are refused.
+//!
+//! [`Checkpoint::naming`] says how names are matched to the architecture: by name (state dicts,
+//! safetensors, module trees), leniently by attribute path (TorchScript), or by position
+//! (`shadow_params`).
 
 mod error;
 mod pickle;
