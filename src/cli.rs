@@ -2,7 +2,7 @@
 //! codes: 0 ok, 2 bad usage or config, 1 runtime failure.
 
 use crate::config::{self, Config, ConfigError, DeviceSpec, Observable};
-use crate::eval::{Evaluator, step_of};
+use crate::eval::Evaluator;
 use crate::model::Model;
 use crate::pfd::{self, PfdProbe};
 use crate::report::ReportError;
@@ -182,10 +182,21 @@ fn keep_freed_memory() {
     }
 }
 
+/// A checkpoint given to `eval` whose path has no training step (a usage error, exit code 2).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{path}: no training step in its path (checkpoints.step_regex `{regex}`, tried on the path relative to run.dir, else on the file name and its folder's name)"
+)]
+pub struct NoStep {
+    path: PathBuf,
+    regex: String,
+}
+
 /// 2 for configuration problems and bad usage, 1 for everything else.
 pub fn exit_code(e: &anyhow::Error) -> u8 {
     let usage = |c: &(dyn std::error::Error + 'static)| {
         c.downcast_ref::<ConfigError>().is_some()
+            || c.downcast_ref::<NoStep>().is_some()
             || c.downcast_ref::<ReportError>()
                 .is_some_and(ReportError::is_usage)
     };
@@ -269,11 +280,19 @@ fn eval(config_path: &std::path::Path, checkpoints: &[PathBuf], json: bool) -> R
     let config = Config::load_without_secrets(config_path)?;
     let step_regex =
         regex::Regex::new(&config.checkpoints.step_regex).context("checkpoints.step_regex")?;
+    let steps = checkpoints
+        .iter()
+        .map(|path| {
+            crate::unit::step_of(path, Some(&config.run.dir), &step_regex).ok_or_else(|| NoStep {
+                path: path.clone(),
+                regex: config.checkpoints.step_regex.clone(),
+            })
+        })
+        .collect::<Result<Vec<i64>, NoStep>>()?;
     let mut evaluator = Evaluator::new(&config)?;
     let mut out = std::io::stdout().lock();
     let mut failures = 0;
-    for (k, path) in checkpoints.iter().enumerate() {
-        let step = step_of(path, &step_regex).unwrap_or(k as i64);
+    for (path, step) in checkpoints.iter().zip(steps) {
         match evaluator.evaluate(path, step) {
             Ok(record) => {
                 if json {

@@ -154,6 +154,13 @@ pub struct CheckpointsConfig {
     /// entries; a storage is also bounded by what its tensors declare).
     #[serde(default = "default_max_entry_mib")]
     pub max_entry_mib: u64,
+    /// Where a checkpoint holds both EMA and raw weights, evaluate the EMA ones.
+    #[serde(default = "default_true")]
+    pub prefer_ema: bool,
+    /// Relative paths (a `*` glob within a component) tried in order inside a checkpoint
+    /// folder; default [`crate::unit::default_weights_files`].
+    #[serde(default)]
+    pub weights_files: Option<Vec<String>>,
 }
 
 fn default_shutdown_drain_secs() -> f64 {
@@ -161,7 +168,7 @@ fn default_shutdown_drain_secs() -> f64 {
 }
 
 fn default_pattern() -> String {
-    "*.{pt,pth,ckpt,safetensors,ts}".into()
+    "{*.pt,*.pth,*.ckpt,*.safetensors,*.bin,*.pkl,*.ts,checkpoint-*,checkpoint_*}".into()
 }
 fn default_step_regex() -> String {
     r"(\d+)\D*$".into()
@@ -196,6 +203,8 @@ impl Default for CheckpointsConfig {
             backlog: default_backlog(),
             inotify: true,
             max_entry_mib: default_max_entry_mib(),
+            prefer_ema: true,
+            weights_files: None,
         }
     }
 }
@@ -862,6 +871,30 @@ impl Config {
         }
     }
 
+    /// Files the config names that may sit in `run.dir` and are never checkpoints: the
+    /// architecture, the data, the teacher, descriptor and latents, the stop file and the state
+    /// folder.
+    pub fn named_files(&self) -> Vec<PathBuf> {
+        let mut v = vec![
+            self.model.architecture.clone(),
+            self.data.path.clone(),
+            self.run.dir.join(&self.alerts.stop_file),
+            self.state_dir(),
+        ];
+        v.extend(
+            [
+                &self.data.heldout_path,
+                &self.pfd.teacher,
+                &self.pfd.descriptor,
+                &self.pfd.latents,
+            ]
+            .into_iter()
+            .flatten()
+            .cloned(),
+        );
+        v
+    }
+
     /// The label `run` on every metric.
     pub fn run_name(&self) -> String {
         self.run.name.clone().unwrap_or_else(|| {
@@ -926,6 +959,18 @@ impl Config {
                 "checkpoints.step_regex",
                 format!("is not a valid regex: {e}"),
             ),
+        }
+        if let Some(files) = &c.weights_files {
+            v.check(
+                !files.is_empty(),
+                "checkpoints.weights_files",
+                "must list at least one relative path (or be left out for the defaults)",
+            );
+            for (i, f) in files.iter().enumerate() {
+                if let Err(e) = crate::unit::check_weights_file(f) {
+                    v.problem(&format!("checkpoints.weights_files[{i}]"), e);
+                }
+            }
         }
         v.real("checkpoints.settle_secs", c.settle_secs, 0.0..=86_400.0);
         v.real("checkpoints.poll_secs", c.poll_secs, 0.1..=3_600.0);
@@ -1314,7 +1359,7 @@ fn too_deep(text: &str) -> Option<(usize, usize)> {
 /// `path` without `.` components and with each `name/..` pair removed, lexically (what the user
 /// wrote, shorter: `config/../runs/demo` is `runs/demo`). Leading `..` stay; an empty result is
 /// `.`.
-fn normalize(path: &Path) -> PathBuf {
+pub(crate) fn normalize(path: &Path) -> PathBuf {
     use std::path::Component;
     let mut out: Vec<Component> = Vec::new();
     for c in path.components() {

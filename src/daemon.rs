@@ -27,7 +27,7 @@ use crate::config::{Config, EarlyStopMetric};
 use crate::crash::{Crash, InFlight};
 use crate::detector::{Best, Detector, DetectorState, Observation, Signal};
 use crate::eval::{EvalError, Evaluator};
-use crate::history::{CheckpointKey, Entry, History};
+use crate::history::{Entry, History};
 use crate::lock::StateLock;
 use crate::metrics::{self, Metrics};
 use crate::model::ModelError;
@@ -68,7 +68,7 @@ enum Outcome {
 
 /// Failure reason label of `diffmon_checkpoint_failures_total{reason}`.
 fn failure_reason(item: &WorkItem, e: &EvalError) -> &'static str {
-    if CheckpointKey::of(&item.path).ok().as_ref() != Some(&item.key) {
+    if crate::unit::key(&item.path).ok().as_ref() != Some(&item.key) {
         return metrics::REASON_VANISHED;
     }
     match e {
@@ -76,6 +76,7 @@ fn failure_reason(item: &WorkItem, e: &EvalError) -> &'static str {
             metrics::REASON_UNREADABLE
         }
         EvalError::Model(ModelError::Mismatch { .. }) => metrics::REASON_MISMATCH,
+        EvalError::Unit(_) => metrics::REASON_UNREADABLE,
         EvalError::Invalid { .. } | EvalError::Icr(_) | EvalError::Pfd(PfdError::NonFinite(_)) => {
             metrics::REASON_NON_FINITE
         }
@@ -489,7 +490,7 @@ pub fn run(config: Config) -> Result<()> {
                 crate::crash::evaluating(None);
                 let outcome = match evaluated {
                     // A file deleted or rewritten while it was read may not be what was evaluated.
-                    Ok(_) if CheckpointKey::of(&item.path).ok().as_ref() != Some(&item.key) => {
+                    Ok(_) if crate::unit::key(&item.path).ok().as_ref() != Some(&item.key) => {
                         Outcome::Failed(
                             item,
                             metrics::REASON_VANISHED,
@@ -519,7 +520,8 @@ pub fn run(config: Config) -> Result<()> {
         .iter()
         .map(|e| e.key().clone())
         .collect();
-    let watcher = Watcher::new(&config.run.dir, &config.checkpoints, done, metrics.clone());
+    let watcher = Watcher::new(&config.run.dir, &config.checkpoints, done, metrics.clone())
+        .with_excluded(config.named_files());
     let watcher_shutdown = shutdown.clone();
     let watcher = std::thread::Builder::new()
         .name("diffmon-watch".into())

@@ -29,6 +29,8 @@ pub enum EvalError {
         checkpoint: PathBuf,
         message: String,
     },
+    #[error(transparent)]
+    Unit(#[from] crate::unit::UnitError),
     #[error("{path}: image shape {data:?} of the data does not match {other_path}'s {other:?}")]
     ShapeMismatch {
         path: PathBuf,
@@ -196,11 +198,13 @@ impl Evaluator {
         &self.contract
     }
 
-    /// Loads `checkpoint`'s weights and computes the enabled metrics.
+    /// Loads the weights of `checkpoint` (a file, or a checkpoint folder: see [`crate::unit`])
+    /// and computes the enabled metrics. The record names `checkpoint` itself.
     pub fn evaluate(&mut self, checkpoint: &Path, step: i64) -> Result<Evaluation, EvalError> {
         let started = Instant::now();
         let opts = read_options(&self.config.checkpoints);
-        self.model.load_weights(checkpoint, &opts)?;
+        let weights = crate::unit::weights_path(checkpoint, &self.config.checkpoints)?;
+        self.model.load_weights(&weights, &opts)?;
         let mut record = Evaluation {
             step,
             checkpoint: checkpoint.display().to_string(),
@@ -273,12 +277,6 @@ impl Evaluator {
     }
 }
 
-/// The training step of a checkpoint: the first capture group of `step_regex` on its file name.
-pub fn step_of(path: &Path, step_regex: &regex::Regex) -> Option<i64> {
-    let name = path.file_name()?.to_str()?;
-    step_regex.captures(name)?.get(1)?.as_str().parse().ok()
-}
-
 /// How the checkpoint readers pick and bound the weights (`checkpoints.weights_key`,
 /// `strip_prefix` and `max_entry_mib`).
 pub fn read_options(c: &crate::config::CheckpointsConfig) -> ReadOptions {
@@ -286,6 +284,6 @@ pub fn read_options(c: &crate::config::CheckpointsConfig) -> ReadOptions {
         weights_key: c.weights_key.clone(),
         strip_prefix: c.strip_prefix.clone(),
         max_entry_bytes: c.max_entry_mib.saturating_mul(1 << 20),
-        prefer_ema: true,
+        prefer_ema: c.prefer_ema,
     }
 }

@@ -22,5 +22,6 @@ pub mod report;
 pub mod safe_fs;
 pub mod sampler;
 pub mod tail;
+pub mod unit;
 pub mod watcher;
 pub mod weights;

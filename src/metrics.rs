@@ -41,6 +41,7 @@ pub const CHECKPOINTS_EVALUATED: &str = "diffmon_checkpoints_evaluated";
 pub const CHECKPOINT_FAILURES: &str = "diffmon_checkpoint_failures";
 pub const CHECKPOINTS_PENDING: &str = "diffmon_checkpoints_pending";
 pub const CHECKPOINTS_SKIPPED: &str = "diffmon_checkpoints_skipped";
+pub const CHECKPOINTS_IGNORED: &str = "diffmon_checkpoints_ignored";
 pub const EVALUATION_DURATION: &str = "diffmon_evaluation_duration_seconds";
 pub const WEBHOOK_DELIVERIES: &str = "diffmon_webhook_deliveries";
 pub const BUILD_INFO: &str = "diffmon_build_info";
@@ -107,6 +108,7 @@ pub fn exported_names() -> Vec<String> {
         EARLY_STOP_TRIGGERED,
         EARLY_STOP_UNCONFIRMED,
         CHECKPOINTS_PENDING,
+        CHECKPOINTS_IGNORED,
         EVALUATION_DURATION,
         BUILD_INFO,
         LAST_EVALUATION_TIMESTAMP,
@@ -185,6 +187,7 @@ pub struct Metrics {
     checkpoints_evaluated: Family<RunLabel, Counter>,
     checkpoint_failures: Family<ReasonLabels, Counter>,
     checkpoints_pending: Family<RunLabel, Gauge>,
+    checkpoints_ignored: Family<RunLabel, Gauge>,
     checkpoints_skipped: Family<RunLabel, Counter>,
     evaluation_duration: Family<StageLabels, Histogram>,
     webhook_deliveries: Family<OutcomeLabels, Counter>,
@@ -541,6 +544,7 @@ impl Metrics {
             checkpoints_evaluated: Family::default(),
             checkpoint_failures: Family::default(),
             checkpoints_pending: Family::default(),
+            checkpoints_ignored: Family::default(),
             checkpoints_skipped: Family::default(),
             evaluation_duration: Family::new_with_constructor(duration_histogram),
             webhook_deliveries: Family::default(),
@@ -641,6 +645,11 @@ impl Metrics {
             m.checkpoints_pending.clone(),
         );
         registry.register(
+            CHECKPOINTS_IGNORED,
+            "Entries of the run folder that look like checkpoints but are not evaluated (no match for checkpoints.pattern, no step, no weights file)",
+            m.checkpoints_ignored.clone(),
+        );
+        registry.register(
             CHECKPOINTS_SKIPPED,
             "Checkpoints skipped by the `latest` backlog policy",
             m.checkpoints_skipped.clone(),
@@ -684,6 +693,7 @@ impl Metrics {
         m.checkpoints_evaluated.get_or_create(&l).inc_by(0);
         m.checkpoints_skipped.get_or_create(&l).inc_by(0);
         m.checkpoints_pending.get_or_create(&l).set(0);
+        m.checkpoints_ignored.get_or_create(&l).set(0);
         m.early_stop_triggered.get_or_create(&l).set(0);
         m.early_stop_unconfirmed.get_or_create(&l).set(0);
         m.last_evaluation_timestamp
@@ -850,6 +860,12 @@ impl Metrics {
 
     pub fn set_pending(&self, n: usize) {
         self.checkpoints_pending
+            .get_or_create(&self.label())
+            .set(n as i64);
+    }
+
+    pub fn set_ignored(&self, n: usize) {
+        self.checkpoints_ignored
             .get_or_create(&self.label())
             .set(n as i64);
     }

@@ -63,7 +63,48 @@ pub struct Watcher {
     rewatch: bool,
     /// How many times a file's container structure was checked (each opens and reads it).
     structure_checks: u64,
+    /// Files the config names (architecture, data, teacher, ...): never checkpoints.
+    excluded: HashSet<PathBuf>,
+    /// Entries that look like checkpoints but are not evaluated, from the last scan: (name,
+    /// why).
+    ignored: Vec<(String, &'static str)>,
+    /// When the warning about `ignored` entries was last logged.
+    warned_ignored_at: Option<Instant>,
     metrics: Arc<Metrics>,
+}
+
+/// Extensions of files that look like checkpoints (for the warning about skipped entries).
+const WEIGHT_LIKE: [&str; 9] = [
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".safetensors",
+    ".bin",
+    ".pkl",
+    ".ts",
+    ".distcp",
+    ".index.json",
+];
+
+/// How often the warning about entries that look like checkpoints but are skipped repeats
+/// while nothing has been found.
+const IGNORED_WARNING_EVERY: Duration = Duration::from_secs(60);
+
+/// Whether `path` (a file or folder of `run.dir`) looks like a checkpoint: a weights-like
+/// extension, or a folder with such a file (or `.metadata`) among its first entries.
+fn looks_like_checkpoint(path: &Path, name: &str, is_dir: bool) -> bool {
+    let weight_like = |n: &str| n == ".metadata" || WEIGHT_LIKE.iter().any(|e| n.ends_with(e));
+    if !is_dir {
+        return weight_like(name);
+    }
+    let Ok(entries) = std::fs::read_dir(path) else {
+        return false;
+    };
+    entries.take(64).flatten().any(|e| {
+        let n = e.file_name();
+        let n = n.to_string_lossy();
+        weight_like(&n) || ["unet", "unet_ema", "transformer", "transformer_ema"].contains(&&*n)
+    })
 }
 
 /// An error reading a file that may go away by itself (permissions fixed, a flaky disk or
@@ -90,6 +131,15 @@ fn is_transient(e: &crate::weights::WeightsError) -> bool {
 /// A name from `run.dir` for logs (control characters escaped).
 fn shown(path: &Path) -> String {
     crate::safe_fs::untrusted(path)
+}
+
+/// An entry's name for messages: escaped, with `/` after a folder.
+fn shown_entry(name: &str, is_dir: bool) -> String {
+    let mut s = crate::safe_fs::untrusted_text(name);
+    if is_dir {
+        s.push('/');
+    }
+    s
 }
 
 /// Names that are never checkpoints: hidden files and files still being written.
@@ -124,8 +174,25 @@ impl Watcher {
             dir_present: None,
             rewatch: false,
             structure_checks: 0,
+            excluded: HashSet::new(),
+            ignored: Vec::new(),
+            warned_ignored_at: None,
             metrics,
         }
+    }
+
+    /// Files that are never checkpoints, whatever their name (those the config names).
+    pub fn with_excluded(mut self, paths: impl IntoIterator<Item = PathBuf>) -> Watcher {
+        self.excluded = paths
+            .into_iter()
+            .map(|p| crate::config::normalize(&p))
+            .collect();
+        self
+    }
+
+    /// The step in a unit's name (its path relative to `run.dir`).
+    fn step(&self, path: &Path) -> Option<i64> {
+        crate::unit::step_in(path.file_name()?.to_str()?, &self.step_regex)
     }
 
     fn settle(&self) -> Duration {
@@ -158,27 +225,51 @@ impl Watcher {
         let now = Instant::now();
         let mut present = HashSet::new();
         let mut matching = HashSet::new();
+        let mut ignored = Vec::new();
         for entry in entries.flatten() {
             let name = entry.file_name();
             let Some(name) = name.to_str() else { continue };
-            if is_temporary(name) || !self.pattern.is_match(name) {
+            if is_temporary(name) {
                 continue;
             }
             let path = entry.path();
+            if self.excluded.contains(&crate::config::normalize(&path)) {
+                continue;
+            }
+            let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+            if !self.pattern.is_match(name) {
+                // Only looked at while nothing was found: the warning is for a wrong pattern.
+                if self.nothing_found()
+                    && ignored.len() < 1000
+                    && looks_like_checkpoint(&path, name, is_dir)
+                {
+                    ignored.push((
+                        shown_entry(name, is_dir),
+                        "does not match checkpoints.pattern",
+                    ));
+                }
+                continue;
+            }
             matching.insert(path.clone());
-            // The step is in the name: a file without one is skipped before any stat or open.
-            let Some(step) = crate::eval::step_of(&path, &self.step_regex) else {
+            // The step is in the name: an entry without one is skipped before any stat or open.
+            let Some(step) = self.step(&path) else {
+                if looks_like_checkpoint(&path, name, is_dir) && ignored.len() < 1000 {
+                    ignored.push((
+                        shown_entry(name, is_dir),
+                        "has no step in its name (checkpoints.step_regex)",
+                    ));
+                }
                 if self.warned_no_step.insert(path.clone()) {
                     tracing::warn!(checkpoint = %shown(&path), regex = %self.config.step_regex,
-                        "no training step in the file name (checkpoints.step_regex); skipping it");
+                        "no training step in the name (checkpoints.step_regex); skipping it");
                 }
                 continue;
             };
-            // Only regular files (or links to them) are checkpoints; a FIFO, socket or device
-            // is never opened (opening a FIFO would block).
-            let regular = match entry.file_type() {
+            // Regular files (or links to them) and folders are checkpoints; a FIFO, socket or
+            // device is never opened (opening a FIFO would block), nor a link to a folder.
+            let kind = match entry.file_type() {
                 Ok(t) if t.is_file() => Some(true),
-                Ok(t) if t.is_dir() => None,
+                Ok(t) if t.is_dir() => Some(true),
                 Ok(t) if t.is_symlink() => match std::fs::metadata(&path) {
                     Ok(m) if m.is_file() => Some(true),
                     Ok(m) if m.is_dir() => None,
@@ -188,9 +279,10 @@ impl Watcher {
                 Ok(_) => Some(false),
                 Err(_) => None,
             };
-            match regular {
+            match kind {
                 Some(true) => {}
                 Some(false) => {
+                    ignored.push((shown_entry(name, false), "is not a regular file"));
                     if self.warned_not_regular.insert(path.clone()) {
                         tracing::warn!(checkpoint = %shown(&path), "not a regular file (FIFO, socket or device); skipping it");
                     }
@@ -198,9 +290,20 @@ impl Watcher {
                 }
                 None => continue,
             }
-            // One stat per file.
-            let Ok(key) = CheckpointKey::of(&path) else {
-                continue;
+            // One stat per file; a folder's tree is walked (bounded).
+            let key = match crate::unit::key(&path) {
+                Ok(key) => key,
+                Err(e @ crate::unit::UnitError::TooLarge { .. }) => {
+                    ignored.push((
+                        shown_entry(name, true),
+                        "is too large a tree to be a checkpoint",
+                    ));
+                    if self.warned_not_regular.insert(path.clone()) {
+                        tracing::warn!(checkpoint = %shown(&path), "{e}");
+                    }
+                    continue;
+                }
+                Err(_) => continue,
             };
             if self.offered.contains(&key) {
                 continue;
@@ -227,6 +330,7 @@ impl Watcher {
                 c.renamed_into_place = false;
             }
         }
+        self.note_ignored(ignored);
         // Files that vanished before evaluation are forgotten.
         self.candidates.retain(|p, _| present.contains(p));
         self.ready.retain(|(_, p), _| present.contains(p));
@@ -247,10 +351,18 @@ impl Watcher {
             // corrupt, and recorded as a failure at once. One found by the scan may still be
             // growing in a way size and mtime do not show (NFS), so it gets until `give_up`.
             self.structure_checks += 1;
-            let checked = crate::weights::validate_structure(&path);
+            let checked: Result<(), Option<crate::weights::WeightsError>> =
+                match crate::unit::weights_path(&path, &self.config) {
+                    Ok(weights) => crate::weights::validate_structure(&weights)
+                        .map(|_| ())
+                        .map_err(Some),
+                    // A folder without its weights file yet: not complete (or, after the
+                    // give-up time, a failure naming what was looked for).
+                    Err(_) => Err(None),
+                };
             // A file that cannot be read now (permission denied, EIO) is not corrupt: it is
             // tried again at the next scans, and evaluated once it can be read.
-            if let Err(e) = &checked
+            if let Err(Some(e)) = &checked
                 && is_transient(e)
             {
                 if self.unreadable.insert(path.clone()) {
@@ -271,7 +383,7 @@ impl Watcher {
                 mtime_ns: c.mtime_ns,
             };
             self.candidates.remove(&path);
-            let Some(step) = crate::eval::step_of(&path, &self.step_regex) else {
+            let Some(step) = self.step(&path) else {
                 continue; // names without a step never become candidates
             };
             if !valid {
@@ -283,6 +395,35 @@ impl Watcher {
         self.metrics.set_pending(self.ready.len());
     }
 
+    /// Nothing found yet: no checkpoint seen, pending, handed over or in the history.
+    fn nothing_found(&self) -> bool {
+        self.offered.is_empty() && self.candidates.is_empty() && self.ready.is_empty()
+    }
+
+    /// Exports the count of entries that look like checkpoints but are skipped and, while
+    /// nothing was found, warns about them (at the first scan, then every minute).
+    fn note_ignored(&mut self, ignored: Vec<(String, &'static str)>) {
+        self.metrics.set_ignored(ignored.len());
+        let due = self
+            .warned_ignored_at
+            .is_none_or(|t| t.elapsed() >= IGNORED_WARNING_EVERY);
+        if !ignored.is_empty() && due && self.nothing_found() {
+            self.warned_ignored_at = Some(Instant::now());
+            let mut seen: Vec<String> = ignored
+                .iter()
+                .take(10)
+                .map(|(n, why)| format!("{n} {why}"))
+                .collect();
+            if ignored.len() > 10 {
+                seen.push(format!("and {} more", ignored.len() - 10));
+            }
+            tracing::warn!(dir = %shown(&self.dir), pattern = %self.config.pattern,
+                "no checkpoint found yet, but {} entries look like checkpoints and are skipped: {}. Set checkpoints.pattern (file or folder names directly in run.dir), checkpoints.step_regex or checkpoints.weights_files (the weights inside a checkpoint folder)",
+                ignored.len(), seen.join("; "));
+        }
+        self.ignored = ignored;
+    }
+
     /// A notification that `path` was renamed into place: complete without waiting to settle.
     fn renamed(&mut self, path: &Path) {
         if let Some(c) = self.candidates.get_mut(path) {
@@ -290,9 +431,12 @@ impl Watcher {
         } else if let Some(name) = path.file_name().and_then(|n| n.to_str())
             && !is_temporary(name)
             && self.pattern.is_match(name)
-            && crate::eval::step_of(path, &self.step_regex).is_some()
-            && std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file() || m.is_symlink())
-            && let Ok(key) = CheckpointKey::of(path)
+            && path.parent() == Some(self.dir.as_path())
+            && !self.excluded.contains(&crate::config::normalize(path))
+            && self.step(path).is_some()
+            && std::fs::symlink_metadata(path)
+                .is_ok_and(|m| m.is_file() || m.is_symlink() || m.is_dir())
+            && let Ok(key) = crate::unit::key(path)
             && !self.offered.contains(&key)
         {
             self.candidates.insert(
@@ -320,7 +464,7 @@ impl Watcher {
                 let older_settling = self.candidates.iter().any(|(p, c)| {
                     !c.renamed_into_place
                         && c.changed_at.elapsed() < settle
-                        && crate::eval::step_of(p, &self.step_regex).is_some_and(|s| s < first.step)
+                        && self.step(p).is_some_and(|s| s < first.step)
                 });
                 (!older_settling).then(|| first.clone())
             }
@@ -517,6 +661,92 @@ mod tests {
         );
         w.scan();
         assert_eq!(take_all(&mut w), vec![50, 200]);
+    }
+
+    /// An accelerate-style checkpoint folder: weights plus optimizer state.
+    fn write_folder(dir: &Path) {
+        std::fs::create_dir_all(dir).unwrap();
+        write_checkpoint(&dir.join("model.safetensors"));
+        std::fs::write(dir.join("optimizer.bin"), b"state").unwrap();
+    }
+
+    #[test]
+    fn folders_are_checkpoints_named_by_the_folder_once_stable() {
+        let dir = tempfile::tempdir().unwrap();
+        for s in [200, 50] {
+            write_folder(&dir.path().join(format!("checkpoint-{s}")));
+        }
+        // A folder without weights yet is not complete.
+        std::fs::create_dir(dir.path().join("checkpoint-10")).unwrap();
+        // The architecture the config names is never a checkpoint, whatever its name.
+        write_checkpoint(&dir.path().join("model_1.ts"));
+        let cfg = CheckpointsConfig {
+            settle_secs: 0.3,
+            ..CheckpointsConfig::default()
+        };
+        let mut w = Watcher::new(
+            dir.path(),
+            &cfg,
+            HashSet::new(),
+            Arc::new(Metrics::new("t")),
+        )
+        .with_excluded([dir.path().join("model_1.ts")]);
+        w.scan();
+        assert!(w.next().is_none(), "ready before settling");
+        // A file written inside a folder restarts its settle time.
+        std::thread::sleep(Duration::from_millis(200));
+        std::fs::write(dir.path().join("checkpoint-50/scheduler.bin"), b"s").unwrap();
+        std::thread::sleep(Duration::from_millis(150));
+        w.scan();
+        // checkpoint-200 has settled, but waits for the older checkpoint-50, still settling.
+        assert!(w.ready.keys().any(|(s, _)| *s == 200));
+        assert!(w.next().is_none(), "checkpoint-200 overtook checkpoint-50");
+        std::thread::sleep(Duration::from_millis(350));
+        w.scan();
+        let items: Vec<WorkItem> = std::iter::from_fn(|| {
+            let i = w.next()?;
+            w.taken(&i);
+            Some(i)
+        })
+        .collect();
+        assert_eq!(
+            items.iter().map(|i| i.step).collect::<Vec<_>>(),
+            vec![50, 200]
+        );
+        assert_eq!(items[0].path, dir.path().join("checkpoint-50"));
+        assert_eq!(items[0].key, crate::unit::key(&items[0].path).unwrap());
+    }
+
+    #[test]
+    fn entries_that_look_like_checkpoints_but_never_match_are_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        write_folder(&dir.path().join("ckpt-step-a"));
+        write_folder(&dir.path().join("run_state"));
+        write_checkpoint(&dir.path().join("weights.safetensors"));
+        std::fs::write(dir.path().join("notes.txt"), b"x").unwrap();
+        let metrics = Arc::new(Metrics::new("t"));
+        let mut w = Watcher::new(
+            dir.path(),
+            &config(Backlog::All),
+            HashSet::new(),
+            metrics.clone(),
+        );
+        w.scan();
+        let mut names: Vec<&str> = w.ignored.iter().map(|(n, _)| n.as_str()).collect();
+        names.sort();
+        assert_eq!(
+            names,
+            vec!["ckpt-step-a/", "run_state/", "weights.safetensors"]
+        );
+        assert!(
+            metrics
+                .encode()
+                .contains("diffmon_checkpoints_ignored{run=\"t\"} 3")
+        );
+        assert!(
+            w.warned_ignored_at.is_some(),
+            "no warning at the first scan"
+        );
     }
 
     #[test]
