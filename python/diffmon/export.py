@@ -488,7 +488,9 @@ def load_weights(path: str, key: Optional[str] = None, strip_prefix: str = "") -
             raise SystemExit(f"{path} is a safetensors file: pip install safetensors") from e
         sd = load_file(path, device="cpu")
     else:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+        # From an open file: torch.load would otherwise pick its reader by the file's extension.
+        with open(path, "rb") as f:
+            sd = torch.load(f, map_location="cpu", weights_only=True)
     if key:
         for part in key.split("."):
             sd = sd[part]
