@@ -78,6 +78,32 @@ code); only the timestep handed to the network is derived from the schedule:
   ``VPPrecond``), float32, not clamped.
 
 ``sigma_data`` is used by ``edm_raw`` only.
+
+Command line
+------------
+``diffmon-export`` (installed by ``pip install ./python``) and ``python -m diffmon.export`` are the
+same program. ``--factory module:attr.attr`` names a callable (dotted attributes after the colon
+are followed) that returns the module, called with the JSON ``--factory-kwargs``; ``--weights``
+then loads a state_dict into it, read by content: a safetensors file (with the ``safetensors``
+package) or a ``torch.save`` file (``torch.load(weights_only=True)``, optionally nested under
+``--weights-key``), with ``--strip-prefix`` removed from the names.
+
+A diffusers model saved with ``save_pretrained`` (``checkpoint-500/unet``, as diffusers'
+``train_unconditional.py`` writes it) is built by its own ``from_pretrained``::
+
+    diffmon-export --factory diffusers:UNet2DModel.from_pretrained \
+        --factory-kwargs '{"pretrained_model_name_or_path": "run/checkpoint-500/unet"}' \
+        --feature-layer mid_block --shape 3 64 64 --out run/model.ts \
+        --parameterization eps --schedule linear --T 1000
+
+A UNet trained with ``DDPMScheduler`` predicts the noise (``prediction_type="epsilon"``, the
+default: ``--parameterization eps``; ``"v_prediction"`` is ``v``, ``"sample"`` is ``x0``) on the
+schedule of its ``scheduler_config.json``: ``beta_schedule="linear"`` is ``--schedule linear``
+with ``--beta-min``/``--beta-max`` = ``beta_start``/``beta_end`` (defaults 1e-4, 0.02, as
+DDPMScheduler's) and ``--T`` = ``num_train_timesteps`` (1000); ``"scaled_linear"`` and
+``"squaredcos_cap_v2"`` are ``--schedule scaled_linear`` and ``cosine``. The exported file's
+parameter names are those of ``unet.state_dict()``, so every later ``checkpoint-N`` of the run
+loads into it.
 """
 
 from __future__ import annotations
@@ -442,16 +468,67 @@ def _load_factory(spec: str):
     return obj
 
 
+def _is_safetensors(path: str) -> bool:
+    """A safetensors file: an 8-byte little-endian header length, then a JSON object."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if len(head) < 9 or head[8:9] != b"{":
+        return False
+    n = int.from_bytes(head[:8], "little")
+    return 2 <= n <= os.path.getsize(path) - 8
+
+
+def load_weights(path: str, key: Optional[str] = None, strip_prefix: str = "") -> dict:
+    """The state_dict in ``path``: safetensors (detected by content) or a ``torch.save`` file read
+    with ``weights_only=True``, optionally nested under ``key``, with ``strip_prefix`` removed."""
+    if _is_safetensors(path):
+        try:
+            from safetensors.torch import load_file
+        except ImportError as e:
+            raise SystemExit(f"{path} is a safetensors file: pip install safetensors") from e
+        sd = load_file(path, device="cpu")
+    else:
+        # From an open file: torch.load would otherwise pick its reader by the file's extension.
+        with open(path, "rb") as f:
+            sd = torch.load(f, map_location="cpu", weights_only=True)
+    if key:
+        for part in key.split("."):
+            sd = sd[part]
+    if strip_prefix:
+        sd = {k[len(strip_prefix):] if k.startswith(strip_prefix) else k: v for k, v in sd.items()}
+    return sd
+
+
+_EPILOG = """\
+diffusers (a save_pretrained folder, e.g. a checkpoint-N/unet of train_unconditional.py):
+  %(prog)s --factory diffusers:UNet2DModel.from_pretrained \\
+      --factory-kwargs '{"pretrained_model_name_or_path": "run/checkpoint-500/unet"}' \\
+      --feature-layer mid_block --shape 3 64 64 --out run/model.ts \\
+      --parameterization eps --schedule linear --T 1000
+A UNet trained with DDPMScheduler (prediction_type "epsilon", beta_schedule "linear",
+num_train_timesteps 1000) is --parameterization eps --schedule linear --T 1000, with
+--beta-min/--beta-max = the scheduler's beta_start/beta_end when not 1e-4/0.02
+("v_prediction" is v, "sample" is x0; "scaled_linear" and "squaredcos_cap_v2" are
+--schedule scaled_linear and cosine).
+"""
+
+
 def main(argv=None) -> int:
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     ap = argparse.ArgumentParser(
-        prog="python -m diffmon.export",
+        prog=prog if prog.startswith("diffmon-export") else "python -m diffmon.export",
         description="Export a PyTorch network to diffmon's TorchScript model contract "
-                    "(forward(x, sigma) -> (EDM denoised, features)).")
+                    "(forward(x, sigma) -> (EDM denoised, features)).",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--factory", required=True,
-                    help="package.module:callable returning the nn.Module (importable from the current folder)")
+                    help="module:callable returning the nn.Module (importable from the current folder); "
+                         "dotted attributes after the colon are followed, e.g. "
+                         "diffusers:UNet2DModel.from_pretrained")
     ap.add_argument("--factory-kwargs", default="{}", help="JSON object of keyword arguments for the factory")
-    ap.add_argument("--weights", help="optional checkpoint to load first (read with torch.load(weights_only=True))")
-    ap.add_argument("--weights-key", help="key under which the state_dict is nested (e.g. ema, model)")
+    ap.add_argument("--weights", help="optional state_dict to load first: safetensors (detected by content) "
+                                      "or a torch.save file (read with torch.load(weights_only=True))")
+    ap.add_argument("--weights-key", help="key under which the state_dict is nested (e.g. ema, model; "
+                                          "dots for deeper levels)")
     ap.add_argument("--strip-prefix", default="", help="key prefix to strip, e.g. module.")
     ap.add_argument("--list-layers", action="store_true", help="print the submodule names and exit")
     ap.add_argument("--feature-layer", help="dotted submodule name of the feature layer")
@@ -476,12 +553,7 @@ def main(argv=None) -> int:
     if not (args.feature_layer and args.shape and args.out):
         ap.error("--feature-layer, --shape and --out are required (or use --list-layers)")
     if args.weights:
-        sd = torch.load(args.weights, map_location="cpu", weights_only=True)
-        if args.weights_key:
-            sd = sd[args.weights_key]
-        if args.strip_prefix:
-            sd = {k[len(args.strip_prefix):] if k.startswith(args.strip_prefix) else k: v for k, v in sd.items()}
-        module.load_state_dict(sd)
+        module.load_state_dict(load_weights(args.weights, args.weights_key, args.strip_prefix))
     export(module, args.feature_layer, args.out, parameterization=args.parameterization,
            example_shape=tuple(args.shape), sigma_data=args.sigma_data, schedule=args.schedule,
            beta_min=args.beta_min, beta_max=args.beta_max, T=args.T, timestep=args.timestep,

@@ -405,3 +405,18 @@ def test_command_line(tmp_path):
     assert "RuntimeWarning" not in p.stderr
     d, f = torch.jit.load(str(out))(torch.zeros(2, 1, 8, 8), torch.ones(2))
     assert d.shape == (2, 1, 8, 8) and f.shape == (2, 8, 2, 2)
+
+
+def test_load_weights_by_content(tmp_path):
+    """--weights: a torch.save dict nested under a key with a prefix, and a safetensors file under
+    a misleading name, give the same state_dict."""
+    from safetensors.torch import save_file
+
+    from diffmon.export import load_weights
+
+    sd = {"a.weight": torch.randn(3, 2), "b": torch.arange(4)}
+    torch.save({"ema": {"module." + k: v for k, v in sd.items()}, "step": 3}, tmp_path / "c.safetensors")
+    save_file(sd, str(tmp_path / "c.pt"))
+    for got in (load_weights(str(tmp_path / "c.safetensors"), "ema", "module."),
+                load_weights(str(tmp_path / "c.pt"))):
+        assert set(got) == set(sd) and all(torch.equal(got[k], sd[k]) for k in sd)

@@ -18,5 +18,6 @@ mod monitoring;
 mod pfd;
 mod reliability;
 mod report;
+mod stacks;
 mod tail;
 mod toy_training;

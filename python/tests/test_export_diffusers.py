@@ -1,0 +1,56 @@
+"""diffmon.export's command line on a diffusers UNet2DModel: built by ``from_pretrained`` through
+``--factory diffusers:UNet2DModel.from_pretrained``, weights from a safetensors file, epsilon
+prediction on DDPMScheduler's linear schedule; the exported file reproduces the eager UNet."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from diffmon.export import _is_safetensors, main  # noqa: E402
+from stacks import tiny_unet  # noqa: E402
+
+
+def test_from_pretrained_factory_and_safetensors_weights(tmp_path):
+    from diffusers import DDPMScheduler
+    from safetensors.torch import save_file
+
+    tiny_unet(seed=1).save_pretrained(tmp_path / "unet")
+    trained = tiny_unet(seed=2)  # the weights to load: not those of the pretrained folder
+    weights = tmp_path / "weights.bin"  # named .bin on purpose: detected by content
+    save_file(trained.state_dict(), str(weights))
+    assert _is_safetensors(str(weights))
+    out = tmp_path / "model.ts"
+    assert main(["--factory", "diffusers:UNet2DModel.from_pretrained",
+                 "--factory-kwargs", json.dumps({"pretrained_model_name_or_path": str(tmp_path / "unet")}),
+                 "--weights", str(weights), "--feature-layer", "mid_block", "--shape", "1", "8", "8",
+                 "--out", str(out), "--parameterization", "eps", "--schedule", "linear", "--T", "1000"]) == 0
+
+    ts = torch.jit.load(str(out))
+    assert set(ts.state_dict()) == set(trained.state_dict())
+
+    # The reference, independently: DDPMScheduler's own alphas_cumprod, nearest timestep in log sigma,
+    # D = x - sigma * eps(x / sqrt(1 + sigma^2), t).
+    ab = DDPMScheduler(num_train_timesteps=1000).alphas_cumprod.double().numpy()
+    sig_t = np.sqrt((1 - ab) / ab)
+    g = torch.Generator().manual_seed(0)
+    sigma = torch.tensor([0.02, 0.3, 1.5, 20.0])
+    x = torch.randn(4, 1, 8, 8, generator=g) + sigma.view(-1, 1, 1, 1) * torch.randn(4, 1, 8, 8, generator=g)
+    t = torch.tensor([int(np.argmin(np.abs(np.log(sig_t) - np.log(s)))) for s in sigma.double().numpy()])
+    feats = []
+    trained.eval()
+    h = trained.mid_block.register_forward_hook(lambda _m, _i, o: feats.append(o))
+    with torch.no_grad():
+        eps = trained(x / torch.sqrt(1 + sigma**2).view(-1, 1, 1, 1), t).sample
+        want = x - sigma.view(-1, 1, 1, 1) * eps
+        got_d, got_f = ts(x, sigma)
+    h.remove()
+    assert got_f.shape == feats[0].shape == (4, 16, 4, 4)
+    # float32 round-off only: 1e-5 relative to 1 + sigma on D, 1e-5 absolute on the features.
+    assert float(((got_d - want).abs() / (1 + sigma.view(-1, 1, 1, 1))).max()) < 1e-5
+    assert float((got_f - feats[0]).abs().max()) < 1e-5
+    # The safetensors weights were used, not the pretrained folder's.
+    assert torch.equal(ts.state_dict()["conv_in.weight"], trained.state_dict()["conv_in.weight"])

@@ -1,0 +1,330 @@
+//! Acceptance tests of issue #16: `diffmon watch`, with the default `checkpoints.pattern`, on run
+//! folders written by real training stacks (`python/stacks.py`: accelerate `checkpoint-N/`
+//! folders, diffusers `checkpoint-N/unet{,_ema}/`, diffusers `EMAModel` state dicts, Lightning
+//! `step=N.ckpt` with `EMAWeightAveraging`, whole-module pickles, DCP folders). Each checkpoint is
+//! evaluated exactly once, its step comes from its name, the record names the file or folder,
+//! and its ICR equals `diffmon eval --json` of the flat copy of the weights diffmon should
+//! evaluate from it (`FLAT/step_N.safetensors`, the EMA weights where there are some).
+//!
+//! Every stack trains the same tiny diffusers UNet, so one exported `model.ts` and one `train.h5`
+//! serve all; one Python call writes every stack but accelerate, which is trained while the
+//! daemon watches (with rotation). Run them all with
+//! `cargo test --release --locked --test integration stacks::`.
+
+use crate::common::{diffmon, root, run_python, stderr, stdout};
+use crate::daemon::{Daemon, free_port};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+const STEPS: [i64; 3] = [2, 4, 6];
+
+/// `model.ts`, `train.h5`, `MARKER`'s folder, and `runs/S`, `flat/S` for every stack but
+/// accelerate, written by one call of `python/stacks.py` (the imports are shared).
+fn fixture() -> &'static Path {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let p = |s: &str| dir.path().join(s).to_str().unwrap().to_string();
+        run_python(&[
+            "python/stacks.py",
+            "--stack",
+            "diffusers,emamodel,lightning,module,dcp",
+            "--ema",
+            "--hostile",
+            &p("MARKER"),
+            "--out",
+            &p("runs/{stack}"),
+            "--flat",
+            &p("flat/{stack}"),
+            "--data",
+            &p("train.h5"),
+            "--export",
+            &p("model.ts"),
+        ]);
+        dir
+    })
+    .path()
+}
+
+/// A daemon on `run` with the default checkpoint pattern; its config and state live in `case`.
+fn watch(case: &Path, run: &Path) -> Daemon {
+    let port = free_port();
+    let config = case.join("diffmon.yaml");
+    fs::write(
+        &config,
+        format!(
+            "run: {{dir: {run:?}, name: test}}\nstate_dir: {state:?}\n\
+             model: {{architecture: {arch:?}}}\ndevice: cpu\ncpu_threads: 1\n\
+             data: {{path: {data:?}}}\nhttp: {{listen: \"127.0.0.1:{port}\"}}\n\
+             checkpoints: {{settle_secs: 0.5, poll_secs: 0.5}}\n\
+             icr: {{samples: 64, batch_size: 64}}\npfd: {{enabled: false}}\n",
+            state = case.join("state"),
+            arch = fixture().join("model.ts"),
+            data = fixture().join("train.h5"),
+        ),
+    )
+    .unwrap();
+    Daemon::spawn(config, port)
+}
+
+/// The daemon's journal entries (complete lines only).
+fn entries(case: &Path) -> Vec<Value> {
+    let text = fs::read_to_string(case.join("state/history.jsonl")).unwrap_or_default();
+    let complete = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+    complete
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn evaluations(case: &Path) -> Vec<Value> {
+    entries(case)
+        .into_iter()
+        .filter(|e| e["kind"] == "evaluation")
+        .map(|e| e["record"].clone())
+        .collect()
+}
+
+fn failures(case: &Path) -> Vec<(i64, String, String)> {
+    entries(case)
+        .into_iter()
+        .filter(|e| e["kind"] == "failure")
+        .map(|e| {
+            (
+                e["step"].as_i64().unwrap(),
+                e["reason"].as_str().unwrap().to_string(),
+                e["message"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// `diffmon eval --json` of the flat copies of `steps`: step -> ICR.
+fn flat_icr(config: &Path, flat: &Path, steps: &[i64]) -> BTreeMap<i64, f64> {
+    let files: Vec<String> = steps
+        .iter()
+        .map(|s| {
+            flat.join(format!("step_{s}.safetensors"))
+                .to_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    let mut args = vec!["eval", "--config", config.to_str().unwrap(), "--json"];
+    args.extend(files.iter().map(String::as_str));
+    let out = diffmon(&args);
+    assert!(out.status.success(), "diffmon eval: {}", stderr(&out));
+    stdout(&out)
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_i64().unwrap(), v["icr"].as_f64().unwrap())
+        })
+        .collect()
+}
+
+/// Every evaluated record's ICR equals the flat copy's, to 1e-12 relative.
+fn assert_icr_matches_flat(d: &Daemon, records: &[Value], flat: &Path) {
+    let steps: Vec<i64> = records
+        .iter()
+        .map(|r| r["step"].as_i64().unwrap())
+        .collect();
+    let want = flat_icr(&d.config, flat, &steps);
+    for r in records {
+        let step = r["step"].as_i64().unwrap();
+        let got = r["icr"].as_f64().unwrap();
+        let w = want[&step];
+        assert!(
+            (got - w).abs() <= 1e-12 * w.abs(),
+            "step {step}: watch ICR {got} != eval of the flat weights {w} (checkpoint {})",
+            r["checkpoint"]
+        );
+    }
+}
+
+/// Waits until the journal holds `n` entries (evaluations and failures), then a few more rescans.
+fn wait_for_entries(d: &Daemon, case: &Path, n: usize) {
+    d.wait_for(
+        Duration::from_secs(90),
+        &format!("{n} journal entries"),
+        |_| entries(case).len() >= n,
+    );
+    std::thread::sleep(Duration::from_millis(1500)); // three rescans: nothing may come twice
+}
+
+/// The last path component of a record's `checkpoint`.
+fn checkpoint_name(r: &Value) -> String {
+    let c = r["checkpoint"].as_str().unwrap();
+    Path::new(c.trim_end_matches('/'))
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string()
+}
+
+/// A stack written beforehand: each of its three checkpoints evaluated once, named `name(step)`.
+fn complete_stack(stack: &str, name: impl Fn(i64) -> String) -> (tempfile::TempDir, Daemon) {
+    let flat = fixture().join("flat").join(stack);
+    watch_complete(stack, &fixture().join("runs").join(stack), &flat, name)
+}
+
+/// `run`'s three checkpoints evaluated once each, named `name(step)`, with the ICRs of `flat`'s.
+fn watch_complete(
+    stack: &str,
+    run: &Path,
+    flat: &Path,
+    name: impl Fn(i64) -> String,
+) -> (tempfile::TempDir, Daemon) {
+    let case = tempfile::tempdir().unwrap();
+    let d = watch(case.path(), run);
+    wait_for_entries(&d, case.path(), STEPS.len());
+    let fails = failures(case.path());
+    assert!(fails.is_empty(), "{stack}: failures {fails:?}\n{}", d.log());
+    let records = evaluations(case.path());
+    let mut steps: Vec<i64> = records
+        .iter()
+        .map(|r| r["step"].as_i64().unwrap())
+        .collect();
+    steps.sort();
+    assert_eq!(steps, STEPS, "{stack}: each checkpoint exactly once");
+    for r in &records {
+        let step = r["step"].as_i64().unwrap();
+        assert_eq!(checkpoint_name(r), name(step), "{stack}: {r}");
+    }
+    assert_eq!(d.evaluated(), STEPS.len() as f64);
+    assert_icr_matches_flat(&d, &records, flat);
+    (case, d)
+}
+
+#[test]
+fn control_flat_copies_watched_like_eval() {
+    // The harness itself: the flat copies (plain safetensors, readable before issue #16) watched
+    // as a run agree with `diffmon eval` on them. If this fails, the other tests prove nothing.
+    let flat = fixture().join("flat/diffusers");
+    watch_complete("flat", &flat, &flat, |s| format!("step_{s}.safetensors"));
+}
+
+#[test]
+fn diffusers_checkpoint_folders_evaluate_unet_ema() {
+    // checkpoint-N/{unet,unet_ema}/diffusion_pytorch_model.safetensors: the flat copy is the EMA.
+    complete_stack("diffusers", |s| format!("checkpoint-{s}"));
+}
+
+#[test]
+fn emamodel_state_dicts_evaluate_shadow_params() {
+    complete_stack("emamodel", |s| format!("ema-{s}.pt"));
+}
+
+#[test]
+fn lightning_checkpoints_with_ema_weight_averaging() {
+    // step=N.ckpt: `state_dict` (the average, `model.` keys) is what the flat copy holds.
+    complete_stack("lightning", |s| format!("step={s}.ckpt"));
+}
+
+#[test]
+fn dcp_checkpoint_folders() {
+    complete_stack("dcp", |s| format!("checkpoint-{s}"));
+}
+
+#[test]
+fn whole_module_pickles_are_read_without_running_them() {
+    let marker = fixture().join("MARKER");
+    let (_case, d) = complete_stack("module", |s| format!("model-{s}.pt"));
+    assert!(
+        !marker.exists(),
+        "reading a pickled module ran its code:\n{}",
+        d.log()
+    );
+    // The fixture is really hostile: unpickling it the ordinary way creates the marker.
+    let ckpt = fixture().join("runs/module/model-6.pt");
+    run_python(&[
+        "-c",
+        "import sys, torch; torch.load(sys.argv[1], weights_only=False)",
+        ckpt.to_str().unwrap(),
+    ]);
+    assert!(
+        marker.exists(),
+        "torch.load(weights_only=False) did not create the marker"
+    );
+}
+
+#[test]
+fn accelerate_folders_written_and_rotated_while_watched() {
+    // accelerate's save_state every 2 steps with a total limit of 2 folders, training while the
+    // daemon watches: what it evaluates, it evaluates once and right; what vanished is counted so.
+    let case = tempfile::tempdir().unwrap();
+    let run = case.path().join("run");
+    let flat = case.path().join("flat");
+    fs::create_dir(&run).unwrap();
+    let d = watch(case.path(), &run);
+    let started = Instant::now();
+    let out = Command::new(crate::common::python())
+        .args(["python/stacks.py", "--stack", "accelerate"])
+        .args([
+            "--steps", "12", "--every", "2", "--limit", "2", "--pause", "0.7",
+        ])
+        .arg("--out")
+        .arg(&run)
+        .arg("--flat")
+        .arg(&flat)
+        .env("PYTHONPATH", root().join("python"))
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "stacks.py: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let names: Vec<String> = fs::read_dir(&run)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    assert_eq!(names, ["checkpoint-10", "checkpoint-12"], "rotation");
+    // The last folder is never rotated away: wait for it.
+    d.wait_for(Duration::from_secs(90), "checkpoint-12", |_| {
+        evaluations(case.path())
+            .iter()
+            .any(|r| r["step"].as_i64() == Some(12))
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    let records = evaluations(case.path());
+    let mut steps: Vec<i64> = records
+        .iter()
+        .map(|r| r["step"].as_i64().unwrap())
+        .collect();
+    steps.sort();
+    let mut unique = steps.clone();
+    unique.dedup();
+    assert_eq!(steps, unique, "a checkpoint evaluated twice:\n{}", d.log());
+    assert!(
+        steps.iter().all(|s| [2, 4, 6, 8, 10, 12].contains(s)),
+        "{steps:?}"
+    );
+    assert!(steps.contains(&10), "{steps:?}\n{}", d.log());
+    for r in &records {
+        let step = r["step"].as_i64().unwrap();
+        assert_eq!(checkpoint_name(r), format!("checkpoint-{step}"), "{r}");
+    }
+    for (step, reason, message) in failures(case.path()) {
+        assert_eq!(reason, "vanished", "step {step}: {message}");
+        assert!(
+            !steps.contains(&step),
+            "step {step} both failed and evaluated"
+        );
+    }
+    assert_icr_matches_flat(&d, &records, &flat);
+    eprintln!(
+        "accelerate: evaluated {steps:?}, failures {:?}, {:.1} s",
+        failures(case.path()),
+        started.elapsed().as_secs_f64()
+    );
+}
