@@ -176,6 +176,12 @@ pub enum WeightsError {
     #[error("{}: {what}, not a dict of tensors", path.display())]
     NotAStateDict { path: PathBuf, what: String },
 
+    #[error("{}: sharded safetensors index: {detail}", path.display())]
+    BadIndex { path: PathBuf, detail: String },
+
+    #[error("{}: distributed checkpoint metadata: {detail}", path.display())]
+    BadDistributed { path: PathBuf, detail: String },
+
     /// No `weights_key` given, and the top-level dict does not contain exactly one state dict.
     #[error(
         "{}: cannot tell which entry holds the weights: {reason} (top-level keys: {keys}); \
@@ -211,7 +217,9 @@ impl WeightsError {
             | WeightsError::UnsupportedDtype { path, .. }
             | WeightsError::NoStateDict { path, .. }
             | WeightsError::NotAStateDict { path, .. }
-            | WeightsError::AmbiguousStateDict { path, .. } => path,
+            | WeightsError::AmbiguousStateDict { path, .. }
+            | WeightsError::BadIndex { path, .. }
+            | WeightsError::BadDistributed { path, .. } => path,
         }
     }
 

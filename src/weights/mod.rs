@@ -133,6 +133,7 @@
 //! (`shadow_params`).
 
 mod error;
+mod multifile;
 mod pickle;
 mod plain_pickle;
 mod safetensors_file;
@@ -252,6 +253,10 @@ pub enum CheckpointFormat {
     TorchScript,
     /// A plain pickle stream (`pickle.dump`, e.g. an EDM `network-snapshot-*.pkl`).
     Pickle,
+    /// A sharded safetensors checkpoint, named by its `*.safetensors.index.json`.
+    ShardedSafeTensors,
+    /// A PyTorch Distributed Checkpoint folder, named by its `.metadata` file.
+    Distributed,
 }
 
 impl fmt::Display for CheckpointFormat {
@@ -261,6 +266,8 @@ impl fmt::Display for CheckpointFormat {
             CheckpointFormat::SafeTensors => "safetensors",
             CheckpointFormat::TorchScript => "TorchScript",
             CheckpointFormat::Pickle => "pickle",
+            CheckpointFormat::ShardedSafeTensors => "sharded safetensors",
+            CheckpointFormat::Distributed => "distributed checkpoint",
         })
     }
 }
@@ -321,8 +328,18 @@ pub struct Checkpoint {
 /// Detects the format by content (zip magic + archive layout; safetensors 8-byte header length
 /// + JSON), never by extension.
 pub fn detect_format(path: &Path) -> Result<CheckpointFormat, WeightsError> {
+    if let Some(kind) = multifile::kind(&multifile::head(path, 256)?) {
+        return Ok(multifile_format(kind));
+    }
     let (file, len) = open(path)?;
     detect_format_from(file, len, path)
+}
+
+fn multifile_format(kind: multifile::Kind) -> CheckpointFormat {
+    match kind {
+        multifile::Kind::ShardedSafeTensors => CheckpointFormat::ShardedSafeTensors,
+        multifile::Kind::Dcp => CheckpointFormat::Distributed,
+    }
 }
 
 /// Reads the named tensors of a checkpoint (torch.save zip, safetensors or TorchScript archive;
@@ -333,14 +350,44 @@ pub fn read_checkpoint(path: &Path, opts: &ReadOptions) -> Result<StateDict, Wei
 
 /// [`read_checkpoint`] that also says which format the file had (one open, one parse).
 pub fn read_weights(path: &Path, opts: &ReadOptions) -> Result<Checkpoint, WeightsError> {
+    if let Some(kind) = multifile::kind(&multifile::head(path, 256)?) {
+        let mut state = match kind {
+            multifile::Kind::ShardedSafeTensors => multifile::read_sharded(path, opts)?,
+            multifile::Kind::Dcp => multifile::read_dcp(path, opts)?,
+        };
+        strip_prefix(&mut state, opts);
+        return Ok(Checkpoint {
+            format: multifile_format(kind),
+            state,
+            naming: Naming::ByName,
+        });
+    }
     let (file, len) = open(path)?;
     read_weights_from(file, len, path, opts)
+}
+
+/// Removes `opts.strip_prefix` from every name that has it.
+fn strip_prefix(sd: &mut StateDict, opts: &ReadOptions) {
+    if let Some(prefix) = opts.strip_prefix.as_deref().filter(|p| !p.is_empty()) {
+        for (name, _) in &mut sd.tensors {
+            if let Some(rest) = name.strip_prefix(prefix) {
+                *name = rest.to_string();
+            }
+        }
+    }
 }
 
 /// Cheap structural validity check used to decide a file is complete (zip central directory
 /// readable and data.pkl present / safetensors header parses and file length matches the
 /// header's offsets). Reads no tensor data.
 pub fn validate_structure(path: &Path) -> Result<CheckpointFormat, WeightsError> {
+    if let Some(kind) = multifile::kind(&multifile::head(path, 256)?) {
+        match kind {
+            multifile::Kind::ShardedSafeTensors => multifile::validate_sharded(path)?,
+            multifile::Kind::Dcp => multifile::validate_dcp(path)?,
+        }
+        return Ok(multifile_format(kind));
+    }
     let (file, len) = open(path)?;
     validate_structure_from(file, len, path)
 }
@@ -576,14 +623,8 @@ pub fn read_weights_from<R: Read + Seek>(
             plain_pickle::read_bare_pickle(r, len, path, opts)?,
         ),
     };
-    if let Some(prefix) = opts.strip_prefix.as_deref().filter(|p| !p.is_empty())
-        && naming == Naming::ByName
-    {
-        for (name, _) in &mut sd.tensors {
-            if let Some(rest) = name.strip_prefix(prefix) {
-                *name = rest.to_string();
-            }
-        }
+    if naming == Naming::ByName {
+        strip_prefix(&mut sd, opts);
     }
     Ok(Checkpoint {
         format,

@@ -223,7 +223,7 @@ fn check_byteorder<R: Read + Seek>(
 }
 
 /// Runs the archive's `data.pkl` under the `classes` policy.
-fn read_pickle<R: Read + Seek>(
+pub(crate) fn read_pickle<R: Read + Seek>(
     archive: &mut ZipArchive<R>,
     prefix: &str,
     file_len: u64,

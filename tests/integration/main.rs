@@ -15,6 +15,7 @@ mod hostile_process;
 mod icr;
 mod model;
 mod monitoring;
+mod multifile;
 mod pfd;
 mod reliability;
 mod report;
