@@ -22,3 +22,4 @@ mod report;
 mod stacks;
 mod tail;
 mod toy_training;
+mod units;
