@@ -94,9 +94,10 @@ pub enum Command {
     },
     /// Validate a config file and report every problem.
     CheckConfig { file: PathBuf },
-    /// Print an annotated example config.
+    /// Print an annotated example config; with --run-dir, one written for what that run folder
+    /// holds (checkpoints, their format and step pattern, EMA weights, architecture, data).
     Init {
-        /// Fill the run folder's paths in (default: runs/demo).
+        /// The training run's folder: looked at (never written), and its paths filled in.
         #[arg(long)]
         run_dir: Option<PathBuf>,
     },
@@ -229,7 +230,21 @@ pub fn run(command: Command) -> Result<()> {
         }
         Command::Init { run_dir } => {
             let text = match run_dir {
-                Some(dir) => config::EXAMPLE.replace("runs/demo", &dir.display().to_string()),
+                Some(dir) => match crate::init::survey(&dir) {
+                    Ok(survey) => {
+                        for line in crate::init::describe(&dir, &survey) {
+                            eprintln!("{line}");
+                        }
+                        crate::init::config_for(&dir, &survey)
+                    }
+                    Err(e) => {
+                        eprintln!(
+                            "{}: cannot look at the run folder ({e}); writing the defaults for it",
+                            dir.display()
+                        );
+                        crate::init::config_for(&dir, &crate::init::Survey::default())
+                    }
+                },
                 None => config::EXAMPLE.to_string(),
             };
             print!("{text}");

@@ -12,6 +12,7 @@ pub mod eval;
 pub mod history;
 pub mod http;
 pub mod icr;
+pub mod init;
 pub mod lock;
 pub mod metrics;
 pub mod model;

@@ -154,3 +154,38 @@ fn eval_takes_a_folder_and_steps_from_the_path_and_refuses_a_path_without_one() 
         stderr(&out)
     );
 }
+
+#[test]
+fn init_run_dir_writes_a_config_for_what_the_run_folder_holds() {
+    let run = empty_run();
+    let dir = run.path();
+    for s in [100, 200] {
+        write_folder(dir, &format!("checkpoint-{s}"));
+    }
+    let out = diffmon(&["init", "--run-dir", dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        stderr(&out).contains("2 checkpoint folders (steps 100 to 200)"),
+        "{}",
+        stderr(&out)
+    );
+    for line in [
+        "  pattern: \"checkpoint-*\"".to_string(),
+        format!("  architecture: {}", dir.join("model.ts").display()),
+        format!("  path: {}", dir.join("train.h5").display()),
+        format!("  heldout_path: {}", dir.join("heldout.h5").display()),
+    ] {
+        assert!(text.lines().any(|l| l.starts_with(&line)), "{line}\n{text}");
+    }
+    let config = dir.join("init.yaml");
+    fs::write(&config, &text).unwrap();
+    let check = diffmon(&["check-config", config.to_str().unwrap()]);
+    assert!(check.status.success(), "{}", stderr(&check));
+    // Without held-out images the key is left commented out, so the config still checks.
+    fs::remove_file(dir.join("heldout.h5")).unwrap();
+    let text = stdout(&diffmon(&["init", "--run-dir", dir.to_str().unwrap()]));
+    fs::write(&config, &text).unwrap();
+    let check = diffmon(&["check-config", config.to_str().unwrap()]);
+    assert!(check.status.success(), "{}", stderr(&check));
+}

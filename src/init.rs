@@ -1,0 +1,266 @@
+//! `diffmon init`: the annotated example config, and with `--run-dir DIR` one written for what a
+//! training run has already saved there. The run folder is looked at, never written: its
+//! checkpoints (files or folders, see [`crate::unit`]), their format, the step pattern, EMA
+//! weights, an exported architecture (`*.ts` that is TorchScript and has no step) and HDF5 data.
+
+use crate::config::{CheckpointsConfig, EXAMPLE};
+use crate::unit;
+use crate::weights::{self, CheckpointFormat};
+use std::path::{Path, PathBuf};
+
+/// Most entries of the run folder looked at.
+const MAX_ENTRIES: usize = 10_000;
+
+/// One checkpoint found in the run folder.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Found {
+    pub name: String,
+    pub step: i64,
+    pub is_dir: bool,
+    /// The weights read, relative to the run folder.
+    pub weights: String,
+    /// The weights' format, or why they cannot be read.
+    pub format: Result<CheckpointFormat, String>,
+}
+
+/// What `init --run-dir` saw.
+#[derive(Debug, Default)]
+pub struct Survey {
+    pub checkpoints: Vec<Found>,
+    pub architecture: Option<PathBuf>,
+    pub train: Option<PathBuf>,
+    pub heldout: Option<PathBuf>,
+    /// A pattern matching exactly the checkpoints' names (digits as `*`), when they share one.
+    pub pattern: Option<String>,
+}
+
+impl Survey {
+    /// The checkpoints' weights come from diffusers EMA folders.
+    pub fn ema_folders(&self) -> bool {
+        self.checkpoints.iter().any(|f| f.weights.contains("_ema/"))
+    }
+}
+
+/// `name` with every run of digits replaced by `*`.
+fn generalize(name: &str) -> String {
+    let mut out = String::new();
+    let mut in_digits = false;
+    for c in name.chars() {
+        if c.is_ascii_digit() {
+            if !in_digits {
+                out.push('*');
+            }
+            in_digits = true;
+        } else {
+            in_digits = false;
+            if matches!(c, '[' | ']' | '{' | '}' | '?' | '*' | '\\') {
+                out.push('\\');
+            }
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Looks at `dir` with the default checkpoint settings.
+pub fn survey(dir: &Path) -> std::io::Result<Survey> {
+    let cfg = CheckpointsConfig::default();
+    let pattern = globset::Glob::new(&cfg.pattern)
+        .expect("the default pattern is valid")
+        .compile_matcher();
+    let step_regex = regex::Regex::new(&cfg.step_regex).expect("the default regex is valid");
+    let mut s = Survey::default();
+    let mut entries: Vec<_> = std::fs::read_dir(dir)?
+        .take(MAX_ENTRIES)
+        .flatten()
+        .filter_map(|e| Some((e.file_name().to_str()?.to_string(), e.path())))
+        .filter(|(n, _)| !n.starts_with('.'))
+        .collect();
+    entries.sort();
+    for (name, path) in entries {
+        let is_dir = std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir());
+        let step = unit::step_in(&name, &step_regex);
+        if !is_dir && name.ends_with(".h5") {
+            let slot = if name.contains("heldout") || name.contains("val") {
+                &mut s.heldout
+            } else {
+                &mut s.train
+            };
+            if slot.is_none() || name == "train.h5" {
+                *slot = Some(path);
+            }
+            continue;
+        }
+        if !pattern.is_match(&name) {
+            continue;
+        }
+        if step.is_none() {
+            if !is_dir
+                && name.ends_with(".ts")
+                && matches!(
+                    weights::detect_format(&path),
+                    Ok(CheckpointFormat::TorchScript)
+                )
+            {
+                s.architecture.get_or_insert(path);
+            }
+            continue;
+        }
+        let (weights, format) = match unit::weights_path(&path, &cfg) {
+            Ok(w) => {
+                let format = weights::detect_format(&w).map_err(|e| e.to_string());
+                (w, format)
+            }
+            Err(e) => (path.clone(), Err(e.to_string())),
+        };
+        s.checkpoints.push(Found {
+            name,
+            step: step.unwrap_or_default(),
+            is_dir,
+            weights: weights
+                .strip_prefix(dir)
+                .unwrap_or(&weights)
+                .display()
+                .to_string(),
+            format,
+        });
+    }
+    s.checkpoints.sort_by_key(|f| f.step);
+    let mut globs: Vec<String> = s.checkpoints.iter().map(|f| generalize(&f.name)).collect();
+    globs.dedup();
+    globs.sort();
+    globs.dedup();
+    if globs.len() == 1 {
+        s.pattern = globs.pop();
+    }
+    Ok(s)
+}
+
+/// A sentence per finding, for the config's header and the terminal.
+pub fn describe(dir: &Path, s: &Survey) -> Vec<String> {
+    let mut out = Vec::new();
+    match (s.checkpoints.first(), s.checkpoints.last()) {
+        (Some(first), Some(last)) => {
+            let kind = if first.is_dir { "folders" } else { "files" };
+            let format = match &first.format {
+                Ok(f) => format!("{f}"),
+                Err(e) => format!("not readable: {e}"),
+            };
+            out.push(format!(
+                "{} checkpoint {kind} (steps {} to {}); e.g. {} reads {} ({format})",
+                s.checkpoints.len(),
+                first.step,
+                last.step,
+                first.name,
+                first.weights
+            ));
+            let unreadable = s.checkpoints.iter().filter(|f| f.format.is_err()).count();
+            if unreadable > 0 {
+                out.push(format!(
+                    "{unreadable} of them cannot be read yet (still being written, or see checkpoints.weights_files)"
+                ));
+            }
+            if s.ema_folders() {
+                out.push(
+                    "EMA weights (the *_ema/ folders) are evaluated: checkpoints.prefer_ema"
+                        .into(),
+                );
+            }
+        }
+        _ => out.push(format!(
+            "no checkpoint yet in {} (files or folders named with their step, e.g. checkpoint-500/ or ckpt_500.pt); the defaults below find what common training stacks write",
+            dir.display()
+        )),
+    }
+    match &s.architecture {
+        Some(a) => out.push(format!("architecture: {}", a.display())),
+        None => out.push(
+            "no exported architecture (*.ts) found: export one with diffmon-export (README, \"The model contract\") and set model.architecture".into(),
+        ),
+    }
+    match &s.train {
+        Some(t) => out.push(format!("training images: {}", t.display())),
+        None => out.push(
+            "no training images (*.h5) found: write them as HDF5 (README, \"Configuration\") and set data.path".into(),
+        ),
+    }
+    out
+}
+
+/// The example config, filled in for `dir` and what [`survey`] found there.
+pub fn config_for(dir: &Path, s: &Survey) -> String {
+    let d = dir.display().to_string();
+    let mut text = EXAMPLE.replace("runs/demo", &d);
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "run".into());
+    text = text.replace("# name: demo ", &format!("# name: {name} "));
+    if let Some(p) = &s.pattern {
+        text = replace_value(&text, "  pattern: ", &format!("\"{p}\""));
+    }
+    if let Some(a) = &s.architecture {
+        text = replace_value(&text, "  architecture: ", &a.display().to_string());
+    }
+    if let Some(t) = &s.train {
+        text = replace_value(&text, "  path: ", &t.display().to_string());
+    }
+    match &s.heldout {
+        Some(h) => text = replace_value(&text, "  heldout_path: ", &h.display().to_string()),
+        None => text = text.replacen("  heldout_path: ", "  # heldout_path: ", 1),
+    }
+    let header: String = describe(dir, s)
+        .iter()
+        .map(|l| format!("# {l}\n"))
+        .collect();
+    format!("# Written by `diffmon init --run-dir {d}`, which found:\n{header}\n{text}")
+}
+
+/// `text` with the value of the first line starting with `prefix` replaced (its comment kept).
+fn replace_value(text: &str, prefix: &str, value: &str) -> String {
+    let mut done = false;
+    text.lines()
+        .map(|line| {
+            if done || !line.starts_with(prefix) {
+                return line.to_string();
+            }
+            done = true;
+            let rest = &line[prefix.len()..];
+            let comment = rest
+                .find(" #")
+                .map(|i| rest[i..].trim_start())
+                .unwrap_or("");
+            let mut out = format!("{prefix}{value}");
+            if !comment.is_empty() {
+                out.push_str(&format!(
+                    "{}{comment}",
+                    " ".repeat(line.len().saturating_sub(out.len() + comment.len()).max(1))
+                ));
+            }
+            out
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+        + "\n"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_generalize_to_one_pattern() {
+        assert_eq!(generalize("checkpoint-500"), "checkpoint-*");
+        assert_eq!(generalize("epoch=3-step=400.ckpt"), "epoch=*-step=*.ckpt");
+        assert_eq!(generalize("ema-12.pt"), "ema-*.pt");
+    }
+
+    #[test]
+    fn a_value_is_replaced_and_its_comment_kept() {
+        let t = "a:\n  path: x.h5      # required: images\n  path: y\n";
+        assert_eq!(
+            replace_value(t, "  path: ", "/data/train.h5"),
+            "a:\n  path: /data/train.h5 # required: images\n  path: y\n"
+        );
+    }
+}
