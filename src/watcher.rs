@@ -282,7 +282,7 @@ impl Watcher {
             match kind {
                 Some(true) => {}
                 Some(false) => {
-                    ignored.push((shown_entry(name, false), "is not a regular file"));
+                    ignored.push((shown_entry(name, false), "is a FIFO, socket or device"));
                     if self.warned_not_regular.insert(path.clone()) {
                         tracing::warn!(checkpoint = %shown(&path), "not a regular file (FIFO, socket or device); skipping it");
                     }
