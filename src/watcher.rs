@@ -1,12 +1,18 @@
-//! Finds complete checkpoints in `run.dir` and hands them to the evaluator in step order
-//! (DESIGN.md §3).
+//! Finds complete checkpoints in `run.dir` and hands them to the evaluator in step order.
 //!
+//! A checkpoint is a *unit* ([`crate::unit`]): a file or a folder directly in `run.dir` whose
+//! name matches `checkpoints.pattern` and holds a step; the files the config names never match.
 //! Filesystem notifications (inotify) wake the watcher early; a periodic rescan every
-//! `checkpoints.poll_secs` finds files where notifications are silent (NFS, Lustre) or switched
-//! off. A file is complete when it was renamed into place, or when its size and mtime have been
-//! stable for `checkpoints.settle_secs`; in both cases its container structure must be valid. A
-//! file that stays structurally invalid long after it stopped changing is handed over anyway, so
-//! the evaluator records it as a failure instead of waiting forever.
+//! `checkpoints.poll_secs` finds units where notifications are silent (NFS, Lustre) or switched
+//! off. A unit is complete when it was renamed into place, or when its key (size and mtime; for
+//! a folder, over its whole tree) has been stable for `checkpoints.settle_secs`; in both cases
+//! its weights must be there and their container structure valid. A unit that stays invalid
+//! long after it stopped changing is handed over anyway, so the evaluator records it as a
+//! failure instead of waiting forever.
+//!
+//! Never silent: while nothing has been found, entries that look like checkpoints but are
+//! skipped (no match for the pattern, no step, not a regular file) are named in a warning at
+//! the first scan and then once a minute, and counted in `diffmon_checkpoints_ignored`.
 //!
 //! Work is offered on a rendezvous channel: the evaluator takes an item only when it is idle, so
 //! the watcher always offers the best next one: the lowest pending step (`backlog: all`) or the
