@@ -217,6 +217,32 @@ fn diffusers_checkpoint_folders_evaluate_unet_ema() {
 }
 
 #[test]
+fn diffusers_checkpoint_folders_without_ema_evaluate_unet() {
+    // The same run as a user training without `--use_ema` has it: checkpoint-N/unet/ only.
+    // Its flat copy is the `unet/diffusion_pytorch_model.safetensors` diffusers wrote.
+    let tmp = tempfile::tempdir().unwrap();
+    let (run, flat) = (tmp.path().join("run"), tmp.path().join("flat"));
+    fs::create_dir_all(&flat).unwrap();
+    for s in STEPS {
+        let from = fixture().join(format!("runs/diffusers/checkpoint-{s}/unet"));
+        let to = run.join(format!("checkpoint-{s}/unet"));
+        fs::create_dir_all(&to).unwrap();
+        for e in fs::read_dir(&from).unwrap() {
+            let e = e.unwrap();
+            fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+        fs::copy(
+            to.join("diffusion_pytorch_model.safetensors"),
+            flat.join(format!("step_{s}.safetensors")),
+        )
+        .unwrap();
+    }
+    watch_complete("diffusers without EMA", &run, &flat, |s| {
+        format!("checkpoint-{s}")
+    });
+}
+
+#[test]
 fn emamodel_state_dicts_evaluate_shadow_params() {
     complete_stack("emamodel", |s| format!("ema-{s}.pt"));
 }
