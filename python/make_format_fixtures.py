@@ -5,6 +5,7 @@ Usage: make_format_fixtures.py OUT_DIR
 Writes, with the real libraries (torch, pytorch_lightning, diffusers):
 
     arch.ts                 Net(tie=False, cache=False) exported with diffmon.export (feature layer body.0)
+    arch_cache.ts           Net(tie=False, cache=True): with the non-persistent buffers `cache`
     whole_module.pt         torch.save(net): a pickled module tree; nested submodules, a
                             non-persistent buffer, a tied parameter, a module class whose
                             __setstate__ and an attribute whose __reduce__ would create the marker
@@ -145,9 +146,10 @@ def main():
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     shape = (1, 8, 8)
-    # The TorchScript export lists non-persistent buffers too (no checkpoint holds them), so
-    # the architecture keeps `cache` as a plain attribute.
+    # The TorchScript export lists non-persistent buffers too (no checkpoint holds them): the
+    # exporter notes them in the file, so arch_cache.ts (with `cache`) loads state dicts too.
     export(Net(tie=False, cache=False), "body.0", OUT / "arch.ts", example_shape=shape)
+    export(Net(tie=False, cache=True), "body.0", OUT / "arch_cache.ts", example_shape=shape)
 
     # torch.save(model) with code that would run on torch.load.
     net = MarkedNet()

@@ -213,6 +213,36 @@ pub struct Model {
     /// How many of `tensors` (the first ones) are parameters.
     params: usize,
     index: HashMap<String, usize>,
+    /// Indices of `tensors` that checkpoints do not hold: the non-persistent buffers the
+    /// exporter lists in the architecture (they keep the architecture's values).
+    optional: std::collections::HashSet<usize>,
+}
+
+/// The exporter's note inside the architecture archive (`extra/diffmon.json`).
+const EXPORT_NOTE: &str = "extra/diffmon.json";
+
+/// The names of the non-persistent buffers the exporter listed in the architecture file (none
+/// for a file made otherwise). The architecture is trusted, but the note is still read bounded.
+fn non_persistent_buffers(path: &Path) -> Vec<String> {
+    let read = || -> Option<Vec<String>> {
+        let mut zip = zip::ZipArchive::new(std::fs::File::open(path).ok()?).ok()?;
+        let name = zip
+            .file_names()
+            .find(|n| n.ends_with(EXPORT_NOTE))?
+            .to_string();
+        let entry = zip.by_name(&name).ok()?;
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut std::io::Read::take(entry, 1 << 20), &mut text).ok()?;
+        let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+        Some(
+            v.get("non_persistent_buffers")?
+                .as_array()?
+                .iter()
+                .filter_map(|n| n.as_str().map(String::from))
+                .collect(),
+        )
+    };
+    read().unwrap_or_default()
 }
 
 impl Model {
@@ -220,10 +250,15 @@ impl Model {
     pub fn load(path: &Path, device: Device) -> Result<Model, ModelError> {
         let module = Module::load(path, device)?;
         let (tensors, params) = module.named_tensors()?;
-        let index = tensors
+        let index: HashMap<String, usize> = tensors
             .iter()
             .enumerate()
             .map(|(i, (n, _))| (n.clone(), i))
+            .collect();
+        let optional = non_persistent_buffers(path)
+            .iter()
+            .filter_map(|n| index.get(n).copied())
+            .filter(|&i| i >= params)
             .collect();
         Ok(Model {
             module,
@@ -231,6 +266,7 @@ impl Model {
             tensors,
             params,
             index,
+            optional,
         })
     }
 
@@ -395,7 +431,7 @@ impl Model {
     /// components of the first checkpoint name (`a.`, `a.b.`, ...); each is tested exactly.
     fn detect_prefix<'n>(&self, tensors: &'n [(String, RawTensor)]) -> Option<&'n str> {
         let all_known = |strip: &str| {
-            tensors.len() == self.tensors.len()
+            tensors.len() == self.tensors.len() - self.optional.len()
                 && tensors.iter().all(|(n, _)| {
                     n.strip_prefix(strip)
                         .is_some_and(|rest| self.index.contains_key(rest))
@@ -475,8 +511,9 @@ impl Model {
             .tensors
             .iter()
             .zip(&seen)
-            .filter(|(_, s)| !**s)
-            .map(|((n, _), _)| n.clone())
+            .enumerate()
+            .filter(|(i, (_, s))| !**s && !self.optional.contains(i))
+            .map(|(_, ((n, _), _))| n.clone())
             .collect();
         if missing.is_empty() && unexpected.is_empty() && mismatched.is_empty() {
             return Ok(());

@@ -311,6 +311,16 @@ def _atomic_tmp(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
+def _non_persistent_buffers(net: nn.Module) -> list:
+    """Dotted names of the buffers registered with ``persistent=False``."""
+    names = []
+    for prefix, mod in net.named_modules():
+        for b in sorted(getattr(mod, "_non_persistent_buffers_set", ())):
+            if mod._buffers.get(b) is not None:
+                names.append(f"{prefix}.{b}" if prefix else b)
+    return names
+
+
 def export(module: nn.Module, feature_layer: str, path, parameterization: str = "edm",
            example_shape=None, sigma_data: float = 0.5, *, schedule: str = "linear",
            beta_min: Optional[float] = None, beta_max: Optional[float] = None, T: int = 1000,
@@ -424,7 +434,10 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=DeprecationWarning, message=r".*torch\.jit")
-            torch.jit.save(traced, str(tmp))
+            # Non-persistent buffers are part of the module but never of a state_dict(): the
+            # note tells diffmon not to expect them in checkpoints (they keep these values).
+            note = {"non_persistent_buffers": _non_persistent_buffers(net)}
+            torch.jit.save(traced, str(tmp), _extra_files={"diffmon.json": json.dumps(note)})
             loaded = torch.jit.load(str(tmp), map_location=device)
         if check:
             x3, s3 = _example_inputs(shape, 3, 1, device)

@@ -107,6 +107,19 @@ fn whole_module_pickle_is_read_without_running_its_code() {
         .unwrap();
     assert_model_holds(&model, &want, "", "torch.save(model) loaded");
     assert!(!file("MARKER_SETSTATE").exists() && !file("MARKER_REDUCE").exists());
+
+    // An architecture with non-persistent buffers (`cache`, which no state dict holds): the
+    // exporter's note in the file lets the same checkpoint load, and `cache` keeps its value.
+    let mut cached = Model::load(&file("arch_cache.ts"), Device::Cpu).unwrap();
+    assert!(cached.tensor("body.0.cache").is_some());
+    cached
+        .load_weights(&file("whole_module.pt"), &ReadOptions::default())
+        .unwrap();
+    assert_model_holds(&cached, &want, "", "loaded beside non-persistent buffers");
+    assert_eq!(
+        cached.tensor("body.0.cache").unwrap(),
+        Tensor::zeros([3], (Kind::Float, Device::Cpu))
+    );
 }
 
 #[test]
