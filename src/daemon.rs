@@ -23,7 +23,7 @@
 //! process with status 1.
 
 use crate::alerts::{Alerter, Event, EventKind, event_id};
-use crate::config::{Config, EarlyStopMetric};
+use crate::config::{Config, Confirm, EarlyStopMetric};
 use crate::crash::{Crash, InFlight};
 use crate::detector::{Best, Detector, DetectorState, Observation, Signal};
 use crate::eval::{EvalError, Evaluator};
@@ -127,6 +127,18 @@ impl Recorder {
     /// Feeds one record to the detector; returns the event to send, if any.
     fn decide(&mut self, r: &Evaluation, at: &str) -> Option<Event> {
         let decision = self.detector.observe(&self.observation(r));
+        if decision.unconfirmed {
+            let confirm = match self.config.early_stop_resolved().confirm {
+                Confirm::MemorizationRatio => "memorization_ratio",
+                _ => "generalization_gap",
+            };
+            tracing::info!(
+                step = r.step,
+                confirm,
+                "{} has turned, but {confirm} has not risen since the best step (early_stop.confirm): no early stop yet",
+                self.metric_name()
+            );
+        }
         let s = &self.detector.state;
         lock(&self.snapshot).push(r, at, &decision, s);
         self.metrics.set_detector(
