@@ -82,3 +82,31 @@ fn usage_errors_exit_2_and_missing_config_file_is_named() {
         stderr(&out)
     );
 }
+
+#[test]
+fn check_config_takes_config_like_the_bare_file() {
+    let dir = run_dir();
+    let config = dir.path().join("diffmon.yaml");
+    let out = diffmon(&["init", "--run-dir", dir.path().to_str().unwrap()]);
+    fs::write(&config, stdout(&out)).unwrap();
+    let path = config.to_str().unwrap();
+    let flag = diffmon(&["check-config", "--config", path]);
+    let bare = diffmon(&["check-config", path]);
+    assert!(flag.status.success(), "{}", stderr(&flag));
+    assert!(stdout(&flag).contains(": ok"), "{}", stdout(&flag));
+    assert_eq!(stdout(&flag), stdout(&bare));
+
+    fs::write(&config, "run:\n  dir: .\nicr:\n  samles: 10\n").unwrap();
+    let flag = diffmon(&["check-config", "--config", path]);
+    let bare = diffmon(&["check-config", path]);
+    assert_eq!(flag.status.code(), Some(2), "{}", stderr(&flag));
+    assert_eq!(bare.status.code(), Some(2), "{}", stderr(&bare));
+    assert!(stderr(&flag).contains("icr.samles"), "{}", stderr(&flag));
+    assert_eq!(stderr(&flag), stderr(&bare));
+
+    // Both at once, or neither: a usage error.
+    let both = diffmon(&["check-config", path, "--config", path]);
+    assert_eq!(both.status.code(), Some(2), "{}", stderr(&both));
+    let neither = diffmon(&["check-config"]);
+    assert_eq!(neither.status.code(), Some(2), "{}", stderr(&neither));
+}
