@@ -1,7 +1,9 @@
 //! The binary's commands, exit codes and messages.
 
-use crate::common::{diffmon, fixtures, stderr, stdout};
+use crate::common::{diffmon, fixtures, stderr, stdout, toy_run};
 use std::fs;
+use std::path::Path;
+use std::process::{Command, Output};
 
 /// A run folder with the files `diffmon init --run-dir` refers to.
 fn run_dir() -> tempfile::TempDir {
@@ -11,6 +13,32 @@ fn run_dir() -> tempfile::TempDir {
     fs::copy(f.join("data_f32.h5"), dir.path().join("train.h5")).unwrap();
     fs::copy(f.join("data_u8_nchw.h5"), dir.path().join("heldout.h5")).unwrap();
     dir
+}
+
+/// `diffmon ARGS` run in `cwd`.
+fn diffmon_in(cwd: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_diffmon"))
+        .args(args)
+        .current_dir(cwd)
+        .env("DIFFMON_LOG", "warn")
+        .output()
+        .expect("run diffmon")
+}
+
+/// `diffmon init --run-dir RUN` (run in `cwd`) written to `config` as printed, then
+/// `diffmon check-config --config CONFIG` (run in `cwd`): its stdout, asserting both succeed.
+fn init_then_check(cwd: &Path, run: &str, config: &Path) -> String {
+    let out = diffmon_in(cwd, &["init", "--run-dir", run]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    fs::write(config, stdout(&out)).unwrap();
+    let check = diffmon_in(cwd, &["check-config", "--config", config.to_str().unwrap()]);
+    assert!(
+        check.status.success(),
+        "check-config of what init printed:\n{}\n{}",
+        stderr(&check),
+        stdout(&out)
+    );
+    stdout(&check)
 }
 
 #[test]
@@ -109,4 +137,72 @@ fn check_config_takes_config_like_the_bare_file() {
     assert_eq!(both.status.code(), Some(2), "{}", stderr(&both));
     let neither = diffmon(&["check-config"]);
     assert_eq!(neither.status.code(), Some(2), "{}", stderr(&neither));
+}
+
+#[test]
+fn init_without_heldout_data_passes_check_config() {
+    let dir = run_dir();
+    fs::remove_file(dir.path().join("heldout.h5")).unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let config = elsewhere.path().join("diffmon.yaml");
+    let check = init_then_check(elsewhere.path(), dir.path().to_str().unwrap(), &config);
+    let text = fs::read_to_string(&config).unwrap();
+    assert!(
+        text.lines().any(|l| l.starts_with("  # heldout_path: ")),
+        "{text}"
+    );
+    assert!(
+        !text.lines().any(|l| l.starts_with("  heldout_path:")),
+        "{text}"
+    );
+    let name = dir.path().file_name().unwrap().to_str().unwrap();
+    assert!(check.contains(&format!("(run `{name}`")), "{check}");
+}
+
+#[test]
+fn init_of_a_relative_run_folder_names_the_run_after_it() {
+    // The README's workflow: `diffmon init --run-dir runs/NAME > diffmon.yaml`, in the folder
+    // holding runs/; the example's own run folder, runs/demo; a name YAML would misread plain.
+    for name in ["exp1", "demo", "exp #2: [a]"] {
+        let top = tempfile::tempdir().unwrap();
+        let run = top.path().join("runs").join(name);
+        fs::create_dir_all(&run).unwrap();
+        for f in ["model.ts", "train.h5", "heldout.h5"] {
+            fs::copy(run_dir().path().join(f), run.join(f)).unwrap();
+        }
+        let config = top.path().join("diffmon.yaml");
+        let check = init_then_check(top.path(), &format!("runs/{name}"), &config);
+        assert!(check.contains(&format!("(run `{name}`")), "{check}");
+        let text = fs::read_to_string(&config).unwrap();
+        assert!(text.contains(&format!("  # name: {name} ")), "{text}");
+        if name != "exp #2: [a]" {
+            assert!(text.contains(&format!("  dir: runs/{name} ")), "{text}");
+            let heldout = format!("  heldout_path: runs/{name}/heldout.h5");
+            assert!(text.contains(&heldout), "{text}");
+        }
+
+        // From inside the run folder, `--run-dir .`: the name is still the folder's.
+        let config = run.join("diffmon.yaml");
+        let check = init_then_check(&run, ".", &config);
+        assert!(check.contains(&format!("(run `{name}`")), "{check}");
+        let text = fs::read_to_string(&config).unwrap();
+        assert!(text.contains(&format!("  # name: {name} ")), "{text}");
+    }
+}
+
+#[test]
+fn init_of_a_toy_training_run_passes_check_config() {
+    let toy = toy_run();
+    let out = diffmon(&["init", "--run-dir", toy.to_str().unwrap()]);
+    let found = stderr(&out);
+    assert!(
+        found.contains("checkpoint files (steps 30 to 60)"),
+        "{found}"
+    );
+    assert!(found.contains("architecture: "), "{found}");
+    let elsewhere = tempfile::tempdir().unwrap();
+    let config = elsewhere.path().join("diffmon.yaml");
+    let check = init_then_check(elsewhere.path(), toy.to_str().unwrap(), &config);
+    let name = toy.file_name().unwrap().to_str().unwrap();
+    assert!(check.contains(&format!("(run `{name}`")), "{check}");
 }
