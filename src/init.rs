@@ -175,7 +175,7 @@ pub fn describe(dir: &Path, s: &Survey) -> Vec<String> {
     match &s.architecture {
         Some(a) => out.push(format!("architecture: {}", a.display())),
         None => out.push(
-            "no exported architecture (*.ts) found: export one with diffmon-export (README, \"The model contract\") and set model.architecture".into(),
+            "no exported architecture (*.ts) found: export one with diffmon-export (README, \"Your training stack\") and set model.architecture".into(),
         ),
     }
     match &s.train {

@@ -1,6 +1,6 @@
 //! The binary's commands, exit codes and messages.
 
-use crate::common::{diffmon, fixtures, stderr, stdout, toy_run};
+use crate::common::{diffmon, fixtures, root, stderr, stdout, toy_run};
 use std::fs;
 use std::path::Path;
 use std::process::{Command, Output};
@@ -205,4 +205,71 @@ fn init_of_a_toy_training_run_passes_check_config() {
     let check = init_then_check(elsewhere.path(), toy.to_str().unwrap(), &config);
     let name = toy.file_name().unwrap().to_str().unwrap();
     assert!(check.contains(&format!("(run `{name}`")), "{check}");
+}
+
+/// The sections cited as `README, "Section"` in `text`; any other mention of the README is
+/// returned as an error, so that every citation can be checked.
+fn cited_sections(text: &str) -> Result<Vec<String>, String> {
+    let mut sections = Vec::new();
+    for (i, _) in text.match_indices("README") {
+        let rest = &text[i + "README".len()..];
+        let section = rest
+            .strip_prefix(", \"")
+            .and_then(|r| r.split_once('"'))
+            .map(|(s, _)| s.to_string())
+            .ok_or_else(|| {
+                let line = text[..i].rsplit('\n').next().unwrap_or("");
+                let end = rest.split('\n').next().unwrap_or("");
+                format!("`{line}README{end}` does not cite a section as README, \"Section\"")
+            })?;
+        sections.push(section);
+    }
+    Ok(sections)
+}
+
+#[test]
+fn readme_sections_cited_by_the_config_and_init_exist() {
+    let readme = fs::read_to_string(root().join("README.md")).unwrap();
+    let headings: Vec<&str> = readme
+        .lines()
+        .filter_map(|l| l.strip_prefix("## ").or_else(|| l.strip_prefix("### ")))
+        .map(str::trim)
+        .collect();
+    let example = fs::read_to_string(root().join("config/diffmon.example.yaml")).unwrap();
+    let empty = tempfile::tempdir().unwrap();
+    let full = run_dir();
+    let mut texts = vec![("config/diffmon.example.yaml".to_string(), example)];
+    for args in [
+        vec!["init"],
+        vec!["init", "--run-dir", empty.path().to_str().unwrap()],
+        vec!["init", "--run-dir", full.path().to_str().unwrap()],
+        vec!["init", "--run-dir", "/nonexistent/run"],
+        vec!["--help"],
+    ] {
+        let out = diffmon(&args);
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        texts.push((format!("{args:?}"), stdout(&out) + &stderr(&out)));
+    }
+    let mut cited = 0;
+    for (what, text) in &texts {
+        let sections = cited_sections(text).unwrap_or_else(|e| panic!("{what}: {e}"));
+        for section in sections {
+            assert!(
+                headings.contains(&section.as_str()),
+                "{what} cites README section \"{section}\", which is not a heading of README.md ({headings:?})"
+            );
+            cited += 1;
+        }
+    }
+    // The example cites two, init's notes for an empty folder two more, --help one.
+    assert!(cited >= 5, "{cited}");
+}
+
+#[test]
+fn a_citation_not_in_the_form_is_refused() {
+    assert_eq!(
+        cited_sections("a (README, \"The early stop\") b README, \"X\""),
+        Ok(vec!["The early stop".to_string(), "X".to_string()])
+    );
+    assert!(cited_sections("# required: the model contract (README)").is_err());
 }
