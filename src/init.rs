@@ -175,7 +175,7 @@ pub fn describe(dir: &Path, s: &Survey) -> Vec<String> {
     match &s.architecture {
         Some(a) => out.push(format!("architecture: {}", a.display())),
         None => out.push(
-            "no exported architecture (*.ts) found: export one with diffmon-export (README, \"The model contract\") and set model.architecture".into(),
+            "no exported architecture (*.ts) found: export one with diffmon-export (README, \"Your training stack\") and set model.architecture".into(),
         ),
     }
     match &s.train {
@@ -187,33 +187,84 @@ pub fn describe(dir: &Path, s: &Survey) -> Vec<String> {
     out
 }
 
-/// The example config, filled in for `dir` and what [`survey`] found there.
+/// The example config, filled in for `dir` and what [`survey`] found there. Paths and the
+/// pattern are written as YAML scalars that read back as themselves, whatever the folder's name.
 pub fn config_for(dir: &Path, s: &Survey) -> String {
     let d = dir.display().to_string();
-    let mut text = EXAMPLE.replace("runs/demo", &d);
-    let name = dir
+    let demo = regex::Regex::new(r"runs/demo(/\S*)?").expect("a valid regex");
+    let mut text = demo
+        .replace_all(EXAMPLE, |c: &regex::Captures| {
+            yaml_scalar(&format!("{d}{}", c.get(1).map_or("", |m| m.as_str())))
+        })
+        .into_owned();
+    // The name check-config and the metrics use: the folder's own (`.` is the current one).
+    let name = std::fs::canonicalize(dir)
+        .unwrap_or_else(|_| dir.to_path_buf())
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "run".into());
-    text = text.replace("# name: demo ", &format!("# name: {name} "));
+    text = text.replace("# name: demo ", &format!("# name: {} ", one_line(&name)));
     if let Some(p) = &s.pattern {
-        text = replace_value(&text, "  pattern: ", &format!("\"{p}\""));
+        text = replace_value(&text, "  pattern: ", &quoted(p));
     }
     if let Some(a) = &s.architecture {
-        text = replace_value(&text, "  architecture: ", &a.display().to_string());
+        text = replace_value(
+            &text,
+            "  architecture: ",
+            &yaml_scalar(&a.display().to_string()),
+        );
     }
     if let Some(t) = &s.train {
-        text = replace_value(&text, "  path: ", &t.display().to_string());
+        text = replace_value(&text, "  path: ", &yaml_scalar(&t.display().to_string()));
     }
     match &s.heldout {
-        Some(h) => text = replace_value(&text, "  heldout_path: ", &h.display().to_string()),
+        Some(h) => {
+            text = replace_value(
+                &text,
+                "  heldout_path: ",
+                &yaml_scalar(&h.display().to_string()),
+            )
+        }
         None => text = text.replacen("  heldout_path: ", "  # heldout_path: ", 1),
     }
     let header: String = describe(dir, s)
         .iter()
-        .map(|l| format!("# {l}\n"))
+        .map(|l| format!("# {}\n", one_line(l)))
         .collect();
-    format!("# Written by `diffmon init --run-dir {d}`, which found:\n{header}\n{text}")
+    format!(
+        "# Written by `diffmon init --run-dir {}`, which found:\n{header}\n{text}",
+        one_line(&d)
+    )
+}
+
+/// `s` for a comment line: line breaks shown escaped.
+fn one_line(s: &str) -> String {
+    s.replace('\r', "\\r").replace('\n', "\\n")
+}
+
+/// `s` double-quoted, with JSON's escapes (JSON strings are YAML scalars).
+fn quoted(s: &str) -> String {
+    serde_json::to_string(s).expect("a string serializes")
+}
+
+/// `s` as a YAML scalar: plain when it reads back as the same string, else [`quoted`].
+fn yaml_scalar(s: &str) -> String {
+    let lower = s.to_ascii_lowercase();
+    let safe = s
+        .chars()
+        .all(|c| c.is_alphanumeric() || matches!(c, '/' | '.' | '_' | '-' | '+'));
+    let other_type = matches!(
+        lower.as_str(),
+        "" | "~" | "null" | "true" | "false" | "yes" | "no" | "on" | "off" | "y" | "n"
+    ) || lower
+        .trim_start_matches(['+', '-', '.'])
+        .parse::<f64>()
+        .is_ok();
+    if safe && !other_type && !s.starts_with('-') {
+        s.to_string()
+    } else {
+        quoted(s)
+    }
 }
 
 /// `text` with the value of the first line starting with `prefix` replaced (its comment kept).
@@ -253,6 +304,37 @@ mod tests {
         assert_eq!(generalize("checkpoint-500"), "checkpoint-*");
         assert_eq!(generalize("epoch=3-step=400.ckpt"), "epoch=*-step=*.ckpt");
         assert_eq!(generalize("ema-12.pt"), "ema-*.pt");
+    }
+
+    #[test]
+    fn scalars_read_back_as_themselves() {
+        for s in [
+            "runs/exp1",
+            "/tmp/.tmpAb12/model.ts",
+            "runs/exp #1/train.h5",
+            "runs/a: b",
+            "[x]",
+            "*",
+            "'q'",
+            "\"q\"",
+            "back\\slash",
+            "line\nbreak",
+            "1000",
+            "1e3",
+            ".inf",
+            "true",
+            "on",
+            "~",
+            "-x",
+            "é/ü",
+        ] {
+            let yaml = format!("k: {}  # comment\n", yaml_scalar(s));
+            let v: std::collections::BTreeMap<String, serde_yaml::Value> =
+                serde_yaml::from_str(&yaml).unwrap_or_else(|e| panic!("{yaml}: {e}"));
+            assert_eq!(v["k"].as_str(), Some(s), "{yaml}");
+        }
+        assert_eq!(yaml_scalar("runs/exp1/model.ts"), "runs/exp1/model.ts");
+        assert_eq!(quoted("ckpt\\[1\\]_*.pt"), r#""ckpt\\[1\\]_*.pt""#);
     }
 
     #[test]
