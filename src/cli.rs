@@ -287,6 +287,7 @@ pub fn run(command: Command) -> Result<()> {
                 config.run_name(),
                 config.run.dir.display()
             );
+            println!("{}", config.cost_summary());
             Ok(())
         }
         Command::Init { run_dir } => {

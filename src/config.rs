@@ -905,6 +905,47 @@ impl Config {
         })
     }
 
+    /// What one checkpoint costs in network calls (one image through the network), per metric:
+    /// one line for `check-config` and the daemon's start. ICR is two views per pair (and again
+    /// per sweep sigma), the gap one call per training and held-out image (at most
+    /// `icr.samples` each), PFD the student's PF-ODE, `2·steps − 1` calls per latent.
+    pub fn cost_summary(&self) -> String {
+        let mut parts = Vec::new();
+        let n = self.icr.samples;
+        if self.icr.enabled {
+            let sweeps = 1 + self.icr.sigmas.as_ref().map_or(0, Vec::len);
+            parts.push(
+                format!("ICR {} (2 x icr.samples", 2 * n * sweeps)
+                    + &if sweeps > 1 {
+                        format!(" x {sweeps} sigmas)")
+                    } else {
+                        ")".into()
+                    },
+            );
+        }
+        if self.data.heldout_path.is_some() {
+            parts.push(format!("gap up to {} (train and held-out images)", 2 * n));
+        }
+        if self.pfd.enabled {
+            let per_latent = 2 * self.pfd.steps - 1;
+            let every = match self.pfd.every {
+                1 => "every checkpoint".to_string(),
+                k => format!("every {k}th checkpoint"),
+            };
+            parts.push(match &self.pfd.latents {
+                Some(_) => format!("PFD {per_latent} per latent of pfd.latents, {every}"),
+                None => format!(
+                    "PFD {} ({per_latent} x pfd.samples, {every})",
+                    per_latent * self.pfd.samples
+                ),
+            });
+        }
+        format!(
+            "network calls per checkpoint: {} (README, \"Cost and GPU\")",
+            parts.join(", ")
+        )
+    }
+
     /// The detector's settings with `confirm: auto` resolved: the generalization gap when a
     /// held-out set is configured, else none.
     pub fn early_stop_resolved(&self) -> EarlyStopConfig {
@@ -1439,6 +1480,30 @@ mod tests {
     use super::*;
 
     const MINIMAL: &str = "run: {dir: r}\nmodel: {architecture: m.ts}\ndata: {path: d.h5}\n";
+
+    #[test]
+    fn the_cost_summary_counts_network_calls_per_metric() {
+        let c = Config::parse(MINIMAL, "c.yaml").unwrap();
+        assert_eq!(
+            c.cost_summary(),
+            "network calls per checkpoint: ICR 8192 (2 x icr.samples) (README, \"Cost and GPU\")"
+        );
+        let text = format!(
+            "{MINIMAL}icr: {{samples: 100, sigmas: [0.1, 1.0]}}\n\
+             pfd: {{enabled: true, samples: 10000, every: 5}}\n"
+        );
+        let text = text.replace(
+            "data: {path: d.h5}",
+            "data: {path: d.h5, heldout_path: h.h5}",
+        );
+        let c = Config::parse(&text, "c.yaml").unwrap();
+        assert_eq!(
+            c.cost_summary(),
+            "network calls per checkpoint: ICR 600 (2 x icr.samples x 3 sigmas), gap up to 200 \
+             (train and held-out images), PFD 350000 (35 x pfd.samples, every 5th checkpoint) \
+             (README, \"Cost and GPU\")"
+        );
+    }
 
     #[test]
     fn keys_are_found_in_the_text_for_error_positions() {

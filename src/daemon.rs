@@ -581,6 +581,7 @@ pub fn run(config: Config) -> Result<()> {
         metrics = %format!("http://{listen}/metrics"),
         "watching for checkpoints"
     );
+    tracing::info!("{}", config.cost_summary());
 
     let mut signals = {
         let _guard = runtime.enter();
