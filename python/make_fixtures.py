@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     missing_key = f"{FEATURE_LAYER}.conv1.weight"
     torch.save(OrderedDict((k, v) for k, v in sd.items() if k != missing_key), mark("ckpt_missing_keys.pt"))
 
-    # Data in the three layouts of DESIGN §2.2.
+    # Data in the three layouts of docs/design.md §12.
     idx = torch.randperm(len(images), generator=g)[:10]
     u8_nchw = np.clip(np.rint((images[idx].numpy().astype(np.float64) + 1.0) * 127.5), 0, 255).astype(np.uint8)
     u8_nchw[0, 0, 0, 0], u8_nchw[0, 0, 0, 1] = 0, 255  # both ends of the range

@@ -1,5 +1,5 @@
-//! The command line (DESIGN.md §2.3), logging set-up, and the one place that maps errors to exit
-//! codes: 0 ok, 2 bad usage or config, 1 runtime failure.
+//! The command line (docs/design.md §14), logging set-up, and the one place that maps errors to
+//! exit codes: 0 ok, 2 bad usage or config, 1 runtime failure.
 
 use crate::config::{self, Config, ConfigError, DeviceSpec, Observable};
 use crate::eval::Evaluator;

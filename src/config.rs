@@ -1,5 +1,5 @@
-//! The YAML configuration (DESIGN.md §2.4): typed sections with defaults, parsed straight from the
-//! text so that errors carry the key path, line and column, then a validation pass that reports
+//! The YAML configuration (docs/design.md §15): typed sections with defaults, parsed straight from
+//! the text so that errors carry the key path, line and column, then a validation pass that reports
 //! every problem with its key. Relative paths are resolved against the config file's folder.
 
 use serde::{Deserialize, Serialize};
@@ -77,7 +77,7 @@ impl fmt::Display for Problem {
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub run: RunConfig,
-    /// Where diffmon keeps its history, detector state, outbox and caches.
+    /// Where diffmon keeps its history, alert outbox, caches, lock and crash marker.
     /// Default: `<run.dir>/.diffmon`.
     #[serde(default)]
     pub state_dir: Option<PathBuf>,
@@ -212,7 +212,7 @@ impl Default for CheckpointsConfig {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
-    /// TorchScript file of the model contract (DESIGN.md §2.1).
+    /// TorchScript file of the model contract (docs/design.md §11).
     pub architecture: PathBuf,
 }
 
@@ -267,11 +267,11 @@ impl Serialize for DeviceSpec {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
-    /// HDF5 file of training images (DESIGN.md §2.2).
+    /// HDF5 file of training images (docs/design.md §12).
     pub path: PathBuf,
     #[serde(default = "default_dataset")]
     pub dataset: String,
-    /// Held-out images for the denoising generalization gap (DESIGN.md §1.6).
+    /// Held-out images for the denoising generalization gap (docs/design.md §8).
     #[serde(default)]
     pub heldout_path: Option<PathBuf>,
     #[serde(default = "default_dataset")]
@@ -332,7 +332,7 @@ impl Default for IcrConfig {
     }
 }
 
-/// The two-view augmentations of ICR (DESIGN.md §1.1); 0 or false switches one off.
+/// The two-view augmentations of ICR (docs/design.md §2); 0 or false switches one off.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct AugmentConfig {
@@ -479,7 +479,7 @@ impl MemorizationConfig {
     }
 }
 
-/// A scalar observable of a sample (DESIGN.md §1.5).
+/// A scalar observable of a sample (docs/design.md §7).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Observable {
     Max,

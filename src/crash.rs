@@ -1,4 +1,4 @@
-//! What makes the process die, recorded so that a restart does not repeat it (DESIGN.md §1.8:
+//! What makes the process die, recorded so that a restart does not repeat it (docs/design.md §10:
 //! a malformed file is a recorded failure, never a crash loop).
 //!
 //! - **Crash marker.** Before the evaluator starts on a checkpoint it tells [`evaluating`] which

@@ -1,4 +1,4 @@
-//! `diffmon watch`: the pipeline of DESIGN.md §3.
+//! `diffmon watch`: the pipeline of ARCHITECTURE.md ("Threads").
 //!
 //! ```text
 //! watcher thread ──WorkItem──► evaluator thread ──Outcome──► recorder thread ──► history (journal + HDF5)

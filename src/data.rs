@@ -1,4 +1,4 @@
-//! Training and held-out images from HDF5 (DESIGN.md §2.2): a float dataset `[N,C,H,W]` with
+//! Training and held-out images from HDF5 (docs/design.md §12): a float dataset `[N,C,H,W]` with
 //! values in [-1, 1], or `uint8` `[N,H,W,C]` / `[N,C,H,W]` converted as `x/127.5 − 1`. Read in
 //! batches; an `ImageSet` holds an open HDF5 file and stays on the thread that opened it.
 
@@ -34,7 +34,7 @@ pub enum DataError {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Layout {
-    /// float16/32/64 `[N,C,H,W]` in [-1, 1].
+    /// float32/64 `[N,C,H,W]` in [-1, 1].
     FloatNchw,
     /// uint8 `[N,C,H,W]`.
     U8Nchw,

@@ -1,4 +1,4 @@
-//! The early-stop detector (DESIGN.md §1.7): finds the turn of the ICR (or E_gen) U-curve.
+//! The early-stop detector (docs/design.md §9): finds the turn of the ICR (or E_gen) U-curve.
 //!
 //! Each evaluation adds one raw value; the smoothed value is the median of the last `window` raw
 //! values; `best` is the smallest smoothed value so far, named after the checkpoint the median
@@ -14,8 +14,10 @@
 //! risen since the best step too, beyond its noise floor; until then the turn is reported as
 //! unconfirmed and sends nothing.
 //!
-//! The state is plain data, persisted by the daemon after every observation, so a restart
-//! neither forgets the best nor fires twice.
+//! The state is plain data and is never stored: the daemon (and `diffmon report`) derives it by
+//! replaying the history journal through a fresh detector at start-up (docs/design.md §9), so it
+//! cannot disagree with the journal, and a restart neither forgets the best nor fires twice (the
+//! replayed events keep their ids, and the alerter delivers each id once).
 
 use crate::config::{Confirm, EarlyStopConfig, EarlyStopMetric};
 use crate::record::Evaluation;
@@ -95,7 +97,7 @@ pub struct Point {
     pub value: f64,
 }
 
-/// The detector's whole state (persisted as JSON).
+/// The detector's whole state: plain data, rebuilt by replaying the journal (never stored).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct DetectorState {
     /// The last `window` evaluations that had a value.

@@ -60,7 +60,7 @@ impl LossProbe {
         })
     }
 
-    /// Mean EDM-weighted denoising loss λ(σ)‖D(x0 + σn; σ) − x0‖²/dim (DESIGN.md §1.6).
+    /// Mean EDM-weighted denoising loss λ(σ)‖D(x0 + σn; σ) − x0‖²/dim (docs/design.md §8).
     fn loss(&self, model: &Model, sigma: f64, batch: usize) -> Result<f64, ModelError> {
         let n = self.images.size()[0];
         let weight = (sigma * sigma + SIGMA_DATA * SIGMA_DATA) / (sigma * SIGMA_DATA).powi(2);

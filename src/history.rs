@@ -1,4 +1,4 @@
-//! The evaluation history (DESIGN.md §2.5), durable across a crash at any moment.
+//! The evaluation history (docs/design.md §13), durable across a crash at any moment.
 //!
 //! The source of truth is an append-only journal, `<state_dir>/history.jsonl`: one JSON line per
 //! evaluation (or per checkpoint that could not be evaluated), written and `fsync`ed before

@@ -1,4 +1,4 @@
-//! The daemon's HTTP endpoints (DESIGN.md §2.6): `GET /metrics` (Prometheus), `GET /healthz`,
+//! The daemon's HTTP endpoints (docs/design.md §16): `GET /metrics` (Prometheus), `GET /healthz`,
 //! `GET /v1/early-stop` (the detector's status as JSON), and `GET /`, the live page: the plots
 //! of `diffmon report` drawn from the daemon's in-memory history, reloading itself.
 //!

@@ -1,4 +1,4 @@
-//! ICR, the Invariant Contamination Ratio (DESIGN.md §1.1): two noisy augmented views of each of
+//! ICR, the Invariant Contamination Ratio (docs/design.md §2): two noisy augmented views of each of
 //! `n` training images, the model's pooled features of both, streaming float64 moments of their
 //! mean `t` and difference `u`, then `Σ_ξ = ½ Cov(u)`, `Σ_s = Cov(t) − ¼ Cov(u)`, a relative ridge
 //! on `Σ_ξ`, and the generalized eigenvalues `λ` of `Σ_s v = λ Σ_ξ v`:
@@ -241,7 +241,7 @@ pub fn pool(features: &Tensor) -> Tensor {
     }
 }
 
-/// Random augmentation of each image of `x: [B,C,H,W]` in [-1, 1] (DESIGN.md §1.1): crop with
+/// Random augmentation of each image of `x: [B,C,H,W]` in [-1, 1] (docs/design.md §2): crop with
 /// reflect padding, horizontal flip with p = 0.5, then brightness, contrast and saturation
 /// jitter (in that order) in [0, 1] colour space.
 pub fn augment(x: &Tensor, a: &AugmentConfig) -> Tensor {

@@ -1,5 +1,6 @@
-//! diffmon: a monitoring daemon for diffusion-model training (see DESIGN.md in the project's
-//! shared folder and the README). One module per pipeline stage.
+//! diffmon: a monitoring daemon for diffusion-model training. What it computes and promises is
+//! `docs/design.md` (cited as `docs/design.md §N`); how it is built is `ARCHITECTURE.md`; the
+//! README is the user guide. One module per pipeline stage.
 
 pub mod alerts;
 pub mod cli;

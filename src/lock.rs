@@ -1,4 +1,4 @@
-//! One daemon per state folder (DESIGN.md §1.8): `diffmon watch` holds an exclusive `flock` on
+//! One daemon per state folder (docs/design.md §10): `diffmon watch` holds an exclusive `flock` on
 //! `<state_dir>/lock` for as long as it runs. The file holds the holder's pid, host and start
 //! time, so a second daemon refuses to start naming them. The kernel releases the lock when the
 //! process ends, however it ends (a SIGKILL included), so a lock is never stale; the file itself

@@ -1,4 +1,4 @@
-//! Prometheus metrics (DESIGN.md §2.6), through the official `prometheus-client` crate. Every
+//! Prometheus metrics (docs/design.md §16), through the official `prometheus-client` crate. Every
 //! metric carries the label `run`. Metric names are the constants below (without the `_total`
 //! suffix the text format adds to counters); dashboards and tests refer to these. So are the
 //! known values of every other label ([`STAGES`], [`FAILURE_REASONS`], the alerts' receivers and

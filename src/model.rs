@@ -1,4 +1,4 @@
-//! The model runtime: a TorchScript architecture of the model contract (DESIGN.md §2.1) on a
+//! The model runtime: a TorchScript architecture of the model contract (docs/design.md §11) on a
 //! device, checked at load time, and checkpoint weights loaded into it by name, parameters and
 //! buffers alike. A `Model` owns libtorch objects and is confined to the thread that made it.
 

@@ -1,4 +1,4 @@
-//! PF-ODE metrics of a checkpoint (DESIGN.md §1.3–1.5): the probability flow distance to the
+//! PF-ODE metrics of a checkpoint (docs/design.md §4–§7): the probability flow distance to the
 //! teacher (E_gen) and to the training set's empirical flow (E_mem), the memorization ratio and
 //! the tail metrics, all from one integration of the student from fixed latents.
 //!
@@ -730,7 +730,7 @@ fn memorization_test(
 }
 
 /// The offline bias–variance decomposition of E_gen over students trained on independent data
-/// (DESIGN.md §1.3, PFD paper App. B.3).
+/// (docs/design.md §5, PFD paper App. B.3).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct BiasVariance {
     pub students: Vec<StudentError>,

@@ -1,4 +1,4 @@
-//! The evaluation record (DESIGN.md §2.5): one JSON line per checkpoint from `diffmon eval
+//! The evaluation record (docs/design.md §13): one JSON line per checkpoint from `diffmon eval
 //! --json`, one history row in the daemon. A metric that is disabled is absent, not zero.
 
 use serde::{Deserialize, Serialize};

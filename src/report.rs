@@ -1,5 +1,6 @@
 //! Plots of a run's history: the daemon's live page (`GET /`) and `diffmon report --out
-//! F.{html,svg,png}` (DESIGN.md §2.3) draw the same plots with the one renderer here, [`render`].
+//! F.{html,svg,png}` (docs/design.md §14) draw the same plots with the one renderer here,
+//! [`render`].
 //!
 //! The plots: the early-stop metric (ICR by default) as raw points with the smoothed curve the
 //! detector uses, the best step and the early stop marked; PFD (E_gen, E_mem); the memorization

@@ -1,5 +1,5 @@
 //! Files the daemon writes where others may write too (`run.dir`, the state folder), and names it
-//! did not choose (DESIGN.md §1.8).
+//! did not choose (docs/design.md §10).
 //!
 //! - Temporary files are created exclusively (`O_CREAT|O_EXCL|O_NOFOLLOW`, mode 0600) under an
 //!   unpredictable name `.<final name>.<random>.tmp` in the destination's folder, then renamed

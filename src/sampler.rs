@@ -1,10 +1,10 @@
-//! The probability-flow ODE sampler (DESIGN.md §1.2): the deterministic Heun sampler of Karras
+//! The probability-flow ODE sampler (docs/design.md §3): the deterministic Heun sampler of Karras
 //! et al. 2022, i.e. NVlabs/edm's `edm_sampler` with `S_churn = 0`. The schedule and the state are
 //! float64; each denoiser decides the precision of its own evaluation (the network runs in
 //! float32, the empirical denoiser in float64). 2N − 1 denoiser evaluations per sample.
 //!
-//! Denoisers: a TorchScript model of the contract ([`ModelDenoiser`]) and the empirical denoiser
-//! of a training set ([`EmpiricalDenoiser`], DESIGN.md §1.3), which also answers nearest-neighbour
+//! Denoisers: a TorchScript model of the contract ([`ModelDenoiser`]) and the empirical denoiser of
+//! a training set ([`EmpiricalDenoiser`], docs/design.md §4), which also answers nearest-neighbour
 //! queries for the memorization ratio.
 
 use crate::config::PfdConfig;
@@ -168,7 +168,7 @@ pub fn evaluations_for(m: i64, batch: usize, schedule: &Schedule) -> u64 {
     batches * schedule.evaluations() as u64
 }
 
-/// The empirical denoiser of a training set `{y_j}` (DESIGN.md §1.3):
+/// The empirical denoiser of a training set `{y_j}` (docs/design.md §4):
 /// `D(x; σ) = Σ_j softmax_j(−‖x − y_j‖² / 2σ²) y_j`, with float64 distances from matrix products
 /// (`‖x‖² + ‖y‖² − 2x·y`), the max-subtracted (log-sum-exp) form, and the training set taken in
 /// chunks whose partial sums are merged, so memory stays bounded for large sets.

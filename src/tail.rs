@@ -1,6 +1,6 @@
-//! Tail metrics of the Physically Interpretable Tail Evaluation (PITE; DESIGN.md §1.5 and the
-//! seed paper, `../shared/seeds/pite-tail-evaluation.txt` from the project root, which takes
-//! RMSQE and LOADER from the rare-event literature, its references 10 and 9): two sets of
+//! Tail metrics of the Physically Interpretable Tail Evaluation (PITE; docs/design.md §7 and the
+//! PITE blog post of 2024, which takes RMSQE and LOADER from the rare-event literature, its
+//! references 10 and 9): two sets of
 //! images — the student's samples and a reference (teacher samples or training data) — are each
 //! reduced to one scalar *observable* per image, and the two one-dimensional samples of
 //! observables are compared where rare, extreme events live.
@@ -24,7 +24,7 @@
 //!   points in proportion to its distance from them, and the bin weights are convolved with the
 //!   Gaussian kernel sampled at the grid offsets, `p(x_g) = Σ_j w_j N(x_g − x_j; h) / n`. The
 //!   convolution is done directly (2048 × 2048 multiply-adds, a few milliseconds) rather than by
-//!   the FFT DESIGN.md mentions: it is the same linear-binned estimate, without the FFT's
+//!   an FFT: it is the same linear-binned estimate, without the FFT's
 //!   round-off. The sampled kernel is normalized so that its samples sum to `1/Δ` (Δ the grid
 //!   spacing), which keeps each density's integral at 1 even if a bandwidth were narrower than
 //!   the grid spacing; whenever `h` spans a few grid spacings or more this equals the analytic
@@ -43,7 +43,7 @@
 use crate::config::Observable;
 use std::fmt;
 
-/// The default tail threshold η of RMSQE (DESIGN.md §1.5).
+/// The default tail threshold η of RMSQE (docs/design.md §7).
 pub const DEFAULT_ETA: f64 = 0.975;
 /// Midpoint-rule sub-intervals of `[η, 1]` for RMSQE.
 const RMSQE_INTERVALS: usize = 1024;

@@ -1,4 +1,4 @@
-"""Export any ``torch.nn.Module`` to the diffmon model contract (DESIGN.md §2.1).
+"""Export any ``torch.nn.Module`` to the diffmon model contract (docs/design.md §11).
 
 The exported TorchScript file has one method::
 
@@ -176,7 +176,7 @@ def vp_alphas_cumprod(schedule: str = "linear", beta_min: Optional[float] = None
 
 def edm_sampling_sigmas(n: int = 18, sigma_min: float = 0.002, sigma_max: float = 80.0,
                         rho: float = 7.0) -> Tensor:
-    """The EDM sampling noise levels t_0 > ... > t_{n-1} (float64, DESIGN §1.2)."""
+    """The EDM sampling noise levels t_0 > ... > t_{n-1} (float64, docs/design.md §3)."""
     i = torch.arange(n, dtype=torch.float64)
     return (sigma_max ** (1 / rho) + i / (n - 1) * (sigma_min ** (1 / rho) - sigma_max ** (1 / rho))) ** rho
 

@@ -1,4 +1,4 @@
-"""Obey diffmon's early-stop signal from a training loop (DESIGN.md §2.7).
+"""Obey diffmon's early-stop signal from a training loop (docs/design.md §17).
 
 When diffmon detects the turn of the ICR curve it writes ``<run_dir>/<stop_file>`` (default
 ``EARLY_STOP``) atomically, holding the event JSON::

@@ -1,4 +1,4 @@
-//! The early-stop event (DESIGN.md §2.7), its stable id and RFC 3339 timestamps.
+//! The early-stop event (docs/design.md §17), its stable id and RFC 3339 timestamps.
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};

@@ -1,4 +1,4 @@
-//! Alert delivery: the early-stop signal (DESIGN.md §2.7).
+//! Alert delivery: the early-stop signal (docs/design.md §17).
 //!
 //! [`Alerter::send`] turns one [`Event`] into
 //! - the stop file `<run.dir>/<alerts.stop_file>` (written atomically with the event JSON for

@@ -88,7 +88,7 @@ fn eval_json_has_the_record_fields_and_is_deterministic() {
     assert_eq!(second[0]["loss_train"], r["loss_train"]);
 }
 
-/// The denoising loss of DESIGN.md §1.6 recomputed in PyTorch: same subset (seeded randperm),
+/// The denoising loss of docs/design.md §8 recomputed in PyTorch: same subset (seeded randperm),
 /// same noise (libtorch's CPU generator, same seed and call order), same checkpoint.
 #[test]
 fn denoising_losses_match_a_pytorch_reference() {

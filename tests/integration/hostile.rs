@@ -1,4 +1,4 @@
-//! Hostile checkpoints (DESIGN.md §1.8) against the real binary: a TorchScript archive's code
+//! Hostile checkpoints (docs/design.md §10) against the real binary: a TorchScript archive's code
 //! never runs, a malformed archive is a recorded failure, a deflate bomb is refused with bounded
 //! memory, a FIFO never blocks the evaluator, and no file content reaches messages or the
 //! journal.

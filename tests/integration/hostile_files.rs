@@ -1,7 +1,7 @@
-//! The daemon against hostile or unlucky files in the folders it watches and writes (DESIGN.md
-//! §1.8): a stop file that cannot be written, links planted at temporary names, a FIFO named
-//! like a checkpoint, a file it may not read yet, a name holding a newline, and `run.dir`
-//! deleted and recreated under it. Real daemons, real files, no timed assertions.
+//! The daemon against hostile or unlucky files in the folders it watches and writes (docs/design.md
+//! §10): a stop file that cannot be written, links planted at temporary names, a FIFO named like a
+//! checkpoint, a file it may not read yet, a name holding a newline, and `run.dir` deleted and
+//! recreated under it. Real daemons, real files, no timed assertions.
 
 use crate::common::toy_run;
 use crate::daemon::{Daemon, empty_run, free_port, journal};

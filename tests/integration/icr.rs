@@ -1,4 +1,4 @@
-//! `diffmon icr-features` against an independent numpy/scipy computation of DESIGN.md §1.1.
+//! `diffmon icr-features` against an independent numpy/scipy computation of docs/design.md §2.
 
 use crate::common::{diffmon, run_python, stderr, stdout};
 use serde_json::Value;

@@ -1,4 +1,4 @@
-//! The PF-ODE engine (DESIGN.md §1.2–1.4) against a straightforward PyTorch reference written
+//! The PF-ODE engine (docs/design.md §3–§6) against a straightforward PyTorch reference written
 //! here: NVlabs/edm's `edm_sampler` with `S_churn = 0`, the empirical denoiser by direct
 //! distances and softmax, and E_gen, E_mem and the memorization ratio from their definitions.
 //! Also: PFD's metric properties on toy models, the bias–variance identity, the flow cache.

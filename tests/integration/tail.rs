@@ -1,4 +1,4 @@
-//! `diffmon tail` (DESIGN.md §1.5) against an independent numpy/scipy computation of RMSQE and
+//! `diffmon tail` (docs/design.md §7) against an independent numpy/scipy computation of RMSQE and
 //! LOADER from their definitions — `np.quantile` for RMSQE, `scipy.stats.gaussian_kde` evaluated
 //! exactly (no binning) at the Gauss–Legendre nodes for LOADER — and on the properties the
 //! metrics exist for: zero against themselves, worse for a shifted tail, errors (not NaN) for
