@@ -19,7 +19,7 @@
 //!
 //! One daemon per state folder: [`crate::lock`]. A checkpoint that made the process die (a fatal
 //! signal, or a panic of the evaluator) is recorded after the restart as a failure with reason
-//! [`metrics::REASON_CRASHED`] rather than evaluated again ([`crate::crash`]); a panic in any thread ends the
+//! [`FailureReason::Crashed`] rather than evaluated again ([`crate::crash`]); a panic in any thread ends the
 //! process with status 1.
 
 use crate::alerts::{Alerter, Event, EventKind, event_id};
@@ -29,10 +29,10 @@ use crate::detector::{Best, Detector, DetectorState, Observation, Signal};
 use crate::eval::{EvalError, Evaluator};
 use crate::history::{Entry, History};
 use crate::lock::StateLock;
-use crate::metrics::{self, Metrics};
+use crate::metrics::Metrics;
 use crate::model::ModelError;
 use crate::pfd::PfdError;
-use crate::record::Evaluation;
+use crate::record::{Evaluation, FailureReason};
 use crate::report::Snapshot;
 use crate::safe_fs::{untrusted, untrusted_text};
 use crate::watcher::{Watcher, WorkItem, work_channel};
@@ -63,24 +63,24 @@ pub struct EarlyStopStatus {
 /// What the evaluator thread reports for one work item.
 enum Outcome {
     Done(WorkItem, Box<Evaluation>),
-    Failed(WorkItem, &'static str, String),
+    Failed(WorkItem, FailureReason, String),
 }
 
 /// Failure reason label of `diffmon_checkpoint_failures_total{reason}`.
-fn failure_reason(item: &WorkItem, e: &EvalError) -> &'static str {
+fn failure_reason(item: &WorkItem, e: &EvalError) -> FailureReason {
     if crate::unit::key(&item.path).ok().as_ref() != Some(&item.key) {
-        return metrics::REASON_VANISHED;
+        return FailureReason::Vanished;
     }
     match e {
         EvalError::Model(ModelError::Weights(_) | ModelError::Load { .. }) => {
-            metrics::REASON_UNREADABLE
+            FailureReason::Unreadable
         }
-        EvalError::Model(ModelError::Mismatch { .. }) => metrics::REASON_MISMATCH,
-        EvalError::Unit(_) => metrics::REASON_UNREADABLE,
+        EvalError::Model(ModelError::Mismatch { .. }) => FailureReason::Mismatch,
+        EvalError::Unit(_) => FailureReason::Unreadable,
         EvalError::Invalid { .. } | EvalError::Icr(_) | EvalError::Pfd(PfdError::NonFinite(_)) => {
-            metrics::REASON_NON_FINITE
+            FailureReason::NonFinite
         }
-        _ => metrics::REASON_ERROR,
+        _ => FailureReason::Error,
     }
 }
 
@@ -182,14 +182,14 @@ impl Recorder {
     /// waiting to be recorded.
     fn record(&mut self, outcome: Outcome, alerter: &Alerter) {
         if let Outcome::Failed(item, reason, message) = &outcome {
-            tracing::warn!(checkpoint = %untrusted(&item.path), step = item.step, reason, "evaluation failed: {}", untrusted_text(message));
+            tracing::warn!(checkpoint = %untrusted(&item.path), step = item.step, reason = reason.as_str(), "evaluation failed: {}", untrusted_text(message));
         }
         self.unrecorded.push_back((outcome, now_rfc3339()));
         self.flush(alerter);
     }
 
     /// Records the checkpoint a crashed process was evaluating (from its crash marker) as a
-    /// failure with reason [`metrics::REASON_CRASHED`], unless the history has it already.
+    /// failure with reason [`FailureReason::Crashed`], unless the history has it already.
     fn record_crash(&mut self, crash: Crash, alerter: &Alerter) {
         let Some(InFlight { key, step }) = crash.checkpoint else {
             tracing::warn!(
@@ -206,7 +206,7 @@ impl Recorder {
             step,
             "the last run died ({}) while evaluating this checkpoint; it is recorded as a failure (reason {}) and not evaluated again",
             crash.cause,
-            metrics::REASON_CRASHED
+            FailureReason::Crashed
         );
         let message = format!("the process died ({}) while evaluating it", crash.cause);
         let item = WorkItem {
@@ -215,7 +215,7 @@ impl Recorder {
             key,
         };
         self.record(
-            Outcome::Failed(item, metrics::REASON_CRASHED, message),
+            Outcome::Failed(item, FailureReason::Crashed, message),
             alerter,
         );
     }
@@ -240,7 +240,7 @@ impl Recorder {
                         key: item.key.clone(),
                         at: at.clone(),
                         step: item.step,
-                        reason: reason.to_string(),
+                        reason: reason.as_str().to_string(),
                         message: message.clone(),
                     },
                 ),
@@ -453,9 +453,7 @@ pub fn run(config: Config) -> Result<()> {
             &config.alerts,
             &config.run.dir,
             &state_dir,
-            Arc::new(move |receiver: &'static str, outcome: &'static str| {
-                outcome_metrics.delivery(receiver, outcome)
-            }),
+            Arc::new(move |receiver, outcome| outcome_metrics.delivery(receiver, outcome)),
         )?;
         for event in &replayed {
             alerter
@@ -505,7 +503,7 @@ pub fn run(config: Config) -> Result<()> {
                     Ok(_) if crate::unit::key(&item.path).ok().as_ref() != Some(&item.key) => {
                         Outcome::Failed(
                             item,
-                            metrics::REASON_VANISHED,
+                            FailureReason::Vanished,
                             "the checkpoint was deleted or rewritten during its evaluation".into(),
                         )
                     }
