@@ -23,7 +23,7 @@
 //! process with status 1.
 
 use crate::alerts::{Alerter, Event, EventKind, event_id};
-use crate::config::{Config, Confirm, EarlyStopMetric};
+use crate::config::{Config, Confirm};
 use crate::crash::{Crash, InFlight};
 use crate::detector::{Best, Detector, DetectorState, Observation, Signal};
 use crate::eval::{EvalError, Evaluator};
@@ -113,13 +113,6 @@ struct Recorder {
 }
 
 impl Recorder {
-    fn metric_name(&self) -> &'static str {
-        match self.config.early_stop.metric {
-            EarlyStopMetric::Icr => "icr",
-            EarlyStopMetric::PfdGeneralization => "pfd_generalization",
-        }
-    }
-
     fn observation(&self, r: &Evaluation) -> Observation {
         Observation::of(r, self.config.early_stop.metric)
     }
@@ -136,7 +129,7 @@ impl Recorder {
                 step = r.step,
                 confirm,
                 "{} has turned, but {confirm} has not risen since the best step (early_stop.confirm): no early stop yet",
-                self.metric_name()
+                self.config.early_stop.metric.as_str()
             );
         }
         let s = &self.detector.state;
@@ -166,7 +159,7 @@ impl Recorder {
             id: event_id(&self.run, kind, best.step, r.step),
             event: kind,
             run: self.run.clone(),
-            metric: self.metric_name().to_string(),
+            metric: self.config.early_stop.metric.as_str().to_string(),
             best_step: best.step,
             best_checkpoint: best.checkpoint.clone(),
             best_value: best.value,

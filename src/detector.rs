@@ -47,10 +47,7 @@ impl Observation {
         Observation {
             step: r.step,
             checkpoint: r.checkpoint.clone(),
-            value: match metric {
-                EarlyStopMetric::Icr => r.icr,
-                EarlyStopMetric::PfdGeneralization => r.pfd_generalization,
-            },
+            value: metric.value(r),
             generalization_gap: r.generalization_gap,
             loss_heldout: r.loss_heldout,
             memorization_ratio: r.memorization_ratio,

@@ -168,7 +168,7 @@ impl Snapshot {
 
     /// Adds one evaluation, with what the detector decided on it and its state afterwards.
     pub fn push(&mut self, r: &Evaluation, at: &str, decision: &Decision, state: &DetectorState) {
-        let value = metric_value(r, self.metric).filter(|v| v.is_finite());
+        let value = self.metric.value(r).filter(|v| v.is_finite());
         self.rows.push(Row {
             step: r.step,
             checkpoint: r.checkpoint.clone(),
@@ -217,13 +217,6 @@ impl Snapshot {
             }
         }
         snapshot
-    }
-}
-
-fn metric_value(r: &Evaluation, metric: EarlyStopMetric) -> Option<f64> {
-    match metric {
-        EarlyStopMetric::Icr => r.icr,
-        EarlyStopMetric::PfdGeneralization => r.pfd_generalization,
     }
 }
 
@@ -326,6 +319,8 @@ fn series(
     }
 }
 
+/// The early-stop series' id in the plots (`data-series`; E_gen's is `e_gen`, not the metric's
+/// name [`EarlyStopMetric::as_str`]) and its axis label.
 fn metric_names(metric: EarlyStopMetric) -> (&'static str, &'static str) {
     match metric {
         EarlyStopMetric::Icr => ("icr", "ICR"),
