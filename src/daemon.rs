@@ -25,7 +25,7 @@
 use crate::alerts::{Alerter, Event, EventKind, event_id};
 use crate::config::{Config, Confirm};
 use crate::crash::{Crash, InFlight};
-use crate::detector::{Best, Detector, DetectorState, Observation, Signal};
+use crate::detector::{Best, Decision, Detector, DetectorState, Observation, Signal};
 use crate::eval::{EvalError, Evaluator};
 use crate::history::{Entry, History};
 use crate::lock::StateLock;
@@ -113,13 +113,23 @@ struct Recorder {
 }
 
 impl Recorder {
-    fn observation(&self, r: &Evaluation) -> Observation {
-        Observation::of(r, self.config.early_stop.metric)
-    }
-
     /// Feeds one record to the detector; returns the event to send, if any.
     fn decide(&mut self, r: &Evaluation, at: &str) -> Option<Event> {
-        let decision = self.detector.observe(&self.observation(r));
+        let decision = self
+            .detector
+            .observe(&Observation::of(r, self.config.early_stop.metric));
+        self.act(r, at, &decision, &self.detector.state)
+    }
+
+    /// Publishes what the detector decided on a record (`s`: its state afterwards) to the live
+    /// page, the metrics and the status; returns the event to send, if any.
+    fn act(
+        &self,
+        r: &Evaluation,
+        at: &str,
+        decision: &Decision,
+        s: &DetectorState,
+    ) -> Option<Event> {
         if decision.unconfirmed {
             let confirm = match self.config.early_stop_resolved().confirm {
                 Confirm::MemorizationRatio => "memorization_ratio",
@@ -132,8 +142,7 @@ impl Recorder {
                 self.config.early_stop.metric.as_str()
             );
         }
-        let s = &self.detector.state;
-        lock(&self.snapshot).push(r, at, &decision, s);
+        lock(&self.snapshot).push(r, at, decision, s);
         self.metrics.set_detector(
             decision.smoothed,
             s.best.as_ref().map(|b| b.step),
@@ -404,27 +413,22 @@ pub fn run(config: Config) -> Result<()> {
     // The detector's state is the history replayed; replayed events are re-sent below (the
     // alerter delivers each id once, so only undelivered ones go out).
     let mut replayed = Vec::new();
-    let entries: Vec<(Evaluation, String)> = recorder
-        .history
-        .entries()
-        .iter()
-        .filter_map(|e| match e {
-            Entry::Evaluation { record, at, .. } => Some((record.as_ref().clone(), at.clone())),
-            Entry::Failure { .. } => None,
-        })
-        .collect();
-    for (record, at) in &entries {
-        recorder.metrics.record(record);
-        replayed.extend(recorder.decide(record, at));
-    }
-    lock(&snapshot).failures = recorder
-        .history
-        .entries()
-        .iter()
-        .filter(|e| matches!(e, Entry::Failure { .. }))
-        .count();
-    if !entries.is_empty() {
-        tracing::info!(evaluations = entries.len(), state = %state_dir.display(), "history restored");
+    let mut evaluated_before = 0;
+    let mut detector = Detector::new(config.early_stop_resolved(), DetectorState::default());
+    let failures = crate::detector::replay(
+        &mut detector,
+        config.early_stop.metric,
+        recorder.history.entries(),
+        |record, at, decision, state| {
+            evaluated_before += 1;
+            recorder.metrics.record(record);
+            replayed.extend(recorder.act(record, at, decision, state));
+        },
+    );
+    recorder.detector = detector;
+    lock(&snapshot).failures = failures;
+    if evaluated_before > 0 {
+        tracing::info!(evaluations = evaluated_before, state = %state_dir.display(), "history restored");
     }
 
     let listen: SocketAddr = config.http.listen.parse().expect("validated by the config");
@@ -466,7 +470,6 @@ pub fn run(config: Config) -> Result<()> {
     let (work_tx, work_rx) = work_channel();
     let (outcome_tx, outcome_rx) = crossbeam_channel::bounded::<Outcome>(16);
     let evaluator_config = config.clone();
-    let evaluated_before = entries.len();
     let evaluator = std::thread::Builder::new()
         .name(crate::crash::EVALUATOR_THREAD.into())
         .spawn(move || {

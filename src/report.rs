@@ -14,7 +14,7 @@
 //! Debian package `fonts-dejavu-core`, or any other sans-serif face found).
 
 use crate::config::{EarlyStopConfig, EarlyStopMetric};
-use crate::detector::{Decision, Detector, DetectorState, Observation};
+use crate::detector::{Decision, Detector, DetectorState};
 use crate::history::{Entry, History, HistoryError, JOURNAL};
 use crate::record::Evaluation;
 use std::fmt::Write as _;
@@ -207,15 +207,12 @@ impl Snapshot {
     ) -> Snapshot {
         let mut snapshot = Snapshot::new(run, metric);
         let mut detector = Detector::new(detector, DetectorState::default());
-        for entry in entries {
-            match entry {
-                Entry::Evaluation { record, at, .. } => {
-                    let decision = detector.observe(&Observation::of(record, metric));
-                    snapshot.push(record, at, &decision, &detector.state);
-                }
-                Entry::Failure { .. } => snapshot.failures += 1,
-            }
-        }
+        snapshot.failures = crate::detector::replay(
+            &mut detector,
+            metric,
+            entries,
+            |record, at, decision, state| snapshot.push(record, at, decision, state),
+        );
         snapshot
     }
 }
