@@ -635,7 +635,7 @@ pub fn run(config: Config) -> Result<()> {
     Ok(())
 }
 
-/// The second signal: exits at once, with status 130.
+/// The second signal: exits at once, with status 130 (`cli::Exit::Interrupted`).
 fn second_signal() -> ! {
     tracing::warn!("second signal: exiting now");
     crate::crash::exit_now(130);
