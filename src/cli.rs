@@ -1,5 +1,5 @@
 //! The command line (docs/design.md §14), logging set-up, and the one place that maps errors to
-//! exit codes: 0 ok, 2 bad usage or config, 1 runtime failure.
+//! exit codes ([`Exit`]): 0 ok, 2 bad usage or config, 1 runtime failure.
 
 use crate::config::{self, Config, ConfigError, DeviceSpec, Observable};
 use crate::eval::Evaluator;
@@ -15,8 +15,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-/// The top-level help's epilogue: the workflow, logging and exit codes (as [`main`] and
-/// [`exit_code`] map them).
+/// The top-level help's epilogue: the workflow, logging and exit codes (the table [`Exit`]).
 const AFTER_HELP: &str = "\
 Workflow, for a training run saving checkpoints into runs/exp1:
   1. diffmon-export (pip install ./python) writes the model's architecture as TorchScript,
@@ -209,20 +208,16 @@ pub fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => {
             let _ = e.print();
-            return if e.use_stderr() {
-                ExitCode::from(2)
-            } else {
-                ExitCode::SUCCESS
-            };
+            return Exit::of_parse(&e).into();
         }
     };
     init_logging();
     keep_freed_memory();
     match run(cli.command) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => Exit::Success.into(),
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::from(exit_code(&e))
+            Exit::of_error(&e).into()
         }
     }
 }
@@ -253,15 +248,72 @@ pub struct NoStep {
     regex: String,
 }
 
-/// 2 for configuration problems and bad usage, 1 for everything else.
+/// The exit statuses of `diffmon`: the one table behind the help's "Exit codes"
+/// ([`AFTER_HELP`]) and the README's list ("Commands"). Each row has its test.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exit {
+    /// 0: the command worked; also `--help` and `--version` ([`Exit::of_parse`]).
+    Success = 0,
+    /// 1: any other failure ([`Exit::of_error`]): a checkpoint that could not be evaluated (`eval`
+    /// evaluates the others first), a model that cannot be loaded, a port in use, a locked state
+    /// folder. `watch` also exits 1 when one of its threads panics (`daemon::run`).
+    Failure = 1,
+    /// 2: bad usage or config: a command line clap rejects ([`Exit::of_parse`]), or an error with
+    /// one of these anywhere in its chain ([`Exit::of_error`]): a [`ConfigError`] (a config file
+    /// that cannot be read or is invalid), a [`NoStep`] (an `eval` checkpoint with no step in its
+    /// path), a [`ReportError`] that [`ReportError::is_usage`] (a report file of unknown format).
+    Usage = 2,
+    /// 130: `watch` on a second SIGINT/SIGTERM, from its signal handler (`daemon::run`; the first
+    /// one drains the evaluation in flight).
+    Interrupted = 130,
+}
+
+impl Exit {
+    /// Every row of the table.
+    pub const ALL: [Exit; 4] = [Exit::Success, Exit::Failure, Exit::Usage, Exit::Interrupted];
+
+    /// The process exit status.
+    pub const fn code(self) -> u8 {
+        self as u8
+    }
+
+    /// The status of a command line that clap did not run: [`Exit::Usage`] for an error,
+    /// [`Exit::Success`] for `--help` and `--version` (printed to stdout).
+    pub fn of_parse(e: &clap::Error) -> Exit {
+        if e.use_stderr() {
+            Exit::Usage
+        } else {
+            Exit::Success
+        }
+    }
+
+    /// The status of a command that failed: [`Exit::Usage`] when an error of its chain is a
+    /// usage error (see the variant), else [`Exit::Failure`].
+    pub fn of_error(e: &anyhow::Error) -> Exit {
+        let usage = |c: &(dyn std::error::Error + 'static)| {
+            c.downcast_ref::<ConfigError>().is_some()
+                || c.downcast_ref::<NoStep>().is_some()
+                || c.downcast_ref::<ReportError>()
+                    .is_some_and(ReportError::is_usage)
+        };
+        if e.chain().any(usage) {
+            Exit::Usage
+        } else {
+            Exit::Failure
+        }
+    }
+}
+
+impl From<Exit> for ExitCode {
+    fn from(e: Exit) -> ExitCode {
+        ExitCode::from(e.code())
+    }
+}
+
+/// The exit status of a command that failed ([`Exit::of_error`]): 2 for configuration problems
+/// and bad usage, 1 for everything else.
 pub fn exit_code(e: &anyhow::Error) -> u8 {
-    let usage = |c: &(dyn std::error::Error + 'static)| {
-        c.downcast_ref::<ConfigError>().is_some()
-            || c.downcast_ref::<NoStep>().is_some()
-            || c.downcast_ref::<ReportError>()
-                .is_some_and(ReportError::is_usage)
-    };
-    if e.chain().any(usage) { 2 } else { 1 }
+    Exit::of_error(e).code()
 }
 
 /// Logs go to stderr, filtered by `DIFFMON_LOG` (default `info`).
@@ -729,5 +781,68 @@ mod tests {
         assert_eq!(exit_code(&format.into()), 2);
         assert_eq!(exit_code(&history.into()), 1);
         assert_eq!(exit_code(&anyhow::anyhow!("a checkpoint failed")), 1);
+    }
+
+    /// One test per row of [`Exit`], and the help lists every row.
+    #[test]
+    fn exit_table_success() {
+        for args in [["diffmon", "--help"], ["diffmon", "--version"]] {
+            let e = Cli::try_parse_from(args).unwrap_err();
+            assert_eq!(Exit::of_parse(&e), Exit::Success, "{args:?}");
+        }
+        assert_eq!(Exit::Success.code(), 0);
+    }
+
+    #[test]
+    fn exit_table_failure() {
+        let history = ReportError::NoHistory {
+            path: "state".into(),
+        };
+        assert_eq!(Exit::of_error(&history.into()), Exit::Failure);
+        let chained = anyhow::anyhow!("a checkpoint failed").context("eval");
+        assert_eq!(Exit::of_error(&chained), Exit::Failure);
+        assert_eq!(Exit::Failure.code(), 1);
+    }
+
+    #[test]
+    fn exit_table_usage() {
+        let e = Cli::try_parse_from(["diffmon", "--no-such-flag"]).unwrap_err();
+        assert_eq!(Exit::of_parse(&e), Exit::Usage);
+        let config = ConfigError::Invalid {
+            file: "c.yaml".into(),
+            problems: Vec::new(),
+        };
+        assert_eq!(
+            Exit::of_error(&anyhow::Error::from(config).context("loading")),
+            Exit::Usage
+        );
+        let no_step = NoStep {
+            path: "x.pt".into(),
+            regex: "(\\d+)".into(),
+        };
+        assert_eq!(Exit::of_error(&no_step.into()), Exit::Usage);
+        let format = ReportError::UnknownFormat {
+            path: "r.pdf".into(),
+            extension: "pdf".into(),
+        };
+        assert_eq!(Exit::of_error(&format.into()), Exit::Usage);
+        assert_eq!(Exit::Usage.code(), 2);
+    }
+
+    #[test]
+    fn exit_table_interrupted() {
+        assert_eq!(Exit::Interrupted.code(), 130);
+    }
+
+    #[test]
+    fn the_help_lists_every_exit_status() {
+        for exit in Exit::ALL {
+            let code = exit.code();
+            assert!(
+                AFTER_HELP.contains(&format!("\n  {code}  "))
+                    || AFTER_HELP.contains(&format!("exits {code} ")),
+                "{exit:?} ({code}) is not in the help's exit codes"
+            );
+        }
     }
 }

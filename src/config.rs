@@ -2,6 +2,7 @@
 //! the text so that errors carry the key path, line and column, then a validation pass that reports
 //! every problem with its key. Relative paths are resolved against the config file's folder.
 
+use crate::record::Evaluation;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::net::SocketAddr;
@@ -585,11 +586,31 @@ impl Default for TailConfig {
     }
 }
 
+/// The series the early-stop detector watches (`early_stop.metric`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EarlyStopMetric {
     Icr,
     PfdGeneralization,
+}
+
+impl EarlyStopMetric {
+    /// Its name: the config value, the evaluation record's field, and the `metric` of the
+    /// early-stop events (JSON and alert labels).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            EarlyStopMetric::Icr => "icr",
+            EarlyStopMetric::PfdGeneralization => "pfd_generalization",
+        }
+    }
+
+    /// Its value in an evaluation record; `None` when it was not computed.
+    pub fn value(self, r: &Evaluation) -> Option<f64> {
+        match self {
+            EarlyStopMetric::Icr => r.icr,
+            EarlyStopMetric::PfdGeneralization => r.pfd_generalization,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
@@ -1478,6 +1499,30 @@ fn key_position(text: &str, path: &str, extra: Option<(&str, usize)>) -> Option<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The early-stop metric's name is its config spelling and its record field.
+    #[test]
+    fn early_stop_metric_names_and_values() {
+        let r = Evaluation {
+            icr: Some(0.5),
+            pfd_generalization: Some(2.0),
+            ..Evaluation::default()
+        };
+        for (metric, name, value) in [
+            (EarlyStopMetric::Icr, "icr", 0.5),
+            (
+                EarlyStopMetric::PfdGeneralization,
+                "pfd_generalization",
+                2.0,
+            ),
+        ] {
+            assert_eq!(metric.as_str(), name);
+            assert_eq!(serde_json::to_value(metric).unwrap(), name);
+            assert_eq!(serde_json::to_value(&r).unwrap()[name], value);
+            assert_eq!(metric.value(&r), Some(value));
+        }
+        assert_eq!(EarlyStopMetric::Icr.value(&Evaluation::default()), None);
+    }
 
     const MINIMAL: &str = "run: {dir: r}\nmodel: {architecture: m.ts}\ndata: {path: d.h5}\n";
 

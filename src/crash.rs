@@ -8,7 +8,7 @@
 //!   then lets the previous handler run (Rust's stack-overflow report stays) and dies of the
 //!   signal with its default action. A panic of the evaluator thread writes the same marker. The
 //!   next start reads it ([`read_marker`]) and records the checkpoint as a failure with reason
-//!   [`CRASHED`], so it is counted and never evaluated again. A SIGKILL leaves no marker: the
+//!   [`crate::record::FailureReason::Crashed`], so it is counted and never evaluated again. A SIGKILL leaves no marker: the
 //!   checkpoint in flight is evaluated again.
 //! - **Supervision.** [`on_panic`] makes a panic in any thread of the process (watcher,
 //!   evaluator, recorder, tokio tasks) fatal: logged with the thread's name, then the process
@@ -21,9 +21,6 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::IntoRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, AtomicUsize, Ordering};
-
-/// Failure reason of a checkpoint that the process died evaluating.
-pub const CRASHED: &str = crate::metrics::REASON_CRASHED;
 
 /// The marker's file name inside the state folder.
 pub const MARKER_FILE: &str = "crash";

@@ -19,20 +19,20 @@
 //!
 //! One daemon per state folder: [`crate::lock`]. A checkpoint that made the process die (a fatal
 //! signal, or a panic of the evaluator) is recorded after the restart as a failure with reason
-//! [`metrics::REASON_CRASHED`] rather than evaluated again ([`crate::crash`]); a panic in any thread ends the
+//! [`FailureReason::Crashed`] rather than evaluated again ([`crate::crash`]); a panic in any thread ends the
 //! process with status 1.
 
 use crate::alerts::{Alerter, Event, EventKind, event_id};
-use crate::config::{Config, Confirm, EarlyStopMetric};
+use crate::config::{Config, Confirm};
 use crate::crash::{Crash, InFlight};
-use crate::detector::{Best, Detector, DetectorState, Observation, Signal};
+use crate::detector::{Best, Decision, Detector, DetectorState, Observation, Signal};
 use crate::eval::{EvalError, Evaluator};
 use crate::history::{Entry, History};
 use crate::lock::StateLock;
-use crate::metrics::{self, Metrics};
+use crate::metrics::Metrics;
 use crate::model::ModelError;
 use crate::pfd::PfdError;
-use crate::record::Evaluation;
+use crate::record::{Evaluation, FailureReason};
 use crate::report::Snapshot;
 use crate::safe_fs::{untrusted, untrusted_text};
 use crate::watcher::{Watcher, WorkItem, work_channel};
@@ -63,24 +63,24 @@ pub struct EarlyStopStatus {
 /// What the evaluator thread reports for one work item.
 enum Outcome {
     Done(WorkItem, Box<Evaluation>),
-    Failed(WorkItem, &'static str, String),
+    Failed(WorkItem, FailureReason, String),
 }
 
 /// Failure reason label of `diffmon_checkpoint_failures_total{reason}`.
-fn failure_reason(item: &WorkItem, e: &EvalError) -> &'static str {
+fn failure_reason(item: &WorkItem, e: &EvalError) -> FailureReason {
     if crate::unit::key(&item.path).ok().as_ref() != Some(&item.key) {
-        return metrics::REASON_VANISHED;
+        return FailureReason::Vanished;
     }
     match e {
         EvalError::Model(ModelError::Weights(_) | ModelError::Load { .. }) => {
-            metrics::REASON_UNREADABLE
+            FailureReason::Unreadable
         }
-        EvalError::Model(ModelError::Mismatch { .. }) => metrics::REASON_MISMATCH,
-        EvalError::Unit(_) => metrics::REASON_UNREADABLE,
+        EvalError::Model(ModelError::Mismatch { .. }) => FailureReason::Mismatch,
+        EvalError::Unit(_) => FailureReason::Unreadable,
         EvalError::Invalid { .. } | EvalError::Icr(_) | EvalError::Pfd(PfdError::NonFinite(_)) => {
-            metrics::REASON_NON_FINITE
+            FailureReason::NonFinite
         }
-        _ => metrics::REASON_ERROR,
+        _ => FailureReason::Error,
     }
 }
 
@@ -113,20 +113,23 @@ struct Recorder {
 }
 
 impl Recorder {
-    fn metric_name(&self) -> &'static str {
-        match self.config.early_stop.metric {
-            EarlyStopMetric::Icr => "icr",
-            EarlyStopMetric::PfdGeneralization => "pfd_generalization",
-        }
-    }
-
-    fn observation(&self, r: &Evaluation) -> Observation {
-        Observation::of(r, self.config.early_stop.metric)
-    }
-
     /// Feeds one record to the detector; returns the event to send, if any.
     fn decide(&mut self, r: &Evaluation, at: &str) -> Option<Event> {
-        let decision = self.detector.observe(&self.observation(r));
+        let decision = self
+            .detector
+            .observe(&Observation::of(r, self.config.early_stop.metric));
+        self.act(r, at, &decision, &self.detector.state)
+    }
+
+    /// Publishes what the detector decided on a record (`s`: its state afterwards) to the live
+    /// page, the metrics and the status; returns the event to send, if any.
+    fn act(
+        &self,
+        r: &Evaluation,
+        at: &str,
+        decision: &Decision,
+        s: &DetectorState,
+    ) -> Option<Event> {
         if decision.unconfirmed {
             let confirm = match self.config.early_stop_resolved().confirm {
                 Confirm::MemorizationRatio => "memorization_ratio",
@@ -136,11 +139,10 @@ impl Recorder {
                 step = r.step,
                 confirm,
                 "{} has turned, but {confirm} has not risen since the best step (early_stop.confirm): no early stop yet",
-                self.metric_name()
+                self.config.early_stop.metric.as_str()
             );
         }
-        let s = &self.detector.state;
-        lock(&self.snapshot).push(r, at, &decision, s);
+        lock(&self.snapshot).push(r, at, decision, s);
         self.metrics.set_detector(
             decision.smoothed,
             s.best.as_ref().map(|b| b.step),
@@ -166,7 +168,7 @@ impl Recorder {
             id: event_id(&self.run, kind, best.step, r.step),
             event: kind,
             run: self.run.clone(),
-            metric: self.metric_name().to_string(),
+            metric: self.config.early_stop.metric.as_str().to_string(),
             best_step: best.step,
             best_checkpoint: best.checkpoint.clone(),
             best_value: best.value,
@@ -182,14 +184,14 @@ impl Recorder {
     /// waiting to be recorded.
     fn record(&mut self, outcome: Outcome, alerter: &Alerter) {
         if let Outcome::Failed(item, reason, message) = &outcome {
-            tracing::warn!(checkpoint = %untrusted(&item.path), step = item.step, reason, "evaluation failed: {}", untrusted_text(message));
+            tracing::warn!(checkpoint = %untrusted(&item.path), step = item.step, reason = reason.as_str(), "evaluation failed: {}", untrusted_text(message));
         }
         self.unrecorded.push_back((outcome, now_rfc3339()));
         self.flush(alerter);
     }
 
     /// Records the checkpoint a crashed process was evaluating (from its crash marker) as a
-    /// failure with reason [`metrics::REASON_CRASHED`], unless the history has it already.
+    /// failure with reason [`FailureReason::Crashed`], unless the history has it already.
     fn record_crash(&mut self, crash: Crash, alerter: &Alerter) {
         let Some(InFlight { key, step }) = crash.checkpoint else {
             tracing::warn!(
@@ -206,7 +208,7 @@ impl Recorder {
             step,
             "the last run died ({}) while evaluating this checkpoint; it is recorded as a failure (reason {}) and not evaluated again",
             crash.cause,
-            metrics::REASON_CRASHED
+            FailureReason::Crashed
         );
         let message = format!("the process died ({}) while evaluating it", crash.cause);
         let item = WorkItem {
@@ -215,7 +217,7 @@ impl Recorder {
             key,
         };
         self.record(
-            Outcome::Failed(item, metrics::REASON_CRASHED, message),
+            Outcome::Failed(item, FailureReason::Crashed, message),
             alerter,
         );
     }
@@ -240,7 +242,7 @@ impl Recorder {
                         key: item.key.clone(),
                         at: at.clone(),
                         step: item.step,
-                        reason: reason.to_string(),
+                        reason: reason.as_str().to_string(),
                         message: message.clone(),
                     },
                 ),
@@ -411,27 +413,22 @@ pub fn run(config: Config) -> Result<()> {
     // The detector's state is the history replayed; replayed events are re-sent below (the
     // alerter delivers each id once, so only undelivered ones go out).
     let mut replayed = Vec::new();
-    let entries: Vec<(Evaluation, String)> = recorder
-        .history
-        .entries()
-        .iter()
-        .filter_map(|e| match e {
-            Entry::Evaluation { record, at, .. } => Some((record.as_ref().clone(), at.clone())),
-            Entry::Failure { .. } => None,
-        })
-        .collect();
-    for (record, at) in &entries {
-        recorder.metrics.record(record);
-        replayed.extend(recorder.decide(record, at));
-    }
-    lock(&snapshot).failures = recorder
-        .history
-        .entries()
-        .iter()
-        .filter(|e| matches!(e, Entry::Failure { .. }))
-        .count();
-    if !entries.is_empty() {
-        tracing::info!(evaluations = entries.len(), state = %state_dir.display(), "history restored");
+    let mut evaluated_before = 0;
+    let mut detector = Detector::new(config.early_stop_resolved(), DetectorState::default());
+    let failures = crate::detector::replay(
+        &mut detector,
+        config.early_stop.metric,
+        recorder.history.entries(),
+        |record, at, decision, state| {
+            evaluated_before += 1;
+            recorder.metrics.record(record);
+            replayed.extend(recorder.act(record, at, decision, state));
+        },
+    );
+    recorder.detector = detector;
+    lock(&snapshot).failures = failures;
+    if evaluated_before > 0 {
+        tracing::info!(evaluations = evaluated_before, state = %state_dir.display(), "history restored");
     }
 
     let listen: SocketAddr = config.http.listen.parse().expect("validated by the config");
@@ -453,9 +450,7 @@ pub fn run(config: Config) -> Result<()> {
             &config.alerts,
             &config.run.dir,
             &state_dir,
-            Arc::new(move |receiver: &'static str, outcome: &'static str| {
-                outcome_metrics.delivery(receiver, outcome)
-            }),
+            Arc::new(move |receiver, outcome| outcome_metrics.delivery(receiver, outcome)),
         )?;
         for event in &replayed {
             alerter
@@ -475,7 +470,6 @@ pub fn run(config: Config) -> Result<()> {
     let (work_tx, work_rx) = work_channel();
     let (outcome_tx, outcome_rx) = crossbeam_channel::bounded::<Outcome>(16);
     let evaluator_config = config.clone();
-    let evaluated_before = entries.len();
     let evaluator = std::thread::Builder::new()
         .name(crate::crash::EVALUATOR_THREAD.into())
         .spawn(move || {
@@ -505,7 +499,7 @@ pub fn run(config: Config) -> Result<()> {
                     Ok(_) if crate::unit::key(&item.path).ok().as_ref() != Some(&item.key) => {
                         Outcome::Failed(
                             item,
-                            metrics::REASON_VANISHED,
+                            FailureReason::Vanished,
                             "the checkpoint was deleted or rewritten during its evaluation".into(),
                         )
                     }
@@ -641,7 +635,7 @@ pub fn run(config: Config) -> Result<()> {
     Ok(())
 }
 
-/// The second signal: exits at once, with status 130.
+/// The second signal: exits at once, with status 130 (`cli::Exit::Interrupted`).
 fn second_signal() -> ! {
     tracing::warn!("second signal: exiting now");
     crate::crash::exit_now(130);

@@ -20,6 +20,7 @@
 //! replayed events keep their ids, and the alerter delivers each id once).
 
 use crate::config::{Confirm, EarlyStopConfig, EarlyStopMetric};
+use crate::history::Entry;
 use crate::record::Evaluation;
 use serde::{Deserialize, Serialize};
 
@@ -47,10 +48,7 @@ impl Observation {
         Observation {
             step: r.step,
             checkpoint: r.checkpoint.clone(),
-            value: match metric {
-                EarlyStopMetric::Icr => r.icr,
-                EarlyStopMetric::PfdGeneralization => r.pfd_generalization,
-            },
+            value: metric.value(r),
             generalization_gap: r.generalization_gap,
             loss_heldout: r.loss_heldout,
             memorization_ratio: r.memorization_ratio,
@@ -253,6 +251,30 @@ fn median(points: &[Point]) -> (f64, Point) {
     }
 }
 
+/// Replays a history (docs/design.md §9): feeds its evaluations, in journal order, to
+/// `detector` (a fresh one, for the state the journal implies) watching `metric`, and hands each
+/// to `each` with the detector's decision and its state afterwards. Failures are not observed;
+/// returns how many there were. The daemon rebuilds its state at start-up this way, and
+/// `diffmon report` its plots.
+pub fn replay<'a>(
+    detector: &mut Detector,
+    metric: EarlyStopMetric,
+    entries: &'a [Entry],
+    mut each: impl FnMut(&'a Evaluation, &'a str, &Decision, &DetectorState),
+) -> usize {
+    let mut failures = 0;
+    for entry in entries {
+        match entry {
+            Entry::Evaluation { record, at, .. } => {
+                let decision = detector.observe(&Observation::of(record, metric));
+                each(record, at, &decision, &detector.state);
+            }
+            Entry::Failure { .. } => failures += 1,
+        }
+    }
+    failures
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -432,5 +454,63 @@ mod tests {
         let before_split: Vec<i64> = all.iter().copied().filter(|&s| s <= 750).collect();
         assert_eq!([before_split, resumed].concat(), all);
         assert_eq!(d.state, whole.state);
+    }
+
+    /// A replayed journal gives each evaluation the decision and state of feeding the records
+    /// to a detector one by one, skips and counts the failures, and reads the configured metric.
+    #[test]
+    fn replay_feeds_the_evaluations_in_order_and_counts_failures() {
+        use crate::history::CheckpointKey;
+        let values: Vec<f64> = (0..30)
+            .map(|i| 0.8 + 0.002 * (i as f64 - 10.0).powi(2))
+            .collect();
+        let (direct, decisions) = run(&values, EarlyStopConfig::default());
+        let key = |i: usize| CheckpointKey {
+            path: format!("ckpt_{i}.pt"),
+            size: 1,
+            mtime_ns: 0,
+        };
+        let mut entries = Vec::new();
+        for (i, &v) in values.iter().enumerate() {
+            let o = observation(i, v, None);
+            if i % 7 == 3 {
+                entries.push(Entry::Failure {
+                    key: key(100 + i),
+                    at: "t".into(),
+                    step: o.step - 1,
+                    reason: "error".into(),
+                    message: "m".into(),
+                });
+            }
+            entries.push(Entry::Evaluation {
+                key: key(i),
+                at: format!("at {i}"),
+                record: Box::new(Evaluation {
+                    step: o.step,
+                    checkpoint: o.checkpoint,
+                    // The other metric: a replay watching ICR must not read it.
+                    icr: Some(v),
+                    pfd_generalization: Some(-v),
+                    loss_heldout: o.loss_heldout,
+                    ..Evaluation::default()
+                }),
+            });
+        }
+        let mut d = Detector::new(EarlyStopConfig::default(), DetectorState::default());
+        let mut seen = Vec::new();
+        let failures = replay(
+            &mut d,
+            EarlyStopMetric::Icr,
+            &entries,
+            |r, at, decision, state| {
+                assert_eq!(at, format!("at {}", r.step / 50 - 1));
+                assert_eq!(state.last_step, Some(r.step));
+                seen.push((r.step, decision.clone()));
+            },
+        );
+        assert_eq!(failures, 4);
+        assert_eq!(seen, decisions);
+        assert_eq!(d.state, direct.state);
+        assert!(!fired_at(&seen, Signal::EarlyStop).is_empty());
     }
 }

@@ -1,16 +1,16 @@
 //! Prometheus metrics (docs/design.md §16), through the official `prometheus-client` crate. Every
 //! metric carries the label `run`. Metric names are the constants below (without the `_total`
 //! suffix the text format adds to counters); dashboards and tests refer to these. So are the
-//! known values of every other label ([`STAGES`], [`FAILURE_REASONS`], the alerts' receivers and
-//! outcomes): each of their series exists, at zero, from the start.
+//! known values of every other label ([`STAGES`], [`FailureReason::ALL`], [`Receiver::ALL`] and
+//! [`DeliveryOutcome::ALL`]): each of their series exists, at zero, from the start.
 //!
 //! `/metrics` speaks both exposition formats, chosen from the `Accept` header like Prometheus'
 //! own client libraries do ([`Format::negotiate`]): OpenMetrics 1.0 (what `prometheus-client`
 //! writes) when asked for `application/openmetrics-text`, else the text format 0.0.4
 //! ([`openmetrics_to_text`]).
 
-use crate::alerts::{OUTCOMES, RECEIVERS};
-use crate::record::Evaluation;
+use crate::alerts::{DeliveryOutcome, Receiver};
+use crate::record::{Evaluation, FailureReason};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
@@ -64,23 +64,6 @@ pub const STAGE_ICR: &str = "icr";
 pub const STAGE_LOSS: &str = "loss";
 pub const STAGE_PFD: &str = "pfd";
 pub const STAGES: [&str; 5] = [STAGE_TOTAL, STAGE_LOAD, STAGE_ICR, STAGE_LOSS, STAGE_PFD];
-
-/// `reason` label values of `diffmon_checkpoint_failures_total`.
-pub const REASON_UNREADABLE: &str = "unreadable";
-pub const REASON_MISMATCH: &str = "mismatch";
-pub const REASON_NON_FINITE: &str = "non_finite";
-pub const REASON_VANISHED: &str = "vanished";
-pub const REASON_ERROR: &str = "error";
-/// The process died (a fatal signal) while evaluating it; recorded after the restart.
-pub const REASON_CRASHED: &str = "crashed";
-pub const FAILURE_REASONS: [&str; 6] = [
-    REASON_UNREADABLE,
-    REASON_MISMATCH,
-    REASON_NON_FINITE,
-    REASON_VANISHED,
-    REASON_ERROR,
-    REASON_CRASHED,
-];
 
 /// Every exported name as it appears in the text format (counters get `_total`).
 pub fn exported_names() -> Vec<String> {
@@ -701,7 +684,7 @@ impl Metrics {
             .set(unix_now());
         m.best_step_timestamp.get_or_create(&l).set(0.0);
         m.early_stop_timestamp.get_or_create(&l).set(0.0);
-        for reason in FAILURE_REASONS {
+        for reason in FailureReason::ALL {
             m.checkpoint_failures
                 .get_or_create(&m.reason_labels(reason))
                 .inc_by(0);
@@ -709,8 +692,8 @@ impl Metrics {
         for stage in STAGES {
             let _ = m.evaluation_duration.get_or_create(&m.stage_labels(stage));
         }
-        for receiver in RECEIVERS {
-            for outcome in OUTCOMES {
+        for receiver in Receiver::ALL {
+            for outcome in DeliveryOutcome::ALL {
                 m.webhook_deliveries
                     .get_or_create(&m.outcome_labels(receiver, outcome))
                     .inc_by(0);
@@ -725,10 +708,10 @@ impl Metrics {
         }
     }
 
-    fn reason_labels(&self, reason: &str) -> ReasonLabels {
+    fn reason_labels(&self, reason: FailureReason) -> ReasonLabels {
         ReasonLabels {
             run: self.run.clone(),
-            reason: reason.into(),
+            reason: reason.as_str().into(),
         }
     }
 
@@ -739,11 +722,11 @@ impl Metrics {
         }
     }
 
-    fn outcome_labels(&self, receiver: &str, outcome: &str) -> OutcomeLabels {
+    fn outcome_labels(&self, receiver: Receiver, outcome: DeliveryOutcome) -> OutcomeLabels {
         OutcomeLabels {
             run: self.run.clone(),
-            receiver: receiver.into(),
-            outcome: outcome.into(),
+            receiver: receiver.as_str().into(),
+            outcome: outcome.as_str().into(),
         }
     }
 
@@ -850,9 +833,8 @@ impl Metrics {
             .set(unconfirmed as i64);
     }
 
-    /// Counts one failure; `reason` is one of [`FAILURE_REASONS`].
-    pub fn failure(&self, reason: &str) {
-        debug_assert!(FAILURE_REASONS.contains(&reason), "unknown reason {reason}");
+    /// Counts one failure.
+    pub fn failure(&self, reason: FailureReason) {
         self.checkpoint_failures
             .get_or_create(&self.reason_labels(reason))
             .inc();
@@ -876,8 +858,8 @@ impl Metrics {
             .inc_by(n as u64);
     }
 
-    /// Counts one delivery outcome of a receiver (`crate::alerts::RECEIVERS`, `OUTCOMES`).
-    pub fn delivery(&self, receiver: &str, outcome: &str) {
+    /// Counts one delivery outcome of a receiver.
+    pub fn delivery(&self, receiver: Receiver, outcome: DeliveryOutcome) {
         self.webhook_deliveries
             .get_or_create(&self.outcome_labels(receiver, outcome))
             .inc();
@@ -920,11 +902,8 @@ mod tests {
             false,
             "2023-11-14T22:13:20.123Z",
         );
-        m.failure(REASON_MISMATCH);
-        m.delivery(
-            crate::alerts::RECEIVER_WEBHOOK,
-            crate::alerts::OUTCOME_DELIVERED,
-        );
+        m.failure(FailureReason::Mismatch);
+        m.delivery(Receiver::Webhook, DeliveryOutcome::Delivered);
         let text = m.encode();
         for name in exported_names() {
             let series = if name == EVALUATION_DURATION {
@@ -951,7 +930,7 @@ mod tests {
     #[test]
     fn text_format_is_prometheus_0_0_4() {
         let m = Metrics::new("exp1");
-        m.failure(REASON_VANISHED);
+        m.failure(FailureReason::Vanished);
         m.observe_stage(STAGE_LOAD, 0.002);
         let om = m.encode();
         assert!(om.ends_with("# EOF\n"), "{om}");
@@ -1085,7 +1064,7 @@ mod tests {
     fn known_series_exist_at_zero_from_the_start() {
         let m = Metrics::new("exp1");
         let text = m.encode_as(Format::Text);
-        for reason in FAILURE_REASONS {
+        for reason in FailureReason::ALL {
             let s = format!("{CHECKPOINT_FAILURES}_total{{run=\"exp1\",reason=\"{reason}\"}} 0\n");
             assert!(text.contains(&s), "{s} missing in\n{text}");
         }
@@ -1093,8 +1072,8 @@ mod tests {
             let s = format!("{EVALUATION_DURATION}_count{{run=\"exp1\",stage=\"{stage}\"}} 0\n");
             assert!(text.contains(&s), "{s} missing in\n{text}");
         }
-        for receiver in RECEIVERS {
-            for outcome in OUTCOMES {
+        for receiver in Receiver::ALL {
+            for outcome in DeliveryOutcome::ALL {
                 let s = format!(
                     "{WEBHOOK_DELIVERIES}_total{{run=\"exp1\",receiver=\"{receiver}\",outcome=\"{outcome}\"}} 0\n"
                 );

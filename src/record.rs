@@ -51,3 +51,75 @@ pub struct SweepPoint {
     pub sigma: f64,
     pub icr: f64,
 }
+
+/// Why a checkpoint could not be evaluated (docs/design.md §16): the journal's `reason` and the
+/// `reason` label of `diffmon_checkpoint_failures_total`. [`FailureReason::as_str`] is the one
+/// spelling of each; other tools read these strings, so they never change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FailureReason {
+    /// The weights cannot be read or loaded into the architecture.
+    Unreadable,
+    /// The weights do not fit the architecture (names, shapes).
+    Mismatch,
+    /// A metric came out NaN or infinite.
+    NonFinite,
+    /// The checkpoint was deleted or rewritten while it was evaluated.
+    Vanished,
+    /// Anything else.
+    Error,
+    /// The process died (a fatal signal) while evaluating it; recorded after the restart.
+    Crashed,
+}
+
+impl FailureReason {
+    /// Every reason, in the order the metric's series are created (each at 0).
+    pub const ALL: [FailureReason; 6] = [
+        FailureReason::Unreadable,
+        FailureReason::Mismatch,
+        FailureReason::NonFinite,
+        FailureReason::Vanished,
+        FailureReason::Error,
+        FailureReason::Crashed,
+    ];
+
+    /// The journal's `reason` and the metric's label value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            FailureReason::Unreadable => "unreadable",
+            FailureReason::Mismatch => "mismatch",
+            FailureReason::NonFinite => "non_finite",
+            FailureReason::Vanished => "vanished",
+            FailureReason::Error => "error",
+            FailureReason::Crashed => "crashed",
+        }
+    }
+}
+
+impl std::fmt::Display for FailureReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The strings are an interface (the journal, Prometheus labels): pinned here.
+    #[test]
+    fn failure_reasons_keep_their_names() {
+        let names: Vec<&str> = FailureReason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "unreadable",
+                "mismatch",
+                "non_finite",
+                "vanished",
+                "error",
+                "crashed"
+            ]
+        );
+        assert_eq!(FailureReason::NonFinite.to_string(), "non_finite");
+    }
+}

@@ -14,7 +14,7 @@
 //! Debian package `fonts-dejavu-core`, or any other sans-serif face found).
 
 use crate::config::{EarlyStopConfig, EarlyStopMetric};
-use crate::detector::{Decision, Detector, DetectorState, Observation};
+use crate::detector::{Decision, Detector, DetectorState};
 use crate::history::{Entry, History, HistoryError, JOURNAL};
 use crate::record::Evaluation;
 use std::fmt::Write as _;
@@ -168,7 +168,7 @@ impl Snapshot {
 
     /// Adds one evaluation, with what the detector decided on it and its state afterwards.
     pub fn push(&mut self, r: &Evaluation, at: &str, decision: &Decision, state: &DetectorState) {
-        let value = metric_value(r, self.metric).filter(|v| v.is_finite());
+        let value = self.metric.value(r).filter(|v| v.is_finite());
         self.rows.push(Row {
             step: r.step,
             checkpoint: r.checkpoint.clone(),
@@ -207,23 +207,13 @@ impl Snapshot {
     ) -> Snapshot {
         let mut snapshot = Snapshot::new(run, metric);
         let mut detector = Detector::new(detector, DetectorState::default());
-        for entry in entries {
-            match entry {
-                Entry::Evaluation { record, at, .. } => {
-                    let decision = detector.observe(&Observation::of(record, metric));
-                    snapshot.push(record, at, &decision, &detector.state);
-                }
-                Entry::Failure { .. } => snapshot.failures += 1,
-            }
-        }
+        snapshot.failures = crate::detector::replay(
+            &mut detector,
+            metric,
+            entries,
+            |record, at, decision, state| snapshot.push(record, at, decision, state),
+        );
         snapshot
-    }
-}
-
-fn metric_value(r: &Evaluation, metric: EarlyStopMetric) -> Option<f64> {
-    match metric {
-        EarlyStopMetric::Icr => r.icr,
-        EarlyStopMetric::PfdGeneralization => r.pfd_generalization,
     }
 }
 
@@ -326,6 +316,8 @@ fn series(
     }
 }
 
+/// The early-stop series' id in the plots (`data-series`; E_gen's is `e_gen`, not the metric's
+/// name [`EarlyStopMetric::as_str`]) and its axis label.
 fn metric_names(metric: EarlyStopMetric) -> (&'static str, &'static str) {
     match metric {
         EarlyStopMetric::Icr => ("icr", "ICR"),

@@ -4,7 +4,7 @@ use super::event::{Event, EventKind, event_id};
 use super::format;
 use super::sign::{Secret, signature};
 use super::store::{Entry, Ledger, Outbox, delivery_key};
-use super::{OUTCOME_DELIVERED, OUTCOME_REJECTED, OUTCOME_RETRIED, OutcomeHook};
+use super::{DeliveryOutcome, OutcomeHook, Receiver};
 use crate::config::WebhookFormat;
 use rand::Rng;
 use reqwest::header::{CONTENT_TYPE, HeaderMap, RETRY_AFTER};
@@ -86,10 +86,10 @@ pub enum DestKind {
 
 impl DestKind {
     /// The `receiver` label of the delivery counter.
-    pub fn receiver(&self) -> &'static str {
+    pub fn receiver(&self) -> Receiver {
         match self {
-            DestKind::Webhook(_) => super::RECEIVER_WEBHOOK,
-            DestKind::Alertmanager => super::RECEIVER_ALERTMANAGER,
+            DestKind::Webhook(_) => Receiver::Webhook,
+            DestKind::Alertmanager => Receiver::Alertmanager,
         }
     }
 }
@@ -395,7 +395,7 @@ impl Worker {
             match result {
                 Attempt::Delivered(status) => {
                     self.shared.finish(entry, true, &dest);
-                    (self.shared.on_outcome)(dest.kind.receiver(), OUTCOME_DELIVERED);
+                    (self.shared.on_outcome)(dest.kind.receiver(), DeliveryOutcome::Delivered);
                     tracing::info!(
                         destination = %dest.label,
                         event_id = %id,
@@ -415,7 +415,7 @@ impl Worker {
                 }
                 Attempt::Rejected { reason } => {
                     self.shared.finish(entry, false, &dest);
-                    (self.shared.on_outcome)(dest.kind.receiver(), OUTCOME_REJECTED);
+                    (self.shared.on_outcome)(dest.kind.receiver(), DeliveryOutcome::Rejected);
                     tracing::warn!(
                         destination = %dest.label,
                         event_id = %id,
@@ -431,7 +431,7 @@ impl Worker {
                     retry_after,
                 } => {
                     self.failures += 1;
-                    (self.shared.on_outcome)(dest.kind.receiver(), OUTCOME_RETRIED);
+                    (self.shared.on_outcome)(dest.kind.receiver(), DeliveryOutcome::Retried);
                     let delay = self.shared.policy.next_delay(self.failures, retry_after);
                     let delay_ms = delay.as_millis() as u64;
                     if !self.escalated && self.failures >= self.shared.policy.escalate_after {

@@ -51,10 +51,10 @@
 //! thread (e.g. the evaluator's, through an `Arc<Alerter>`). Dropping the `Alerter` without
 //! [`Alerter::shutdown`] also stops the tasks, at their next wait.
 //!
-//! Outcomes reported to the [`OutcomeHook`], with the receiver kind ([`RECEIVER_WEBHOOK`],
-//! [`RECEIVER_ALERTMANAGER`]; the labels of `diffmon_webhook_deliveries_total{receiver,outcome}`):
-//! [`OUTCOME_DELIVERED`] (accepted), [`OUTCOME_RETRIED`] (one failed attempt that will be
-//! retried), [`OUTCOME_REJECTED`] (given up: non-retryable answer, dropped from the outbox). There is no give-up on retryable failures
+//! Outcomes reported to the [`OutcomeHook`], with the [`Receiver`] (the labels of
+//! `diffmon_webhook_deliveries_total{receiver,outcome}`): [`DeliveryOutcome::Delivered`]
+//! (accepted), [`DeliveryOutcome::Retried`] (one failed attempt that will be retried),
+//! [`DeliveryOutcome::Rejected`] (given up: non-retryable answer, dropped from the outbox). There is no give-up on retryable failures
 //! while the process lives; undelivered entries stay on disk across restarts. Alertmanager
 //! re-posts are not counted.
 
@@ -85,27 +85,73 @@ use store::{Entry, Ledger, Outbox, atomic_write, remove_durably};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
-/// Called once per delivery outcome with one of [`RECEIVERS`] and one of [`OUTCOMES`]; the
-/// metrics module counts them in `diffmon_webhook_deliveries_total{receiver,outcome}`. Must be
-/// cheap and must not block.
-pub type OutcomeHook = Arc<dyn Fn(&'static str, &'static str) + Send + Sync>;
+/// Called once per delivery outcome; the metrics module counts them in
+/// `diffmon_webhook_deliveries_total{receiver,outcome}`. Must be cheap and must not block.
+pub type OutcomeHook = Arc<dyn Fn(Receiver, DeliveryOutcome) + Send + Sync>;
 
-/// A webhook (`alerts.webhooks`, any format).
-pub const RECEIVER_WEBHOOK: &str = "webhook";
-/// Alertmanager's API (`alerts.alertmanager`).
-pub const RECEIVER_ALERTMANAGER: &str = "alertmanager";
-/// Every receiver label value, for pre-registering the metric's series.
-pub const RECEIVERS: [&str; 2] = [RECEIVER_WEBHOOK, RECEIVER_ALERTMANAGER];
+/// The kind of destination: the `receiver` label of `diffmon_webhook_deliveries_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Receiver {
+    /// A webhook (`alerts.webhooks`, any format).
+    Webhook,
+    /// Alertmanager's API (`alerts.alertmanager`).
+    Alertmanager,
+}
 
-/// The receiver accepted the delivery (2xx).
-pub const OUTCOME_DELIVERED: &str = "delivered";
-/// An attempt failed (timeout, connection error, 408, 429, 5xx) and will be retried.
-pub const OUTCOME_RETRIED: &str = "retried";
-/// The receiver answered with a non-retryable status (4xx other than 408/429, 3xx): given up,
-/// removed from the outbox.
-pub const OUTCOME_REJECTED: &str = "rejected";
-/// Every outcome label value, for pre-registering the metric's series.
-pub const OUTCOMES: [&str; 3] = [OUTCOME_DELIVERED, OUTCOME_RETRIED, OUTCOME_REJECTED];
+impl Receiver {
+    /// Every receiver, for pre-creating the metric's series at 0.
+    pub const ALL: [Receiver; 2] = [Receiver::Webhook, Receiver::Alertmanager];
+
+    /// The label value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Receiver::Webhook => "webhook",
+            Receiver::Alertmanager => "alertmanager",
+        }
+    }
+}
+
+impl fmt::Display for Receiver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What one delivery attempt came to: the `outcome` label of `diffmon_webhook_deliveries_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DeliveryOutcome {
+    /// The receiver accepted the delivery (2xx).
+    Delivered,
+    /// An attempt failed (timeout, connection error, 408, 429, 5xx) and will be retried.
+    Retried,
+    /// The receiver answered with a non-retryable status (4xx other than 408/429, 3xx): given
+    /// up, removed from the outbox.
+    Rejected,
+}
+
+impl DeliveryOutcome {
+    /// Every outcome, for pre-creating the metric's series at 0.
+    pub const ALL: [DeliveryOutcome; 3] = [
+        DeliveryOutcome::Delivered,
+        DeliveryOutcome::Retried,
+        DeliveryOutcome::Rejected,
+    ];
+
+    /// The label value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            DeliveryOutcome::Delivered => "delivered",
+            DeliveryOutcome::Retried => "retried",
+            DeliveryOutcome::Rejected => "rejected",
+        }
+    }
+}
+
+impl fmt::Display for DeliveryOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// File name of the delivered-ledger inside `state_dir`.
 pub const LEDGER_FILE: &str = "alerts_delivered.json";

@@ -125,17 +125,17 @@ impl Receiver {
 }
 
 #[derive(Clone, Default)]
-struct Outcomes(Arc<Mutex<Vec<&'static str>>>);
+struct Outcomes(Arc<Mutex<Vec<DeliveryOutcome>>>);
 
 impl Outcomes {
     fn hook(&self) -> OutcomeHook {
         let v = self.0.clone();
         Arc::new(move |_receiver, o| v.lock().unwrap().push(o))
     }
-    fn list(&self) -> Vec<&'static str> {
+    fn list(&self) -> Vec<DeliveryOutcome> {
         self.0.lock().unwrap().clone()
     }
-    fn count(&self, o: &str) -> usize {
+    fn count(&self, o: DeliveryOutcome) -> usize {
         self.list().iter().filter(|x| **x == o).count()
     }
 }
@@ -371,9 +371,9 @@ async fn signed_deliveries_are_retried_on_5xx_and_429_and_accepted_once() {
         "retried {waited:.3}s after a 429 with Retry-After: 1"
     );
     let seen = outcomes.list();
-    assert_eq!(seen[0], OUTCOME_RETRIED, "{seen:?}");
-    assert_eq!(outcomes.count(OUTCOME_RETRIED), 3, "{seen:?}");
-    assert_eq!(outcomes.count(OUTCOME_DELIVERED), 4, "{seen:?}");
+    assert_eq!(seen[0], DeliveryOutcome::Retried, "{seen:?}");
+    assert_eq!(outcomes.count(DeliveryOutcome::Retried), 3, "{seen:?}");
+    assert_eq!(outcomes.count(DeliveryOutcome::Delivered), 4, "{seen:?}");
     assert!(outbox_files(&d.state).is_empty());
 
     // Sending the same events again is a no-op, in this process and after a restart.
@@ -481,7 +481,7 @@ async fn pending_delivery_survives_a_restart_while_the_receiver_is_down() {
     // Sent from a plain thread, as the evaluator thread would.
     std::thread::scope(|s| s.spawn(|| a.send(&e)).join().unwrap()).unwrap();
     wait_until("a failed attempt", Duration::from_secs(10), || {
-        a_out.count(OUTCOME_RETRIED) >= 5
+        a_out.count(DeliveryOutcome::Retried) >= 5
     })
     .await;
     // One ERROR after `escalate_after` (3) consecutive failures, not one per failure.
@@ -492,7 +492,7 @@ async fn pending_delivery_survives_a_restart_while_the_receiver_is_down() {
         "{text}"
     );
     a.shutdown(Duration::from_secs(1)).await;
-    assert_eq!(a_out.count(OUTCOME_DELIVERED), 0);
+    assert_eq!(a_out.count(DeliveryOutcome::Delivered), 0);
     let files = outbox_files(&d.state);
     assert_eq!(files.len(), 1, "{files:?}");
     assert!(files[0].starts_with(&e.id));
@@ -514,7 +514,7 @@ async fn pending_delivery_survives_a_restart_while_the_receiver_is_down() {
     wait_until(
         "the delivery after restart",
         Duration::from_secs(10),
-        || b_out.count(OUTCOME_DELIVERED) == 1,
+        || b_out.count(DeliveryOutcome::Delivered) == 1,
     )
     .await;
     b.send(&e).unwrap(); // the detector re-deriving the same event: no second delivery
@@ -523,7 +523,7 @@ async fn pending_delivery_survives_a_restart_while_the_receiver_is_down() {
     assert_eq!(accepted.len(), 1, "{accepted:#?}");
     assert_eq!(accepted[0]["body"]["id"], e.id.as_str());
     assert_eq!(rx.lines().len(), 1);
-    assert_eq!(b_out.list(), vec![OUTCOME_DELIVERED]);
+    assert_eq!(b_out.list(), vec![DeliveryOutcome::Delivered]);
     assert!(outbox_files(&d.state).is_empty());
     assert!(
         d.state
@@ -549,7 +549,7 @@ async fn client_errors_other_than_429_are_not_retried() {
         Alerter::start_with(&cfg, &d.run, &d.state, out.hook(), fast_policy(), &|_| None).unwrap();
     a.send(&early("run-3")).unwrap();
     wait_until("the rejection", Duration::from_secs(10), || {
-        out.count(OUTCOME_REJECTED) == 1
+        out.count(DeliveryOutcome::Rejected) == 1
     })
     .await;
     // Backoffs are at most 100 ms here: a retry would have happened by now.
@@ -557,7 +557,7 @@ async fn client_errors_other_than_429_are_not_retried() {
     let lines = rx.lines();
     assert_eq!(lines.len(), 1, "{lines:#?}");
     assert!(lines[0]["body"]["text"].as_str().unwrap().contains("run-3"));
-    assert_eq!(out.list(), vec![OUTCOME_REJECTED]);
+    assert_eq!(out.list(), vec![DeliveryOutcome::Rejected]);
     assert_eq!(a.pending(), 0);
     assert!(outbox_files(&d.state).is_empty());
     let text = logs.text();
@@ -719,8 +719,8 @@ async fn real_alertmanager_fires_stays_active_and_resolves() {
             <= rfc3339_utc(std::time::SystemTime::now()).as_str()),
         "resolved alert came back: {after:#?}"
     );
-    assert_eq!(out.count(OUTCOME_DELIVERED), 2, "{:?}", out.list());
-    assert_eq!(out.count(OUTCOME_REJECTED), 0);
+    assert_eq!(out.count(DeliveryOutcome::Delivered), 2, "{:?}", out.list());
+    assert_eq!(out.count(DeliveryOutcome::Rejected), 0);
     alerter.shutdown(Duration::from_secs(2)).await;
 }
 

@@ -633,8 +633,9 @@ fn unix_now() -> f64 {
 /// timestamps and the process metrics.
 #[test]
 fn a_fresh_daemon_exports_every_known_series_at_zero() {
-    use diffmon::alerts::{OUTCOMES, RECEIVERS};
-    use diffmon::metrics::{FAILURE_REASONS, STAGES};
+    use diffmon::alerts::{DeliveryOutcome, Receiver};
+    use diffmon::metrics::STAGES;
+    use diffmon::record::FailureReason;
     let run = empty_run();
     let d = Daemon::start(run.path(), "");
     let text = d.get("/metrics").unwrap();
@@ -646,7 +647,7 @@ fn a_fresh_daemon_exports_every_known_series_at_zero() {
         "diffmon_best_step_timestamp_seconds{run=\"test\"}".to_string(),
         "diffmon_early_stop_timestamp_seconds{run=\"test\"}".to_string(),
     ];
-    for r in FAILURE_REASONS {
+    for r in FailureReason::ALL {
         zero.push(format!(
             "diffmon_checkpoint_failures_total{{run=\"test\",reason=\"{r}\"}}"
         ));
@@ -659,8 +660,8 @@ fn a_fresh_daemon_exports_every_known_series_at_zero() {
             "diffmon_evaluation_duration_seconds_bucket{{le=\"0.001\",run=\"test\",stage=\"{s}\"}}"
         ));
     }
-    for r in RECEIVERS {
-        for o in OUTCOMES {
+    for r in Receiver::ALL {
+        for o in DeliveryOutcome::ALL {
             zero.push(format!(
                 "diffmon_webhook_deliveries_total{{run=\"test\",receiver=\"{r}\",outcome=\"{o}\"}}"
             ));
