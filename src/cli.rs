@@ -216,10 +216,24 @@ pub fn main() -> ExitCode {
     match run(cli.command) {
         Ok(()) => Exit::Success.into(),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_text(&e));
             Exit::of_error(&e).into()
         }
     }
+}
+
+/// An error and its causes, joined by `: ` as anyhow's `{:#}` does, but without a cause whose
+/// text the message already holds (most of the crate's errors quote their source in their own
+/// message, and keep it as `source` too).
+fn error_text(e: &anyhow::Error) -> String {
+    let mut text = e.to_string();
+    for cause in e.chain().skip(1) {
+        let cause = cause.to_string();
+        if !text.contains(&cause) {
+            text = format!("{text}: {cause}");
+        }
+    }
+    text
 }
 
 /// Keeps memory that libtorch frees for its next tensors instead of handing it back to the
@@ -711,6 +725,20 @@ mod tests {
             undocumented(&command, ""),
             ["x y: bare", "x y z: the command itself", "x y z: file"]
         );
+    }
+
+    #[test]
+    fn an_error_prints_each_cause_once() {
+        let io = || std::io::Error::new(std::io::ErrorKind::NotFound, "No such file");
+        #[derive(Debug, thiserror::Error)]
+        #[error("c.yaml: cannot read: {source}")]
+        struct Quoting {
+            source: std::io::Error,
+        }
+        let quoting = anyhow::Error::new(Quoting { source: io() });
+        assert_eq!(error_text(&quoting), "c.yaml: cannot read: No such file");
+        let plain = anyhow::Error::new(io()).context("loading the model");
+        assert_eq!(error_text(&plain), "loading the model: No such file");
     }
 
     #[test]
