@@ -1,0 +1,271 @@
+"""PEP 517 backend for `pip install ./`: maturin, told where the environment's torch is.
+
+diffmon links against libtorch, and the libtorch it must link against is the one of the torch
+package installed in the environment pip installs into. pip builds in an isolated environment
+that hides that torch from the backend (its PYTHONPATH overlay), so this wrapper asks the target
+interpreter itself, `sys.executable -E` (which ignores the overlay), where torch is, checks it,
+and sets for the cargo build:
+
+    LIBTORCH              the torch package folder (torch-sys reads include/ and lib/ there;
+                          build.rs embeds lib/ as the binary's rpath)
+    LIBTORCH_CXX11_ABI    torch._C._GLIBCXX_USE_CXX11_ABI
+
+These override `.cargo/config.toml`'s values, which are not forced. It fails early, with a
+message saying what to do, when torch is missing or not 2.13.x (tch 0.26 is built for libtorch
+2.13), or when cargo or a C/C++ compiler is missing.
+
+HDF5: DIFFMON_HDF5=auto (the default) links the system's HDF5 when the build can find it (HDF5_DIR,
+pkg-config's `hdf5`, or the Debian/RHEL header folders hdf5-metno-sys looks in) and otherwise
+builds HDF5 from source (cargo feature `static-hdf5`, with cmake from PyPI when none is on PATH);
+DIFFMON_HDF5=static or DIFFMON_HDF5=system forces one. DIFFMON_PYTHON names another interpreter
+whose torch to use (for frontends that build in a separate virtual environment).
+
+Everything else is maturin's (tool.maturin in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Any, Mapping, Optional
+
+TORCH_SERIES = "2.13"  # tch 0.26 / torch-sys 0.26 are built for libtorch 2.13
+HDF5_MODES = ("auto", "system", "static")
+# Where hdf5-metno-sys looks for headers when pkg-config has no `hdf5` (its build.rs, Linux).
+HDF5_DEFAULT_INCLUDE_DIRS = ("/usr/include/hdf5/serial", "/usr/include")
+CMAKE_MIN = (3, 18)
+
+_TORCH_PROBE = r"""
+import json, os, sys
+try:
+    import torch
+except Exception as e:
+    print(json.dumps({"error": "%s: %s" % (type(e).__name__, e)}))
+    sys.exit(0)
+print(json.dumps({
+    "version": torch.__version__,
+    "dir": os.path.dirname(os.path.abspath(torch.__file__)),
+    "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+    "cuda": torch.version.cuda,
+}))
+"""
+
+
+class BuildError(Exception):
+    pass
+
+
+def _log(msg: str) -> None:
+    print(f"diffmon build: {msg}", file=sys.stderr, flush=True)
+
+
+def _fail(msg: str):
+    # pip shows a failed backend's output; a traceback would bury the message.
+    print(f"\nerror: diffmon cannot be built: {msg}\n", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+
+
+def probe_torch(python: str) -> dict:
+    """torch's version, folder and ABI as `python` sees them outside pip's build overlay."""
+    try:
+        out = subprocess.run([python, "-E", "-c", _TORCH_PROBE], capture_output=True, text=True,
+                             cwd=tempfile.gettempdir(), timeout=300)
+    except OSError as e:
+        return {"error": f"cannot run {python}: {e}"}
+    if out.returncode != 0:
+        tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
+        return {"error": f"{python} failed: " + " / ".join(tail)}
+    lines = out.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, ValueError):
+        return {"error": f"{python} printed no answer: {out.stdout!r}"}
+
+
+def find_torch() -> dict:
+    explicit = os.environ.get("DIFFMON_PYTHON")
+    candidates = [explicit] if explicit else [sys.executable]
+    if not explicit:
+        # A frontend that builds in a virtual environment of its own: the user's is still active.
+        for var in ("VIRTUAL_ENV", "CONDA_PREFIX"):
+            root = os.environ.get(var)
+            exe = os.path.join(root, "bin", "python") if root else None
+            if exe and os.path.isfile(exe) and os.path.realpath(exe) not in map(os.path.realpath, candidates):
+                candidates.append(exe)
+    errors = []
+    for python in candidates:
+        info = probe_torch(python)
+        if "error" not in info:
+            info["python"] = python
+            return info
+        errors.append(f"  {python}: {info['error']}")
+    raise BuildError(
+        "torch is not importable in the environment being installed into:\n" + "\n".join(errors)
+        + f"\ndiffmon links against the environment's libtorch: install torch {TORCH_SERIES}.x"
+        f" there first (pip install 'torch=={TORCH_SERIES}.*'), then run `pip install ./` again"
+        " with that environment's pip. If your installer builds in an environment of its own,"
+        " set DIFFMON_PYTHON to the interpreter whose torch to use.")
+
+
+def check_torch(info: dict) -> None:
+    version = info["version"]
+    release = version.split("+", 1)[0]
+    if not re.fullmatch(re.escape(TORCH_SERIES) + r"\.\d+", release):
+        raise BuildError(
+            f"the environment has torch {version} ({info['dir']}); diffmon needs torch"
+            f" {TORCH_SERIES}.x: its libtorch binding (the tch 0.26 crate) is built for libtorch"
+            f" {TORCH_SERIES} and cannot link against another release. Install"
+            f" 'torch=={TORCH_SERIES}.*' in this environment (or a new one) and try again.")
+    lib = os.path.join(info["dir"], "lib")
+    include = os.path.join(info["dir"], "include", "torch")
+    if not os.path.isdir(lib) or not os.path.isdir(include):
+        raise BuildError(f"torch at {info['dir']} has no lib/ or include/torch/: a torch wheel"
+                         " ships both; reinstall torch from a wheel")
+
+
+def check_toolchain() -> None:
+    cargo = os.environ.get("CARGO") or shutil.which("cargo")
+    if not cargo:
+        raise BuildError(
+            "cargo (Rust) was not found on PATH. Install a Rust toolchain for your user with"
+            " rustup (no root needed: it goes to ~/.cargo and ~/.rustup), open a new shell (or"
+            " `source ~/.cargo/env`) and run `pip install ./` again.")
+    cxx = [os.environ.get("CXX")] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
+    cc = [os.environ.get("CC")] if os.environ.get("CC") else ["cc", "gcc", "clang"]
+    missing = [kind for kind, names in (("C++", cxx), ("C", cc))
+               if not any(shutil.which(shlex.split(n)[0]) for n in names)]
+    if missing:
+        raise BuildError(
+            f"no {' or '.join(missing)} compiler on PATH (looked for"
+            f" {', '.join(cxx + cc)}): diffmon compiles a C++ shim over libtorch and links with"
+            " the C compiler. Load one (for example `module load gcc` on a cluster), or install"
+            " your distribution's g++, or set CC/CXX.")
+
+
+def system_hdf5() -> Optional[str]:
+    """Where the HDF5 build would find a system HDF5, or None."""
+    if os.environ.get("HDF5_DIR"):
+        return f"HDF5_DIR={os.environ['HDF5_DIR']}"
+    if shutil.which("pkg-config"):
+        r = subprocess.run(["pkg-config", "--exists", "hdf5"], capture_output=True)
+        if r.returncode == 0:
+            return "pkg-config hdf5"
+    for inc in HDF5_DEFAULT_INCLUDE_DIRS:
+        if os.path.isfile(os.path.join(inc, "hdf5.h")):
+            return inc
+    return None
+
+
+def hdf5_mode() -> tuple[str, str]:
+    """('system' | 'static', why)."""
+    mode = os.environ.get("DIFFMON_HDF5", "auto").strip().lower() or "auto"
+    if mode not in HDF5_MODES:
+        raise BuildError(f"DIFFMON_HDF5={mode!r}: use one of {', '.join(HDF5_MODES)}")
+    if mode == "static":
+        return "static", "DIFFMON_HDF5=static"
+    found = system_hdf5()
+    if mode == "system":
+        return "system", f"DIFFMON_HDF5=system ({found or 'not found here; the build will say'})"
+    if found:
+        return "system", f"found {found}"
+    return "static", "no system HDF5 found (HDF5_DIR, pkg-config hdf5, /usr/include[/hdf5/serial])"
+
+
+def _cmake_ok() -> bool:
+    cmake = os.environ.get("CMAKE") or shutil.which("cmake")
+    if not cmake:
+        return False
+    try:
+        out = subprocess.run([cmake, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except OSError:
+        return False
+    m = re.search(r"(\d+)\.(\d+)", out)
+    return bool(m) and (int(m.group(1)), int(m.group(2))) >= CMAKE_MIN
+
+
+# ---------------------------------------------------------------------------------------------
+# The build's environment
+
+
+def _with_feature(config_settings: Optional[Mapping[str, Any]], feature: str):
+    """Adds `--features feature` to maturin's arguments, where maturin will read them."""
+    args = ["--features", feature]
+    cs = dict(config_settings or {})
+    for key in ("maturin.build-args", "build-args"):
+        if key in cs:
+            value = cs[key]
+            cs[key] = (shlex.split(value) if isinstance(value, str) else list(value)) + args
+            return cs
+    os.environ["MATURIN_PEP517_ARGS"] = " ".join(
+        filter(None, [os.environ.get("MATURIN_PEP517_ARGS", ""), shlex.join(args)]))
+    return config_settings
+
+
+def _prepare(config_settings):
+    """Checks, then sets the environment of the cargo build. Returns maturin's config_settings."""
+    try:
+        check_toolchain()
+        info = find_torch()
+        check_torch(info)
+        hdf5, why = hdf5_mode()
+    except BuildError as e:
+        _fail(str(e))
+    if os.environ.get("LIBTORCH") and os.path.realpath(os.environ["LIBTORCH"]) != os.path.realpath(info["dir"]):
+        _log(f"ignoring LIBTORCH={os.environ['LIBTORCH']}: linking the environment's torch")
+    os.environ["LIBTORCH"] = info["dir"]
+    os.environ["LIBTORCH_CXX11_ABI"] = "1" if info["cxx11_abi"] else "0"
+    # The environment's torch never needs LIBTORCH_USE_PYTORCH, and maturin must not install Rust.
+    os.environ.pop("LIBTORCH_USE_PYTORCH", None)
+    os.environ["MATURIN_NO_INSTALL_RUST"] = "1"
+    _log(f"torch {info['version']} (CUDA {info['cuda'] or 'none'}) from {info['python']}")
+    _log(f"LIBTORCH={info['dir']} LIBTORCH_CXX11_ABI={os.environ['LIBTORCH_CXX11_ABI']}")
+    _log(f"HDF5: {'built from source (feature static-hdf5)' if hdf5 == 'static' else 'system'}: {why}")
+    if hdf5 == "static":
+        config_settings = _with_feature(config_settings, "static-hdf5")
+    return config_settings
+
+
+# ---------------------------------------------------------------------------------------------
+# PEP 517 hooks (maturin is imported here: the checks above run without it, in the tests too)
+
+
+def _backend():
+    import maturin
+
+    return maturin
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    _prepare(config_settings)  # fail before anything else is downloaded or built
+    reqs = list(_backend().get_requires_for_build_wheel(config_settings))
+    if hdf5_mode()[0] == "static" and not _cmake_ok():
+        _log(f"no cmake >= {'.'.join(map(str, CMAKE_MIN))} on PATH: using cmake from PyPI")
+        reqs.append("cmake>=3.18")
+    return reqs
+
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+    return _backend().prepare_metadata_for_build_wheel(metadata_directory, config_settings)
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    config_settings = _prepare(config_settings)
+    return _backend().build_wheel(wheel_directory, config_settings, metadata_directory)
+
+
+def get_requires_for_build_sdist(config_settings=None):
+    return _backend().get_requires_for_build_sdist(config_settings)
+
+
+def build_sdist(sdist_directory, config_settings=None):
+    return _backend().build_sdist(sdist_directory, config_settings)
