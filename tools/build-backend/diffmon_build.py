@@ -152,6 +152,19 @@ def check_toolchain() -> None:
             " your distribution's g++, or set CC/CXX.")
 
 
+# Where openssl-sys (under reqwest's native-tls, for webhooks) looks when pkg-config has nothing.
+OPENSSL_PREFIXES = ("/usr/local/ssl", "/usr/lib/ssl", "/usr/local", "/usr/pkg", "/usr", "/opt/local")
+
+
+def openssl_found() -> bool:
+    if any(os.environ.get(v) for v in ("OPENSSL_DIR", "OPENSSL_INCLUDE_DIR")):
+        return True
+    if shutil.which("pkg-config"):
+        if subprocess.run(["pkg-config", "--exists", "openssl"], capture_output=True).returncode == 0:
+            return True
+    return any(os.path.isfile(os.path.join(p, "include", "openssl", "opensslv.h")) for p in OPENSSL_PREFIXES)
+
+
 def system_hdf5() -> Optional[str]:
     """Where the HDF5 build would find a system HDF5, or None."""
     if os.environ.get("HDF5_DIR"):
@@ -230,6 +243,11 @@ def _prepare(config_settings):
     _log(f"torch {info['version']} (CUDA {info['cuda'] or 'none'}) from {info['python']}")
     _log(f"LIBTORCH={info['dir']} LIBTORCH_CXX11_ABI={os.environ['LIBTORCH_CXX11_ABI']}")
     _log(f"HDF5: {'built from source (feature static-hdf5)' if hdf5 == 'static' else 'system'}: {why}")
+    if not openssl_found():
+        # A warning, not a refusal: pip shows it exactly when the build then fails.
+        _log("warning: no OpenSSL headers found (pkg-config openssl, OPENSSL_DIR, /usr/include/openssl):"
+             " the build needs them (Debian: libssl-dev, RHEL: openssl-devel, or a cluster module;"
+             " set OPENSSL_DIR to its prefix)")
     if hdf5 == "static":
         config_settings = _with_feature(config_settings, "static-hdf5")
     return config_settings
