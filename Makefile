@@ -2,6 +2,8 @@
 #   make demo   set up if needed, then a toy training run evaluated by diffmon
 #   make test   set up if needed, then every test
 #   make fuzz   set up if needed, then each fuzz target for FUZZ_SECONDS (default 60)
+#   make test-install   the no-root `pip install ./` end to end, as an unprivileged user, in a
+#               fresh virtual environment (a cold build: ~15 min; not part of `make test`)
 # `make setup` is idempotent and cheap once done.
 
 SHELL := /bin/bash
@@ -15,7 +17,7 @@ FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?= checkpoint pickle safetensors config
 export CARGO_TERM_COLOR := never
 
-.PHONY: setup apt venv build test demo bench clean-demo lint fuzz
+.PHONY: setup apt venv build test test-install demo bench clean-demo lint fuzz
 
 setup: apt venv build
 
@@ -40,6 +42,14 @@ build: venv
 
 test: setup
 	scripts/run-tests
+
+# README, "Install without root": torch's wheels into a fresh virtual environment, then
+# `pip install ./` and `diffmon eval` as the user nobody, with the system's HDF5 hidden so the
+# install builds HDF5 from source (INSTALL_TEST_HDF5=system links the system's). Needs root, the
+# Debian packages (a C/C++ compiler, OpenSSL headers, python3-venv) and root's Rust toolchain; it
+# never uses .venv or target/. Prints `summary: N passed, N failed`.
+test-install: apt
+	scripts/test-install
 
 demo: setup
 	scripts/demo
