@@ -249,6 +249,8 @@ def _prepare(config_settings):
              " the build needs them (Debian: libssl-dev, RHEL: openssl-devel, or a cluster module;"
              " set OPENSSL_DIR to its prefix)")
     if hdf5 == "static":
+        if os.environ.pop("HDF5_DIR", None):
+            _log("ignoring HDF5_DIR: with the static-hdf5 feature hdf5-metno-sys would link it")
         config_settings = _with_feature(config_settings, "static-hdf5")
     return config_settings
 
