@@ -1,9 +1,10 @@
 """`pip install ./`'s backend wrapper (tools/build-backend/diffmon_build.py), without building:
-where it finds torch, what it refuses and says, how it picks the HDF5 build; and that the two
+where it finds torch, what it refuses and says, how it picks the HDF5 and OpenSSL builds; and that the two
 pyprojects (`./` and `./python`) describe one distribution. The real install is
 `make test-install` (scripts/test-install)."""
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -131,14 +132,40 @@ def test_hdf5_mode(tmp_path, monkeypatch):
         diffmon_build.hdf5_mode()
 
 
-def test_the_static_feature_reaches_maturin(monkeypatch):
+def test_openssl_mode(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))  # no pkg-config, no perl, no make
+    for var in ("OPENSSL_DIR", "OPENSSL_INCLUDE_DIR", "DIFFMON_OPENSSL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(diffmon_build, "OPENSSL_PREFIXES", (str(tmp_path / "ssl"),))
+    with pytest.raises(diffmon_build.BuildError, match="perl .*make.*libssl-dev"):
+        diffmon_build.openssl_mode()  # nothing found, nothing to build it with
+    for tool in ("perl", "make"):
+        real = shutil.which(tool, path="/usr/bin:/bin")
+        if real is None:
+            pytest.skip(f"no {tool} here")
+        (bin_dir / tool).symlink_to(real)
+    assert diffmon_build.openssl_mode()[0] == "vendored"
+    (tmp_path / "ssl" / "include" / "openssl").mkdir(parents=True)
+    (tmp_path / "ssl" / "include" / "openssl" / "opensslv.h").write_text("")
+    assert diffmon_build.openssl_mode() == ("system", "found its headers")
+    monkeypatch.setenv("DIFFMON_OPENSSL", "vendored")
+    assert diffmon_build.openssl_mode()[0] == "vendored"
+    monkeypatch.setenv("DIFFMON_OPENSSL", "static")
+    with pytest.raises(diffmon_build.BuildError, match="auto, system, vendored"):
+        diffmon_build.openssl_mode()
+
+
+def test_the_features_reach_maturin(monkeypatch):
     monkeypatch.setenv("MATURIN_PEP517_ARGS", "--quiet")
-    assert diffmon_build._with_feature(None, "static-hdf5") is None
-    assert os.environ["MATURIN_PEP517_ARGS"] == "--quiet --features static-hdf5"
-    cs = diffmon_build._with_feature({"build-args": "-v"}, "static-hdf5")
+    assert diffmon_build._with_features(None, ["static-hdf5", "vendored-openssl"]) is None
+    assert os.environ["MATURIN_PEP517_ARGS"] == "--quiet --features static-hdf5,vendored-openssl"
+    cs = diffmon_build._with_features({"build-args": "-v"}, ["static-hdf5"])
     assert cs == {"build-args": ["-v", "--features", "static-hdf5"]}
     cargo = tomllib.loads((ROOT / "Cargo.toml").read_text())
     assert cargo["features"]["static-hdf5"] == ["hdf5/static", "hdf5/zlib"]
+    assert cargo["features"]["vendored-openssl"] == ["reqwest/native-tls-vendored"]
 
 
 def test_the_two_pyprojects_are_one_distribution():

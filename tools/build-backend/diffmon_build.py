@@ -17,7 +17,10 @@ message saying what to do, when torch is missing or not 2.13.x (tch 0.26 is buil
 HDF5: DIFFMON_HDF5=auto (the default) links the system's HDF5 when the build can find it (HDF5_DIR,
 pkg-config's `hdf5`, or the Debian/RHEL header folders hdf5-metno-sys looks in) and otherwise
 builds HDF5 from source (cargo feature `static-hdf5`, with cmake from PyPI when none is on PATH);
-DIFFMON_HDF5=static or DIFFMON_HDF5=system forces one. DIFFMON_PYTHON names another interpreter
+DIFFMON_HDF5=static or DIFFMON_HDF5=system forces one. OpenSSL likewise: DIFFMON_OPENSSL=auto links
+the system's when its headers are found (OPENSSL_DIR, pkg-config's `openssl`, the folders
+openssl-sys looks in) and otherwise builds it from source (cargo feature `vendored-openssl`,
+which needs perl and make); `system` or `vendored` forces one. DIFFMON_PYTHON names another interpreter
 whose torch to use (for frontends that build in a separate virtual environment).
 
 Everything else is maturin's (tool.maturin in pyproject.toml).
@@ -165,6 +168,31 @@ def openssl_found() -> bool:
     return any(os.path.isfile(os.path.join(p, "include", "openssl", "opensslv.h")) for p in OPENSSL_PREFIXES)
 
 
+OPENSSL_MODES = ("auto", "system", "vendored")
+
+
+def openssl_mode() -> tuple[str, str]:
+    """('system' | 'vendored', why). Building OpenSSL needs perl (with IPC::Cmd) and make."""
+    mode = os.environ.get("DIFFMON_OPENSSL", "auto").strip().lower() or "auto"
+    if mode not in OPENSSL_MODES:
+        raise BuildError(f"DIFFMON_OPENSSL={mode!r}: use one of {', '.join(OPENSSL_MODES)}")
+    if mode == "system":
+        return "system", "DIFFMON_OPENSSL=system"
+    if mode == "auto" and openssl_found():
+        return "system", "found its headers"
+    why = "DIFFMON_OPENSSL=vendored" if mode == "vendored" else (
+        "no OpenSSL headers found (OPENSSL_DIR, pkg-config openssl, /usr/include/openssl)")
+    perl_ok = shutil.which("perl") and subprocess.run(
+        ["perl", "-MIPC::Cmd", "-MFindBin", "-MFile::Compare", "-e", "1"], capture_output=True).returncode == 0
+    if not perl_ok or not shutil.which("make"):
+        raise BuildError(
+            f"{why}, and OpenSSL cannot be built from source here: that needs perl (with its core"
+            " modules IPC::Cmd, FindBin, File::Compare) and make. Install OpenSSL's headers"
+            " (Debian: libssl-dev, RHEL: openssl-devel, or load a module and set OPENSSL_DIR to"
+            " its prefix), or make perl and make available.")
+    return "vendored", why
+
+
 def system_hdf5() -> Optional[str]:
     """Where the HDF5 build would find a system HDF5, or None."""
     if os.environ.get("HDF5_DIR"):
@@ -210,9 +238,9 @@ def _cmake_ok() -> bool:
 # The build's environment
 
 
-def _with_feature(config_settings: Optional[Mapping[str, Any]], feature: str):
-    """Adds `--features feature` to maturin's arguments, where maturin will read them."""
-    args = ["--features", feature]
+def _with_features(config_settings: Optional[Mapping[str, Any]], features: list):
+    """Adds `--features a,b` to maturin's arguments, where maturin will read them."""
+    args = ["--features", ",".join(features)]
     cs = dict(config_settings or {})
     for key in ("maturin.build-args", "build-args"):
         if key in cs:
@@ -231,6 +259,7 @@ def _prepare(config_settings):
         info = find_torch()
         check_torch(info)
         hdf5, why = hdf5_mode()
+        openssl, openssl_why = openssl_mode()
     except BuildError as e:
         _fail(str(e))
     if os.environ.get("LIBTORCH") and os.path.realpath(os.environ["LIBTORCH"]) != os.path.realpath(info["dir"]):
@@ -243,15 +272,17 @@ def _prepare(config_settings):
     _log(f"torch {info['version']} (CUDA {info['cuda'] or 'none'}) from {info['python']}")
     _log(f"LIBTORCH={info['dir']} LIBTORCH_CXX11_ABI={os.environ['LIBTORCH_CXX11_ABI']}")
     _log(f"HDF5: {'built from source (feature static-hdf5)' if hdf5 == 'static' else 'system'}: {why}")
-    if not openssl_found():
-        # A warning, not a refusal: pip shows it exactly when the build then fails.
-        _log("warning: no OpenSSL headers found (pkg-config openssl, OPENSSL_DIR, /usr/include/openssl):"
-             " the build needs them (Debian: libssl-dev, RHEL: openssl-devel, or a cluster module;"
-             " set OPENSSL_DIR to its prefix)")
+    _log(f"OpenSSL: {'built from source (feature vendored-openssl)' if openssl == 'vendored' else 'system'}:"
+         f" {openssl_why}")
+    features = []
     if hdf5 == "static":
         if os.environ.pop("HDF5_DIR", None):
             _log("ignoring HDF5_DIR: with the static-hdf5 feature hdf5-metno-sys would link it")
-        config_settings = _with_feature(config_settings, "static-hdf5")
+        features.append("static-hdf5")
+    if openssl == "vendored":
+        features.append("vendored-openssl")
+    if features:
+        config_settings = _with_features(config_settings, features)
     return config_settings
 
 
