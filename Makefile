@@ -44,10 +44,10 @@ test: setup
 	scripts/run-tests
 
 # README, "Install without root": torch's wheels into a fresh virtual environment, then
-# `pip install ./` and `diffmon eval` as the user nobody, with the system's HDF5 hidden so the
-# install builds HDF5 from source (INSTALL_TEST_HDF5=system links the system's). Needs root, the
-# Debian packages (a C/C++ compiler, OpenSSL headers, python3-venv) and root's Rust toolchain; it
-# never uses .venv or target/. Prints `summary: N passed, N failed`.
+# `pip install ./` and `diffmon eval` as the user nobody, with the system's HDF5 and OpenSSL
+# headers hidden so the install builds both from source (INSTALL_TEST_LIBS=system links the
+# system's). Needs root, the Debian packages (a C/C++ compiler, python3-venv) and root's Rust
+# toolchain; it never uses .venv or target/. Prints `summary: N passed, N failed`.
 test-install: apt
 	scripts/test-install
 
