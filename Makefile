@@ -3,7 +3,7 @@
 #   make test   set up if needed, then every test
 #   make fuzz   set up if needed, then each fuzz target for FUZZ_SECONDS (default 60)
 #   make test-install   the no-root `pip install ./` end to end, as an unprivileged user, in a
-#               fresh virtual environment (a cold build: ~15 min; not part of `make test`)
+#               fresh virtual environment (a cold build: 5 to 15 min; not part of `make test`)
 # `make setup` is idempotent and cheap once done.
 
 SHELL := /bin/bash
