@@ -28,6 +28,7 @@ use crate::crash::{Crash, InFlight};
 use crate::detector::{Best, Decision, Detector, DetectorState, Observation, Signal};
 use crate::eval::{EvalError, Evaluator};
 use crate::history::{Entry, History};
+use crate::http::EarlyStopStatus;
 use crate::lock::StateLock;
 use crate::metrics::Metrics;
 use crate::model::ModelError;
@@ -38,7 +39,6 @@ use crate::safe_fs::{untrusted, untrusted_text};
 use crate::watcher::{Watcher, WorkItem, work_channel};
 use anyhow::{Context, Result};
 use crossbeam_channel::RecvTimeoutError;
-use serde::Serialize;
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,18 +47,6 @@ use std::time::Duration;
 
 /// How often the recorder tries again to write outcomes it could not record.
 const RECORD_RETRY: Duration = Duration::from_secs(2);
-
-/// What `/v1/early-stop` answers.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct EarlyStopStatus {
-    pub fired: bool,
-    pub best_step: Option<i64>,
-    pub best_checkpoint: Option<String>,
-    pub best_value: Option<f64>,
-    pub last_step: Option<i64>,
-    pub last_value: Option<f64>,
-    pub event: Option<Event>,
-}
 
 /// What the evaluator thread reports for one work item.
 enum Outcome {

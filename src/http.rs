@@ -9,8 +9,8 @@
 //! slow or idle clients costs bounded memory and file descriptors, and frees its places when
 //! its connections time out.
 
+use crate::alerts::Event;
 use crate::config::HttpConfig;
-use crate::daemon::EarlyStopStatus;
 use crate::metrics::{self, Metrics};
 use crate::report::{self, Format, Snapshot};
 use axum::Router;
@@ -83,6 +83,18 @@ pub fn router(
 }
 
 /// The bounds of [`serve`], from `http.*` of the config.
+/// What `/v1/early-stop` answers.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct EarlyStopStatus {
+    pub fired: bool,
+    pub best_step: Option<i64>,
+    pub best_checkpoint: Option<String>,
+    pub best_value: Option<f64>,
+    pub last_step: Option<i64>,
+    pub last_value: Option<f64>,
+    pub event: Option<Event>,
+}
+
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
     pub header_timeout: Duration,
