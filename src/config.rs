@@ -1343,7 +1343,7 @@ impl Validator {
                 format!("names the environment variable {var}, whose value is not UTF-8"),
             ),
             Ok(value) => {
-                if let Err(reason) = crate::alerts::sign::Secret::parse(&value) {
+                if let Err(reason) = crate::sign::Secret::parse(&value) {
                     self.problem(
                         key,
                         format!(

@@ -23,6 +23,7 @@ pub mod record;
 pub mod report;
 pub mod safe_fs;
 pub mod sampler;
+pub mod sign;
 pub mod tail;
 pub mod unit;
 pub mod watcher;

@@ -2,10 +2,10 @@
 
 use super::event::{Event, EventKind, event_id};
 use super::format;
-use super::sign::{Secret, signature};
 use super::store::{Entry, Ledger, Outbox, delivery_key};
 use super::{DeliveryOutcome, OutcomeHook, Receiver};
 use crate::config::WebhookFormat;
+use crate::sign::{Secret, signature};
 use rand::Rng;
 use reqwest::header::{CONTENT_TYPE, HeaderMap, RETRY_AFTER};
 use reqwest::{StatusCode, Url};

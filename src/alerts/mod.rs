@@ -39,7 +39,7 @@
 //!   event id), `webhook-timestamp` (unix seconds) and
 //!   `webhook-signature: v1,<base64 HMAC-SHA256(key, "{id}.{timestamp}.{body}")>`. The secret is
 //!   the key in base64, with or without a `whsec_` prefix and padding, decoded as the official
-//!   `standardwebhooks` library decodes it ([`sign::Secret::parse`]); any other value is refused
+//!   `standardwebhooks` library decodes it ([`crate::sign::Secret::parse`]); any other value is refused
 //!   at start and by `check-config`. The secret is read once at start and never printed.
 //! - **Alertmanager stays firing.** Alertmanager resolves an alert that is not re-sent within its
 //!   `resolve_timeout`; while an `early_stop` is active the firing alert is re-posted every
@@ -61,7 +61,6 @@
 mod deliver;
 mod event;
 mod format;
-pub mod sign;
 mod store;
 
 #[cfg(test)]
@@ -72,9 +71,9 @@ pub use event::{Event, EventKind, event_id, rfc3339_utc};
 pub use format::{ALERT_NAME, summary};
 
 use crate::config::{AlertsConfig, WebhookFormat};
+use crate::sign::{self, Secret};
 use deliver::{Book, DestKind, Destination, Shared, Worker, redact_url, restored_active};
 use sha2::{Digest, Sha256};
-use sign::Secret;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::io;
