@@ -1,17 +1,24 @@
 //! The command line (docs/design.md §14), logging set-up, and the one place that maps errors to
 //! exit codes ([`Exit`]): 0 ok, 2 bad usage or config, 1 runtime failure.
+//!
+//! The longer one-shot commands have a module each (`eval`, `icr_features`, `sample`,
+//! `bias_variance`); `watch` is [`crate::daemon::run`], `report` [`crate::report::write`].
+
+mod bias_variance;
+mod eval;
+mod icr_features;
+mod sample;
 
 use crate::config::{self, Config, ConfigError, DeviceSpec, Observable};
-use crate::eval::Evaluator;
-use crate::model::Model;
-use crate::pfd::{self, PfdProbe};
 use crate::report::ReportError;
-use crate::sampler::{self, EmpiricalDenoiser, ModelDenoiser, Schedule};
 use crate::tail;
-use crate::weights::ReadOptions;
 use anyhow::{Context, Result};
+use bias_variance::bias_variance;
 use clap::{Args, Parser, Subcommand};
-use std::io::Write;
+use eval::eval;
+pub use eval::{summary_line, sweep_table};
+use icr_features::icr_features;
+use sample::sample;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -419,246 +426,12 @@ pub fn run(command: Command) -> Result<()> {
     }
 }
 
-fn eval(config_path: &std::path::Path, checkpoints: &[PathBuf], json: bool) -> Result<()> {
-    let config = Config::load_without_secrets(config_path)?;
-    let step_regex =
-        regex::Regex::new(&config.checkpoints.step_regex).context("checkpoints.step_regex")?;
-    let steps = checkpoints
-        .iter()
-        .map(|path| {
-            crate::unit::step_of(path, Some(&config.run.dir), &step_regex).ok_or_else(|| NoStep {
-                path: path.clone(),
-                regex: config.checkpoints.step_regex.clone(),
-            })
-        })
-        .collect::<Result<Vec<i64>, NoStep>>()?;
-    let mut evaluator = Evaluator::new(&config)?;
-    let mut out = std::io::stdout().lock();
-    let mut failures = 0;
-    for (path, step) in checkpoints.iter().zip(steps) {
-        match evaluator.evaluate(path, step) {
-            Ok(record) => {
-                if json {
-                    writeln!(out, "{}", serde_json::to_string(&record)?)?;
-                } else {
-                    writeln!(out, "{}", summary_line(&record))?;
-                    if let Some(sweep) = &record.icr_sweep {
-                        write!(out, "{}", sweep_table(sweep))?;
-                    }
-                }
-                out.flush()?;
-            }
-            Err(e) => {
-                failures += 1;
-                tracing::warn!(checkpoint = %path.display(), "{e}");
-            }
-        }
-    }
-    if failures > 0 {
-        anyhow::bail!(
-            "{failures} of {} checkpoint(s) could not be evaluated",
-            checkpoints.len()
-        );
-    }
-    Ok(())
-}
-
-/// `diffmon icr-features`: ICR of the feature pairs `/h1`, `/h2` of an HDF5 file.
-fn icr_features(input: &std::path::Path, ridge: f64) -> Result<()> {
-    let file = hdf5::File::open(input)
-        .with_context(|| format!("{}: cannot open HDF5 file", input.display()))?;
-    let read = |name: &str| -> Result<tch::Tensor> {
-        let ds = file.dataset(name).with_context(|| {
-            format!(
-                "{}: no dataset `{name}` (expected /h1 and /h2, [n,d])",
-                input.display()
-            )
-        })?;
-        let shape = ds.shape();
-        if shape.len() != 2 {
-            anyhow::bail!(
-                "{}: dataset `{name}` has shape {shape:?}, expected [n,d]",
-                input.display()
-            );
-        }
-        let values: Vec<f64> = ds.read_raw().with_context(|| {
-            format!(
-                "{}: dataset `{name}` is not float32/float64",
-                input.display()
-            )
-        })?;
-        Ok(tch::Tensor::from_slice(&values).view([shape[0] as i64, shape[1] as i64]))
-    };
-    let (h1, h2) = (read("h1")?, read("h2")?);
-    if h1.size() != h2.size() {
-        anyhow::bail!(
-            "{}: /h1 {:?} and /h2 {:?} differ in shape",
-            input.display(),
-            h1.size(),
-            h2.size()
-        );
-    }
-    let started = std::time::Instant::now();
-    let r = crate::icr::icr_of_features(&h1, &h2, ridge, &input.display().to_string())?;
-    let json = serde_json::json!({
-        "icr": r.icr,
-        "invariant_trace": r.invariant_trace,
-        "residual_trace": r.residual_trace,
-        "eigenvalues": r.eigenvalues,
-        // The moments and the linear algebra, without reading the file.
-        "seconds": started.elapsed().as_secs_f64(),
-    });
-    println!("{json}");
-    Ok(())
-}
-
-/// The noise-level sweep as a table, the sigma of lowest ICR (the semantic window) marked.
-pub fn sweep_table(sweep: &[crate::record::SweepPoint]) -> String {
-    let best = sweep.iter().map(|p| p.icr).fold(f64::INFINITY, f64::min);
-    let mut table = String::from("    sigma        ICR\n");
-    for p in sweep {
-        let mark = if p.icr == best { "  <- lowest" } else { "" };
-        table += &format!("  {:>7.4}  {:>9.5}{mark}\n", p.sigma, p.icr);
-    }
-    table
-}
-
-/// One human-readable line per evaluation.
-pub fn summary_line(r: &crate::record::Evaluation) -> String {
-    let mut parts = vec![format!("step {:>7}", r.step)];
-    let mut field = |name: &str, v: Option<f64>| {
-        if let Some(v) = v {
-            parts.push(format!("{name} {v:.5}"));
-        }
-    };
-    field("icr", r.icr);
-    field("loss_train", r.loss_train);
-    field("loss_heldout", r.loss_heldout);
-    field("gap", r.generalization_gap);
-    field("E_gen", r.pfd_generalization);
-    field("E_mem", r.pfd_memorization);
-    field("mem", r.memorization_ratio);
-    parts.push(format!("{:.2}s", r.seconds));
-    parts.push(r.checkpoint.clone());
-    parts.join("  ")
-}
-
 fn parse_observable(s: &str) -> Result<Observable, String> {
     s.parse()
 }
 
 fn parse_device(s: &str) -> Result<DeviceSpec, String> {
     s.parse()
-}
-
-/// `diffmon sample`: the PF-ODE map of a model (or of the empirical flow) over given latents.
-fn sample(a: SampleArgs) -> Result<()> {
-    let device = crate::model::select_device(a.device)?;
-    let latents = pfd::read_latents(&a.latents, None)?;
-    let shape = latents.size()[1..].to_vec();
-    let schedule = Schedule {
-        steps: a.steps,
-        sigma_min: a.sigma_min,
-        sigma_max: a.sigma_max,
-        rho: a.rho,
-    };
-    if a.steps < 2 || a.sigma_min <= 0.0 || a.sigma_max <= a.sigma_min || a.rho <= 0.0 {
-        anyhow::bail!(
-            "sampler settings: need --steps ≥ 2 and 0 < --sigma-min < --sigma-max, --rho > 0"
-        );
-    }
-    let model;
-    let images;
-    let mut empirical;
-    let mut network;
-    let denoiser: &mut dyn sampler::Denoiser = if a.model == "empirical" {
-        let data = a
-            .data
-            .as_ref()
-            .context("--model empirical needs --data (the training images)")?;
-        let set = crate::data::ImageSet::open(data, &a.dataset)?;
-        let image_shape: Vec<i64> = set.image_shape().iter().map(|&d| d as i64).collect();
-        if image_shape != shape {
-            anyhow::bail!(
-                "{}: images of shape {image_shape:?}, but {} holds latents of shape {shape:?}",
-                data.display(),
-                a.latents.display()
-            );
-        }
-        images = set.read_all()?.to_device(device);
-        empirical = EmpiricalDenoiser::new(&images, &data.display().to_string());
-        &mut empirical
-    } else {
-        let mut m = Model::load(std::path::Path::new(&a.model), device)?;
-        m.check_contract(&shape)?;
-        if let Some(checkpoint) = &a.checkpoint {
-            let opts = ReadOptions {
-                weights_key: a.weights_key.clone(),
-                strip_prefix: a.strip_prefix.clone(),
-                ..ReadOptions::default()
-            };
-            m.load_weights(checkpoint, &opts)?;
-        }
-        model = m;
-        network = ModelDenoiser::new(&model);
-        &mut network
-    };
-    let m = latents.size()[0];
-    let mut progress = crate::progress::Progress::new(
-        "sampling",
-        sampler::evaluations_for(m, a.batch_size.max(1), &schedule),
-    );
-    let mut out = Vec::new();
-    sampler::integrate_all(
-        denoiser,
-        &latents,
-        &schedule,
-        a.batch_size.max(1),
-        Some(&mut progress),
-        &mut |_, x| {
-            out.push(x.to_device(tch::Device::Cpu));
-            Ok::<_, sampler::SamplerError>(())
-        },
-    )?;
-    progress.finish();
-    pfd::write_samples(&a.out, &tch::Tensor::cat(&out, 0))?;
-    Ok(())
-}
-
-/// `diffmon bias-variance`: E_gen of each student against the teacher, and its decomposition.
-fn bias_variance(config_path: &std::path::Path, students: &[PathBuf]) -> Result<()> {
-    let config = Config::load_without_secrets(config_path)?;
-    if config.pfd.teacher.is_none() {
-        anyhow::bail!(
-            "{}: pfd.teacher: bias-variance needs a teacher model",
-            config_path.display()
-        );
-    }
-    if let Some(n) = config.cpu_threads {
-        tch::set_num_threads(n as i32);
-    }
-    let device = crate::model::select_device(config.device)?;
-    let train = crate::data::ImageSet::open(&config.data.path, &config.data.dataset)?;
-    let shape: Vec<i64> = train.image_shape().iter().map(|&d| d as i64).collect();
-    let mut model = Model::load(&config.model.architecture, device)?;
-    model.check_contract(&shape)?;
-    // A teacher-only probe needs the image shape, not the training set.
-    let first = train.read(0, 1)?.to_device(device);
-    let probe = PfdProbe::teacher_only(&config, &first, device)?;
-    let opts = crate::eval::read_options(&config.checkpoints);
-    let mut features = Vec::new();
-    for path in students {
-        model.load_weights(path, &opts)?;
-        let what = path.display().to_string();
-        features.push((what.clone(), probe.student_features(&model, &what)?));
-    }
-    let teacher = probe
-        .teacher_features()
-        .expect("a teacher is configured")
-        .to_device(tch::Device::Cpu);
-    let bv = pfd::bias_variance(&teacher, &features)?;
-    println!("{}", serde_json::to_string(&bv)?);
-    Ok(())
 }
 
 #[cfg(test)]

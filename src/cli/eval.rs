@@ -1,0 +1,84 @@
+//! `diffmon eval`: evaluate checkpoints once, one summary line (or JSON record) each.
+
+use super::NoStep;
+use crate::config::Config;
+use crate::eval::Evaluator;
+use anyhow::{Context, Result};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// `diffmon eval`.
+pub fn eval(config_path: &Path, checkpoints: &[PathBuf], json: bool) -> Result<()> {
+    let config = Config::load_without_secrets(config_path)?;
+    let step_regex =
+        regex::Regex::new(&config.checkpoints.step_regex).context("checkpoints.step_regex")?;
+    let steps = checkpoints
+        .iter()
+        .map(|path| {
+            crate::unit::step_of(path, Some(&config.run.dir), &step_regex).ok_or_else(|| NoStep {
+                path: path.clone(),
+                regex: config.checkpoints.step_regex.clone(),
+            })
+        })
+        .collect::<Result<Vec<i64>, NoStep>>()?;
+    let mut evaluator = Evaluator::new(&config)?;
+    let mut out = std::io::stdout().lock();
+    let mut failures = 0;
+    for (path, step) in checkpoints.iter().zip(steps) {
+        match evaluator.evaluate(path, step) {
+            Ok(record) => {
+                if json {
+                    writeln!(out, "{}", serde_json::to_string(&record)?)?;
+                } else {
+                    writeln!(out, "{}", summary_line(&record))?;
+                    if let Some(sweep) = &record.icr_sweep {
+                        write!(out, "{}", sweep_table(sweep))?;
+                    }
+                }
+                out.flush()?;
+            }
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(checkpoint = %path.display(), "{e}");
+            }
+        }
+    }
+    if failures > 0 {
+        anyhow::bail!(
+            "{failures} of {} checkpoint(s) could not be evaluated",
+            checkpoints.len()
+        );
+    }
+    Ok(())
+}
+
+/// The noise-level sweep as a table, the sigma of lowest ICR (the semantic window) marked.
+pub fn sweep_table(sweep: &[crate::record::SweepPoint]) -> String {
+    let best = sweep.iter().map(|p| p.icr).fold(f64::INFINITY, f64::min);
+    let mut table = String::from("    sigma        ICR\n");
+    for p in sweep {
+        let mark = if p.icr == best { "  <- lowest" } else { "" };
+        table += &format!("  {:>7.4}  {:>9.5}{mark}\n", p.sigma, p.icr);
+    }
+    table
+}
+
+/// One human-readable line per evaluation.
+pub fn summary_line(r: &crate::record::Evaluation) -> String {
+    let mut parts = vec![format!("step {:>7}", r.step)];
+    let mut field = |name: &str, v: Option<f64>| {
+        if let Some(v) = v {
+            parts.push(format!("{name} {v:.5}"));
+        }
+    };
+    field("icr", r.icr);
+    field("loss_train", r.loss_train);
+    field("loss_heldout", r.loss_heldout);
+    field("gap", r.generalization_gap);
+    field("E_gen", r.pfd_generalization);
+    field("E_mem", r.pfd_memorization);
+    field("mem", r.memorization_ratio);
+    parts.push(format!("{:.2}s", r.seconds));
+    parts.push(r.checkpoint.clone());
+    parts.join("  ")
+}
