@@ -13,7 +13,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-/// The colour of the early-stop metric's raw points (ICR), as drawn by `src/report/svg.rs`.
+/// The colour of the early-stop metric's raw points (ICR), as `src/report/mod.rs` gives it (`plots`) and `svg.rs` draws it.
 const ICR_COLOR: [u8; 3] = [0x1f, 0x77, 0xb4];
 
 /// A run a real daemon has finished: five checkpoints with ICR high, low, low, high, high; the
