@@ -23,7 +23,7 @@
 //! process with status 1.
 
 use crate::alerts::{Alerter, Event, EventKind, event_id};
-use crate::config::{Config, Confirm};
+use crate::config::Config;
 use crate::crash::{Crash, InFlight};
 use crate::detector::{Best, Decision, Detector, DetectorState, Observation, Signal};
 use crate::eval::{EvalError, Evaluator};
@@ -106,6 +106,15 @@ impl Recorder {
         let decision = self
             .detector
             .observe(&Observation::of(r, self.config.early_stop.metric));
+        if decision.unconfirmed {
+            let confirm = self.detector.config().confirm.as_str();
+            tracing::info!(
+                step = r.step,
+                confirm,
+                "{} has turned, but {confirm} has not risen since the best step (early_stop.confirm): no early stop yet",
+                self.config.early_stop.metric.as_str()
+            );
+        }
         self.act(r, at, &decision, &self.detector.state)
     }
 
@@ -118,18 +127,6 @@ impl Recorder {
         decision: &Decision,
         s: &DetectorState,
     ) -> Option<Event> {
-        if decision.unconfirmed {
-            let confirm = match self.config.early_stop_resolved().confirm {
-                Confirm::MemorizationRatio => "memorization_ratio",
-                _ => "generalization_gap",
-            };
-            tracing::info!(
-                step = r.step,
-                confirm,
-                "{} has turned, but {confirm} has not risen since the best step (early_stop.confirm): no early stop yet",
-                self.config.early_stop.metric.as_str()
-            );
-        }
         lock(&self.snapshot).push(r, at, decision, s);
         self.metrics.set_detector(
             decision.smoothed,

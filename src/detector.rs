@@ -125,6 +125,11 @@ impl Detector {
         Detector { config, state }
     }
 
+    /// Its settings (with `confirm: auto` resolved by the caller).
+    pub fn config(&self) -> &EarlyStopConfig {
+        &self.config
+    }
+
     /// The confirmation signal of an observation, and its noise floor.
     fn confirm_signal(&self, o: &Observation) -> (Option<f64>, f64) {
         match self.config.confirm {

@@ -82,7 +82,6 @@ pub fn router(
         )
 }
 
-/// The bounds of [`serve`], from `http.*` of the config.
 /// What `/v1/early-stop` answers.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct EarlyStopStatus {
@@ -95,6 +94,7 @@ pub struct EarlyStopStatus {
     pub event: Option<Event>,
 }
 
+/// The bounds of [`serve`], from `http.*` of the config.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
     pub header_timeout: Duration,

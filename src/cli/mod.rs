@@ -331,12 +331,6 @@ impl From<Exit> for ExitCode {
     }
 }
 
-/// The exit status of a command that failed ([`Exit::of_error`]): 2 for configuration problems
-/// and bad usage, 1 for everything else.
-pub fn exit_code(e: &anyhow::Error) -> u8 {
-    Exit::of_error(e).code()
-}
-
 /// Logs go to stderr, filtered by `DIFFMON_LOG` (default `info`).
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("DIFFMON_LOG")
@@ -559,6 +553,7 @@ mod tests {
     /// What the help's "Exit codes" says is what [`exit_code`] does.
     #[test]
     fn exit_codes_are_as_the_help_says() {
+        let exit_code = |e: &anyhow::Error| Exit::of_error(e).code();
         let config = ConfigError::Invalid {
             file: "c.yaml".into(),
             problems: Vec::new(),

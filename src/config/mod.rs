@@ -625,6 +625,18 @@ pub enum Confirm {
     MemorizationRatio,
 }
 
+impl Confirm {
+    /// Its name, as the config writes it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Confirm::Auto => "auto",
+            Confirm::None => "none",
+            Confirm::GeneralizationGap => "generalization_gap",
+            Confirm::MemorizationRatio => "memorization_ratio",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct EarlyStopConfig {
@@ -936,15 +948,13 @@ impl Config {
         let mut parts = Vec::new();
         let n = self.icr.samples;
         if self.icr.enabled {
-            let sweeps = 1 + self.icr.sigmas.as_ref().map_or(0, Vec::len);
-            parts.push(
-                format!("ICR {} (2 x icr.samples", 2 * n * sweeps)
-                    + &if sweeps > 1 {
-                        format!(" x {sweeps} sigmas)")
-                    } else {
-                        ")".into()
-                    },
-            );
+            let sigmas = 1 + self.icr.sigmas.as_ref().map_or(0, Vec::len);
+            let times = if sigmas > 1 {
+                format!(" x {sigmas} sigmas")
+            } else {
+                String::new()
+            };
+            parts.push(format!("ICR {} (2 x icr.samples{times})", 2 * n * sigmas));
         }
         if self.data.heldout_path.is_some() {
             parts.push(format!("gap up to {} (train and held-out images)", 2 * n));
@@ -953,7 +963,7 @@ impl Config {
             let per_latent = 2 * self.pfd.steps - 1;
             let every = match self.pfd.every {
                 1 => "every checkpoint".to_string(),
-                k => format!("every {k}th checkpoint"),
+                k => format!("every {k}{} checkpoint", ordinal_suffix(k)),
             };
             parts.push(match &self.pfd.latents {
                 Some(_) => format!("PFD {per_latent} per latent of pfd.latents, {every}"),
@@ -1407,6 +1417,17 @@ pub(crate) fn normalize(path: &Path) -> PathBuf {
     }
 }
 
+/// `st`, `nd`, `rd` or `th`, as English writes the ordinal of `k`.
+fn ordinal_suffix(k: usize) -> &'static str {
+    match (k % 10, k % 100) {
+        (_, 11..=13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1436,6 +1457,33 @@ mod tests {
     }
 
     const MINIMAL: &str = "run: {dir: r}\nmodel: {architecture: m.ts}\ndata: {path: d.h5}\n";
+
+    #[test]
+    fn ordinals_read_as_english() {
+        let got: Vec<String> = [1, 2, 3, 4, 11, 12, 13, 21, 22, 102, 111]
+            .map(|k| format!("{k}{}", ordinal_suffix(k)))
+            .to_vec();
+        assert_eq!(
+            got,
+            [
+                "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "102nd",
+                "111th"
+            ]
+        );
+    }
+
+    #[test]
+    fn confirm_names_are_the_config_spelling() {
+        for c in [
+            Confirm::Auto,
+            Confirm::None,
+            Confirm::GeneralizationGap,
+            Confirm::MemorizationRatio,
+        ] {
+            let yaml: Confirm = serde_yaml::from_str(c.as_str()).unwrap();
+            assert_eq!(yaml, c);
+        }
+    }
 
     #[test]
     fn the_cost_summary_counts_network_calls_per_metric() {
