@@ -20,6 +20,13 @@ pub struct Evaluation {
     pub icr_invariant_trace_normalized: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub icr_residual_trace_normalized: Option<f64>,
+    /// Standard error of `icr` (delete-group jackknife over the view pairs, docs/design.md §2).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub icr_stderr: Option<f64>,
+    /// The number of view pairs `icr` was computed from (`icr.samples`, capped by the data):
+    /// compare ICR curves only at equal `icr_samples`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub icr_samples: Option<i64>,
     /// ICR at each sigma of `icr.sigmas`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub icr_sweep: Option<Vec<SweepPoint>>,
