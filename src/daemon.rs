@@ -416,7 +416,7 @@ pub fn run(config: Config) -> Result<()> {
         tracing::info!(evaluations = evaluated_before, state = %state_dir.display(), "history restored");
     }
 
-    let listen: SocketAddr = config.http.listen.parse().expect("validated by the config");
+    let listen: SocketAddr = config.http.listen;
     let listener = std::net::TcpListener::bind(listen).with_context(|| {
         format!("cannot listen on {listen} (http.listen): is another process using the port?")
     })?;
@@ -588,7 +588,7 @@ pub fn run(config: Config) -> Result<()> {
         signalled
     });
     // Everything that waits for the evaluation in flight is bounded by one timeout.
-    let drain = Duration::from_secs_f64(config.shutdown_drain_secs);
+    let drain = config.shutdown_drain;
     let drained = runtime.block_on(async {
         tokio::time::timeout(
             drain,

@@ -103,16 +103,12 @@ pub struct Limits {
 }
 
 impl Limits {
-    /// The bounds of a validated config (out-of-range values, which validation refuses, are
-    /// clamped rather than trusted).
+    /// The bounds `http.*` set.
     pub fn of(c: &HttpConfig) -> Limits {
-        let secs = |x: f64, max: f64| {
-            Duration::try_from_secs_f64(x.clamp(0.1, max)).unwrap_or(Duration::from_secs(10))
-        };
         Limits {
-            header_timeout: secs(c.header_timeout_secs, 3600.0),
-            idle_timeout: secs(c.idle_timeout_secs, 86400.0),
-            max_connections: (c.max_connections as usize).max(1),
+            header_timeout: c.header_timeout,
+            idle_timeout: c.idle_timeout,
+            max_connections: c.max_connections.get(),
         }
     }
 }
@@ -323,19 +319,19 @@ async fn serve_connection(stream: TcpStream, app: Router, limits: Limits) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Config;
+    use crate::config::{ConfigFile, HttpConfig};
 
     const MINIMAL: &str = "run: {dir: r}\nmodel: {architecture: m.ts}\ndata: {path: d.h5}\n";
 
     /// The `http.*` bounds: documented defaults, and values out of range refused by key.
     #[test]
     fn http_bounds_have_defaults_and_ranges() {
-        let c = Config::parse(MINIMAL, "t.yaml").unwrap();
-        let l = Limits::of(&c.http);
+        let l = Limits::of(&HttpConfig::default());
         assert_eq!(l.header_timeout, Duration::from_secs(10));
         assert_eq!(l.idle_timeout, Duration::from_secs(60));
         assert_eq!(l.max_connections, 256);
-        let http_problems = |c: &Config| -> Vec<String> {
+        let c = ConfigFile::parse(MINIMAL, "t.yaml").unwrap();
+        let http_problems = |c: &ConfigFile| -> Vec<String> {
             let problems = c.validate();
             problems
                 .iter()
@@ -354,7 +350,7 @@ mod tests {
             ("max_connections: 1000000", "http.max_connections"),
         ] {
             let text = format!("{MINIMAL}http: {{{yaml}}}\n");
-            let c = Config::parse(&text, "t.yaml").unwrap();
+            let c = ConfigFile::parse(&text, "t.yaml").unwrap();
             let problems = http_problems(&c);
             assert!(
                 problems.len() == 1 && problems[0].starts_with(&format!("{key}: ")),

@@ -65,10 +65,6 @@ fn generalize(name: &str) -> String {
 /// Looks at `dir` with the default checkpoint settings.
 pub fn survey(dir: &Path) -> std::io::Result<Survey> {
     let cfg = CheckpointsConfig::default();
-    let pattern = globset::Glob::new(&cfg.pattern)
-        .expect("the default pattern is valid")
-        .compile_matcher();
-    let step_regex = regex::Regex::new(&cfg.step_regex).expect("the default regex is valid");
     let mut s = Survey::default();
     let mut entries: Vec<_> = std::fs::read_dir(dir)?
         .take(MAX_ENTRIES)
@@ -79,7 +75,7 @@ pub fn survey(dir: &Path) -> std::io::Result<Survey> {
     entries.sort();
     for (name, path) in entries {
         let is_dir = std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir());
-        let step = unit::step_in(&name, &step_regex);
+        let step = cfg.step_regex.step_in(&name);
         if !is_dir && name.ends_with(".h5") {
             let slot = if name.contains("heldout") || name.contains("val") {
                 &mut s.heldout
@@ -91,7 +87,7 @@ pub fn survey(dir: &Path) -> std::io::Result<Survey> {
             }
             continue;
         }
-        if !pattern.is_match(&name) {
+        if !cfg.pattern.is_match(&name) {
             continue;
         }
         if step.is_none() {

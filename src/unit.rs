@@ -20,9 +20,9 @@
 //!
 //! The training step comes from the unit's path relative to `run.dir` ([`step_of`]).
 
-use crate::config::CheckpointsConfig;
+use crate::config::{CheckpointsConfig, StepPattern, WeightsFile};
 use crate::history::CheckpointKey;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 /// Deepest level of a checkpoint folder that is walked.
 pub const MAX_DEPTH: usize = 8;
@@ -74,7 +74,7 @@ const DIFFUSERS_FILES: [&str; 3] = [
 /// (`model.safetensors`, `pytorch_model.bin`), a sharded `model.safetensors.index.json`, a
 /// PyTorch Distributed Checkpoint (`.metadata`: torchtitan, Lightning's FSDP strategy) and
 /// DeepSpeed's `checkpoint/mp_rank_00_model_states.pt` (Lightning's DeepSpeed strategy).
-pub fn default_weights_files(prefer_ema: bool) -> Vec<String> {
+pub fn default_weights_files(prefer_ema: bool) -> Vec<WeightsFile> {
     let under = |dirs: &[&str]| -> Vec<String> {
         dirs.iter()
             .flat_map(|d| DIFFUSERS_FILES.iter().map(move |f| format!("{d}/{f}")))
@@ -93,52 +93,22 @@ pub fn default_weights_files(prefer_ema: bool) -> Vec<String> {
         ]
         .map(String::from),
     );
-    if prefer_ema {
+    let ordered = if prefer_ema {
         [ema, raw].concat()
     } else {
         [raw, ema].concat()
-    }
+    };
+    ordered
+        .iter()
+        .map(|f| WeightsFile::parse(f).expect("the defaults are plain relative paths"))
+        .collect()
 }
 
 /// The weights files tried inside a checkpoint folder, in order.
-pub fn weights_files(c: &CheckpointsConfig) -> Vec<String> {
+pub fn weights_files(c: &CheckpointsConfig) -> Vec<WeightsFile> {
     c.weights_files
         .clone()
         .unwrap_or_else(|| default_weights_files(c.prefer_ema))
-}
-
-/// Why an entry of `checkpoints.weights_files` is refused, if it is.
-pub fn check_weights_file(f: &str) -> Result<(), String> {
-    let p = Path::new(f);
-    if f.is_empty() {
-        return Err("must not be empty".into());
-    }
-    if p.is_absolute() {
-        return Err(format!(
-            "must be relative to the checkpoint folder, got `{f}`"
-        ));
-    }
-    if p.components()
-        .any(|c| !matches!(c, Component::Normal(_)) || c.as_os_str().is_empty())
-    {
-        return Err(format!(
-            "must be a plain relative path (no `..`, `.` or empty parts), got `{f}`"
-        ));
-    }
-    matcher(f)
-        .map(|_| ())
-        .map_err(|e| format!("is not a valid glob: {e}"))
-}
-
-fn has_glob(f: &str) -> bool {
-    f.contains(['*', '?', '[', '{'])
-}
-
-fn matcher(f: &str) -> Result<globset::GlobMatcher, globset::Error> {
-    Ok(globset::GlobBuilder::new(f)
-        .literal_separator(true)
-        .build()?
-        .compile_matcher())
 }
 
 /// A regular file of a checkpoint folder: its path relative to the folder, size and mtime.
@@ -257,17 +227,16 @@ pub fn weights_path(path: &Path, c: &CheckpointsConfig) -> Result<PathBuf, UnitE
 }
 
 /// The first of `candidates` that names one regular file in `folder`.
-pub fn find_weights(folder: &Path, candidates: &[String]) -> Result<PathBuf, UnitError> {
+pub fn find_weights(folder: &Path, candidates: &[WeightsFile]) -> Result<PathBuf, UnitError> {
     let mut listing: Option<Vec<FolderFile>> = None;
     for entry in candidates {
-        if !has_glob(entry) {
-            let p = folder.join(entry);
+        let Some(m) = entry.glob() else {
+            let p = folder.join(entry.as_str());
             if std::fs::metadata(&p).is_ok_and(|m| m.is_file()) {
                 return Ok(p);
             }
             continue;
-        }
-        let Ok(m) = matcher(entry) else { continue };
+        };
         if listing.is_none() {
             listing = Some(walk(folder)?.0);
         }
@@ -283,7 +252,7 @@ pub fn find_weights(folder: &Path, candidates: &[String]) -> Result<PathBuf, Uni
             several => {
                 return Err(UnitError::Ambiguous {
                     folder: folder.to_path_buf(),
-                    entry: entry.clone(),
+                    entry: entry.to_string(),
                     files: several
                         .iter()
                         .take(5)
@@ -296,41 +265,44 @@ pub fn find_weights(folder: &Path, candidates: &[String]) -> Result<PathBuf, Uni
     }
     Err(UnitError::NoWeights {
         folder: folder.to_path_buf(),
-        looked_for: candidates.join(", "),
+        looked_for: candidates
+            .iter()
+            .map(WeightsFile::as_str)
+            .collect::<Vec<_>>()
+            .join(", "),
     })
-}
-
-/// `step_regex`'s first capture group, parsed, on `text`.
-pub fn step_in(text: &str, step_regex: &regex::Regex) -> Option<i64> {
-    step_regex.captures(text)?.get(1)?.as_str().parse().ok()
 }
 
 /// The training step of `path`: `step_regex` on its path relative to `run_dir` when it is
 /// inside it (`checkpoint-400/model.safetensors` → 400), otherwise on its file name and then on
 /// `parent/name`. `None` when none of these has a step.
-pub fn step_of(path: &Path, run_dir: Option<&Path>, step_regex: &regex::Regex) -> Option<i64> {
+pub fn step_of(path: &Path, run_dir: Option<&Path>, step_regex: &StepPattern) -> Option<i64> {
     let absolute = |p: &Path| std::path::absolute(p).map(|a| crate::config::normalize(&a));
     if let (Some(dir), Ok(p)) = (run_dir, absolute(path))
         && let Ok(dir) = absolute(dir)
         && let Ok(rel) = p.strip_prefix(&dir)
         && !rel.as_os_str().is_empty()
     {
-        return step_in(rel.to_str()?, step_regex);
+        return step_regex.step_in(rel.to_str()?);
     }
     let name = path.file_name()?.to_str()?;
-    if let Some(step) = step_in(name, step_regex) {
+    if let Some(step) = step_regex.step_in(name) {
         return Some(step);
     }
     let parent = path.parent()?.file_name()?.to_str()?;
-    step_in(&format!("{parent}/{name}"), step_regex)
+    step_regex.step_in(&format!("{parent}/{name}"))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn re() -> regex::Regex {
-        regex::Regex::new(&CheckpointsConfig::default().step_regex).unwrap()
+    fn re() -> StepPattern {
+        CheckpointsConfig::default().step_regex
+    }
+
+    fn entry(f: &str) -> WeightsFile {
+        WeightsFile::parse(f).unwrap()
     }
 
     #[test]
@@ -365,11 +337,11 @@ mod tests {
         assert!(found(true).ends_with("unet_ema/diffusion_pytorch_model.safetensors"));
         assert!(found(false).ends_with("unet/diffusion_pytorch_model.safetensors"));
         // A glob naming one file wins; naming several is an error naming them.
-        let one = find_weights(dir.path(), &["*/diffusion_pytorch_model.*".into()]);
+        let one = find_weights(dir.path(), &[entry("*/diffusion_pytorch_model.*")]);
         assert!(matches!(one, Err(UnitError::Ambiguous { .. })), "{one:?}");
-        let one = find_weights(dir.path(), &["opt*.bin".into()]).unwrap();
+        let one = find_weights(dir.path(), &[entry("opt*.bin")]).unwrap();
         assert!(one.ends_with("optimizer.bin"));
-        let none = find_weights(dir.path(), &["model.safetensors".into()]).unwrap_err();
+        let none = find_weights(dir.path(), &[entry("model.safetensors")]).unwrap_err();
         assert!(
             none.to_string().contains("checkpoints.weights_files"),
             "{none}"
@@ -398,15 +370,5 @@ mod tests {
         }
         std::fs::create_dir_all(&p).unwrap();
         assert!(matches!(key(dir.path()), Err(UnitError::TooLarge { .. })));
-    }
-
-    #[test]
-    fn weights_files_entries_must_be_plain_relative_paths() {
-        assert!(check_weights_file("unet/diffusion_pytorch_model.safetensors").is_ok());
-        assert!(check_weights_file("*.safetensors.index.json").is_ok());
-        assert!(check_weights_file(".metadata").is_ok());
-        for bad in ["", "/etc/passwd", "../x", "a/../b", "./x"] {
-            assert!(check_weights_file(bad).is_err(), "{bad}");
-        }
     }
 }

@@ -48,8 +48,6 @@ struct Candidate {
 pub struct Watcher {
     dir: PathBuf,
     config: CheckpointsConfig,
-    pattern: globset::GlobMatcher,
-    step_regex: regex::Regex,
     /// Keys already evaluated, failed, or handed over.
     offered: HashSet<CheckpointKey>,
     candidates: HashMap<PathBuf, Candidate>,
@@ -167,10 +165,6 @@ impl Watcher {
         Watcher {
             dir: dir.to_path_buf(),
             config: config.clone(),
-            pattern: globset::Glob::new(&config.pattern)
-                .expect("validated by the config")
-                .compile_matcher(),
-            step_regex: regex::Regex::new(&config.step_regex).expect("validated by the config"),
             offered: done,
             candidates: HashMap::new(),
             ready: BTreeMap::new(),
@@ -198,11 +192,11 @@ impl Watcher {
 
     /// The step in a unit's name (its path relative to `run.dir`).
     fn step(&self, path: &Path) -> Option<i64> {
-        crate::unit::step_in(path.file_name()?.to_str()?, &self.step_regex)
+        self.config.step_regex.step_in(path.file_name()?.to_str()?)
     }
 
     fn settle(&self) -> Duration {
-        Duration::from_secs_f64(self.config.settle_secs)
+        self.config.settle
     }
 
     /// Lists the folder and moves complete files to `ready`.
@@ -243,7 +237,7 @@ impl Watcher {
                 continue;
             }
             let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
-            if !self.pattern.is_match(name) {
+            if !self.config.pattern.is_match(name) {
                 // Only looked at while nothing was found: the warning is for a wrong pattern.
                 if self.nothing_found()
                     && ignored.len() < 1000
@@ -436,7 +430,7 @@ impl Watcher {
             c.renamed_into_place = true;
         } else if let Some(name) = path.file_name().and_then(|n| n.to_str())
             && !is_temporary(name)
-            && self.pattern.is_match(name)
+            && self.config.pattern.is_match(name)
             && path.parent() == Some(self.dir.as_path())
             && !self.excluded.contains(&crate::config::normalize(path))
             && self.step(path).is_some()
@@ -501,7 +495,7 @@ impl Watcher {
         } else {
             None
         };
-        let poll = Duration::from_secs_f64(self.config.poll_secs);
+        let poll = self.config.poll;
         let settle_check =
             (self.settle() / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
         let mut next_poll = Instant::now();
@@ -616,8 +610,8 @@ mod tests {
 
     fn config(backlog: Backlog) -> CheckpointsConfig {
         CheckpointsConfig {
-            pattern: "ckpt_*.pt".into(),
-            settle_secs: 0.0,
+            pattern: crate::config::Glob::parse("ckpt_*.pt").unwrap(),
+            settle: Duration::ZERO,
             backlog,
             ..CheckpointsConfig::default()
         }
@@ -687,7 +681,7 @@ mod tests {
         // The architecture the config names is never a checkpoint, whatever its name.
         write_checkpoint(&dir.path().join("model_1.ts"));
         let cfg = CheckpointsConfig {
-            settle_secs: 0.3,
+            settle: Duration::from_millis(300),
             ..CheckpointsConfig::default()
         };
         let mut w = Watcher::new(
@@ -825,7 +819,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         write_checkpoint(&dir.path().join("ckpt_1.pt"));
         let cfg = CheckpointsConfig {
-            settle_secs: 0.3,
+            settle: Duration::from_millis(300),
             ..config(Backlog::All)
         };
         let mut w = Watcher::new(
@@ -869,7 +863,7 @@ mod tests {
         let path = dir.path().join("ckpt_5.pt");
         write_checkpoint(&path);
         let cfg = CheckpointsConfig {
-            settle_secs: 0.3,
+            settle: Duration::from_millis(300),
             ..config(Backlog::All)
         };
         let mut w = Watcher::new(

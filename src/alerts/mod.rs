@@ -40,7 +40,8 @@
 //!   `webhook-signature: v1,<base64 HMAC-SHA256(key, "{id}.{timestamp}.{body}")>`. The secret is
 //!   the key in base64, with or without a `whsec_` prefix and padding, decoded as the official
 //!   `standardwebhooks` library decodes it ([`crate::sign::Secret::parse`]); any other value is refused
-//!   at start and by `check-config`. The secret is read once at start and never printed.
+//!   by the config (`watch` and `check-config`). The secret is read once, when the config is
+//!   loaded, and never printed.
 //! - **Alertmanager stays firing.** Alertmanager resolves an alert that is not re-sent within its
 //!   `resolve_timeout`; while an `early_stop` is active the firing alert is re-posted every
 //!   [`DeliveryPolicy::alertmanager_refresh`] (60 s). After a restart the active alert is taken
@@ -70,8 +71,7 @@ pub use deliver::DeliveryPolicy;
 pub use event::{Event, EventKind, event_id, rfc3339_utc};
 pub use format::{ALERT_NAME, summary};
 
-use crate::config::{AlertsConfig, WebhookFormat};
-use crate::sign::{self, Secret};
+use crate::config::{AlertsConfig, SecretEnv, WebhookFormat};
 use deliver::{Book, DestKind, Destination, Shared, Worker, redact_url, restored_active};
 use sha2::{Digest, Sha256};
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -160,17 +160,9 @@ pub const OUTBOX_DIR: &str = "outbox";
 #[derive(Debug, thiserror::Error)]
 pub enum AlertError {
     #[error(
-        "{key} names the environment variable {var}, which is not set (or empty, or not UTF-8)"
+        "{key} names the environment variable {var}, whose secret was not read (the config was loaded for a command that sends nothing)"
     )]
-    MissingSecret { key: String, var: String },
-    #[error("{key}: the value of {var} is not a Standard-Webhooks secret: it {reason}")]
-    InvalidSecret {
-        key: String,
-        var: String,
-        reason: sign::SecretError,
-    },
-    #[error("{key}: {message}")]
-    InvalidUrl { key: String, message: String },
+    SecretNotRead { key: String, var: String },
     #[error("{}: cannot {action}: {source}", path.display())]
     Io {
         path: PathBuf,
@@ -206,9 +198,9 @@ impl fmt::Debug for Alerter {
 }
 
 impl Alerter {
-    /// Validates the destinations (URLs; secrets named by `secret_env` must be set: the error
-    /// names the key `alerts.webhooks[i].secret_env` and the variable, never a value), loads the
-    /// outbox from `<state_dir>/outbox/`, and spawns delivery on the current tokio runtime;
+    /// Takes the destinations as the config parsed them (URLs, and the secrets read from the
+    /// variables `secret_env` names: a config loaded without them is refused), loads the outbox
+    /// from `<state_dir>/outbox/`, and spawns delivery on the current tokio runtime;
     /// deliveries left pending by a previous run are retried at once.
     pub fn start(
         config: &AlertsConfig,
@@ -222,22 +214,19 @@ impl Alerter {
             state_dir,
             on_outcome,
             DeliveryPolicy::default(),
-            &|var| std::env::var(var).ok(),
         )
     }
 
-    /// [`Alerter::start`] with an explicit policy and a lookup for secrets (the environment in
-    /// `start`), for tests and embedding.
+    /// [`Alerter::start`] with an explicit policy, for tests and embedding.
     pub fn start_with(
         config: &AlertsConfig,
         run_dir: &Path,
         state_dir: &Path,
         on_outcome: OutcomeHook,
         policy: DeliveryPolicy,
-        secret_lookup: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Alerter, AlertError> {
         let handle = tokio::runtime::Handle::try_current().map_err(|_| AlertError::NoRuntime)?;
-        let dests = destinations(config, secret_lookup)?;
+        let dests = destinations(config)?;
 
         let outbox_dir = state_dir.join(OUTBOX_DIR);
         let outbox = Outbox::open(outbox_dir.clone()).map_err(|source| AlertError::Io {
@@ -544,32 +533,21 @@ async fn retry_stop_file(
 }
 
 /// Builds the destinations from the config: webhooks in order, then Alertmanager.
-fn destinations(
-    config: &AlertsConfig,
-    secret_lookup: &dyn Fn(&str) -> Option<String>,
-) -> Result<Vec<Arc<Destination>>, AlertError> {
+fn destinations(config: &AlertsConfig) -> Result<Vec<Arc<Destination>>, AlertError> {
     let mut out: Vec<Arc<Destination>> = Vec::new();
     for (i, w) in config.webhooks.iter().enumerate() {
-        let url = parse_url(&format!("alerts.webhooks[{i}].url"), &w.url)?;
-        let secret = match &w.secret_env {
-            Some(var) => match secret_lookup(var) {
-                Some(v) if !v.is_empty() => {
-                    Some(
-                        Secret::parse(&v).map_err(|reason| AlertError::InvalidSecret {
-                            key: format!("alerts.webhooks[{i}].secret_env"),
-                            var: var.clone(),
-                            reason,
-                        })?,
-                    )
-                }
-                _ => {
-                    return Err(AlertError::MissingSecret {
-                        key: format!("alerts.webhooks[{i}].secret_env"),
-                        var: var.clone(),
-                    });
-                }
-            },
+        let secret = match &w.secret {
             None => None,
+            Some(SecretEnv {
+                secret: Some(secret),
+                ..
+            }) => Some(secret.clone()),
+            Some(SecretEnv { var, secret: None }) => {
+                return Err(AlertError::SecretNotRead {
+                    key: format!("alerts.webhooks[{i}].secret_env"),
+                    var: var.clone(),
+                });
+            }
         };
         let format_name = match w.format {
             WebhookFormat::Json => "json",
@@ -579,9 +557,9 @@ fn destinations(
         let key = format!(
             "webhook-{}",
             short_hash(&[
-                url.as_str(),
+                w.url.as_str(),
                 format_name,
-                w.secret_env.as_deref().unwrap_or("")
+                w.secret.as_ref().map_or("", |s| s.var.as_str())
             ])
         );
         if out.iter().any(|d| d.key == key) {
@@ -593,42 +571,28 @@ fn destinations(
         }
         out.push(Arc::new(Destination {
             key,
-            label: format!("alerts.webhooks[{i}] {}", redact_url(&url)),
-            url,
+            label: format!("alerts.webhooks[{i}] {}", redact_url(&w.url)),
+            url: w.url.clone(),
             kind: DestKind::Webhook(w.format),
             secret,
         }));
     }
     if let Some(am) = &config.alertmanager {
-        let base = parse_url("alerts.alertmanager.url", &am.url)?;
-        let api = format!("{}/api/v2/alerts", base.as_str().trim_end_matches('/'));
-        let url = parse_url("alerts.alertmanager.url", &api)?;
+        let base = &am.url;
+        let mut url = base.clone();
+        url.set_path(&format!(
+            "{}/api/v2/alerts",
+            base.path().trim_end_matches('/')
+        ));
         out.push(Arc::new(Destination {
             key: format!("alertmanager-{}", short_hash(&[base.as_str()])),
-            label: format!("alerts.alertmanager {}", redact_url(&base)),
+            label: format!("alerts.alertmanager {}", redact_url(base)),
             url,
             kind: DestKind::Alertmanager,
             secret: None,
         }));
     }
     Ok(out)
-}
-
-fn parse_url(key: &str, text: &str) -> Result<reqwest::Url, AlertError> {
-    let url = reqwest::Url::parse(text).map_err(|e| AlertError::InvalidUrl {
-        key: key.to_string(),
-        message: format!("not a valid URL ({e})"),
-    })?;
-    if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
-        return Err(AlertError::InvalidUrl {
-            key: key.to_string(),
-            message: format!(
-                "must be an http:// or https:// URL with a host (got scheme {})",
-                url.scheme()
-            ),
-        });
-    }
-    Ok(url)
 }
 
 fn short_hash(parts: &[&str]) -> String {

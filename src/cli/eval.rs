@@ -3,21 +3,20 @@
 use super::NoStep;
 use crate::config::Config;
 use crate::eval::Evaluator;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// `diffmon eval`.
 pub fn eval(config_path: &Path, checkpoints: &[PathBuf], json: bool) -> Result<()> {
     let config = Config::load_without_secrets(config_path)?;
-    let step_regex =
-        regex::Regex::new(&config.checkpoints.step_regex).context("checkpoints.step_regex")?;
     let steps = checkpoints
         .iter()
         .map(|path| {
-            crate::unit::step_of(path, Some(&config.run.dir), &step_regex).ok_or_else(|| NoStep {
+            let step_regex = &config.checkpoints.step_regex;
+            crate::unit::step_of(path, Some(&config.run.dir), step_regex).ok_or_else(|| NoStep {
                 path: path.clone(),
-                regex: config.checkpoints.step_regex.clone(),
+                regex: step_regex.to_string(),
             })
         })
         .collect::<Result<Vec<i64>, NoStep>>()?;

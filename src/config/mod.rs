@@ -1,15 +1,26 @@
-//! The YAML configuration (docs/design.md §15): typed sections with defaults, parsed straight from
-//! the text so that errors carry the key path, line and column, then a validation pass that reports
-//! every problem with its key. Relative paths are resolved against the config file's folder.
+//! The YAML configuration (docs/design.md §15), in two steps. [`ConfigFile::parse`] reads the
+//! text into the file's sections with their defaults, so that errors carry the key path, line
+//! and column. [`ConfigFile::settings`] then checks every value, reporting every problem with its
+//! key, and builds the typed [`Config`] the program runs on: durations, the compiled checkpoint
+//! glob and step pattern, the weights files, the listen address, the webhooks' URLs and decoded
+//! secrets. That is the only place a value is checked; nothing later parses or checks it again.
+//! [`Config::load`] does both and resolves relative paths against the config file's folder.
 
+mod file;
 mod text;
+mod values;
 use crate::record::Evaluation;
+pub use file::ConfigFile;
+use reqwest::Url;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 use text::{key_position, too_deep};
+pub use values::{Glob, SecretEnv, StepPattern, WeightsFile};
 
 /// The annotated example printed by `diffmon init`.
 pub const EXAMPLE: &str = include_str!("../../config/diffmon.example.yaml");
@@ -76,41 +87,30 @@ impl fmt::Display for Problem {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+/// The settings the program runs on: a config file's values, each checked and parsed once by
+/// [`ConfigFile::settings`] (through [`Config::load`]). The sections keep the file's names; keys
+/// given in seconds are [`Duration`]s here, without the `_secs`.
+#[derive(Debug, Clone)]
 pub struct Config {
     pub run: RunConfig,
     /// Where diffmon keeps its history, alert outbox, caches, lock and crash marker.
     /// Default: `<run.dir>/.diffmon`.
-    #[serde(default)]
     pub state_dir: Option<PathBuf>,
-    #[serde(default)]
     pub checkpoints: CheckpointsConfig,
     pub model: ModelConfig,
-    #[serde(default)]
     pub device: DeviceSpec,
-    /// CPU threads of libtorch's operations (default: libtorch's choice, one per core). Lower it
-    /// when diffmon shares the CPU with the training job.
-    #[serde(default)]
+    /// CPU threads of libtorch's operations (default: libtorch's choice, one per core).
     pub cpu_threads: Option<usize>,
-    /// How long the first SIGINT/SIGTERM waits for the evaluation in flight before the daemon
-    /// exits anyway (that checkpoint is evaluated again after a restart).
-    #[serde(default = "default_shutdown_drain_secs")]
-    pub shutdown_drain_secs: f64,
+    /// `shutdown_drain_secs`: how long the first SIGINT/SIGTERM waits for the evaluation in
+    /// flight before the daemon exits anyway.
+    pub shutdown_drain: Duration,
     pub data: DataConfig,
-    #[serde(default)]
     pub icr: IcrConfig,
-    #[serde(default)]
     pub pfd: PfdConfig,
-    #[serde(default)]
     pub memorization: MemorizationConfig,
-    #[serde(default)]
     pub tail: TailConfig,
-    #[serde(default)]
     pub early_stop: EarlyStopConfig,
-    #[serde(default)]
     pub alerts: AlertsConfig,
-    #[serde(default)]
     pub http: HttpConfig,
 }
 
@@ -133,82 +133,39 @@ pub enum Backlog {
     Latest,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+/// `checkpoints`: which entries of `run.dir` are checkpoints, when they are complete, and how
+/// their weights are read.
+#[derive(Debug, Clone)]
 pub struct CheckpointsConfig {
-    #[serde(default = "default_pattern")]
-    pub pattern: String,
-    #[serde(default = "default_step_regex")]
-    pub step_regex: String,
-    #[serde(default)]
+    pub pattern: Glob,
+    pub step_regex: StepPattern,
     pub weights_key: Option<String>,
-    #[serde(default)]
     pub strip_prefix: Option<String>,
-    #[serde(default = "default_settle_secs")]
-    pub settle_secs: f64,
-    #[serde(default = "default_poll_secs")]
-    pub poll_secs: f64,
-    #[serde(default = "default_backlog")]
+    /// `checkpoints.settle_secs`: how long a unit's key must stay the same.
+    pub settle: Duration,
+    /// `checkpoints.poll_secs`: the periodic rescan.
+    pub poll: Duration,
     pub backlog: Backlog,
     /// Use filesystem notifications (inotify) besides the periodic rescan.
-    #[serde(default = "default_true")]
     pub inotify: bool,
-    /// The most MiB any one zip entry of a checkpoint may inflate to (bounds compressed
-    /// entries; a storage is also bounded by what its tensors declare).
-    #[serde(default = "default_max_entry_mib")]
+    /// The most MiB any one zip entry of a checkpoint may inflate to (1 to 2^20).
     pub max_entry_mib: u64,
     /// Where a checkpoint holds both EMA and raw weights, evaluate the EMA ones.
-    #[serde(default = "default_true")]
     pub prefer_ema: bool,
-    /// Relative paths (a `*` glob within a component) tried in order inside a checkpoint
-    /// folder; default [`crate::unit::default_weights_files`].
-    #[serde(default)]
-    pub weights_files: Option<Vec<String>>,
+    /// Tried in order inside a checkpoint folder; `None`: the defaults of
+    /// [`crate::unit::default_weights_files`].
+    pub weights_files: Option<Vec<WeightsFile>>,
 }
 
-fn default_shutdown_drain_secs() -> f64 {
-    120.0
-}
-
-fn default_pattern() -> String {
-    "{*.pt,*.pth,*.ckpt,*.safetensors,*.bin,*.pkl,*.ts,checkpoint-*,checkpoint_*}".into()
-}
-fn default_step_regex() -> String {
-    r"(\d+)\D*$".into()
-}
-fn default_settle_secs() -> f64 {
-    2.0
-}
-fn default_poll_secs() -> f64 {
-    10.0
-}
-/// Largest `checkpoints.max_entry_mib`: 1 TiB (the bound must stay far below what u64 bytes hold).
-const MAX_ENTRY_MIB: u64 = 1 << 20;
-fn default_max_entry_mib() -> u64 {
-    crate::weights::DEFAULT_MAX_ENTRY_MIB
-}
-fn default_backlog() -> Backlog {
-    Backlog::All
-}
 fn default_true() -> bool {
     true
 }
 
 impl Default for CheckpointsConfig {
+    /// The settings of an empty `checkpoints` section.
     fn default() -> Self {
-        CheckpointsConfig {
-            pattern: default_pattern(),
-            step_regex: default_step_regex(),
-            weights_key: None,
-            strip_prefix: None,
-            settle_secs: default_settle_secs(),
-            poll_secs: default_poll_secs(),
-            backlog: default_backlog(),
-            inotify: true,
-            max_entry_mib: default_max_entry_mib(),
-            prefer_ema: true,
-            weights_files: None,
-        }
+        checkpoints(&mut Validator::default(), &file::Checkpoints::default())
+            .expect("the default checkpoints section is valid")
     }
 }
 
@@ -700,94 +657,55 @@ pub enum WebhookFormat {
     Alertmanager,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+/// `alerts.webhooks[]`: a destination of the early-stop events.
+#[derive(Debug, Clone)]
 pub struct WebhookConfig {
-    pub url: String,
-    #[serde(default = "default_webhook_format")]
+    pub url: Url,
     pub format: WebhookFormat,
-    /// Name of the environment variable holding the signing secret (never the secret itself).
-    #[serde(default)]
-    pub secret_env: Option<String>,
+    /// `secret_env`: the variable and the signing secret read from it.
+    pub secret: Option<SecretEnv>,
 }
 
-fn default_webhook_format() -> WebhookFormat {
-    WebhookFormat::Json
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+/// `alerts.alertmanager`.
+#[derive(Debug, Clone)]
 pub struct AlertmanagerConfig {
-    pub url: String,
+    /// Alertmanager's base URL (the alerts are posted to `{url}/api/v2/alerts`).
+    pub url: Url,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone)]
 pub struct AlertsConfig {
-    #[serde(default)]
     pub webhooks: Vec<WebhookConfig>,
-    #[serde(default)]
     pub alertmanager: Option<AlertmanagerConfig>,
     /// File name inside `run.dir` written when the early stop fires.
-    #[serde(default = "default_stop_file")]
     pub stop_file: String,
 }
 
-fn default_stop_file() -> String {
-    "EARLY_STOP".into()
-}
-
 impl Default for AlertsConfig {
+    /// No destinations, the default stop file.
     fn default() -> Self {
-        AlertsConfig {
-            webhooks: Vec::new(),
-            alertmanager: None,
-            stop_file: default_stop_file(),
-        }
+        alerts(&mut Validator::default(), &file::Alerts::default(), None)
+            .expect("the default alerts section is valid")
     }
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+/// `http`: the metrics server's address and bounds.
+#[derive(Debug, Clone, Copy)]
 pub struct HttpConfig {
-    #[serde(default = "default_listen")]
-    pub listen: String,
-    /// A request's headers must arrive within this time after its first byte, else the
-    /// connection is closed. Range 0.1 to 3600.
-    #[serde(default = "default_header_timeout_secs")]
-    pub header_timeout_secs: f64,
-    /// A connection without a request in flight is closed after this time. Range 0.1 to 86400.
-    #[serde(default = "default_idle_timeout_secs")]
-    pub idle_timeout_secs: f64,
-    /// Connections open at once; one more is accepted and closed at once. Range 1 to 65536.
-    #[serde(default = "default_max_connections")]
-    pub max_connections: u32,
-}
-
-fn default_listen() -> String {
-    "127.0.0.1:9464".into()
-}
-
-fn default_header_timeout_secs() -> f64 {
-    10.0
-}
-
-fn default_idle_timeout_secs() -> f64 {
-    60.0
-}
-
-fn default_max_connections() -> u32 {
-    256
+    pub listen: SocketAddr,
+    /// `http.header_timeout_secs`: a request's headers must arrive within this time after its
+    /// first byte, else the connection is closed.
+    pub header_timeout: Duration,
+    /// `http.idle_timeout_secs`: a connection without a request in flight is closed after this.
+    pub idle_timeout: Duration,
+    /// Connections open at once; one more is accepted and closed at once.
+    pub max_connections: NonZeroUsize,
 }
 
 impl Default for HttpConfig {
     fn default() -> Self {
-        HttpConfig {
-            listen: default_listen(),
-            header_timeout_secs: default_header_timeout_secs(),
-            idle_timeout_secs: default_idle_timeout_secs(),
-            max_connections: default_max_connections(),
-        }
+        http(&mut Validator::default(), &file::Http::default())
+            .expect("the default http section is valid")
     }
 }
 
@@ -808,21 +726,20 @@ impl Config {
     fn load_checking(path: &Path, secrets: bool) -> Result<Config, ConfigError> {
         let text = read_bounded(path)?;
         let base = path.parent().unwrap_or(Path::new("."));
-        let mut config = Config::parse(&text, &path.display().to_string())?;
+        let mut config = ConfigFile::parse(&text, &path.display().to_string())?;
         config.resolve_paths(base);
-        let problems = config.problems(secrets);
-        if problems.is_empty() {
-            Ok(config)
-        } else {
-            Err(ConfigError::Invalid {
+        config
+            .settings(secrets)
+            .map_err(|problems| ConfigError::Invalid {
                 file: path.display().to_string(),
                 problems,
             })
-        }
     }
+}
 
+impl ConfigFile {
     /// Parses YAML text; `file` names the source in errors. No validation, no path resolution.
-    pub fn parse(text: &str, file: &str) -> Result<Config, ConfigError> {
+    pub fn parse(text: &str, file: &str) -> Result<ConfigFile, ConfigError> {
         if let Some((line, column)) = too_deep(text) {
             return Err(ConfigError::Parse {
                 file: file.to_string(),
@@ -905,7 +822,9 @@ impl Config {
             fix(p);
         }
     }
+}
 
+impl Config {
     /// Files the config names that may sit in `run.dir` and are never checkpoints: the
     /// architecture, the data, the teacher, descriptor and latents, the stop file and the state
     /// folder.
@@ -998,66 +917,38 @@ impl Config {
             .clone()
             .unwrap_or_else(|| self.run.dir.join(".diffmon"))
     }
+}
 
+impl ConfigFile {
     /// Every problem of the config, each with its key; empty when it is valid. Includes the
     /// webhooks' secrets, read from the environment.
     pub fn validate(&self) -> Vec<Problem> {
-        self.problems(true)
+        self.settings(true).err().unwrap_or_default()
     }
 
-    fn problems(&self, secrets: bool) -> Vec<Problem> {
+    /// The typed settings, or every problem of the config, each with its key. With `secrets`,
+    /// each webhook's `secret_env` variable is read from the environment and must hold a
+    /// Standard-Webhooks secret; without, it is not looked up (for commands that send
+    /// nothing). The only place where the config's values are checked.
+    pub fn settings(&self, secrets: bool) -> Result<Config, Vec<Problem>> {
+        let env: &SecretLookup = &|var: &str| std::env::var(var);
+        self.settings_with(secrets.then_some(env))
+    }
+
+    /// [`ConfigFile::settings`] with the secrets' variables looked up by `lookup` (`None`: not
+    /// looked up).
+    fn settings_with(&self, lookup: Option<&SecretLookup>) -> Result<Config, Vec<Problem>> {
         let mut v = Validator::default();
         if let Some(name) = &self.run.name {
             v.check(!name.trim().is_empty(), "run.name", "must not be empty");
         }
 
-        let c = &self.checkpoints;
-        if c.pattern.contains('/') {
-            v.problem(
-                "checkpoints.pattern",
-                format!(
-                    "matches file names directly inside run.dir and must not contain `/`, got `{}`",
-                    c.pattern
-                ),
-            );
-        } else if let Err(e) = globset::Glob::new(&c.pattern) {
-            v.problem("checkpoints.pattern", format!("is not a valid glob: {e}"));
-        }
-        match regex::Regex::new(&c.step_regex) {
-            Ok(re) if re.captures_len() < 2 => v.problem(
-                "checkpoints.step_regex",
-                "needs a capture group for the step, e.g. `(\\d+)`",
-            ),
-            Ok(_) => {}
-            Err(e) => v.problem(
-                "checkpoints.step_regex",
-                format!("is not a valid regex: {e}"),
-            ),
-        }
-        if let Some(files) = &c.weights_files {
-            v.check(
-                !files.is_empty(),
-                "checkpoints.weights_files",
-                "must list at least one relative path (or be left out for the defaults)",
-            );
-            for (i, f) in files.iter().enumerate() {
-                if let Err(e) = crate::unit::check_weights_file(f) {
-                    v.problem(&format!("checkpoints.weights_files[{i}]"), e);
-                }
-            }
-        }
-        v.real("checkpoints.settle_secs", c.settle_secs, 0.0..=86_400.0);
-        v.real("checkpoints.poll_secs", c.poll_secs, 0.1..=3_600.0);
-        v.count(
-            "checkpoints.max_entry_mib",
-            usize::try_from(c.max_entry_mib).unwrap_or(usize::MAX),
-            1..=MAX_ENTRY_MIB as usize,
-        );
+        let checkpoints = checkpoints(&mut v, &self.checkpoints);
 
         if let Some(n) = self.cpu_threads {
             v.count("cpu_threads", n, 1..=1024);
         }
-        v.real(
+        let shutdown_drain = v.secs(
             "shutdown_drain_secs",
             self.shutdown_drain_secs,
             0.1..=86_400.0,
@@ -1211,67 +1102,186 @@ impl Config {
             ),
         }
 
-        let a = &self.alerts;
-        for (k, w) in a.webhooks.iter().enumerate() {
-            v.url(&format!("alerts.webhooks[{k}].url"), &w.url);
-            if let Some(var) = &w.secret_env
-                && secrets
-            {
-                v.secret(&format!("alerts.webhooks[{k}].secret_env"), var);
-            }
-        }
-        if let Some(am) = &a.alertmanager {
-            v.url("alerts.alertmanager.url", &am.url);
-        }
-        v.check(
-            !a.stop_file.is_empty()
-                && Path::new(&a.stop_file)
-                    .components()
-                    .all(|c| matches!(c, std::path::Component::Normal(_))),
-            "alerts.stop_file",
-            format!(
-                "must be a file name inside run.dir (no `..`, no absolute path), got `{}`",
-                a.stop_file
-            ),
-        );
+        let alerts = alerts(&mut v, &self.alerts, lookup);
+        let http = http(&mut v, &self.http);
 
-        if let Err(e) = self.http.listen.parse::<SocketAddr>() {
-            v.problem(
-                "http.listen",
-                format!(
-                    "must be an address:port such as 127.0.0.1:9464 ({e}), got `{}`",
-                    self.http.listen
-                ),
-            );
+        match (checkpoints, shutdown_drain, alerts, http) {
+            (Some(checkpoints), Some(shutdown_drain), Some(alerts), Some(http))
+                if v.problems.is_empty() =>
+            {
+                Ok(Config {
+                    run: self.run.clone(),
+                    state_dir: self.state_dir.clone(),
+                    checkpoints,
+                    model: self.model.clone(),
+                    device: self.device,
+                    cpu_threads: self.cpu_threads,
+                    shutdown_drain,
+                    data: self.data.clone(),
+                    icr: self.icr.clone(),
+                    pfd: self.pfd.clone(),
+                    memorization: self.memorization.clone(),
+                    tail: self.tail.clone(),
+                    early_stop: self.early_stop.clone(),
+                    alerts,
+                    http,
+                })
+            }
+            _ => Err(v.problems),
         }
-        for (key, x, max) in [
-            (
-                "http.header_timeout_secs",
-                self.http.header_timeout_secs,
-                3600.0,
-            ),
-            (
-                "http.idle_timeout_secs",
-                self.http.idle_timeout_secs,
-                86400.0,
-            ),
-        ] {
-            v.check(
-                (0.1..=max).contains(&x),
-                key,
-                format!("must be between 0.1 and {max}, got {x}"),
-            );
-        }
-        v.check(
-            (1..=65536).contains(&self.http.max_connections),
-            "http.max_connections",
-            format!(
-                "must be between 1 and 65536, got {}",
-                self.http.max_connections
-            ),
-        );
-        v.problems
     }
+}
+
+/// The `checkpoints` section's settings; `None` when a value is refused (the problem is in `v`).
+fn checkpoints(v: &mut Validator, c: &file::Checkpoints) -> Option<CheckpointsConfig> {
+    let pattern = v.parse("checkpoints.pattern", Glob::parse(&c.pattern));
+    let step_regex = v.parse("checkpoints.step_regex", StepPattern::parse(&c.step_regex));
+    let weights_files = match &c.weights_files {
+        Some(files) => {
+            v.check(
+                !files.is_empty(),
+                "checkpoints.weights_files",
+                "must list at least one relative path (or be left out for the defaults)",
+            );
+            let parsed: Vec<Option<WeightsFile>> = files
+                .iter()
+                .enumerate()
+                .map(|(i, f)| {
+                    v.parse(
+                        &format!("checkpoints.weights_files[{i}]"),
+                        WeightsFile::parse(f),
+                    )
+                })
+                .collect();
+            parsed.into_iter().collect::<Option<Vec<_>>>().map(Some)
+        }
+        None => Some(None),
+    };
+    let settle = v.secs("checkpoints.settle_secs", c.settle_secs, 0.0..=86_400.0);
+    let poll = v.secs("checkpoints.poll_secs", c.poll_secs, 0.1..=3_600.0);
+    v.count(
+        "checkpoints.max_entry_mib",
+        usize::try_from(c.max_entry_mib).unwrap_or(usize::MAX),
+        1..=file::MAX_ENTRY_MIB as usize,
+    );
+    Some(CheckpointsConfig {
+        pattern: pattern?,
+        step_regex: step_regex?,
+        weights_key: c.weights_key.clone(),
+        strip_prefix: c.strip_prefix.clone(),
+        settle: settle?,
+        poll: poll?,
+        backlog: c.backlog,
+        inotify: c.inotify,
+        max_entry_mib: c.max_entry_mib,
+        prefer_ema: c.prefer_ema,
+        weights_files: weights_files?,
+    })
+}
+
+/// Reads an environment variable: [`std::env::var`], or a stand-in in tests.
+type SecretLookup = dyn Fn(&str) -> Result<String, std::env::VarError>;
+
+/// The `alerts` section's settings: the destinations' URLs parsed and, with a `lookup`, their
+/// secrets read; `None` when a value is refused (the problem is in `v`).
+fn alerts(
+    v: &mut Validator,
+    a: &file::Alerts,
+    lookup: Option<&SecretLookup>,
+) -> Option<AlertsConfig> {
+    let mut webhooks = Some(Vec::new());
+    for (k, w) in a.webhooks.iter().enumerate() {
+        let url = v.parse(
+            &format!("alerts.webhooks[{k}].url"),
+            values::http_url(&w.url),
+        );
+        let secret = match &w.secret_env {
+            None => Some(None),
+            Some(var) => {
+                let secret = match lookup {
+                    Some(lookup) => v
+                        .secret(
+                            &format!("alerts.webhooks[{k}].secret_env"),
+                            var,
+                            lookup(var),
+                        )
+                        .map(Some),
+                    None => Some(None),
+                };
+                secret.map(|secret| {
+                    Some(SecretEnv {
+                        var: var.clone(),
+                        secret,
+                    })
+                })
+            }
+        };
+        match (url, secret, webhooks.as_mut()) {
+            (Some(url), Some(secret), Some(list)) => list.push(WebhookConfig {
+                url,
+                format: w.format,
+                secret,
+            }),
+            _ => webhooks = None,
+        }
+    }
+    let alertmanager = match &a.alertmanager {
+        Some(am) => v
+            .parse("alerts.alertmanager.url", values::http_url(&am.url))
+            .map(|url| Some(AlertmanagerConfig { url })),
+        None => Some(None),
+    };
+    v.check(
+        !a.stop_file.is_empty()
+            && Path::new(&a.stop_file)
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_))),
+        "alerts.stop_file",
+        format!(
+            "must be a file name inside run.dir (no `..`, no absolute path), got `{}`",
+            a.stop_file
+        ),
+    );
+    Some(AlertsConfig {
+        webhooks: webhooks?,
+        alertmanager: alertmanager?,
+        stop_file: a.stop_file.clone(),
+    })
+}
+
+/// The `http` section's settings; `None` when a value is refused (the problem is in `v`).
+fn http(v: &mut Validator, h: &file::Http) -> Option<HttpConfig> {
+    let listen = v.parse(
+        "http.listen",
+        h.listen.parse::<SocketAddr>().map_err(|e| {
+            format!(
+                "must be an address:port such as 127.0.0.1:9464 ({e}), got `{}`",
+                h.listen
+            )
+        }),
+    );
+    let mut timeout = |key: &str, x: f64, max: f64| {
+        let ok = (0.1..=max).contains(&x);
+        v.check(ok, key, format!("must be between 0.1 and {max}, got {x}"));
+        ok.then(|| Duration::from_secs_f64(x))
+    };
+    let header_timeout = timeout("http.header_timeout_secs", h.header_timeout_secs, 3600.0);
+    let idle_timeout = timeout("http.idle_timeout_secs", h.idle_timeout_secs, 86400.0);
+    let max_connections = usize::try_from(h.max_connections)
+        .ok()
+        .filter(|n| *n <= 65536)
+        .and_then(NonZeroUsize::new);
+    v.check(
+        max_connections.is_some(),
+        "http.max_connections",
+        format!("must be between 1 and 65536, got {}", h.max_connections),
+    );
+    Some(HttpConfig {
+        listen: listen?,
+        header_timeout: header_timeout?,
+        idle_timeout: idle_timeout?,
+        max_connections: max_connections?,
+    })
 }
 
 #[derive(Default)]
@@ -1293,8 +1303,14 @@ impl Validator {
         }
     }
 
+    /// The value of `parsed`, or `None` with its message as the problem of `key`.
+    fn parse<T>(&mut self, key: &str, parsed: Result<T, String>) -> Option<T> {
+        parsed.map_err(|message| self.problem(key, message)).ok()
+    }
+
     /// `x` must be a finite number in `range`; the message names the bound that is broken.
-    fn real(&mut self, key: &str, x: f64, range: RangeInclusive<f64>) {
+    /// Whether it is.
+    fn real(&mut self, key: &str, x: f64, range: RangeInclusive<f64>) -> bool {
         let message = if !x.is_finite() {
             format!("must be a finite number, got {}", num(x))
         } else if x < *range.start() {
@@ -1302,9 +1318,21 @@ impl Validator {
         } else if x > *range.end() {
             format!("must be ≤ {}, got {}", num(*range.end()), num(x))
         } else {
-            return;
+            return true;
         };
         self.problem(key, message);
+        false
+    }
+
+    /// A number of seconds in `range` (which must lie within what a [`Duration`] holds), as a
+    /// duration.
+    fn secs(&mut self, key: &str, x: f64, range: RangeInclusive<f64>) -> Option<Duration> {
+        if !self.real(key, x, range) {
+            return None;
+        }
+        let d = Duration::try_from_secs_f64(x);
+        self.check(d.is_ok(), key, format!("is not a duration, got {}", num(x)));
+        d.ok()
     }
 
     /// `x` must be a finite number in `(0, max]`.
@@ -1335,37 +1363,31 @@ impl Validator {
         }
     }
 
-    fn url(&mut self, key: &str, url: &str) {
-        self.check(
-            url.starts_with("http://") || url.starts_with("https://"),
-            key,
-            format!("must be an http:// or https:// URL, got `{url}`"),
-        );
-    }
-
-    /// The variable `var` must hold a Standard-Webhooks secret (never shown in the message).
-    fn secret(&mut self, key: &str, var: &str) {
-        match std::env::var(var) {
-            Err(std::env::VarError::NotPresent) => self.problem(
-                key,
-                format!("names the environment variable {var}, which is not set"),
-            ),
-            Err(std::env::VarError::NotUnicode(_)) => self.problem(
-                key,
-                format!("names the environment variable {var}, whose value is not UTF-8"),
-            ),
-            Ok(value) => {
-                if let Err(reason) = crate::sign::Secret::parse(&value) {
-                    self.problem(
-                        key,
-                        format!(
-                            "names the environment variable {var}, whose value is not a \
-                             Standard-Webhooks secret: it {reason}"
-                        ),
-                    );
-                }
+    /// The variable `var`, whose lookup gave `value`, must hold a Standard-Webhooks secret
+    /// (never shown in the message).
+    fn secret(
+        &mut self,
+        key: &str,
+        var: &str,
+        value: Result<String, std::env::VarError>,
+    ) -> Option<crate::sign::Secret> {
+        let message = match value {
+            Err(std::env::VarError::NotPresent) => {
+                format!("names the environment variable {var}, which is not set")
             }
-        }
+            Err(std::env::VarError::NotUnicode(_)) => {
+                format!("names the environment variable {var}, whose value is not UTF-8")
+            }
+            Ok(value) => match crate::sign::Secret::parse(&value) {
+                Ok(secret) => return Some(secret),
+                Err(reason) => format!(
+                    "names the environment variable {var}, whose value is not a \
+                     Standard-Webhooks secret: it {reason}"
+                ),
+            },
+        };
+        self.problem(key, message);
+        None
     }
 }
 
@@ -1485,9 +1507,21 @@ mod tests {
         }
     }
 
+    /// The settings of `text`, with the files MINIMAL names (and `h.h5`) created in a temporary
+    /// folder the paths are resolved against.
+    fn settings(text: &str) -> Config {
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["m.ts", "d.h5", "h.h5"] {
+            std::fs::write(dir.path().join(f), b"").unwrap();
+        }
+        let mut file = ConfigFile::parse(text, "c.yaml").unwrap();
+        file.resolve_paths(dir.path());
+        file.settings(false).unwrap()
+    }
+
     #[test]
     fn the_cost_summary_counts_network_calls_per_metric() {
-        let c = Config::parse(MINIMAL, "c.yaml").unwrap();
+        let c = settings(MINIMAL);
         assert_eq!(
             c.cost_summary(),
             "network calls per checkpoint: ICR 8192 (2 x icr.samples) (README, \"Cost and GPU\")"
@@ -1500,7 +1534,7 @@ mod tests {
             "data: {path: d.h5}",
             "data: {path: d.h5, heldout_path: h.h5}",
         );
-        let c = Config::parse(&text, "c.yaml").unwrap();
+        let c = settings(&text);
         assert_eq!(
             c.cost_summary(),
             "network calls per checkpoint: ICR 600 (2 x icr.samples x 3 sigmas), gap up to 200 \
@@ -1531,10 +1565,10 @@ mod tests {
         assert_eq!(key_position(text, "", Some(("pfd", 2))), None);
         // The error of a value checked after it was read names the key's line, not the start
         // of the enclosing mapping.
-        let e = Config::parse(text, "c.yaml").unwrap_err().to_string();
+        let e = ConfigFile::parse(text, "c.yaml").unwrap_err().to_string();
         assert!(e.starts_with("c.yaml: line 10, column 1: device: "), "{e}");
         // A duplicate key names its second occurrence, at the top level and nested.
-        let e = Config::parse(
+        let e = ConfigFile::parse(
             &format!("{MINIMAL}icr: {{seed: 1}}\nicr: {{seed: 2}}\n"),
             "c.yaml",
         )
@@ -1544,7 +1578,7 @@ mod tests {
             e.starts_with("c.yaml: line 5, column 1: (top level): duplicate field `icr`"),
             "{e}"
         );
-        let e = Config::parse(
+        let e = ConfigFile::parse(
             &format!("{MINIMAL}icr:\n  seed: 1\n  samples: 8\n  samples: 16\n"),
             "c.yaml",
         )
@@ -1558,7 +1592,7 @@ mod tests {
 
     #[test]
     fn defaults_follow_the_design() {
-        let c = Config::parse(MINIMAL, "t.yaml").unwrap();
+        let c = settings(MINIMAL);
         assert_eq!(c.icr.samples, 4096);
         assert_eq!(c.icr.sigma, 0.29);
         assert_eq!(c.icr.ridge, 1e-4);
@@ -1572,11 +1606,34 @@ mod tests {
         assert_eq!(c.early_stop.confirm, Confirm::Auto);
         assert_eq!(c.early_stop_resolved().confirm, Confirm::None);
         let with_heldout = MINIMAL.replace("{path: d.h5}", "{path: d.h5, heldout_path: h.h5}");
-        let c = Config::parse(&with_heldout, "t.yaml").unwrap();
+        let c = settings(&with_heldout);
         assert_eq!(c.early_stop_resolved().confirm, Confirm::GeneralizationGap);
         assert_eq!(c.data.dataset, "images");
         assert_eq!(c.alerts.stop_file, "EARLY_STOP");
-        assert_eq!(c.http.listen, "127.0.0.1:9464");
+        assert_eq!(c.http.listen, SocketAddr::from(([127, 0, 0, 1], 9464)));
+        assert_eq!(
+            (c.http.header_timeout, c.http.idle_timeout),
+            (Duration::from_secs(10), Duration::from_secs(60))
+        );
+        assert_eq!(c.http.max_connections.get(), 256);
+        assert_eq!(
+            (c.checkpoints.settle, c.checkpoints.poll, c.shutdown_drain),
+            (
+                Duration::from_secs(2),
+                Duration::from_secs(10),
+                Duration::from_secs(120)
+            )
+        );
+        assert_eq!(
+            c.checkpoints.pattern.as_str(),
+            "{*.pt,*.pth,*.ckpt,*.safetensors,*.bin,*.pkl,*.ts,checkpoint-*,checkpoint_*}"
+        );
+        assert_eq!(c.checkpoints.step_regex.as_str(), r"(\d+)\D*$");
+        assert!(c.checkpoints.weights_files.is_none());
+        assert_eq!(
+            c.checkpoints.max_entry_mib,
+            crate::weights::DEFAULT_MAX_ENTRY_MIB
+        );
         assert_eq!(c.device, DeviceSpec::Auto);
         assert_eq!(c.run_name(), "r");
         assert_eq!(c.memorization.threshold(), 1.0 / 3.0);
@@ -1585,7 +1642,7 @@ mod tests {
     #[test]
     fn unknown_key_names_path_line_and_column() {
         let text = format!("{MINIMAL}icr:\n  sigma: 0.3\n  sampels: 12\n");
-        let err = Config::parse(&text, "t.yaml").unwrap_err().to_string();
+        let err = ConfigFile::parse(&text, "t.yaml").unwrap_err().to_string();
         assert!(
             err.starts_with("t.yaml: line 6, column 3: icr.sampels: unknown field `sampels`"),
             "{err}"
@@ -1596,10 +1653,10 @@ mod tests {
     #[test]
     fn wrong_type_names_the_key() {
         let text = format!("{MINIMAL}pfd:\n  samples: many\n");
-        let err = Config::parse(&text, "t.yaml").unwrap_err().to_string();
+        let err = ConfigFile::parse(&text, "t.yaml").unwrap_err().to_string();
         assert!(err.contains("line 5, column 12: pfd.samples:"), "{err}");
         let text = format!("{MINIMAL}device: gpu\n");
-        let err = Config::parse(&text, "t.yaml").unwrap_err().to_string();
+        let err = ConfigFile::parse(&text, "t.yaml").unwrap_err().to_string();
         assert!(
             err.contains("device: must be auto, cpu, cuda or cuda:N, got `gpu`"),
             "{err}"
@@ -1612,7 +1669,7 @@ mod tests {
             "{MINIMAL}pfd: {{samples: 0, sigma_min: 1, sigma_max: 0.5}}\nicr: {{sigma: -1}}\n\
              http: {{listen: nowhere}}\nalerts: {{stop_file: ../x, webhooks: [{{url: ftp://a, secret_env: DIFFMON_TEST_UNSET_VAR}}]}}\n"
         );
-        let c = Config::parse(&text, "t.yaml").unwrap();
+        let c = ConfigFile::parse(&text, "t.yaml").unwrap();
         let keys: Vec<String> = c.validate().into_iter().map(|p| p.to_string()).collect();
         let has = |s: &str| keys.iter().any(|k| k.starts_with(s));
         assert!(has("pfd.samples must be ≥ 1, got 0"), "{keys:?}");
@@ -1660,7 +1717,7 @@ mod tests {
             }
             seen += 1;
             let text = std::fs::read_to_string(&path).unwrap();
-            let mut config = Config::parse(&text, &path.display().to_string()).unwrap();
+            let mut config = ConfigFile::parse(&text, &path.display().to_string()).unwrap();
             config.resolve_paths(&folder);
             let problems: Vec<Problem> = config
                 .validate()
@@ -1679,7 +1736,7 @@ mod tests {
         for text in [".[:", "a.[0]: 1", "run: {.: 1}", "\"\": 1\n\"\": 2"] {
             let (tx, rx) = std::sync::mpsc::channel();
             let owned = text.to_string();
-            std::thread::spawn(move || tx.send(Config::parse(&owned, "c.yaml").is_err()));
+            std::thread::spawn(move || tx.send(ConfigFile::parse(&owned, "c.yaml").is_err()));
             let failed = rx.recv_timeout(std::time::Duration::from_secs(10));
             assert_eq!(failed, Ok(true), "{text:?}: no error within 10 s");
         }
@@ -1691,7 +1748,7 @@ mod tests {
     #[test]
     fn deep_nesting_is_refused_before_parsing() {
         let deep = format!("icr: {}{}", "[".repeat(50_000), "]".repeat(50_000));
-        match Config::parse(&deep, "c.yaml") {
+        match ConfigFile::parse(&deep, "c.yaml") {
             Err(ConfigError::Parse {
                 location, message, ..
             }) => {
@@ -1757,6 +1814,165 @@ mod tests {
 
     #[test]
     fn example_parses() {
-        Config::parse(EXAMPLE, "example").unwrap();
+        ConfigFile::parse(EXAMPLE, "example").unwrap();
+    }
+
+    /// Every value that is a string or a number of seconds in the file is parsed once into the
+    /// value its users need.
+    #[test]
+    fn settings_hold_parsed_values() {
+        let c = settings(&format!(
+            "{MINIMAL}checkpoints: {{pattern: 'ckpt_*.pt', step_regex: 'step=(\\d+)', \
+             settle_secs: 0.25, poll_secs: 1.5, weights_files: [unet/w.bin, '*/model.*']}}\n\
+             shutdown_drain_secs: 3\n\
+             http: {{listen: '[::1]:9000', header_timeout_secs: 0.5, idle_timeout_secs: 7, \
+             max_connections: 3}}\n"
+        ));
+        let k = &c.checkpoints;
+        assert!(k.pattern.is_match("ckpt_10.pt") && !k.pattern.is_match("ckpt_10.pth"));
+        assert_eq!(k.step_regex.step_in("epoch=3-step=400.ckpt"), Some(400));
+        assert_eq!(k.step_regex.step_in("ckpt_10.pt"), None);
+        assert_eq!(
+            (k.settle, k.poll, c.shutdown_drain),
+            (
+                Duration::from_millis(250),
+                Duration::from_millis(1500),
+                Duration::from_secs(3)
+            )
+        );
+        let files = k.weights_files.as_ref().unwrap();
+        assert_eq!(files[0].as_str(), "unet/w.bin");
+        assert!(files[0].glob().is_none(), "a plain path is not a glob");
+        let glob = files[1].glob().unwrap();
+        assert!(glob.is_match("unet/model.safetensors"));
+        assert!(
+            !glob.is_match("a/unet/model.safetensors"),
+            "`*` crosses no `/`"
+        );
+        assert_eq!(c.http.listen, "[::1]:9000".parse::<SocketAddr>().unwrap());
+        assert_eq!(c.http.header_timeout, Duration::from_millis(500));
+        assert_eq!(c.http.idle_timeout, Duration::from_secs(7));
+        assert_eq!(c.http.max_connections.get(), 3);
+    }
+
+    /// The webhooks' URLs are parsed, and their secrets read and decoded, when the settings are
+    /// built; without secrets (commands that send nothing) the variable is kept, not read.
+    #[test]
+    fn destinations_are_parsed_with_their_secrets() {
+        let text = format!(
+            "{MINIMAL}alerts: {{webhooks: [{{url: 'https://hooks.example/x?t=1', format: slack, \
+             secret_env: DIFFMON_T_SET}}, {{url: 'http://127.0.0.1:8/h'}}], \
+             alertmanager: {{url: 'http://am:9093/'}}}}\n"
+        );
+        let file = ConfigFile::parse(&text, "c.yaml").unwrap();
+        // `whsec_` + base64 of the 3 bytes "key".
+        let lookup = |var: &str| match var {
+            "DIFFMON_T_SET" => Ok("whsec_a2V5".to_string()),
+            _ => Err(std::env::VarError::NotPresent),
+        };
+        let problems = file.settings_with(Some(&lookup)).unwrap_err();
+        // Only the files MINIMAL names are missing: the alerts are fine.
+        assert!(
+            problems.iter().all(|p| !p.key.starts_with("alerts.")),
+            "{problems:?}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["m.ts", "d.h5"] {
+            std::fs::write(dir.path().join(f), b"").unwrap();
+        }
+        let mut file = file;
+        file.resolve_paths(dir.path());
+        let c = file.settings_with(Some(&lookup)).unwrap();
+        let w = &c.alerts.webhooks;
+        assert_eq!(w[0].url.as_str(), "https://hooks.example/x?t=1");
+        assert_eq!(w[0].format, WebhookFormat::Slack);
+        let secret = w[0].secret.as_ref().unwrap();
+        assert_eq!(secret.var, "DIFFMON_T_SET");
+        assert_eq!(
+            crate::sign::signature(secret.secret.as_ref().unwrap(), "id", 1, b"body"),
+            crate::sign::signature(
+                &crate::sign::Secret::parse("a2V5").unwrap(),
+                "id",
+                1,
+                b"body"
+            ),
+            "the secret is the decoded key"
+        );
+        assert!(!format!("{c:?}").contains("a2V5"), "Debug shows no secret");
+        assert!(w[1].secret.is_none());
+        assert_eq!(
+            c.alerts.alertmanager.unwrap().url.as_str(),
+            "http://am:9093/"
+        );
+        let unread = file.settings_with(None).unwrap();
+        let secret = unread.alerts.webhooks[0].secret.as_ref().unwrap();
+        assert_eq!(
+            (secret.var.as_str(), secret.secret.is_none()),
+            ("DIFFMON_T_SET", true)
+        );
+
+        // A variable that is not set, or holds no secret: a problem naming key and variable.
+        let unset = |_: &str| Err(std::env::VarError::NotPresent);
+        let problems = file.settings_with(Some(&unset)).unwrap_err();
+        assert_eq!(
+            problems.iter().map(|p| p.to_string()).collect::<Vec<_>>(),
+            [
+                "alerts.webhooks[0].secret_env names the environment variable DIFFMON_T_SET, \
+              which is not set"
+            ]
+        );
+        let mangled = |_: &str| Ok("not-a-secret".to_string());
+        let problems = file.settings_with(Some(&mangled)).unwrap_err();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0]
+                .message
+                .contains("is not a Standard-Webhooks secret")
+                && !problems[0].message.contains("not-a-secret"),
+            "{problems:?}"
+        );
+    }
+
+    #[test]
+    fn urls_must_be_http_with_a_host() {
+        for (url, message) in [
+            (
+                "ftp://a/x",
+                "must be an http:// or https:// URL, got `ftp://a/x`",
+            ),
+            (
+                "HTTP://a/x",
+                "must be an http:// or https:// URL, got `HTTP://a/x`",
+            ),
+            ("http://", "is not a valid URL (empty host), got `http://`"),
+            (
+                "http://a b/",
+                "is not a valid URL (invalid international domain name), got `http://a b/`",
+            ),
+        ] {
+            let text = format!("{MINIMAL}alerts: {{alertmanager: {{url: '{url}'}}}}\n");
+            let problems = ConfigFile::parse(&text, "c.yaml").unwrap().validate();
+            let got: Vec<String> = problems
+                .iter()
+                .filter(|p| p.key == "alerts.alertmanager.url")
+                .map(|p| p.message.clone())
+                .collect();
+            assert_eq!(got, [message], "{url}");
+        }
+        assert!(values::http_url("https://h:1/p").is_ok());
+    }
+
+    #[test]
+    fn weights_files_entries_must_be_plain_relative_paths() {
+        for good in [
+            "unet/diffusion_pytorch_model.safetensors",
+            "*.safetensors.index.json",
+            ".metadata",
+        ] {
+            assert!(WeightsFile::parse(good).is_ok(), "{good}");
+        }
+        for bad in ["", "/etc/passwd", "../x", "a/../b", "./x", "a[", "x\\"] {
+            assert!(WeightsFile::parse(bad).is_err(), "{bad}");
+        }
     }
 }

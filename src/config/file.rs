@@ -1,0 +1,225 @@
+//! The config file as written: what serde reads from the YAML, before any value is checked. The
+//! sections whose values become typed settings (durations, the checkpoint glob and step
+//! pattern, weights files, the listen address, webhook URLs and secrets) are here as plain
+//! values; the other sections are shared with [`Config`](super::Config) as they are.
+//! [`ConfigFile::settings`] checks every value and builds the `Config` once.
+
+use super::{
+    Backlog, DataConfig, DeviceSpec, EarlyStopConfig, IcrConfig, MemorizationConfig, ModelConfig,
+    PfdConfig, RunConfig, TailConfig, WebhookFormat, default_true,
+};
+use serde::Deserialize;
+use std::path::PathBuf;
+
+/// A config file parsed but not checked: [`ConfigFile::parse`], then [`ConfigFile::settings`]
+/// (or [`ConfigFile::validate`] for the problems alone). Paths are as written until
+/// `Config::load` resolves them against the file's folder.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    pub(super) run: RunConfig,
+    /// Where diffmon keeps its history, alert outbox, caches, lock and crash marker.
+    /// Default: `<run.dir>/.diffmon`.
+    #[serde(default)]
+    pub(super) state_dir: Option<PathBuf>,
+    #[serde(default)]
+    pub(super) checkpoints: Checkpoints,
+    pub(super) model: ModelConfig,
+    #[serde(default)]
+    pub(super) device: DeviceSpec,
+    /// CPU threads of libtorch's operations (default: libtorch's choice, one per core). Lower it
+    /// when diffmon shares the CPU with the training job.
+    #[serde(default)]
+    pub(super) cpu_threads: Option<usize>,
+    /// How long the first SIGINT/SIGTERM waits for the evaluation in flight before the daemon
+    /// exits anyway (that checkpoint is evaluated again after a restart).
+    #[serde(default = "default_shutdown_drain_secs")]
+    pub(super) shutdown_drain_secs: f64,
+    pub(super) data: DataConfig,
+    #[serde(default)]
+    pub(super) icr: IcrConfig,
+    #[serde(default)]
+    pub(super) pfd: PfdConfig,
+    #[serde(default)]
+    pub(super) memorization: MemorizationConfig,
+    #[serde(default)]
+    pub(super) tail: TailConfig,
+    #[serde(default)]
+    pub(super) early_stop: EarlyStopConfig,
+    #[serde(default)]
+    pub(super) alerts: Alerts,
+    #[serde(default)]
+    pub(super) http: Http,
+}
+
+/// `checkpoints`, as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Checkpoints {
+    #[serde(default = "default_pattern")]
+    pub(super) pattern: String,
+    #[serde(default = "default_step_regex")]
+    pub(super) step_regex: String,
+    #[serde(default)]
+    pub(super) weights_key: Option<String>,
+    #[serde(default)]
+    pub(super) strip_prefix: Option<String>,
+    #[serde(default = "default_settle_secs")]
+    pub(super) settle_secs: f64,
+    #[serde(default = "default_poll_secs")]
+    pub(super) poll_secs: f64,
+    #[serde(default = "default_backlog")]
+    pub(super) backlog: Backlog,
+    /// Use filesystem notifications (inotify) besides the periodic rescan.
+    #[serde(default = "default_true")]
+    pub(super) inotify: bool,
+    /// The most MiB any one zip entry of a checkpoint may inflate to (bounds compressed
+    /// entries; a storage is also bounded by what its tensors declare).
+    #[serde(default = "default_max_entry_mib")]
+    pub(super) max_entry_mib: u64,
+    /// Where a checkpoint holds both EMA and raw weights, evaluate the EMA ones.
+    #[serde(default = "default_true")]
+    pub(super) prefer_ema: bool,
+    /// Relative paths (a `*` glob within a component) tried in order inside a checkpoint
+    /// folder; default `unit::default_weights_files`.
+    #[serde(default)]
+    pub(super) weights_files: Option<Vec<String>>,
+}
+
+fn default_shutdown_drain_secs() -> f64 {
+    120.0
+}
+
+fn default_pattern() -> String {
+    "{*.pt,*.pth,*.ckpt,*.safetensors,*.bin,*.pkl,*.ts,checkpoint-*,checkpoint_*}".into()
+}
+fn default_step_regex() -> String {
+    r"(\d+)\D*$".into()
+}
+fn default_settle_secs() -> f64 {
+    2.0
+}
+fn default_poll_secs() -> f64 {
+    10.0
+}
+/// Largest `checkpoints.max_entry_mib`: 1 TiB (the bound must stay far below what u64 bytes hold).
+pub(super) const MAX_ENTRY_MIB: u64 = 1 << 20;
+fn default_max_entry_mib() -> u64 {
+    crate::weights::DEFAULT_MAX_ENTRY_MIB
+}
+fn default_backlog() -> Backlog {
+    Backlog::All
+}
+
+impl Default for Checkpoints {
+    fn default() -> Self {
+        Checkpoints {
+            pattern: default_pattern(),
+            step_regex: default_step_regex(),
+            weights_key: None,
+            strip_prefix: None,
+            settle_secs: default_settle_secs(),
+            poll_secs: default_poll_secs(),
+            backlog: default_backlog(),
+            inotify: true,
+            max_entry_mib: default_max_entry_mib(),
+            prefer_ema: true,
+            weights_files: None,
+        }
+    }
+}
+
+/// `alerts.webhooks[]`, as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Webhook {
+    pub(super) url: String,
+    #[serde(default = "default_webhook_format")]
+    pub(super) format: WebhookFormat,
+    /// Name of the environment variable holding the signing secret (never the secret itself).
+    #[serde(default)]
+    pub(super) secret_env: Option<String>,
+}
+
+fn default_webhook_format() -> WebhookFormat {
+    WebhookFormat::Json
+}
+
+/// `alerts.alertmanager`, as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Alertmanager {
+    pub(super) url: String,
+}
+
+/// `alerts`, as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Alerts {
+    #[serde(default)]
+    pub(super) webhooks: Vec<Webhook>,
+    #[serde(default)]
+    pub(super) alertmanager: Option<Alertmanager>,
+    /// File name inside `run.dir` written when the early stop fires.
+    #[serde(default = "default_stop_file")]
+    pub(super) stop_file: String,
+}
+
+fn default_stop_file() -> String {
+    "EARLY_STOP".into()
+}
+
+impl Default for Alerts {
+    fn default() -> Self {
+        Alerts {
+            webhooks: Vec::new(),
+            alertmanager: None,
+            stop_file: default_stop_file(),
+        }
+    }
+}
+
+/// `http`, as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Http {
+    #[serde(default = "default_listen")]
+    pub(super) listen: String,
+    /// A request's headers must arrive within this time after its first byte, else the
+    /// connection is closed. Range 0.1 to 3600.
+    #[serde(default = "default_header_timeout_secs")]
+    pub(super) header_timeout_secs: f64,
+    /// A connection without a request in flight is closed after this time. Range 0.1 to 86400.
+    #[serde(default = "default_idle_timeout_secs")]
+    pub(super) idle_timeout_secs: f64,
+    /// Connections open at once; one more is accepted and closed at once. Range 1 to 65536.
+    #[serde(default = "default_max_connections")]
+    pub(super) max_connections: u32,
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:9464".into()
+}
+
+fn default_header_timeout_secs() -> f64 {
+    10.0
+}
+
+fn default_idle_timeout_secs() -> f64 {
+    60.0
+}
+
+fn default_max_connections() -> u32 {
+    256
+}
+
+impl Default for Http {
+    fn default() -> Self {
+        Http {
+            listen: default_listen(),
+            header_timeout_secs: default_header_timeout_secs(),
+            idle_timeout_secs: default_idle_timeout_secs(),
+            max_connections: default_max_connections(),
+        }
+    }
+}
