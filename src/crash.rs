@@ -73,6 +73,14 @@ pub struct Crash {
 pub enum CrashError {
     #[error("{path}: {message}")]
     Marker { path: PathBuf, message: String },
+    #[error("{path}: cannot {action} the crash marker: {source}")]
+    Io {
+        path: PathBuf,
+        /// `create` or `read`.
+        action: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Names the checkpoint the evaluator starts on (`None` once it is done with it). Not for signal
@@ -98,9 +106,10 @@ pub fn evaluating(what: Option<&InFlight>) {
 /// the fatal-signal handlers, once per process.
 pub fn arm(state_dir: &Path) -> Result<(), CrashError> {
     let path = state_dir.join(MARKER_FILE);
-    let err = |e: std::io::Error| CrashError::Marker {
+    let err = |source: std::io::Error| CrashError::Io {
         path: path.clone(),
-        message: format!("cannot create the crash marker: {e}"),
+        action: "create",
+        source,
     };
     match std::fs::remove_file(&path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(e)),
@@ -154,6 +163,11 @@ pub fn read_marker(state_dir: &Path) -> Result<Option<Crash>, CrashError> {
         path: path.clone(),
         message,
     };
+    let unreadable = |source: std::io::Error| CrashError::Io {
+        path: path.clone(),
+        action: "read",
+        source,
+    };
     let file = match std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
@@ -161,16 +175,16 @@ pub fn read_marker(state_dir: &Path) -> Result<Option<Crash>, CrashError> {
     {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(bad(format!("cannot read the crash marker: {e}"))),
+        Err(e) => return Err(unreadable(e)),
     };
-    let meta = file.metadata().map_err(|e| bad(e.to_string()))?;
+    let meta = file.metadata().map_err(unreadable)?;
     if !meta.is_file() {
         return Err(bad("the crash marker is not a regular file".into()));
     }
     let mut bytes = Vec::new();
     file.take(MAX_MARKER)
         .read_to_end(&mut bytes)
-        .map_err(|e| bad(format!("cannot read the crash marker: {e}")))?;
+        .map_err(unreadable)?;
     if bytes.is_empty() {
         return Ok(None);
     }

@@ -8,8 +8,12 @@ use tch::{Kind, Tensor};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
-    #[error("{path}: cannot open HDF5 file: {message}")]
-    Open { path: PathBuf, message: String },
+    #[error("{path}: cannot open HDF5 file: {source}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: hdf5::Error,
+    },
     #[error("{path}: no dataset `{dataset}` (datasets at the top level: {available})")]
     MissingDataset {
         path: PathBuf,
@@ -22,8 +26,25 @@ pub enum DataError {
         dataset: String,
         message: String,
     },
-    #[error("{path}: dataset `{dataset}`: cannot read images {start}..{end}: {message}")]
+    #[error("{path}: dataset `{dataset}`: {source}")]
+    Type {
+        path: PathBuf,
+        dataset: String,
+        #[source]
+        source: hdf5::Error,
+    },
+    #[error("{path}: dataset `{dataset}`: cannot read images {start}..{end}: {source}")]
     Read {
+        path: PathBuf,
+        dataset: String,
+        start: usize,
+        end: usize,
+        #[source]
+        source: hdf5::Error,
+    },
+    /// Images read whose values are out of range.
+    #[error("{path}: dataset `{dataset}`: cannot read images {start}..{end}: {message}")]
+    Values {
         path: PathBuf,
         dataset: String,
         start: usize,
@@ -68,9 +89,9 @@ impl ImageSet {
     }
 
     fn open_with(path: &Path, dataset: &str, bounded: bool) -> Result<ImageSet, DataError> {
-        let file = hdf5::File::open(path).map_err(|e| DataError::Open {
+        let file = hdf5::File::open(path).map_err(|source| DataError::Open {
             path: path.to_path_buf(),
-            message: e.to_string(),
+            source,
         })?;
         let ds = file
             .dataset(dataset)
@@ -102,7 +123,11 @@ impl ImageSet {
         let dtype = ds
             .dtype()
             .and_then(|t| t.to_descriptor())
-            .map_err(|e| layout_err(e.to_string()))?;
+            .map_err(|source| DataError::Type {
+                path: path.to_path_buf(),
+                dataset: dataset.to_string(),
+                source,
+            })?;
         use hdf5::types::{FloatSize, IntSize, TypeDescriptor as T};
         let is_channels = |d: usize| matches!(d, 1 | 3 | 4);
         let (layout, shape) = match dtype {
@@ -157,7 +182,14 @@ impl ImageSet {
     /// Images `start..end` as a CPU f32 tensor `[B,C,H,W]` in [-1, 1].
     pub fn read(&self, start: usize, end: usize) -> Result<Tensor, DataError> {
         let end = end.min(self.len);
-        let read_err = |message: String| DataError::Read {
+        let read_err = |source: hdf5::Error| DataError::Read {
+            path: self.path.clone(),
+            dataset: self.name.clone(),
+            start,
+            end,
+            source,
+        };
+        let values_err = |message: String| DataError::Values {
             path: self.path.clone(),
             dataset: self.name.clone(),
             start,
@@ -167,27 +199,21 @@ impl ImageSet {
         let sel = s![start..end, .., .., ..];
         let t = match self.layout {
             Layout::FloatNchw => {
-                let a: Array4<f32> = self
-                    .dataset
-                    .read_slice(sel)
-                    .map_err(|e| read_err(e.to_string()))?;
+                let a: Array4<f32> = self.dataset.read_slice(sel).map_err(read_err)?;
                 let t = to_tensor(a);
                 let max = t.abs().max().double_value(&[]);
                 if !max.is_finite() {
-                    return Err(read_err(format!("holds a non-finite value ({max})")));
+                    return Err(values_err(format!("holds a non-finite value ({max})")));
                 }
                 if self.bounded && max > 1.0 + 1e-3 {
-                    return Err(read_err(format!(
+                    return Err(values_err(format!(
                         "float images must lie in [-1, 1]; found |x| up to {max} (scale them, or store uint8)"
                     )));
                 }
                 t
             }
             Layout::U8Nchw | Layout::U8Nhwc => {
-                let a: Array4<u8> = self
-                    .dataset
-                    .read_slice(sel)
-                    .map_err(|e| read_err(e.to_string()))?;
+                let a: Array4<u8> = self.dataset.read_slice(sel).map_err(read_err)?;
                 let t = to_tensor(a).to_kind(Kind::Float) / 127.5 - 1.0;
                 if self.layout == Layout::U8Nhwc {
                     t.permute([0, 3, 1, 2]).contiguous()

@@ -27,8 +27,25 @@ pub enum LockError {
         "{path}: the state folder is in use by another diffmon ({holder}); one daemon per state folder: stop it, or give this run another state_dir"
     )]
     Held { path: PathBuf, holder: String },
+    #[error("{path}: cannot lock the state folder: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "{path}: cannot lock the state folder: {source}: the file system does not support locks (NFS mounted with `nolock`, Lustre without `flock`?); put state_dir on a local disk"
+    )]
+    NoLocks {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{path}: cannot lock the state folder: {message}")]
-    Io { path: PathBuf, message: String },
+    NotAFile {
+        path: PathBuf,
+        message: &'static str,
+    },
 }
 
 /// The lock on a state folder, released when dropped (or when the process ends).
@@ -42,13 +59,13 @@ impl StateLock {
     /// Takes the state folder's lock (creating the folder), or says who holds it.
     pub fn acquire(state_dir: &Path) -> Result<StateLock, LockError> {
         let path = state_dir.join(LOCK_FILE);
-        let io = |e: std::io::Error| LockError::Io {
+        let io = |source: std::io::Error| LockError::Io {
             path: path.clone(),
-            message: e.to_string(),
+            source,
         };
-        std::fs::create_dir_all(state_dir).map_err(|e| LockError::Io {
+        std::fs::create_dir_all(state_dir).map_err(|source| LockError::Io {
             path: state_dir.to_path_buf(),
-            message: e.to_string(),
+            source,
         })?;
         // O_CLOEXEC is std's default: no child process inherits (and holds) the lock.
         let mut file = std::fs::OpenOptions::new()
@@ -60,16 +77,16 @@ impl StateLock {
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&path)
             .map_err(|e| match e.raw_os_error() {
-                Some(libc::ELOOP) => LockError::Io {
+                Some(libc::ELOOP) => LockError::NotAFile {
                     path: path.clone(),
-                    message: "is a symbolic link; refusing to follow it".into(),
+                    message: "is a symbolic link; refusing to follow it",
                 },
                 _ => io(e),
             })?;
         if !file.metadata().map_err(io)?.is_file() {
-            return Err(LockError::Io {
+            return Err(LockError::NotAFile {
                 path,
-                message: "is not a regular file".into(),
+                message: "is not a regular file",
             });
         }
         // SAFETY: flock on a file descriptor this function owns.
@@ -81,12 +98,7 @@ impl StateLock {
                     path,
                 },
                 Some(libc::ENOLCK | libc::ENOSYS | libc::EOPNOTSUPP | libc::EINVAL) => {
-                    LockError::Io {
-                        path,
-                        message: format!(
-                            "{e}: the file system does not support locks (NFS mounted with `nolock`, Lustre without `flock`?); put state_dir on a local disk"
-                        ),
-                    }
+                    LockError::NoLocks { path, source: e }
                 }
                 _ => io(e),
             });

@@ -35,8 +35,27 @@ pub enum PfdError {
     Sampler(#[from] SamplerError),
     #[error(transparent)]
     Tail(#[from] TailError),
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    Hdf5 {
+        path: PathBuf,
+        #[source]
+        source: hdf5::Error,
+    },
     #[error("{path}: {message}")]
     File { path: PathBuf, message: String },
+    #[error("{path}: descriptor: {what}: {source}")]
+    DescriptorTorch {
+        path: PathBuf,
+        what: &'static str,
+        #[source]
+        source: tch::TchError,
+    },
     #[error("{path}: descriptor: {message}")]
     Descriptor { path: PathBuf, message: String },
     #[error("{0}")]
@@ -45,20 +64,18 @@ pub enum PfdError {
     NonFinite(String),
 }
 
-fn file_error(path: &Path, message: impl ToString) -> PfdError {
-    PfdError::File {
-        path: path.to_path_buf(),
-        message: message.to_string(),
-    }
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> PfdError {
+    let path = path.to_path_buf();
+    move |source| PfdError::Io { path, source }
 }
 
 /// Hex SHA-256 of a file's content.
 pub fn file_sha256(path: &Path) -> Result<String, PfdError> {
-    let mut file = std::fs::File::open(path).map_err(|e| file_error(path, e))?;
+    let mut file = std::fs::File::open(path).map_err(io_error(path))?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = file.read(&mut buf).map_err(|e| file_error(path, e))?;
+        let n = file.read(&mut buf).map_err(io_error(path))?;
         if n == 0 {
             break;
         }
@@ -79,11 +96,13 @@ pub struct Descriptor {
 
 impl Descriptor {
     pub fn load(path: &Path, device: Device) -> Result<Descriptor, PfdError> {
-        let module =
-            tch::CModule::load_on_device(path, device).map_err(|e| PfdError::Descriptor {
+        let module = tch::CModule::load_on_device(path, device).map_err(|source| {
+            PfdError::DescriptorTorch {
                 path: path.to_path_buf(),
-                message: format!("cannot load the TorchScript module: {e}"),
-            })?;
+                what: "cannot load the TorchScript module",
+                source,
+            }
+        })?;
         Ok(Descriptor {
             module,
             path: path.to_path_buf(),
@@ -92,13 +111,13 @@ impl Descriptor {
 
     fn apply(&self, x: &Tensor) -> Result<Tensor, PfdError> {
         let b = x.size()[0];
-        let out =
-            tch::no_grad(|| self.module.forward_ts(&[x.to_kind(Kind::Float)])).map_err(|e| {
-                PfdError::Descriptor {
-                    path: self.path.clone(),
-                    message: format!("forward failed: {e}"),
-                }
-            })?;
+        let out = tch::no_grad(|| self.module.forward_ts(&[x.to_kind(Kind::Float)])).map_err(
+            |source| PfdError::DescriptorTorch {
+                path: self.path.clone(),
+                what: "forward failed",
+                source,
+            },
+        )?;
         let size = out.size();
         if size.len() != 2 || size[0] != b {
             return Err(PfdError::Descriptor {
@@ -169,7 +188,7 @@ impl Cache {
         key: &serde_json::Value,
         data: &[(&str, &Tensor)],
     ) -> Result<(), PfdError> {
-        crate::safe_fs::create_private_dir(&self.dir).map_err(|e| file_error(&self.dir, e))?;
+        crate::safe_fs::create_private_dir(&self.dir).map_err(io_error(&self.dir))?;
         let path = self.path(kind, key);
         if let Some(name) = path.file_name() {
             // Leftovers of a crash mid-write (and links planted at those names).
@@ -244,13 +263,13 @@ pub fn read_latents(path: &Path, image_shape: Option<[usize; 3]>) -> Result<Tens
     if let Some(shape) = image_shape
         && set.image_shape() != shape
     {
-        return Err(file_error(
-            path,
-            format!(
+        return Err(PfdError::File {
+            path: path.to_path_buf(),
+            message: format!(
                 "/latents hold images of shape {:?}, the model's images are {shape:?}",
                 set.image_shape()
             ),
-        ));
+        });
     }
     Ok(set.read_all()?)
 }
@@ -269,10 +288,13 @@ fn write_h5_atomically(
     path: &Path,
     write: impl FnOnce(&Path) -> hdf5::Result<()>,
 ) -> Result<(), PfdError> {
-    let (file, tmp) = crate::safe_fs::temp_file(path).map_err(|e| file_error(path, e))?;
+    let (file, tmp) = crate::safe_fs::temp_file(path).map_err(io_error(path))?;
     let result = write(&tmp)
-        .map_err(|e| file_error(&tmp, e))
-        .and_then(|_| crate::safe_fs::persist(&file, &tmp, path).map_err(|e| file_error(path, e)));
+        .map_err(|source| PfdError::Hdf5 {
+            path: tmp.clone(),
+            source,
+        })
+        .and_then(|_| crate::safe_fs::persist(&file, &tmp, path).map_err(io_error(path)));
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }

@@ -170,7 +170,7 @@ pub enum AlertError {
         source: io::Error,
     },
     #[error("cannot build the HTTP client: {0}")]
-    Client(String),
+    Client(#[source] reqwest::Error),
     #[error("the alerter must be started inside a tokio runtime")]
     NoRuntime,
 }
@@ -273,7 +273,7 @@ impl Alerter {
             .connect_timeout(policy.request_timeout)
             .user_agent(concat!("diffmon/", env!("CARGO_PKG_VERSION")))
             .build()
-            .map_err(|e| AlertError::Client(e.to_string()))?;
+            .map_err(AlertError::Client)?;
 
         let stop_path = run_dir.join(&config.stop_file);
         if let Some(name) = stop_path.file_name() {

@@ -508,6 +508,45 @@ mod tests {
         assert_eq!(error_text(&plain), "loading the model: No such file");
     }
 
+    /// Errors keep their cause (`#[source]`), and the printed text names it once.
+    #[test]
+    fn kept_causes_are_printed_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let plain = dir.path().join("plain");
+        std::fs::write(&plain, b"not HDF5").unwrap();
+        let once = |e: anyhow::Error, start: String| {
+            let cause = e.source().expect("the cause is kept").to_string();
+            let text = error_text(&e);
+            assert!(text.starts_with(&start), "{text}");
+            assert_eq!(text.matches(&cause).count(), 1, "{text}");
+        };
+        let data = crate::data::ImageSet::open(&plain, "images").err().unwrap();
+        once(
+            data.into(),
+            format!("{}: cannot open HDF5 file: ", plain.display()),
+        );
+        let missing = dir.path().join("missing.ts");
+        let pfd = crate::pfd::file_sha256(&missing).unwrap_err();
+        assert!(matches!(&pfd, crate::pfd::PfdError::Io { source, .. }
+            if source.kind() == std::io::ErrorKind::NotFound));
+        once(pfd.into(), format!("{}: ", missing.display()));
+        // A state folder under a file: neither the lock nor the crash marker can be made.
+        let state = plain.join("state");
+        let lock = crate::lock::StateLock::acquire(&state).unwrap_err();
+        once(
+            lock.into(),
+            format!("{}: cannot lock the state folder: ", state.display()),
+        );
+        let crash = crate::crash::read_marker(&state).unwrap_err();
+        once(
+            crash.into(),
+            format!(
+                "{}: cannot read the crash marker: ",
+                state.join(crate::crash::MARKER_FILE).display()
+            ),
+        );
+    }
+
     #[test]
     fn check_config_takes_the_file_bare_or_as_config() {
         let file = |args: &[&str]| match Cli::try_parse_from(args).map(|c| c.command) {
