@@ -21,11 +21,10 @@
 use crate::config::{Backlog, CheckpointsConfig};
 use crate::history::CheckpointKey;
 use crate::metrics::Metrics;
-use crossbeam_channel::{Receiver, Select, Sender};
+use crossbeam_channel::{Receiver, Select, Sender, TryRecvError};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// A complete checkpoint to evaluate.
@@ -487,8 +486,9 @@ impl Watcher {
         self.metrics.set_pending(self.ready.len());
     }
 
-    /// Runs until `shutdown` is set or the evaluator hangs up; offers work on `work`.
-    pub fn run(mut self, work: Sender<WorkItem>, shutdown: Arc<AtomicBool>) {
+    /// Runs until `stop` is closed (the daemon stops; nothing is ever sent on it) or the
+    /// evaluator hangs up; offers work on `work`.
+    pub fn run(mut self, work: Sender<WorkItem>, stop: Receiver<()>) {
         let (events_tx, events) = crossbeam_channel::unbounded();
         let mut _notifier = if self.config.inotify {
             self.start_notifications(events_tx.clone())
@@ -499,7 +499,7 @@ impl Watcher {
         let settle_check =
             (self.settle() / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
         let mut next_poll = Instant::now();
-        while !shutdown.load(Ordering::SeqCst) {
+        while !matches!(stop.try_recv(), Err(TryRecvError::Disconnected)) {
             let now = Instant::now();
             if now >= next_poll {
                 self.scan();
@@ -513,10 +513,11 @@ impl Watcher {
             if !self.candidates.is_empty() {
                 wait = wait.min(settle_check);
             }
-            // Wake at least every 200 ms to notice a shutdown.
+            // Wake at least every 200 ms: what `next` offers changes as checkpoints settle.
             wait = wait.min(Duration::from_millis(200));
             let offer = self.next();
             let mut sel = Select::new();
+            let stop_op = sel.recv(&stop);
             let events_op = sel.recv(&events);
             let work_op = offer.as_ref().map(|_| sel.send(&work));
             let Ok(op) = sel.select_timeout(wait) else {
@@ -525,7 +526,10 @@ impl Watcher {
                 }
                 continue;
             };
-            if op.index() == events_op {
+            if op.index() == stop_op {
+                let _ = op.recv(&stop);
+                return;
+            } else if op.index() == events_op {
                 let Ok(event) = op.recv(&events) else {
                     continue;
                 };

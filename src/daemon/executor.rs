@@ -1,0 +1,204 @@
+//! The executor stage: work items in, [`Outcome`]s out. It sits between the watcher and the
+//! recorder (ARCHITECTURE.md, "Add an executor"). [`Local`] is the evaluator thread of this
+//! process; an executor that runs `diffmon eval --json` as cluster jobs implements [`Executor`]
+//! beside it.
+
+use crate::config::Config;
+use crate::crash::InFlight;
+use crate::eval::{EvalError, Evaluator};
+use crate::model::ModelError;
+use crate::pfd::PfdError;
+use crate::record::{Evaluation, FailureReason};
+use crate::safe_fs::untrusted;
+use crate::watcher::WorkItem;
+use crossbeam_channel::{Receiver, Sender};
+use std::thread::JoinHandle;
+
+/// What an executor reports for one work item.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    Done(WorkItem, Box<Evaluation>),
+    Failed(WorkItem, FailureReason, String),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExecutorError {
+    #[error("cannot start the evaluator")]
+    Start(#[source] EvalError),
+    #[error("the evaluator thread stopped during start-up")]
+    StoppedDuringStart,
+    #[error("cannot start the evaluator thread")]
+    Spawn(#[source] std::io::Error),
+}
+
+/// Turns work items into outcomes.
+pub trait Executor {
+    /// Starts taking items from `work` (a rendezvous channel: an item is taken only when the
+    /// executor has a free slot, so the watcher chooses the next item as late as possible) and
+    /// sends one outcome per item taken to `outcomes`. It ends once `work` is closed and the
+    /// items it took are reported, or when `outcomes` is closed. Returns when it is ready to
+    /// take work, with the thread to join at the end, or with the error that stops the daemon
+    /// at start.
+    fn start(
+        self,
+        work: Receiver<WorkItem>,
+        outcomes: Sender<Outcome>,
+    ) -> Result<JoinHandle<()>, ExecutorError>;
+}
+
+/// The evaluator thread: one item at a time, in this process. It owns every libtorch and HDF5
+/// object (the `Evaluator`), which are built on it and never leave it.
+pub struct Local {
+    pub config: Config,
+    /// Evaluations in the history before this start: `pfd.every` counts from the run's first
+    /// evaluation, across restarts.
+    pub evaluated_before: usize,
+}
+
+impl Executor for Local {
+    fn start(
+        self,
+        work: Receiver<WorkItem>,
+        outcomes: Sender<Outcome>,
+    ) -> Result<JoinHandle<()>, ExecutorError> {
+        let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(), EvalError>>(1);
+        let thread = std::thread::Builder::new()
+            .name(crate::crash::EVALUATOR_THREAD.into())
+            .spawn(move || {
+                let mut evaluator = match Evaluator::new(&self.config) {
+                    Ok(mut e) => {
+                        e.set_evaluated(self.evaluated_before);
+                        let _ = ready_tx.send(Ok(()));
+                        e
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                for item in work {
+                    if outcomes.send(evaluate(&mut evaluator, item)).is_err() {
+                        return;
+                    }
+                }
+            })
+            .map_err(ExecutorError::Spawn)?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok(thread),
+            Ok(Err(e)) => Err(ExecutorError::Start(e)),
+            Err(_) => Err(ExecutorError::StoppedDuringStart),
+        }
+    }
+}
+
+/// Evaluates one item with the crash marker naming it (docs/design.md §10).
+fn evaluate(evaluator: &mut Evaluator, item: WorkItem) -> Outcome {
+    crate::crash::evaluating(Some(&InFlight {
+        key: item.key.clone(),
+        step: item.step,
+    }));
+    // Logged once a crash would be recorded against this checkpoint.
+    tracing::debug!(checkpoint = %untrusted(&item.path), step = item.step, "evaluating");
+    let evaluated = evaluator.evaluate(&item.path, item.step);
+    crate::crash::evaluating(None);
+    match evaluated {
+        // A file deleted or rewritten while it was read may not be what was evaluated.
+        Ok(_) if !unchanged(&item) => Outcome::Failed(
+            item,
+            FailureReason::Vanished,
+            "the checkpoint was deleted or rewritten during its evaluation".into(),
+        ),
+        Ok(record) => Outcome::Done(item, Box::new(record)),
+        Err(e) => Outcome::Failed(item.clone(), failure_reason(&item, &e), e.to_string()),
+    }
+}
+
+/// Is the unit on disk still the version the item names?
+fn unchanged(item: &WorkItem) -> bool {
+    crate::unit::key(&item.path).ok().as_ref() == Some(&item.key)
+}
+
+/// Failure reason label of `diffmon_checkpoint_failures_total{reason}`.
+fn failure_reason(item: &WorkItem, e: &EvalError) -> FailureReason {
+    if !unchanged(item) {
+        return FailureReason::Vanished;
+    }
+    match e {
+        EvalError::Model(ModelError::Weights(_) | ModelError::Load { .. }) => {
+            FailureReason::Unreadable
+        }
+        EvalError::Model(ModelError::Mismatch { .. }) => FailureReason::Mismatch,
+        EvalError::Unit(_) => FailureReason::Unreadable,
+        EvalError::Invalid { .. } | EvalError::Icr(_) | EvalError::Pfd(PfdError::NonFinite(_)) => {
+            FailureReason::NonFinite
+        }
+        _ => FailureReason::Error,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A unit that changed (or is gone) is `vanished`, whatever the error; otherwise the error
+    /// says which reason.
+    #[test]
+    fn failure_reasons_name_what_went_wrong() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ckpt_1.pt");
+        std::fs::write(&path, b"weights").unwrap();
+        let item = WorkItem {
+            key: crate::unit::key(&path).unwrap(),
+            path: path.clone(),
+            step: 1,
+        };
+        let invalid = || EvalError::Invalid {
+            checkpoint: path.clone(),
+            message: "ICR is NaN".into(),
+        };
+        let shape = EvalError::ShapeMismatch {
+            path: path.clone(),
+            data: [1, 8, 8],
+            other_path: path.clone(),
+            other: [3, 8, 8],
+        };
+        assert_eq!(failure_reason(&item, &invalid()), FailureReason::NonFinite);
+        assert_eq!(failure_reason(&item, &shape), FailureReason::Error);
+        std::fs::write(&path, b"other weights").unwrap();
+        assert_eq!(failure_reason(&item, &invalid()), FailureReason::Vanished);
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(failure_reason(&item, &invalid()), FailureReason::Vanished);
+    }
+
+    /// An evaluator that cannot be built (here: no data file) fails the start with its cause.
+    #[test]
+    fn a_local_executor_that_cannot_start_says_why() {
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["m.ts", "d.h5"] {
+            std::fs::write(dir.path().join(f), b"").unwrap();
+        }
+        let text = format!(
+            "run: {{dir: r}}\nmodel: {{architecture: {}}}\ndevice: cpu\ndata: {{path: {}}}\n",
+            dir.path().join("m.ts").display(),
+            dir.path().join("d.h5").display()
+        );
+        let file = crate::config::ConfigFile::parse(&text, "t.yaml").unwrap();
+        let mut config = file.settings(false).unwrap();
+        config.data.path = dir.path().join("missing.h5");
+        let (_work_tx, work_rx) = crate::watcher::work_channel();
+        let (outcome_tx, _outcome_rx) = crossbeam_channel::bounded(1);
+        let local = Local {
+            config,
+            evaluated_before: 0,
+        };
+        let Err(e) = local.start(work_rx, outcome_tx) else {
+            panic!("the evaluator started without its data")
+        };
+        assert!(matches!(e, ExecutorError::Start(_)), "{e:?}");
+        assert_eq!(e.to_string(), "cannot start the evaluator");
+        let cause = std::error::Error::source(&e)
+            .expect("the cause")
+            .to_string();
+        assert!(cause.contains("missing.h5"), "{cause}");
+    }
+}

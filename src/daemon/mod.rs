@@ -1,0 +1,259 @@
+//! `diffmon watch`: the pipeline of ARCHITECTURE.md ("Threads"), one stage per module.
+//!
+//! ```text
+//! watcher ──WorkItem──► executor ──Outcome──► recorder ────► RunState ─────► sinks
+//! (watcher.rs:          (executor.rs: the     (recorder.rs:   (run_state.rs:  (sinks.rs: console;
+//!  notify + rescan,      evaluator thread,     journal, HDF5,  detector,       alerts: stop file,
+//!  settle check)         owns tch)             retry queue)    status, live    webhooks)
+//!                                                              page, metrics)
+//!                                                                  ▲
+//!                                                                  └── HTTP (tokio)
+//! ```
+//!
+//! The recorder, the run state and the sinks share the recorder thread, in that order; the
+//! main thread waits in `shutdown.rs`, the one way the daemon stops.
+//!
+//! The recorder appends every outcome to the history before anything acts on it; when the state
+//! folder cannot be written (a full disk), outcomes wait in memory, in order, and are retried
+//! until they are recorded, then published. The run's state (the detector, the status, the live
+//! page, the metrics) is derived from the history by replay at start-up, so it can never
+//! disagree with it: a restart neither forgets the best nor fires twice (events carry ids
+//! derived from their content, and the alerter delivers each id once). Errors at start (bad
+//! architecture, unbindable port, unreadable state) stop the daemon with a message;
+//! per-checkpoint problems are logged, counted and survived. The first SIGINT/SIGTERM drains
+//! (the evaluation in flight finishes and is recorded, for at most `shutdown_drain_secs`); a
+//! second one exits at once (status 130), whatever is blocked.
+//!
+//! One daemon per state folder: [`crate::lock`]. A checkpoint that made the process die (a fatal
+//! signal, or a panic of the evaluator) is recorded after the restart as a failure with reason
+//! [`crate::record::FailureReason::Crashed`] rather than evaluated again ([`crate::crash`]); a
+//! panic in any thread ends the process with status 1.
+
+mod executor;
+mod recorder;
+mod run_state;
+mod shutdown;
+mod sinks;
+
+use crate::alerts::Alerter;
+use crate::config::Config;
+use crate::lock::StateLock;
+use crate::metrics::Metrics;
+use crate::watcher::{Watcher, work_channel};
+use anyhow::{Context, Result};
+use executor::{Executor, Local, Outcome};
+use recorder::Recorder;
+use run_state::RunState;
+use sinks::{Alerts, Console, Sinks};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How many outcomes may wait between the executor and the recorder.
+const OUTCOMES_BOUND: usize = 16;
+
+/// A run's state and its sinks: what a recorded outcome goes to, in order.
+struct Published {
+    state: RunState,
+    sinks: Sinks,
+}
+
+impl Published {
+    fn recorded(&mut self, outcome: Outcome, at: &str) {
+        let event = self.state.observe(&outcome, at);
+        if let Outcome::Done(_, record) = &outcome {
+            self.sinks.evaluation(record, self.state.detector());
+        }
+        if let Some(event) = event {
+            self.sinks.event(&event);
+        }
+    }
+}
+
+/// Runs the daemon until a signal.
+pub fn run(config: Config) -> Result<()> {
+    let run = config.run_name();
+    let state_dir = config.state_dir();
+    shutdown::exit_on_panic();
+    // Held until the process ends (the kernel releases it, however the process ends).
+    let _lock = StateLock::acquire(&state_dir)?;
+    let mut recorder = Recorder::open(&state_dir).context("cannot open the history")?;
+    let crash = match crate::crash::read_marker(&state_dir) {
+        Ok(crash) => crash,
+        Err(e) => {
+            tracing::warn!("{e}; ignoring it");
+            None
+        }
+    };
+    let metrics = Arc::new(Metrics::new(&run));
+    recorder.write_hdf5();
+    let (state, replayed) = RunState::replay(
+        &run,
+        config.early_stop_resolved(),
+        recorder.entries(),
+        metrics.clone(),
+    );
+    if replayed.evaluations > 0 {
+        tracing::info!(evaluations = replayed.evaluations, state = %state_dir.display(), "history restored");
+    }
+
+    let listen: SocketAddr = config.http.listen;
+    let listener = std::net::TcpListener::bind(listen).with_context(|| {
+        format!("cannot listen on {listen} (http.listen): is another process using the port?")
+    })?;
+    listener.set_nonblocking(true)?;
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("diffmon-io")
+        .enable_all()
+        .build()?;
+    let alerter = {
+        // The alerter's delivery tasks run on this runtime.
+        let _guard = runtime.enter();
+        let outcome_metrics = metrics.clone();
+        Alerter::start(
+            &config.alerts,
+            &config.run.dir,
+            &state_dir,
+            Arc::new(move |receiver, outcome| outcome_metrics.delivery(receiver, outcome)),
+        )?
+    };
+    let console = Console {
+        min_rise: config.early_stop.min_rise,
+    };
+    let mut sinks = Sinks::new(vec![Box::new(console), Box::new(Alerts(alerter))]);
+    // The replay's events go out again; the alerter delivers only those not delivered yet.
+    for event in &replayed.events {
+        sinks.replayed(event)?;
+    }
+    let (status, snapshot) = (state.status(), state.snapshot());
+    let mut published = Published { state, sinks };
+
+    if let Some(crash) = crash {
+        recorder.record_crash(crash, &mut |outcome, at| published.recorded(outcome, at));
+    }
+    crate::crash::arm(&state_dir)?;
+
+    let (work_tx, work_rx) = work_channel();
+    let (outcome_tx, outcome_rx) = crossbeam_channel::bounded::<Outcome>(OUTCOMES_BOUND);
+    let executor = Local {
+        config: config.clone(),
+        evaluated_before: replayed.evaluations,
+    }
+    .start(work_rx, outcome_tx)?;
+
+    let (stop, stopped) = shutdown::stop_channel();
+    let done = recorder.entries().iter().map(|e| e.key().clone()).collect();
+    let watcher = Watcher::new(&config.run.dir, &config.checkpoints, done, metrics.clone())
+        .with_excluded(config.named_files());
+    let watcher = std::thread::Builder::new()
+        .name("diffmon-watch".into())
+        .spawn(move || watcher.run(work_tx, stopped))?;
+    let recorder = std::thread::Builder::new()
+        .name("diffmon-record".into())
+        .spawn(move || {
+            recorder.run(outcome_rx, |outcome, at| published.recorded(outcome, at));
+            published.sinks
+        })?;
+
+    let app = crate::http::router(metrics.clone(), status, snapshot);
+    let limits = crate::http::Limits::of(&config.http);
+    let server = runtime.spawn(async move {
+        let listener =
+            tokio::net::TcpListener::from_std(listener).expect("a non-blocking std listener");
+        crate::http::serve(listener, app, limits).await;
+    });
+    tracing::info!(
+        run = %run,
+        dir = %config.run.dir.display(),
+        metrics = %format!("http://{listen}/metrics"),
+        "watching for checkpoints"
+    );
+    tracing::info!("{}", config.cost_summary());
+
+    let drain = config.shutdown_drain;
+    let (signalled, sinks) = shutdown::until_stopped(&runtime, stop, watcher, recorder, drain)?;
+    let _ = executor.join();
+    sinks.close(&runtime);
+    server.abort();
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    tracing::info!("stopped");
+    if !signalled {
+        anyhow::bail!("the evaluator stopped unexpectedly");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Confirm, EarlyStopConfig, EarlyStopMetric};
+    use crate::history::CheckpointKey;
+    use crate::record::{Evaluation, FailureReason};
+    use crate::watcher::WorkItem;
+    use std::sync::Mutex;
+
+    fn item(step: i64) -> WorkItem {
+        WorkItem {
+            path: format!("ckpt_{step}.pt").into(),
+            step,
+            key: CheckpointKey {
+                path: format!("ckpt_{step}.pt"),
+                size: 1,
+                mtime_ns: step,
+            },
+        }
+    }
+
+    /// A recorded evaluation goes to the run's state, then to the sinks: first the evaluation,
+    /// then the event it decided; a failure goes to no sink.
+    #[test]
+    fn a_recorded_outcome_reaches_the_sinks_after_the_run_state() {
+        // Window 1, patience 1: 3, 1, 2 turns at the third checkpoint.
+        let early_stop = EarlyStopConfig {
+            metric: EarlyStopMetric::Icr,
+            window: 1,
+            warmup: 1,
+            patience: 1,
+            min_rise: 0.005,
+            confirm: Confirm::None,
+            confirm_rise: 0.5,
+        };
+        let (state, _) = RunState::replay("r", early_stop, &[], Arc::new(Metrics::new("r")));
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let log = sinks::tests::Log {
+            name: "log",
+            lines: lines.clone(),
+        };
+        let status = state.status();
+        let mut published = Published {
+            state,
+            sinks: Sinks::new(vec![Box::new(log)]),
+        };
+        let at = "2024-05-01T12:00:00.000Z";
+        for (step, icr) in [(1, 3.0), (2, 1.0), (3, 2.0)] {
+            let record = Evaluation {
+                step,
+                checkpoint: format!("ckpt_{step}.pt"),
+                icr: Some(icr),
+                ..Evaluation::default()
+            };
+            published.recorded(Outcome::Done(item(step), Box::new(record)), at);
+            if step == 2 {
+                let failure = Outcome::Failed(item(9), FailureReason::Error, "no".into());
+                published.recorded(failure, at);
+            }
+        }
+        assert_eq!(
+            *lines.lock().unwrap(),
+            [
+                "log evaluation 1",
+                "log evaluation 2",
+                "log evaluation 3",
+                "log early_stop 3"
+            ]
+        );
+        assert!(status.lock().unwrap().fired, "the state saw the turn");
+    }
+}

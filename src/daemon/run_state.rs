@@ -1,0 +1,459 @@
+//! The state of one run: the early-stop detector, what `/v1/early-stop` serves, the live page's
+//! snapshot and the run's metrics, all derived from the run's recorded outcomes. A start
+//! builds it by [`RunState::replay`] of the journal (docs/design.md §9); the recorder then
+//! hands it each new outcome, once recorded, through [`RunState::observe`]. Both go through the
+//! same [`RunState::publish`], so a restart arrives at the state the run had before it.
+//!
+//! `diffmon report` draws the same snapshot from the same detector replay
+//! ([`Snapshot::replay`]; a test here holds the two equal).
+
+use super::executor::Outcome;
+use crate::alerts::{Event, EventKind, event_id};
+use crate::config::EarlyStopConfig;
+use crate::detector::{Best, Decision, Detector, DetectorState, Observation, Signal};
+use crate::history::Entry;
+use crate::http::EarlyStopStatus;
+use crate::metrics::Metrics;
+use crate::record::Evaluation;
+use crate::report::Snapshot;
+use std::sync::{Arc, Mutex};
+
+/// A lock that a panicked holder did not poison for the others (the data stays usable).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The detector, status, live snapshot and metrics of one run.
+pub struct RunState {
+    run: String,
+    detector: Detector,
+    metrics: Arc<Metrics>,
+    status: Arc<Mutex<EarlyStopStatus>>,
+    /// What the live page (`GET /`) plots.
+    snapshot: Arc<Mutex<Snapshot>>,
+}
+
+/// What a replay found besides the state.
+#[derive(Debug, Default)]
+pub struct Replayed {
+    /// The events the history implies, oldest first, to be sent again (the alerter delivers
+    /// each id once, so only undelivered ones go out).
+    pub events: Vec<Event>,
+    /// The evaluations (not failures) in the history.
+    pub evaluations: usize,
+}
+
+impl RunState {
+    /// The state of run `run` after the outcomes of `entries` (a journal, in order), watched
+    /// by a detector with settings `early_stop` (`confirm: auto` resolved), with its metrics
+    /// in `metrics`. Replayed evaluations set the metrics' gauges but not their counters, which
+    /// count this process's evaluations and failures.
+    pub fn replay(
+        run: &str,
+        early_stop: EarlyStopConfig,
+        entries: &[Entry],
+        metrics: Arc<Metrics>,
+    ) -> (RunState, Replayed) {
+        let metric = early_stop.metric;
+        let mut state = RunState {
+            run: run.to_string(),
+            detector: Detector::new(early_stop.clone(), DetectorState::default()),
+            metrics,
+            status: Arc::new(Mutex::new(EarlyStopStatus::default())),
+            snapshot: Arc::new(Mutex::new(Snapshot::new(run, metric))),
+        };
+        let mut replayed = Replayed::default();
+        let mut detector = Detector::new(early_stop, DetectorState::default());
+        let failures =
+            crate::detector::replay(&mut detector, metric, entries, |record, at, decision, s| {
+                replayed.evaluations += 1;
+                state.metrics.record(record);
+                replayed
+                    .events
+                    .extend(state.publish(record, at, decision, s));
+            });
+        state.detector = detector;
+        lock(&state.snapshot).failures = failures;
+        (state, replayed)
+    }
+
+    /// Takes one outcome recorded at `at` (RFC 3339): the metrics, the detector, the live
+    /// snapshot and the status follow it. Returns the event it decided, if any.
+    pub fn observe(&mut self, outcome: &Outcome, at: &str) -> Option<Event> {
+        match outcome {
+            Outcome::Done(_, record) => {
+                self.metrics.record(record);
+                self.metrics.evaluated(record);
+                self.decide(record, at)
+            }
+            Outcome::Failed(_, reason, _) => {
+                self.metrics.failure(*reason);
+                lock(&self.snapshot).failures += 1;
+                None
+            }
+        }
+    }
+
+    /// The detector's state (its best, the turn, the smoothed value).
+    pub fn detector(&self) -> &DetectorState {
+        &self.detector.state
+    }
+
+    /// What `/v1/early-stop` serves.
+    pub fn status(&self) -> Arc<Mutex<EarlyStopStatus>> {
+        self.status.clone()
+    }
+
+    /// What the live page plots.
+    pub fn snapshot(&self) -> Arc<Mutex<Snapshot>> {
+        self.snapshot.clone()
+    }
+
+    /// Feeds one live record to the detector; returns the event to send, if any.
+    fn decide(&mut self, r: &Evaluation, at: &str) -> Option<Event> {
+        let metric = self.detector.config().metric;
+        let decision = self.detector.observe(&Observation::of(r, metric));
+        if decision.unconfirmed {
+            let confirm = self.detector.config().confirm.as_str();
+            tracing::info!(
+                step = r.step,
+                confirm,
+                "{} has turned, but {confirm} has not risen since the best step (early_stop.confirm): no early stop yet",
+                metric.as_str()
+            );
+        }
+        self.publish(r, at, &decision, &self.detector.state)
+    }
+
+    /// Publishes what the detector decided on a record (`s`: its state afterwards) to the live
+    /// page, the metrics and the status; returns the event to send, if any.
+    fn publish(
+        &self,
+        r: &Evaluation,
+        at: &str,
+        decision: &Decision,
+        s: &DetectorState,
+    ) -> Option<Event> {
+        lock(&self.snapshot).push(r, at, decision, s);
+        self.metrics.set_detector(
+            decision.smoothed,
+            s.best.as_ref().map(|b| b.step),
+            s.fired.is_some() && !s.resolved,
+            decision.unconfirmed,
+            at,
+        );
+        let mut status = lock(&self.status);
+        status.fired = s.fired.is_some() && !s.resolved;
+        if let Some(b) = &s.best {
+            status.best_step = Some(b.step);
+            status.best_checkpoint = Some(b.checkpoint.clone());
+            status.best_value = Some(b.value);
+        }
+        status.last_step = Some(r.step);
+        status.last_value = decision.smoothed;
+        let signal = decision.signal?;
+        let (kind, best): (EventKind, &Best) = match signal {
+            Signal::EarlyStop => (EventKind::EarlyStop, s.fired.as_ref().expect("fired")),
+            Signal::Resolved => (EventKind::Resolved, s.best.as_ref().expect("a best")),
+        };
+        let event = Event {
+            id: event_id(&self.run, kind, best.step, r.step),
+            event: kind,
+            run: self.run.clone(),
+            metric: self.detector.config().metric.as_str().to_string(),
+            best_step: best.step,
+            best_checkpoint: best.checkpoint.clone(),
+            best_value: best.value,
+            current_step: r.step,
+            current_value: decision.smoothed.unwrap_or(f64::NAN),
+            fired_at: at.to_string(),
+        };
+        status.event = Some(event.clone());
+        Some(event)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Confirm, EarlyStopMetric};
+    use crate::history::CheckpointKey;
+    use crate::metrics::{
+        BEST_STEP, BEST_STEP_TIMESTAMP, CHECKPOINT_FAILURES, CHECKPOINTS_EVALUATED,
+        EARLY_STOP_TIMESTAMP, EARLY_STOP_TRIGGERED, EARLY_STOP_UNCONFIRMED, ICR, ICR_SMOOTHED,
+        LAST_EVALUATED_STEP,
+    };
+    use crate::record::FailureReason;
+    use crate::report::Marker;
+    use crate::watcher::WorkItem;
+
+    /// A window of one, so the smoothed value is the raw one and the turn has a closed form.
+    fn settings() -> EarlyStopConfig {
+        EarlyStopConfig {
+            metric: EarlyStopMetric::Icr,
+            window: 1,
+            warmup: 3,
+            patience: 2,
+            min_rise: 0.005,
+            confirm: Confirm::None,
+            confirm_rise: 0.5,
+        }
+    }
+
+    fn item(step: i64) -> WorkItem {
+        let path = format!("ckpt_{step}.pt");
+        WorkItem {
+            path: path.clone().into(),
+            step,
+            key: CheckpointKey {
+                path,
+                size: 1000 + step as u64,
+                mtime_ns: step,
+            },
+        }
+    }
+
+    fn done(step: i64, icr: f64) -> Outcome {
+        Outcome::Done(
+            item(step),
+            Box::new(Evaluation {
+                step,
+                checkpoint: format!("ckpt_{step}.pt"),
+                icr: Some(icr),
+                seconds: 1.5,
+                ..Evaluation::default()
+            }),
+        )
+    }
+
+    fn failed(step: i64) -> Outcome {
+        Outcome::Failed(item(step), FailureReason::Mismatch, "no such tensor".into())
+    }
+
+    /// The time an outcome with this step was recorded.
+    fn at(step: i64) -> String {
+        format!("2024-05-01T12:{:02}:00.000Z", step / 100)
+    }
+
+    /// The journal entry the recorder writes for an outcome.
+    fn entry(outcome: &Outcome) -> Entry {
+        match outcome {
+            Outcome::Done(item, record) => Entry::Evaluation {
+                key: item.key.clone(),
+                at: at(item.step),
+                record: record.clone(),
+            },
+            Outcome::Failed(item, reason, message) => Entry::Failure {
+                key: item.key.clone(),
+                at: at(item.step),
+                step: item.step,
+                reason: reason.as_str().to_string(),
+                message: message.clone(),
+            },
+        }
+    }
+
+    /// Down to 2 at step 400, up for two checkpoints (the turn at 600), a failure, then below
+    /// the old best by more than `min_rise` (resolved at 800).
+    fn run_outcomes() -> Vec<Outcome> {
+        vec![
+            done(100, 5.0),
+            done(200, 4.0),
+            done(300, 3.0),
+            done(400, 2.0),
+            done(500, 3.0),
+            done(600, 4.0),
+            failed(700),
+            done(800, 1.0),
+        ]
+    }
+
+    fn fresh() -> RunState {
+        RunState::replay("r", settings(), &[], Arc::new(Metrics::new("r"))).0
+    }
+
+    /// The value of the first series of `metrics` named `series` whose labels hold `label`.
+    fn sample(state: &RunState, series: &str, label: &str) -> Option<f64> {
+        let text = state.metrics.encode();
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("{series}{{")) && l.contains(label))?;
+        line.rsplit(' ').next()?.parse().ok()
+    }
+
+    fn status(state: &RunState) -> serde_json::Value {
+        serde_json::to_value(&*lock(&state.status)).unwrap()
+    }
+
+    /// Replaying the first `k` outcomes and observing the rest live arrives at what observing
+    /// them all live does, for every `k`: detector, snapshot, status, events, and the gauges
+    /// (the counters count only this process's evaluations).
+    #[test]
+    fn replay_then_observe_equals_observing_everything_live() {
+        let outcomes = run_outcomes();
+        let mut live = fresh();
+        let live_events: Vec<Event> = outcomes
+            .iter()
+            .filter_map(|o| live.observe(o, &at(item_of(o).step)))
+            .collect();
+        assert_eq!(live_events.len(), 2, "the run fires and resolves");
+        let gauges = [
+            ICR,
+            ICR_SMOOTHED,
+            LAST_EVALUATED_STEP,
+            BEST_STEP,
+            EARLY_STOP_TRIGGERED,
+            EARLY_STOP_UNCONFIRMED,
+            BEST_STEP_TIMESTAMP,
+            EARLY_STOP_TIMESTAMP,
+        ];
+        for k in 0..=outcomes.len() {
+            let entries: Vec<Entry> = outcomes[..k].iter().map(entry).collect();
+            let (mut state, replayed) =
+                RunState::replay("r", settings(), &entries, Arc::new(Metrics::new("r")));
+            let evaluations = outcomes[..k]
+                .iter()
+                .filter(|o| matches!(o, Outcome::Done(..)))
+                .count();
+            assert_eq!(replayed.evaluations, evaluations, "k = {k}");
+            let mut events = replayed.events;
+            for o in &outcomes[k..] {
+                events.extend(state.observe(o, &at(item_of(o).step)));
+            }
+            assert_eq!(events, live_events, "k = {k}");
+            assert_eq!(state.detector(), live.detector(), "k = {k}");
+            assert_eq!(*lock(&state.snapshot), *lock(&live.snapshot), "k = {k}");
+            assert_eq!(status(&state), status(&live), "k = {k}");
+            for g in gauges {
+                assert_eq!(
+                    sample(&state, g, "run=\"r\""),
+                    sample(&live, g, "run=\"r\""),
+                    "{g}, k = {k}"
+                );
+            }
+            let counted = outcomes[k..]
+                .iter()
+                .filter(|o| matches!(o, Outcome::Done(..)))
+                .count() as f64;
+            assert_eq!(
+                sample(&state, &format!("{CHECKPOINTS_EVALUATED}_total"), "run="),
+                Some(counted),
+                "k = {k}"
+            );
+        }
+    }
+
+    fn item_of(o: &Outcome) -> &WorkItem {
+        match o {
+            Outcome::Done(item, _) | Outcome::Failed(item, ..) => item,
+        }
+    }
+
+    /// A failure is counted (metric by reason, snapshot) and changes nothing else.
+    #[test]
+    fn a_failure_is_counted_and_changes_nothing_else() {
+        let mut state = fresh();
+        state.observe(&done(100, 5.0), &at(100));
+        let (detector, status_before) = (state.detector().clone(), status(&state));
+        let rows = lock(&state.snapshot).rows.clone();
+        assert_eq!(state.observe(&failed(200), &at(200)), None);
+        assert_eq!(lock(&state.snapshot).failures, 1);
+        assert_eq!(lock(&state.snapshot).rows, rows);
+        assert_eq!(state.detector(), &detector);
+        assert_eq!(status(&state), status_before);
+        let failures = format!("{CHECKPOINT_FAILURES}_total");
+        assert_eq!(sample(&state, &failures, "reason=\"mismatch\""), Some(1.0));
+        assert_eq!(sample(&state, &failures, "reason=\"vanished\""), Some(0.0));
+        // A replayed failure is in the snapshot, not in this process's counter.
+        let entries = vec![entry(&failed(200))];
+        let (replayed, _) =
+            RunState::replay("r", settings(), &entries, Arc::new(Metrics::new("r")));
+        assert_eq!(lock(&replayed.snapshot).failures, 1);
+        assert_eq!(
+            sample(&replayed, &failures, "reason=\"mismatch\""),
+            Some(0.0)
+        );
+    }
+
+    /// The turn of a window-1 curve 5, 4, 3, 2, 3, 4: best 2 at step 400, above it by more than
+    /// `min_rise` at 500 and 600, so with `patience: 2` it fires at 600; then 1 at 800 is below
+    /// 2 · (1 − 0.005): resolved.
+    #[test]
+    fn the_status_snapshot_and_metrics_follow_a_fired_turn_and_its_resolution() {
+        let mut state = fresh();
+        let mut events = Vec::new();
+        for o in run_outcomes() {
+            let step = item_of(&o).step;
+            if let Some(e) = state.observe(&o, &at(step)) {
+                events.push(e);
+            }
+            if step == 600 {
+                break;
+            }
+        }
+        let [fired] = events.as_slice() else {
+            panic!("one event, not {events:?}")
+        };
+        let expected = Event {
+            id: event_id("r", EventKind::EarlyStop, 400, 600),
+            event: EventKind::EarlyStop,
+            run: "r".into(),
+            metric: "icr".into(),
+            best_step: 400,
+            best_checkpoint: "ckpt_400.pt".into(),
+            best_value: 2.0,
+            current_step: 600,
+            current_value: 4.0,
+            fired_at: at(600),
+        };
+        assert_eq!(fired, &expected);
+        let s = status(&state);
+        assert_eq!(s["fired"], true);
+        assert_eq!(s["best_step"], 400);
+        assert_eq!(s["best_checkpoint"], "ckpt_400.pt");
+        assert_eq!(s["best_value"], 2.0);
+        assert_eq!(s["last_step"], 600);
+        assert_eq!(s["last_value"], 4.0);
+        assert_eq!(s["event"], serde_json::to_value(&expected).unwrap());
+        {
+            let snap = lock(&state.snapshot);
+            let marker = Marker {
+                step: 400,
+                checkpoint: "ckpt_400.pt".into(),
+                value: 2.0,
+            };
+            assert_eq!(snap.rows.len(), 6);
+            assert_eq!(snap.best.as_ref(), Some(&marker));
+            assert_eq!(snap.fired, Some((marker, 600)));
+            assert!(!snap.resolved);
+            assert_eq!(snap.last_at.as_deref(), Some(at(600).as_str()));
+        }
+        let run = "run=\"r\"";
+        assert_eq!(sample(&state, EARLY_STOP_TRIGGERED, run), Some(1.0));
+        assert_eq!(sample(&state, BEST_STEP, run), Some(400.0));
+        assert_eq!(sample(&state, ICR_SMOOTHED, run), Some(4.0));
+
+        assert_eq!(state.observe(&failed(700), &at(700)), None);
+        let resolved = state.observe(&done(800, 1.0), &at(800)).expect("resolved");
+        assert_eq!(resolved.event, EventKind::Resolved);
+        assert_eq!(resolved.id, event_id("r", EventKind::Resolved, 800, 800));
+        assert_eq!((resolved.best_step, resolved.best_value), (800, 1.0));
+        let s = status(&state);
+        assert_eq!(s["fired"], false);
+        assert_eq!(s["best_step"], 800);
+        assert_eq!(s["event"]["event"], "resolved");
+        assert!(lock(&state.snapshot).resolved);
+        assert_eq!(lock(&state.snapshot).failures, 1);
+        assert_eq!(sample(&state, EARLY_STOP_TRIGGERED, run), Some(0.0));
+        assert_eq!(sample(&state, BEST_STEP, run), Some(800.0));
+    }
+
+    /// `diffmon report` draws what the live page of a restarted daemon shows.
+    #[test]
+    fn the_replayed_snapshot_is_the_reports() {
+        let entries: Vec<Entry> = run_outcomes().iter().map(entry).collect();
+        let (state, _) = RunState::replay("r", settings(), &entries, Arc::new(Metrics::new("r")));
+        let report = Snapshot::replay("r", EarlyStopMetric::Icr, settings(), &entries);
+        assert_eq!(*lock(&state.snapshot), report);
+    }
+}

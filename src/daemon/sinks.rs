@@ -1,0 +1,264 @@
+//! The sinks: where a run's evaluations and events go out once they are recorded and the run's
+//! state has taken them. [`Console`] prints a summary line per evaluation and announces events;
+//! [`Alerts`] hands events to the [`Alerter`] (stop file, webhooks, Alertmanager). Each is a
+//! [`Sink`]; [`Sinks`] passes everything to each of them in order.
+
+use crate::alerts::{AlertError, Alerter, Event, EventKind};
+use crate::detector::DetectorState;
+use crate::record::Evaluation;
+use std::time::Duration;
+
+/// How long the alerter gets, at shutdown, to finish the deliveries in progress.
+const ALERTS_SHUTDOWN: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    #[error("cannot queue a replayed alert")]
+    Replayed(#[source] AlertError),
+}
+
+/// One destination of a run's evaluations and events. Every method does nothing unless the
+/// sink has a use for it.
+pub trait Sink: Send {
+    /// An evaluation was recorded, live; `state` is the detector's state after it. (A sink that
+    /// acts on the best checkpoint finds it in `state.best`.)
+    fn evaluation(&mut self, _record: &Evaluation, _state: &DetectorState) {}
+
+    /// An event the detector decided on a live evaluation, after that evaluation's
+    /// [`Sink::evaluation`].
+    fn event(&mut self, _event: &Event) {}
+
+    /// An event the replay of the history found at start-up, to be sent again; an error stops
+    /// the start.
+    fn replayed(&mut self, _event: &Event) -> Result<(), SinkError> {
+        Ok(())
+    }
+
+    /// The daemon stops: finish what is under way, in a bounded time.
+    fn close(self: Box<Self>, _runtime: &tokio::runtime::Runtime) {}
+}
+
+/// The sinks of a run, each given everything in order.
+pub struct Sinks(Vec<Box<dyn Sink>>);
+
+impl Sinks {
+    pub fn new(sinks: Vec<Box<dyn Sink>>) -> Sinks {
+        Sinks(sinks)
+    }
+
+    pub fn evaluation(&mut self, record: &Evaluation, state: &DetectorState) {
+        for sink in &mut self.0 {
+            sink.evaluation(record, state);
+        }
+    }
+
+    pub fn event(&mut self, event: &Event) {
+        for sink in &mut self.0 {
+            sink.event(event);
+        }
+    }
+
+    pub fn replayed(&mut self, event: &Event) -> Result<(), SinkError> {
+        self.0.iter_mut().try_for_each(|sink| sink.replayed(event))
+    }
+
+    pub fn close(self, runtime: &tokio::runtime::Runtime) {
+        for sink in self.0 {
+            sink.close(runtime);
+        }
+    }
+}
+
+/// Standard output: a summary line per evaluation, and the early stop and its resolution
+/// announced (and logged at WARN).
+pub struct Console {
+    /// `early_stop.min_rise`, quoted by the early-stop announcement.
+    pub min_rise: f64,
+}
+
+impl Sink for Console {
+    fn evaluation(&mut self, record: &Evaluation, state: &DetectorState) {
+        println!("{}", summary(record, state));
+    }
+
+    fn event(&mut self, e: &Event) {
+        match e.event {
+            EventKind::EarlyStop => {
+                println!(
+                    "EARLY STOP: {} turned at step {} (smoothed {:.4} > best {:.4} · (1 + {})); best checkpoint: {} (step {})",
+                    e.metric,
+                    e.current_step,
+                    e.current_value,
+                    e.best_value,
+                    self.min_rise,
+                    e.best_checkpoint,
+                    e.best_step
+                );
+                tracing::warn!(run = %e.run, best_step = e.best_step, best_checkpoint = %e.best_checkpoint, "early stop fired");
+            }
+            EventKind::Resolved => {
+                println!(
+                    "RESOLVED: {} went below the best again at step {} ({:.4})",
+                    e.metric, e.current_step, e.current_value
+                );
+                tracing::warn!(run = %e.run, step = e.current_step, "early stop resolved (double descent)");
+            }
+        }
+    }
+}
+
+/// The console's line for one evaluation (`s`: the detector's state after it).
+fn summary(r: &Evaluation, s: &DetectorState) -> String {
+    let mut line = format!("step {:>7}", r.step);
+    if let Some(v) = r.icr {
+        line += &format!("  ICR {v:.4}");
+    }
+    if let Some(v) = s.last_smoothed {
+        line += &format!("  smoothed {v:.4}");
+    }
+    if let Some(b) = &s.best {
+        line += &format!("  best {:.4} @ {}", b.value, b.step);
+    }
+    if let Some(v) = r.generalization_gap {
+        line += &format!("  gap {v:+.5}");
+    }
+    if let Some(v) = r.pfd_generalization {
+        line += &format!("  E_gen {v:.4}");
+    }
+    if let Some(v) = r.pfd_memorization {
+        line += &format!("  E_mem {v:.4}");
+    }
+    if let Some(v) = r.memorization_ratio {
+        line += &format!("  memorized {:.1}%", 100.0 * v);
+    }
+    line + &format!("  {:.1}s", r.seconds)
+}
+
+/// The early-stop signal: the stop file, webhooks and Alertmanager (`alerts/`).
+pub struct Alerts(pub Alerter);
+
+impl Sink for Alerts {
+    fn event(&mut self, event: &Event) {
+        if let Err(e) = self.0.send(event) {
+            tracing::error!(event = %event.id, "cannot queue the alert: {e}");
+        }
+    }
+
+    fn replayed(&mut self, event: &Event) -> Result<(), SinkError> {
+        self.0.send(event).map_err(SinkError::Replayed)
+    }
+
+    /// Deliveries in progress get [`ALERTS_SHUTDOWN`]; what remains stays in the outbox.
+    fn close(self: Box<Self>, runtime: &tokio::runtime::Runtime) {
+        runtime.block_on(self.0.shutdown(ALERTS_SHUTDOWN));
+    }
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+    use crate::alerts::event_id;
+    use crate::detector::Best;
+    use std::sync::{Arc, Mutex};
+
+    /// A sink that writes down what it is given, as `"<name> <what> <step>"`.
+    pub struct Log {
+        pub name: &'static str,
+        pub lines: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Sink for Log {
+        fn evaluation(&mut self, record: &Evaluation, _: &DetectorState) {
+            let line = format!("{} evaluation {}", self.name, record.step);
+            self.lines.lock().unwrap().push(line);
+        }
+
+        fn event(&mut self, event: &Event) {
+            let line = format!("{} {} {}", self.name, event.event, event.current_step);
+            self.lines.lock().unwrap().push(line);
+        }
+    }
+
+    pub fn event(kind: EventKind, step: i64) -> Event {
+        Event {
+            id: event_id("r", kind, 1, step),
+            event: kind,
+            run: "r".into(),
+            metric: "icr".into(),
+            best_step: 1,
+            best_checkpoint: "ckpt_1.pt".into(),
+            best_value: 0.25,
+            current_step: step,
+            current_value: 0.5,
+            fired_at: "2024-05-01T12:00:00.000Z".into(),
+        }
+    }
+
+    #[test]
+    fn every_sink_gets_everything_in_order() {
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let log = |name| -> Box<dyn Sink> {
+            Box::new(Log {
+                name,
+                lines: lines.clone(),
+            })
+        };
+        let mut sinks = Sinks::new(vec![log("a"), log("b")]);
+        let record = Evaluation {
+            step: 5,
+            ..Evaluation::default()
+        };
+        sinks.evaluation(&record, &DetectorState::default());
+        sinks.event(&event(EventKind::EarlyStop, 5));
+        sinks.replayed(&event(EventKind::Resolved, 6)).unwrap();
+        assert_eq!(
+            *lines.lock().unwrap(),
+            [
+                "a evaluation 5",
+                "b evaluation 5",
+                "a early_stop 5",
+                "b early_stop 5"
+            ]
+        );
+    }
+
+    /// The console line, written out by hand: every metric the record has, the detector's
+    /// smoothed value and best, and the time taken.
+    #[test]
+    fn the_summary_line_shows_what_the_record_and_the_detector_have() {
+        let record = Evaluation {
+            step: 1200,
+            icr: Some(0.123456),
+            generalization_gap: Some(-0.0012345),
+            pfd_generalization: Some(1.5),
+            pfd_memorization: Some(0.25),
+            memorization_ratio: Some(0.125),
+            seconds: 2.04,
+            ..Evaluation::default()
+        };
+        let state = DetectorState {
+            last_smoothed: Some(0.2),
+            best: Some(Best {
+                step: 800,
+                checkpoint: "ckpt_800.pt".into(),
+                value: 0.1,
+                confirm_value: None,
+                confirm_floor: 0.0,
+            }),
+            ..DetectorState::default()
+        };
+        assert_eq!(
+            summary(&record, &state),
+            "step    1200  ICR 0.1235  smoothed 0.2000  best 0.1000 @ 800  gap -0.00123  E_gen 1.5000  E_mem 0.2500  memorized 12.5%  2.0s"
+        );
+        let bare = Evaluation {
+            step: 3,
+            seconds: 0.5,
+            ..Evaluation::default()
+        };
+        assert_eq!(
+            summary(&bare, &DetectorState::default()),
+            "step       3  0.5s"
+        );
+    }
+}
