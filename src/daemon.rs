@@ -306,29 +306,13 @@ impl Recorder {
 
     fn summary(&self, r: &Evaluation) -> String {
         let s = &self.detector.state;
-        let mut line = format!("step {:>7}", r.step);
-        if let Some(v) = r.icr {
-            line += &format!("  ICR {v:.4}");
-        }
-        if let Some(v) = s.last_smoothed {
-            line += &format!("  smoothed {v:.4}");
-        }
-        if let Some(b) = &s.best {
-            line += &format!("  best {:.4} @ {}", b.value, b.step);
-        }
-        if let Some(v) = r.generalization_gap {
-            line += &format!("  gap {v:+.5}");
-        }
-        if let Some(v) = r.pfd_generalization {
-            line += &format!("  E_gen {v:.4}");
-        }
-        if let Some(v) = r.pfd_memorization {
-            line += &format!("  E_mem {v:.4}");
-        }
-        if let Some(v) = r.memorization_ratio {
-            line += &format!("  memorized {:.1}%", 100.0 * v);
-        }
-        line + &format!("  {:.1}s", r.seconds)
+        let detector = [
+            s.last_smoothed.map(|v| format!("smoothed {v:.4}")),
+            s.best
+                .as_ref()
+                .map(|b| format!("best {:.4} @ {}", b.value, b.step)),
+        ];
+        crate::record::watch_line(r, detector.into_iter().flatten())
     }
 
     fn announce(&self, e: &Event) {
