@@ -6,12 +6,13 @@
 //! drops; an append that fails (a full disk) is cut back to the complete lines, so the journal
 //! stays readable and the caller can try the same entry again. `<state_dir>/history.h5` is
 //! regenerated from the journal by [`History::write_hdf5`] once it misses evaluations, written
-//! to a temporary file and renamed into place, so readers (h5py) always see a complete file: group `/evaluations` with one 1-D dataset per scalar field (NaN where a metric
-//! was not computed), `checkpoint` as strings, and the ICR spectra in `icr_eigenvalues`
-//! `[rows, d]`. `diffmon report` reads the journal beside a running daemon without changing it
-//! ([`History::read`]).
+//! to a temporary file and renamed into place, so readers (h5py) always see a complete file:
+//! group `/evaluations` with one 1-D dataset per scalar field (`step`, each field of
+//! `record::FIELDS` with NaN, or [`ABSENT_INT`], where a metric was not computed, and `seconds`),
+//! `checkpoint` as strings, and the ICR spectra in `icr_eigenvalues` `[rows, d]`. `diffmon
+//! report` reads the journal beside a running daemon without changing it ([`History::read`]).
 
-use crate::record::Evaluation;
+use crate::record::{Evaluation, FIELDS, Get};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
@@ -386,30 +387,9 @@ fn read_journal(path: &Path) -> Result<(Vec<Entry>, u64, Repairs), HistoryError>
     Ok((entries, good_len, repairs))
 }
 
-/// The scalar float fields of a record, in the history file's order.
-fn float_fields(r: &Evaluation) -> [(&'static str, Option<f64>); 13] {
-    [
-        ("icr", r.icr),
-        ("icr_invariant_trace", r.icr_invariant_trace),
-        ("icr_residual_trace", r.icr_residual_trace),
-        (
-            "icr_invariant_trace_normalized",
-            r.icr_invariant_trace_normalized,
-        ),
-        (
-            "icr_residual_trace_normalized",
-            r.icr_residual_trace_normalized,
-        ),
-        ("pfd_generalization", r.pfd_generalization),
-        ("pfd_memorization", r.pfd_memorization),
-        ("memorization_ratio", r.memorization_ratio),
-        ("tail_rmsqe", r.tail_rmsqe),
-        ("tail_loader", r.tail_loader),
-        ("loss_train", r.loss_train),
-        ("loss_heldout", r.loss_heldout),
-        ("generalization_gap", r.generalization_gap),
-    ]
-}
+/// What an int64 column holds where the record does not have the field (also the dataset's
+/// fill value); float64 columns hold NaN.
+pub const ABSENT_INT: i64 = -1;
 
 fn write_hdf5(path: &Path, records: &[&Evaluation]) -> hdf5::Result<()> {
     let file = hdf5::File::create(path)?;
@@ -431,16 +411,27 @@ fn write_hdf5(path: &Path, records: &[&Evaluation]) -> hdf5::Result<()> {
         .new_dataset_builder()
         .with_data(&names)
         .create("checkpoint")?;
-    let template = Evaluation::default();
-    for (k, (name, _)) in float_fields(&template).iter().enumerate() {
-        let column: Vec<f64> = records
-            .iter()
-            .map(|r| float_fields(r)[k].1.unwrap_or(f64::NAN))
-            .collect();
-        group
-            .new_dataset_builder()
-            .with_data(&column)
-            .create(*name)?;
+    for field in &FIELDS {
+        match field.get {
+            Get::Float(get) => {
+                let column: Vec<f64> = records.iter().map(|r| get(r).unwrap_or(f64::NAN)).collect();
+                group
+                    .new_dataset_builder()
+                    .with_data(&column)
+                    .create(field.name)?;
+            }
+            Get::Int(get) => {
+                let column: Vec<i64> = records
+                    .iter()
+                    .map(|r| get(r).unwrap_or(ABSENT_INT))
+                    .collect();
+                group
+                    .new_dataset_builder()
+                    .fill_value(ABSENT_INT)
+                    .with_data(&column)
+                    .create(field.name)?;
+            }
+        }
     }
     let seconds: Vec<f64> = records.iter().map(|r| r.seconds).collect();
     group
@@ -553,6 +544,57 @@ mod tests {
             .read_raw::<hdf5::types::VarLenUnicode>()
             .unwrap();
         assert_eq!(names[2].as_str(), "/r/ckpt_150.pt");
+    }
+
+    /// Every field of the table has its column, of its type: the value of a full record, and
+    /// NaN (float64) or [`ABSENT_INT`] (int64) for a record without it.
+    #[test]
+    fn every_field_of_the_table_has_its_hdf5_column() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut h = History::open(dir.path()).unwrap();
+        let full = crate::record::full_record();
+        let empty = Evaluation {
+            step: 200,
+            checkpoint: "/r/empty.pt".into(),
+            ..Evaluation::default()
+        };
+        for (k, r) in [&full, &empty].into_iter().enumerate() {
+            h.append(Entry::Evaluation {
+                key: CheckpointKey {
+                    path: r.checkpoint.clone(),
+                    size: 1,
+                    mtime_ns: k as i64,
+                },
+                at: "2026-01-01T00:00:00Z".into(),
+                record: Box::new(r.clone()),
+            })
+            .unwrap();
+        }
+        h.write_hdf5().unwrap();
+        let file = hdf5::File::open(dir.path().join(HDF5)).unwrap();
+        let g = file.group("evaluations").unwrap();
+        let mut want: Vec<&str> = FIELDS.iter().map(|f| f.name).collect();
+        want.extend(["step", "checkpoint", "seconds", "icr_eigenvalues"]);
+        want.sort();
+        assert_eq!(g.member_names().unwrap(), want);
+        for f in &FIELDS {
+            let d = g.dataset(f.name).unwrap();
+            match f.get {
+                Get::Float(get) => {
+                    assert!(d.dtype().unwrap().is::<f64>(), "{}", f.name);
+                    let v = d.read_raw::<f64>().unwrap();
+                    assert_eq!(v[0], get(&full).unwrap(), "{}", f.name);
+                    assert!(v[1].is_nan(), "{}: {}", f.name, v[1]);
+                }
+                Get::Int(get) => {
+                    assert!(d.dtype().unwrap().is::<i64>(), "{}", f.name);
+                    let v = d.read_raw::<i64>().unwrap();
+                    assert_eq!(v, [get(&full).unwrap(), ABSENT_INT], "{}", f.name);
+                    let fill = d.dcpl().unwrap().fill_value_as::<i64>();
+                    assert_eq!(fill, Some(ABSENT_INT), "{}", f.name);
+                }
+            }
+        }
     }
 
     fn journal_lines(dir: &Path) -> Vec<String> {

@@ -1,8 +1,10 @@
 //! Prometheus metrics (docs/design.md §16), through the official `prometheus-client` crate. Every
 //! metric carries the label `run`. Metric names are the constants below (without the `_total`
-//! suffix the text format adds to counters); dashboards and tests refer to these. So are the
-//! known values of every other label ([`STAGES`], [`FailureReason::ALL`], [`Receiver::ALL`] and
-//! [`DeliveryOutcome::ALL`]): each of their series exists, at zero, from the start.
+//! suffix the text format adds to counters; the gauges of the record's fields, which the table
+//! `record::FIELDS` registers and sets, are re-exported from `record::gauge_names`); dashboards
+//! and tests refer to these. So are the known values of every other label ([`STAGES`],
+//! [`FailureReason::ALL`], [`Receiver::ALL`] and [`DeliveryOutcome::ALL`]): each of their series
+//! exists, at zero, from the start.
 //!
 //! `/metrics` speaks both exposition formats, chosen from the `Accept` header like Prometheus'
 //! own client libraries do ([`Format::negotiate`]): OpenMetrics 1.0 (what `prometheus-client`
@@ -10,7 +12,7 @@
 //! ([`openmetrics_to_text`]).
 
 use crate::alerts::{DeliveryOutcome, Receiver};
-use crate::record::{Evaluation, FailureReason};
+use crate::record::{Evaluation, FIELDS, FailureReason};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
@@ -22,17 +24,10 @@ use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-pub const ICR: &str = "diffmon_icr";
+// The gauges of the record's fields (`ICR`, `DENOISE_LOSS`, ...): their names are defined beside
+// the table of fields, which names each field's gauge, so that `record` depends on nothing.
+pub use crate::record::gauge_names::*;
 pub const ICR_SMOOTHED: &str = "diffmon_icr_smoothed";
-pub const ICR_INVARIANT_TRACE: &str = "diffmon_icr_invariant_trace";
-pub const ICR_RESIDUAL_TRACE: &str = "diffmon_icr_residual_trace";
-pub const PFD_GENERALIZATION: &str = "diffmon_pfd_generalization";
-pub const PFD_MEMORIZATION: &str = "diffmon_pfd_memorization";
-pub const MEMORIZATION_RATIO: &str = "diffmon_memorization_ratio";
-pub const TAIL_RMSQE: &str = "diffmon_tail_rmsqe";
-pub const TAIL_LOADER: &str = "diffmon_tail_loader";
-pub const DENOISE_LOSS: &str = "diffmon_denoise_loss";
-pub const GENERALIZATION_GAP: &str = "diffmon_generalization_gap";
 pub const LAST_EVALUATED_STEP: &str = "diffmon_last_evaluated_step";
 pub const BEST_STEP: &str = "diffmon_best_step";
 pub const EARLY_STOP_TRIGGERED: &str = "diffmon_early_stop_triggered";
@@ -65,7 +60,8 @@ pub const STAGE_LOSS: &str = "loss";
 pub const STAGE_PFD: &str = "pfd";
 pub const STAGES: [&str; 5] = [STAGE_TOTAL, STAGE_LOAD, STAGE_ICR, STAGE_LOSS, STAGE_PFD];
 
-/// Every exported name as it appears in the text format (counters get `_total`).
+/// Every exported name as it appears in the text format (counters get `_total`): the gauges of
+/// the record's fields ([`FIELDS`]), then the others.
 pub fn exported_names() -> Vec<String> {
     let counters = [
         CHECKPOINTS_EVALUATED,
@@ -74,38 +70,35 @@ pub fn exported_names() -> Vec<String> {
         WEBHOOK_DELIVERIES,
         PROCESS_CPU_SECONDS,
     ];
-    let mut names: Vec<String> = [
-        ICR,
-        ICR_SMOOTHED,
-        ICR_INVARIANT_TRACE,
-        ICR_RESIDUAL_TRACE,
-        PFD_GENERALIZATION,
-        PFD_MEMORIZATION,
-        MEMORIZATION_RATIO,
-        TAIL_RMSQE,
-        TAIL_LOADER,
-        DENOISE_LOSS,
-        GENERALIZATION_GAP,
-        LAST_EVALUATED_STEP,
-        BEST_STEP,
-        EARLY_STOP_TRIGGERED,
-        EARLY_STOP_UNCONFIRMED,
-        CHECKPOINTS_PENDING,
-        CHECKPOINTS_IGNORED,
-        EVALUATION_DURATION,
-        BUILD_INFO,
-        LAST_EVALUATION_TIMESTAMP,
-        BEST_STEP_TIMESTAMP,
-        EARLY_STOP_TIMESTAMP,
-        PROCESS_RESIDENT_MEMORY,
-        PROCESS_VIRTUAL_MEMORY,
-        PROCESS_START_TIME,
-        PROCESS_OPEN_FDS,
-        PROCESS_MAX_FDS,
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let mut names: Vec<String> = Vec::new();
+    for g in FIELDS.iter().filter_map(|f| f.gauge) {
+        if !names.iter().any(|n| n == g.name) {
+            names.push(g.name.to_string());
+        }
+    }
+    names.extend(
+        [
+            ICR_SMOOTHED,
+            LAST_EVALUATED_STEP,
+            BEST_STEP,
+            EARLY_STOP_TRIGGERED,
+            EARLY_STOP_UNCONFIRMED,
+            CHECKPOINTS_PENDING,
+            CHECKPOINTS_IGNORED,
+            EVALUATION_DURATION,
+            BUILD_INFO,
+            LAST_EVALUATION_TIMESTAMP,
+            BEST_STEP_TIMESTAMP,
+            EARLY_STOP_TIMESTAMP,
+            PROCESS_RESIDENT_MEMORY,
+            PROCESS_VIRTUAL_MEMORY,
+            PROCESS_START_TIME,
+            PROCESS_OPEN_FDS,
+            PROCESS_MAX_FDS,
+        ]
+        .iter()
+        .map(|s| s.to_string()),
+    );
     names.extend(counters.iter().map(|c| format!("{c}_total")));
     names
 }
@@ -113,12 +106,6 @@ pub fn exported_names() -> Vec<String> {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RunLabel {
     pub run: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct SplitLabels {
-    pub run: String,
-    pub split: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -148,21 +135,17 @@ pub struct VersionLabels {
 
 type FGauge = Gauge<f64, AtomicU64>;
 
+/// The labels of a record field's gauge: `run`, then the field's own (`split`).
+type FieldLabels = Vec<(&'static str, String)>;
+
 /// The daemon's metrics; cheap to share (`Arc`) between the evaluation and HTTP threads.
 pub struct Metrics {
     run: String,
     pub registry: Registry,
-    icr: Family<RunLabel, FGauge>,
+    /// The gauge of each record field that has one, in [`FIELDS`]' order (fields that share a
+    /// gauge share its family).
+    fields: Vec<Option<Family<FieldLabels, FGauge>>>,
     icr_smoothed: Family<RunLabel, FGauge>,
-    icr_invariant_trace: Family<RunLabel, FGauge>,
-    icr_residual_trace: Family<RunLabel, FGauge>,
-    pfd_generalization: Family<RunLabel, FGauge>,
-    pfd_memorization: Family<RunLabel, FGauge>,
-    memorization_ratio: Family<RunLabel, FGauge>,
-    tail_rmsqe: Family<RunLabel, FGauge>,
-    tail_loader: Family<RunLabel, FGauge>,
-    denoise_loss: Family<SplitLabels, FGauge>,
-    generalization_gap: Family<RunLabel, FGauge>,
     last_evaluated_step: Family<RunLabel, Gauge>,
     best_step: Family<RunLabel, Gauge>,
     early_stop_triggered: Family<RunLabel, Gauge>,
@@ -509,17 +492,8 @@ impl Metrics {
         let mut registry = Registry::default();
         let m = Metrics {
             run: run.to_string(),
-            icr: Family::default(),
+            fields: Vec::new(),
             icr_smoothed: Family::default(),
-            icr_invariant_trace: Family::default(),
-            icr_residual_trace: Family::default(),
-            pfd_generalization: Family::default(),
-            pfd_memorization: Family::default(),
-            memorization_ratio: Family::default(),
-            tail_rmsqe: Family::default(),
-            tail_loader: Family::default(),
-            denoise_loss: Family::default(),
-            generalization_gap: Family::default(),
             last_evaluated_step: Family::default(),
             best_step: Family::default(),
             early_stop_triggered: Family::default(),
@@ -537,61 +511,31 @@ impl Metrics {
             seen: Mutex::new((None, false)),
             registry: Registry::default(),
         };
-        registry.register(
-            ICR,
-            "Invariant Contamination Ratio of the last checkpoint",
-            m.icr.clone(),
-        );
-        registry.register(
-            ICR_SMOOTHED,
-            "ICR smoothed by the early-stop detector (running median)",
-            m.icr_smoothed.clone(),
-        );
-        registry.register(
-            ICR_INVARIANT_TRACE,
-            "Tr(Sigma_s): invariant (signal) energy of the features",
-            m.icr_invariant_trace.clone(),
-        );
-        registry.register(
-            ICR_RESIDUAL_TRACE,
-            "Tr(Sigma_xi): residual (view-dependent) energy of the features",
-            m.icr_residual_trace.clone(),
-        );
-        registry.register(
-            PFD_GENERALIZATION,
-            "E_gen: probability flow distance to the teacher",
-            m.pfd_generalization.clone(),
-        );
-        registry.register(
-            PFD_MEMORIZATION,
-            "E_mem: probability flow distance to the empirical flow",
-            m.pfd_memorization.clone(),
-        );
-        registry.register(
-            MEMORIZATION_RATIO,
-            "Fraction of generated samples that copy a training image",
-            m.memorization_ratio.clone(),
-        );
-        registry.register(
-            TAIL_RMSQE,
-            "Root-mean-square quantile error of the tail",
-            m.tail_rmsqe.clone(),
-        );
-        registry.register(
-            TAIL_LOADER,
-            "LOADER: integrated absolute log-density difference",
-            m.tail_loader.clone(),
-        );
-        registry.register(
-            DENOISE_LOSS,
-            "EDM-weighted denoising loss at the ICR noise level",
-            m.denoise_loss.clone(),
-        );
-        registry.register(
-            GENERALIZATION_GAP,
-            "Held-out minus training denoising loss",
-            m.generalization_gap.clone(),
-        );
+        // One family per gauge, registered in the table's order; fields sharing a gauge share it.
+        let mut registered: Vec<(&str, Family<FieldLabels, FGauge>)> = Vec::new();
+        let mut fields = Vec::new();
+        for g in FIELDS.iter().map(|f| f.gauge) {
+            let Some(g) = g else {
+                fields.push(None);
+                continue;
+            };
+            if let Some((_, family)) = registered.iter().find(|(name, _)| *name == g.name) {
+                fields.push(Some(family.clone()));
+                continue;
+            }
+            let family = Family::default();
+            registry.register(g.name, g.help, family.clone());
+            if g.name == ICR {
+                // The detector's smoothed value, beside the raw one in the exposition.
+                registry.register(
+                    ICR_SMOOTHED,
+                    "ICR smoothed by the early-stop detector (running median)",
+                    m.icr_smoothed.clone(),
+                );
+            }
+            registered.push((g.name, family.clone()));
+            fields.push(Some(family));
+        }
         registry.register(
             LAST_EVALUATED_STEP,
             "Training step of the last evaluated checkpoint",
@@ -671,6 +615,7 @@ impl Metrics {
             })
             .set(1);
         registry.register(BUILD_INFO, "diffmon's version", build);
+        let m = Metrics { fields, ..m };
         // Series that exist from the start, so dashboards and alerts see zeros, not gaps.
         let l = m.label();
         m.checkpoints_evaluated.get_or_create(&l).inc_by(0);
@@ -746,33 +691,19 @@ impl Metrics {
         }
     }
 
-    /// Publishes one evaluation's values (gauges only: a restart republishes the last one).
+    /// Publishes one evaluation's values (gauges only: a restart republishes the last one). A
+    /// field the record does not have leaves its gauge as it was.
     pub fn record(&self, e: &Evaluation) {
-        let l = self.label();
-        let set = |f: &Family<RunLabel, FGauge>, v: Option<f64>| {
-            if let Some(v) = v {
-                f.get_or_create(&l).set(v);
-            }
-        };
-        set(&self.icr, e.icr);
-        set(&self.icr_invariant_trace, e.icr_invariant_trace);
-        set(&self.icr_residual_trace, e.icr_residual_trace);
-        set(&self.pfd_generalization, e.pfd_generalization);
-        set(&self.pfd_memorization, e.pfd_memorization);
-        set(&self.memorization_ratio, e.memorization_ratio);
-        set(&self.tail_rmsqe, e.tail_rmsqe);
-        set(&self.tail_loader, e.tail_loader);
-        set(&self.generalization_gap, e.generalization_gap);
-        for (split, v) in [("train", e.loss_train), ("heldout", e.loss_heldout)] {
-            if let Some(v) = v {
-                let labels = SplitLabels {
-                    run: self.run.clone(),
-                    split: split.into(),
-                };
-                self.denoise_loss.get_or_create(&labels).set(v);
+        for (f, family) in FIELDS.iter().zip(&self.fields) {
+            if let (Some(g), Some(family), Some(v)) = (f.gauge, family, f.float(e)) {
+                let mut labels: FieldLabels = vec![("run", self.run.clone())];
+                labels.extend(g.labels.iter().map(|(k, v)| (*k, v.to_string())));
+                family.get_or_create(&labels).set(v);
             }
         }
-        self.last_evaluated_step.get_or_create(&l).set(e.step);
+        self.last_evaluated_step
+            .get_or_create(&self.label())
+            .set(e.step);
     }
 
     /// Counts one evaluation done by this process and its durations (total and per stage).
@@ -873,23 +804,7 @@ mod tests {
     #[test]
     fn every_named_metric_is_exported_with_the_run_label() {
         let m = Metrics::new("exp1");
-        m.record(&Evaluation {
-            step: 100,
-            checkpoint: "c.pt".into(),
-            icr: Some(0.5),
-            icr_invariant_trace: Some(1.0),
-            icr_residual_trace: Some(2.0),
-            pfd_generalization: Some(0.1),
-            pfd_memorization: Some(0.2),
-            memorization_ratio: Some(0.0),
-            tail_rmsqe: Some(0.3),
-            tail_loader: Some(0.4),
-            loss_train: Some(0.1),
-            loss_heldout: Some(0.2),
-            generalization_gap: Some(0.1),
-            seconds: 1.5,
-            ..Evaluation::default()
-        });
+        m.record(&crate::record::full_record());
         m.evaluated(&Evaluation {
             seconds: 1.5,
             stages: vec![("icr", 1.0)],
@@ -916,11 +831,72 @@ mod tests {
             assert!(line.contains("run=\"exp1\""), "{line}");
         }
         assert!(
-            text.contains("diffmon_denoise_loss{run=\"exp1\",split=\"heldout\"} 0.2"),
+            text.contains("diffmon_denoise_loss{run=\"exp1\",split=\"heldout\"} 0.1234\n"),
             "{text}"
         );
         assert!(
             text.contains("diffmon_last_evaluated_step{run=\"exp1\"} 100"),
+            "{text}"
+        );
+    }
+
+    /// Each field of the table with a gauge is registered and set from a full record, with its
+    /// labels, its help and its value; a record without the field leaves its gauge as it was.
+    #[test]
+    fn every_gauge_of_the_field_table_is_registered_and_set() {
+        let full = crate::record::full_record();
+        let m = Metrics::new("r");
+        let before = m.encode_as(Format::Text);
+        m.record(&Evaluation {
+            step: 7,
+            ..Evaluation::default()
+        });
+        let empty = m.encode_as(Format::Text);
+        m.record(&full);
+        let text = m.encode_as(Format::Text);
+        m.record(&Evaluation {
+            step: 8,
+            ..Evaluation::default()
+        });
+        let after_empty = m.encode_as(Format::Text);
+        let mut gauges = 0;
+        for f in &crate::record::FIELDS {
+            let Some(g) = f.gauge else { continue };
+            gauges += 1;
+            assert!(exported_names().iter().any(|n| n == g.name), "{}", g.name);
+            assert!(
+                text.contains(&format!(
+                    "# HELP {} {}.\n# TYPE {} gauge\n",
+                    g.name, g.help, g.name
+                )),
+                "{}: {text}",
+                g.name
+            );
+            let labels: String = g
+                .labels
+                .iter()
+                .map(|(k, v)| format!(",{k}=\"{v}\""))
+                .collect();
+            let series = format!("{}{{run=\"r\"{labels}}} ", g.name);
+            let value = f.float(&full).unwrap();
+            let line = text.lines().find(|l| l.starts_with(&series));
+            let line = line.unwrap_or_else(|| panic!("no {series} in\n{text}"));
+            assert_eq!(
+                line[series.len()..].parse::<f64>().unwrap(),
+                value,
+                "{line}"
+            );
+            for t in [&before, &empty] {
+                assert!(!t.contains(&series), "{series} set without a value");
+            }
+            assert!(
+                after_empty.contains(line),
+                "{series} changed by a record without it"
+            );
+        }
+        assert_eq!(gauges, 12);
+        assert!(
+            text.contains(&format!("{ICR_STDERR}{{run=\"r\"}} 0.0042\n")),
             "{text}"
         );
     }

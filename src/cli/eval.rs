@@ -29,7 +29,7 @@ pub fn eval(config_path: &Path, checkpoints: &[PathBuf], json: bool) -> Result<(
                 if json {
                     writeln!(out, "{}", serde_json::to_string(&record)?)?;
                 } else {
-                    writeln!(out, "{}", summary_line(&record))?;
+                    writeln!(out, "{}", crate::record::eval_line(&record))?;
                     if let Some(sweep) = &record.icr_sweep {
                         write!(out, "{}", sweep_table(sweep))?;
                     }
@@ -60,24 +60,4 @@ pub fn sweep_table(sweep: &[crate::record::SweepPoint]) -> String {
         table += &format!("  {:>7.4}  {:>9.5}{mark}\n", p.sigma, p.icr);
     }
     table
-}
-
-/// One human-readable line per evaluation.
-pub fn summary_line(r: &crate::record::Evaluation) -> String {
-    let mut parts = vec![format!("step {:>7}", r.step)];
-    let mut field = |name: &str, v: Option<f64>| {
-        if let Some(v) = v {
-            parts.push(format!("{name} {v:.5}"));
-        }
-    };
-    field("icr", r.icr);
-    field("loss_train", r.loss_train);
-    field("loss_heldout", r.loss_heldout);
-    field("gap", r.generalization_gap);
-    field("E_gen", r.pfd_generalization);
-    field("E_mem", r.pfd_memorization);
-    field("mem", r.memorization_ratio);
-    parts.push(format!("{:.2}s", r.seconds));
-    parts.push(r.checkpoint.clone());
-    parts.join("  ")
 }

@@ -16,7 +16,7 @@ use anyhow::{Context, Result};
 use bias_variance::bias_variance;
 use clap::{Args, Parser, Subcommand};
 use eval::eval;
-pub use eval::{summary_line, sweep_table};
+pub use eval::sweep_table;
 use icr_features::icr_features;
 use sample::sample;
 use std::path::PathBuf;

@@ -109,29 +109,13 @@ impl Sink for Console {
 
 /// The console's line for one evaluation (`s`: the detector's state after it).
 fn summary(r: &Evaluation, s: &DetectorState) -> String {
-    let mut line = format!("step {:>7}", r.step);
-    if let Some(v) = r.icr {
-        line += &format!("  ICR {v:.4}");
-    }
-    if let Some(v) = s.last_smoothed {
-        line += &format!("  smoothed {v:.4}");
-    }
-    if let Some(b) = &s.best {
-        line += &format!("  best {:.4} @ {}", b.value, b.step);
-    }
-    if let Some(v) = r.generalization_gap {
-        line += &format!("  gap {v:+.5}");
-    }
-    if let Some(v) = r.pfd_generalization {
-        line += &format!("  E_gen {v:.4}");
-    }
-    if let Some(v) = r.pfd_memorization {
-        line += &format!("  E_mem {v:.4}");
-    }
-    if let Some(v) = r.memorization_ratio {
-        line += &format!("  memorized {:.1}%", 100.0 * v);
-    }
-    line + &format!("  {:.1}s", r.seconds)
+    let detector = [
+        s.last_smoothed.map(|v| format!("smoothed {v:.4}")),
+        s.best
+            .as_ref()
+            .map(|b| format!("best {:.4} @ {}", b.value, b.step)),
+    ];
+    crate::record::watch_line(r, detector.into_iter().flatten())
 }
 
 /// The early-stop signal: the stop file, webhooks and Alertmanager (`alerts/`).

@@ -101,14 +101,14 @@ td.path {{ text-align: left; }}
 
 /// The last ten evaluations, newest first, with the columns that have values.
 pub(super) fn table(s: &Snapshot, label: &str) -> String {
-    type Column = (&'static str, fn(&Row) -> Option<f64>);
-    let candidates: [Column; 5] = [
-        ("smoothed", |r| r.smoothed),
-        ("gap", |r| r.generalization_gap),
-        ("E_gen", |r| r.pfd_generalization),
-        ("E_mem", |r| r.pfd_memorization),
-        ("memorized", |r| r.memorization_ratio),
-    ];
+    type Column = (&'static str, Box<dyn Fn(&Row) -> Option<f64>>);
+    // The smoothed value, then the fields with a report column (`record::FIELDS`).
+    let mut candidates: Vec<Column> = vec![("smoothed", Box::new(|r: &Row| r.smoothed))];
+    for (k, c) in crate::record::columns() {
+        if let Some(label) = c.report {
+            candidates.push((label, Box::new(move |r: &Row| r.fields[k])));
+        }
+    }
     let rows: Vec<&Row> = s.rows.iter().rev().take(10).collect();
     let columns: Vec<&Column> = candidates
         .iter()

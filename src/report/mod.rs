@@ -3,9 +3,10 @@
 //! [`render`].
 //!
 //! The plots: the early-stop metric (ICR by default) as raw points with the smoothed curve the
-//! detector uses, the best step and the early stop marked; PFD (E_gen, E_mem); the memorization
-//! ratio; the invariant and residual traces; the denoising generalization gap. A plot whose
-//! metrics were never computed is left out. The input is a [`Snapshot`]: plain data that the
+//! detector uses, the best step and the early stop marked; then [`PLOTS`], whose series are the
+//! record fields drawn in them (`record::FIELDS`): PFD (E_gen, E_mem); the memorization ratio;
+//! the invariant and residual traces; the denoising generalization gap. A plot whose metrics
+//! were never computed is left out. The input is a [`Snapshot`]: plain data that the
 //! daemon keeps up to date after every evaluation and that the report command rebuilds by
 //! replaying the history journal through the detector, as the daemon does when it restarts.
 //!
@@ -20,7 +21,7 @@ mod svg;
 use crate::config::{EarlyStopConfig, EarlyStopMetric};
 use crate::detector::{Decision, Detector, DetectorState};
 use crate::history::{Entry, History, HistoryError, JOURNAL};
-use crate::record::Evaluation;
+use crate::record::{Evaluation, FIELDS};
 use html::html;
 use png::rasterize;
 use std::fmt::Write as _;
@@ -123,12 +124,8 @@ pub struct Row {
     pub value: Option<f64>,
     /// The detector's smoothed value after this evaluation.
     pub smoothed: Option<f64>,
-    pub icr_invariant_trace: Option<f64>,
-    pub icr_residual_trace: Option<f64>,
-    pub pfd_generalization: Option<f64>,
-    pub pfd_memorization: Option<f64>,
-    pub memorization_ratio: Option<f64>,
-    pub generalization_gap: Option<f64>,
+    /// The value of each field of `record::FIELDS`, in its order.
+    pub fields: Vec<Option<f64>>,
 }
 
 /// A checkpoint the detector singled out.
@@ -184,12 +181,7 @@ impl Snapshot {
             checkpoint: r.checkpoint.clone(),
             value,
             smoothed: value.and(decision.smoothed),
-            icr_invariant_trace: r.icr_invariant_trace,
-            icr_residual_trace: r.icr_residual_trace,
-            pfd_generalization: r.pfd_generalization,
-            pfd_memorization: r.pfd_memorization,
-            memorization_ratio: r.memorization_ratio,
-            generalization_gap: r.generalization_gap,
+            fields: FIELDS.iter().map(|f| f.float(r)).collect(),
         });
         let marker = |b: &crate::detector::Best| Marker {
             step: b.step,
@@ -335,6 +327,27 @@ fn metric_names(metric: EarlyStopMetric) -> (&'static str, &'static str) {
     }
 }
 
+/// The plots after the early-stop one, in order: (id, title, y label). Their series are the
+/// fields of `record::FIELDS` whose `series` names the plot, in the table's order.
+pub const PLOTS: [(&str, &str, &str); 4] = [
+    (
+        "pfd",
+        "PFD: E_gen (to the teacher), E_mem (to the data)",
+        "PFD",
+    ),
+    (
+        "memorization",
+        "Memorization ratio (share of samples)",
+        "ratio",
+    ),
+    (
+        "traces",
+        "ICR traces: invariant Tr Σ_s, residual Tr Σ_ξ",
+        "trace",
+    ),
+    ("gap", "Generalization gap (held-out − train loss)", "gap"),
+];
+
 fn plots(s: &Snapshot) -> Vec<Plot> {
     let rows = &s.rows;
     let (id, label) = metric_names(s.metric);
@@ -374,59 +387,14 @@ fn plots(s: &Snapshot) -> Vec<Plot> {
         ));
     }
     let mut out = vec![main];
-    let optional = [
-        Plot::new(
-            "pfd",
-            "PFD: E_gen (to the teacher), E_mem (to the data)",
-            "PFD",
-            vec![
-                series(rows, "pfd_generalization", "E_gen", "#9467bd", |r| {
-                    r.pfd_generalization
-                }),
-                series(rows, "pfd_memorization", "E_mem", "#8c564b", |r| {
-                    r.pfd_memorization
-                }),
-            ],
-        ),
-        Plot::new(
-            "memorization",
-            "Memorization ratio (share of samples)",
-            "ratio",
-            vec![series(
-                rows,
-                "memorization_ratio",
-                "memorized",
-                "#e377c2",
-                |r| r.memorization_ratio,
-            )],
-        ),
-        Plot::new(
-            "traces",
-            "ICR traces: invariant Tr Σ_s, residual Tr Σ_ξ",
-            "trace",
-            vec![
-                series(rows, "icr_invariant_trace", "invariant", "#17becf", |r| {
-                    r.icr_invariant_trace
-                }),
-                series(rows, "icr_residual_trace", "residual", "#bcbd22", |r| {
-                    r.icr_residual_trace
-                }),
-            ],
-        ),
-        Plot::new(
-            "gap",
-            "Generalization gap (held-out − train loss)",
-            "gap",
-            vec![series(rows, "generalization_gap", "gap", "#7f7f7f", |r| {
-                r.generalization_gap
-            })],
-        ),
-    ];
-    out.extend(
-        optional
-            .into_iter()
-            .filter(|p| p.series.iter().any(|s| !s.points.is_empty())),
-    );
+    let optional = PLOTS.iter().map(|&(id, title, y_label)| {
+        let drawn = FIELDS.iter().enumerate().filter_map(|(k, f)| {
+            let s = f.series.filter(|s| s.plot == id)?;
+            Some(series(rows, f.name, s.label, s.color, |r| r.fields[k]))
+        });
+        Plot::new(id, title, y_label, drawn.collect())
+    });
+    out.extend(optional.filter(|p| p.series.iter().any(|s| !s.points.is_empty())));
     out
 }
 
@@ -627,6 +595,76 @@ mod tests {
         let report =
             String::from_utf8(render(&s, Format::Html { refresh_secs: None }).unwrap()).unwrap();
         assert!(!report.contains("http-equiv"));
+    }
+
+    /// Every field with a series is drawn, in a plot of [`PLOTS`], and every field with a
+    /// report column heads one, from a history of full records.
+    #[test]
+    fn every_plotted_field_of_the_table_is_drawn() {
+        let entries: Vec<Entry> = (1..=3)
+            .map(|i| {
+                let mut r = crate::record::full_record();
+                r.step = 100 * i;
+                r.icr = Some(0.8 + 0.01 * i as f64);
+                r.generalization_gap = Some(0.01 * i as f64);
+                Entry::Evaluation {
+                    key: crate::history::CheckpointKey {
+                        path: format!("/r/{i}.pt"),
+                        size: 1,
+                        mtime_ns: i,
+                    },
+                    at: "2026-01-01T00:00:00Z".into(),
+                    record: Box::new(r),
+                }
+            })
+            .collect();
+        let s = Snapshot::replay(
+            "r",
+            EarlyStopMetric::Icr,
+            EarlyStopConfig::default(),
+            &entries,
+        );
+        let svg = svg_of(&s);
+        let doc = roxmltree::Document::parse(&svg).unwrap();
+        let mut drawn = 0;
+        for f in &FIELDS {
+            let Some(series) = f.series else { continue };
+            assert!(
+                PLOTS.iter().any(|(id, ..)| *id == series.plot),
+                "{}: no plot {}",
+                f.name,
+                series.plot
+            );
+            let plot = doc
+                .descendants()
+                .find(|n| n.attribute("data-plot") == Some(series.plot))
+                .unwrap_or_else(|| panic!("plot {} not drawn", series.plot));
+            assert!(
+                plot.descendants()
+                    .any(|n| n.has_tag_name("polyline")
+                        && n.attribute("data-series") == Some(f.name)),
+                "{} not drawn in {}",
+                f.name,
+                series.plot
+            );
+            assert_eq!(polyline_vertices(&doc, f.name), 3);
+            drawn += 1;
+        }
+        assert_eq!(drawn, 6);
+        for (id, ..) in PLOTS {
+            assert!(
+                FIELDS
+                    .iter()
+                    .any(|f| f.series.is_some_and(|s| s.plot == id)),
+                "{id}"
+            );
+        }
+        let html =
+            String::from_utf8(render(&s, Format::Html { refresh_secs: None }).unwrap()).unwrap();
+        assert!(
+            html.contains("<th>step</th><th>ICR</th><th>smoothed</th><th>gap</th><th>E_gen</th><th>E_mem</th><th>memorized</th><th>checkpoint</th>"),
+            "{html}"
+        );
     }
 
     #[test]
