@@ -219,6 +219,8 @@ impl Evaluator {
             let icr = &self.config.icr;
             let r = views.run(&self.model, icr.sigma, icr.ridge, &what)?;
             record.icr = Some(r.icr);
+            record.icr_stderr = r.stderr;
+            record.icr_samples = Some(r.samples as i64);
             record.icr_invariant_trace = Some(r.invariant_trace);
             record.icr_residual_trace = Some(r.residual_trace);
             record.icr_invariant_trace_normalized = Some(r.invariant_trace_normalized);
@@ -228,7 +230,11 @@ impl Evaluator {
                 let mut sweep = Vec::with_capacity(sigmas.len());
                 for &sigma in sigmas {
                     let r = views.run(&self.model, sigma, icr.ridge, &what)?;
-                    sweep.push(SweepPoint { sigma, icr: r.icr });
+                    sweep.push(SweepPoint {
+                        sigma,
+                        icr: r.icr,
+                        stderr: r.stderr,
+                    });
                 }
                 record.icr_sweep = Some(sweep);
             }

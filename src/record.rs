@@ -23,8 +23,8 @@ pub struct Evaluation {
     /// Standard error of `icr` (delete-group jackknife over the view pairs, docs/design.md §2).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub icr_stderr: Option<f64>,
-    /// The number of view pairs `icr` was computed from (`icr.samples`, capped by the data):
-    /// compare ICR curves only at equal `icr_samples`.
+    /// The number of view pairs `icr` was computed from (`icr.samples`; images repeat when the
+    /// data has fewer): ICR depends on it, so compare curves only at equal `icr_samples`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub icr_samples: Option<i64>,
     /// ICR at each sigma of `icr.sigmas`.
@@ -57,6 +57,9 @@ pub struct Evaluation {
 pub struct SweepPoint {
     pub sigma: f64,
     pub icr: f64,
+    /// Standard error of `icr` (the same jackknife as `icr_stderr`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stderr: Option<f64>,
 }
 
 /// Why a checkpoint could not be evaluated (docs/design.md §16): the journal's `reason` and the

@@ -55,10 +55,11 @@ pub fn eval(config_path: &Path, checkpoints: &[PathBuf], json: bool) -> Result<(
 /// The noise-level sweep as a table, the sigma of lowest ICR (the semantic window) marked.
 pub fn sweep_table(sweep: &[crate::record::SweepPoint]) -> String {
     let best = sweep.iter().map(|p| p.icr).fold(f64::INFINITY, f64::min);
-    let mut table = String::from("    sigma        ICR\n");
+    let mut table = String::from("    sigma        ICR   std.err\n");
     for p in sweep {
         let mark = if p.icr == best { "  <- lowest" } else { "" };
-        table += &format!("  {:>7.4}  {:>9.5}{mark}\n", p.sigma, p.icr);
+        let se = p.stderr.map_or("-".to_string(), |se| format!("{se:.5}"));
+        table += &format!("  {:>7.4}  {:>9.5}  {se:>8}{mark}\n", p.sigma, p.icr);
     }
     table
 }
@@ -66,12 +67,17 @@ pub fn sweep_table(sweep: &[crate::record::SweepPoint]) -> String {
 /// One human-readable line per evaluation.
 pub fn summary_line(r: &crate::record::Evaluation) -> String {
     let mut parts = vec![format!("step {:>7}", r.step)];
+    if let Some(icr) = r.icr {
+        match r.icr_stderr {
+            Some(se) => parts.push(format!("icr {icr:.5} ± {se:.5}")),
+            None => parts.push(format!("icr {icr:.5}")),
+        }
+    }
     let mut field = |name: &str, v: Option<f64>| {
         if let Some(v) = v {
             parts.push(format!("{name} {v:.5}"));
         }
     };
-    field("icr", r.icr);
     field("loss_train", r.loss_train);
     field("loss_heldout", r.loss_heldout);
     field("gap", r.generalization_gap);

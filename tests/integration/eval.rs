@@ -61,10 +61,17 @@ fn eval_json_has_the_record_fields_and_is_deterministic() {
         "loss_train",
         "loss_heldout",
         "generalization_gap",
+        "icr_stderr",
+        "icr_samples",
         "seconds",
     ] {
         assert!(r[key].is_number(), "{key} missing in {r}");
     }
+    // icr.samples pairs were used (64 training images, repeated), and the jackknife over them
+    // gives a standard error well below the value itself.
+    assert_eq!(r["icr_samples"], 256);
+    let se = r["icr_stderr"].as_f64().unwrap();
+    assert!(se > 0.0 && se < 0.1 * r["icr"].as_f64().unwrap(), "{se}");
     for absent in [
         "pfd_generalization",
         "pfd_memorization",
@@ -175,6 +182,8 @@ fn noise_level_sweep_reports_each_sigma_and_marks_the_lowest() {
     // Same seed, same views: the sweep's point at icr.sigma is the headline ICR exactly.
     assert_eq!(sweep[0]["sigma"], 0.29);
     assert_eq!(sweep[0]["icr"], r["icr"]);
+    assert_eq!(sweep[0]["stderr"], r["icr_stderr"]);
+    assert!(sweep[1]["stderr"].as_f64().unwrap() > 0.0);
     assert_ne!(sweep[1]["icr"], r["icr"]);
     let table = diffmon(&[
         "eval",
@@ -184,4 +193,5 @@ fn noise_level_sweep_reports_each_sigma_and_marks_the_lowest() {
     ]);
     let text = stdout(&table);
     assert_eq!(text.matches("<- lowest").count(), 1, "{text}");
+    assert!(text.contains("std.err") && text.contains(" ± "), "{text}");
 }
