@@ -60,11 +60,12 @@ impl LossProbe {
         })
     }
 
-    /// Mean EDM-weighted denoising loss λ(σ)‖D(x0 + σn; σ) − x0‖²/dim (docs/design.md §8).
-    fn loss(&self, model: &Model, sigma: f64, batch: usize) -> Result<f64, ModelError> {
+    /// Mean EDM-weighted denoising loss λ(σ)‖D(x0 + σn; σ) − x0‖²/dim (docs/design.md §8), and
+    /// its standard error over the images, `sd/√n` of the per-image losses (0 for one image).
+    fn loss(&self, model: &Model, sigma: f64, batch: usize) -> Result<(f64, f64), ModelError> {
         let n = self.images.size()[0];
         let weight = (sigma * sigma + SIGMA_DATA * SIGMA_DATA) / (sigma * SIGMA_DATA).powi(2);
-        let mut total = 0.0;
+        let mut per_image = Vec::with_capacity(n as usize);
         let mut start = 0;
         while start < n {
             let len = (batch as i64).min(n - start);
@@ -73,16 +74,27 @@ impl LossProbe {
             let s = Tensor::full([len], sigma, (Kind::Float, model.device()));
             let (d, _) = model.forward(&x, &s)?;
             let err = (d.to_kind(Kind::Double) - x0.to_kind(Kind::Double)).square();
-            // Sum over images of the per-image mean over dimensions.
-            total += err
-                .flatten(1, -1)
-                .mean_dim(1, false, Kind::Double)
-                .sum(Kind::Double)
-                .double_value(&[]);
+            // The per-image mean over dimensions.
+            let losses = err.flatten(1, -1).mean_dim(1, false, Kind::Double);
+            per_image.extend(
+                Vec::<f64>::try_from(losses.to_device(Device::Cpu)).expect("float64 losses"),
+            );
             start += len;
         }
-        Ok(weight * total / n as f64)
+        Ok(mean_and_stderr(&per_image, weight))
     }
+}
+
+/// `weight ×` the mean of `values` and its standard error `sd/√n` (sample SD, divisor n − 1;
+/// 0 for a single value).
+fn mean_and_stderr(values: &[f64], weight: f64) -> (f64, f64) {
+    let n = values.len() as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    if values.len() < 2 {
+        return (weight * mean, 0.0);
+    }
+    let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (weight * mean, weight * (var / n).sqrt())
 }
 
 /// `min(n, len)` distinct indices of `0..len` chosen by `seed`, in ascending order.
@@ -246,8 +258,8 @@ impl Evaluator {
         if let (Some(train), Some(heldout)) = (&self.train_probe, &self.heldout_probe) {
             let sigma = self.config.icr.sigma;
             let batch = self.config.icr.batch_size;
-            let lt = train.loss(&self.model, sigma, batch)?;
-            let lh = heldout.loss(&self.model, sigma, batch)?;
+            let (lt, se_t) = train.loss(&self.model, sigma, batch)?;
+            let (lh, se_h) = heldout.loss(&self.model, sigma, batch)?;
             for (what, v) in [("training loss", lt), ("held-out loss", lh)] {
                 if !v.is_finite() {
                     return Err(EvalError::Invalid {
@@ -259,6 +271,8 @@ impl Evaluator {
             record.loss_train = Some(lt);
             record.loss_heldout = Some(lh);
             record.generalization_gap = Some(lh - lt);
+            // Two independent sets of images and noise: the variances add.
+            record.generalization_gap_stderr = Some(se_t.hypot(se_h));
             record
                 .stages
                 .push((metrics::STAGE_LOSS, stage.elapsed().as_secs_f64()));
@@ -291,5 +305,20 @@ pub fn read_options(c: &crate::config::CheckpointsConfig) -> ReadOptions {
         strip_prefix: c.strip_prefix.clone(),
         max_entry_bytes: c.max_entry_mib.saturating_mul(1 << 20),
         prefer_ema: c.prefer_ema,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Against the closed form: values 1..=5 have mean 3 and sample variance 2.5, so the
+    /// standard error of the mean is sqrt(2.5/5) = sqrt(0.5); the weight scales both.
+    #[test]
+    fn loss_mean_and_stderr_follow_the_closed_form() {
+        let (mean, se) = mean_and_stderr(&[1.0, 2.0, 3.0, 4.0, 5.0], 2.0);
+        assert!((mean - 6.0).abs() < 1e-12, "{mean}");
+        assert!((se - 2.0 * 0.5f64.sqrt()).abs() < 1e-12, "{se}");
+        assert_eq!(mean_and_stderr(&[4.0], 1.0), (4.0, 0.0));
     }
 }

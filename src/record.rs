@@ -46,6 +46,10 @@ pub struct Evaluation {
     pub loss_heldout: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub generalization_gap: Option<f64>,
+    /// Standard error of `generalization_gap`: of a difference of two means of per-image losses
+    /// over independent images (docs/design.md §8).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub generalization_gap_stderr: Option<f64>,
     pub seconds: f64,
     /// Seconds per stage (`load`, `icr`, `loss`), for the duration histogram; not serialized.
     #[serde(skip)]

@@ -61,6 +61,7 @@ fn eval_json_has_the_record_fields_and_is_deterministic() {
         "loss_train",
         "loss_heldout",
         "generalization_gap",
+        "generalization_gap_stderr",
         "icr_stderr",
         "icr_samples",
         "seconds",
@@ -96,7 +97,8 @@ fn eval_json_has_the_record_fields_and_is_deterministic() {
 }
 
 /// The denoising loss of docs/design.md §8 recomputed in PyTorch: same subset (seeded randperm),
-/// same noise (libtorch's CPU generator, same seed and call order), same checkpoint.
+/// same noise (libtorch's CPU generator, same seed and call order), same checkpoint; and the
+/// gap's standard error, sqrt(var_train/n + var_heldout/n) of the per-image losses.
 #[test]
 fn denoising_losses_match_a_pytorch_reference() {
     let dir = toy_run();
@@ -122,14 +124,20 @@ def loss(path, n, seed, sigma=0.29, sd_=0.5):
     with torch.no_grad():
         d, _ = model(x0 + sigma * noise, torch.full((x0.shape[0],), sigma))
     w = (sigma**2 + sd_**2) / (sigma * sd_)**2
-    return w * ((d.double() - x0.double())**2).flatten(1).mean(1).mean().item()
+    per_image = w * ((d.double() - x0.double())**2).flatten(1).mean(1)
+    return per_image.mean().item(), (per_image.var() / per_image.numel()).item()
 n = 64  # min(icr.samples, training images, held-out images)
-print(json.dumps({{"train": loss(run + "/train.h5", n, 5), "heldout": loss(run + "/heldout.h5", n, 6)}}))
+(lt, vt), (lh, vh) = loss(run + "/train.h5", n, 5), loss(run + "/heldout.h5", n, 6)
+print(json.dumps({{"train": lt, "heldout": lh, "gap_stderr": (vt + vh) ** 0.5}}))
 "#,
         dir = dir.display().to_string()
     );
     let reference: Value = serde_json::from_str(&stdout(&run_python(&["-c", &script]))).unwrap();
-    for (ours, theirs) in [("loss_train", "train"), ("loss_heldout", "heldout")] {
+    for (ours, theirs) in [
+        ("loss_train", "train"),
+        ("loss_heldout", "heldout"),
+        ("generalization_gap_stderr", "gap_stderr"),
+    ] {
         let a = r[ours].as_f64().unwrap();
         let b = reference[theirs].as_f64().unwrap();
         // float32 forward in both, float64 reduction: agreement to float32 rounding of the sum.
