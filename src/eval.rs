@@ -2,9 +2,9 @@
 //! enabled metrics into an [`Evaluation`] record. The `Evaluator` owns the model and the data
 //! (libtorch and HDF5 objects), so it lives on one thread.
 
-use crate::config::Config;
+use crate::config::{BiasCorrection, Config};
 use crate::data::{DataError, ImageSet};
-use crate::icr::{IcrError, ViewProbe};
+use crate::icr::{IcrError, IcrResult, ViewProbe};
 use crate::metrics;
 use crate::model::{ContractInfo, Model, ModelError};
 use crate::pfd::{PfdError, PfdProbe};
@@ -97,6 +97,24 @@ fn mean_and_stderr(values: &[f64], weight: f64) -> (f64, f64) {
     (weight * mean, weight * (var / n).sqrt())
 }
 
+/// The ICR a record carries: the estimate itself, or its jackknife bias correction
+/// (`icr.bias_correction`, docs/design.md §2), which needs the jackknife.
+fn reported(
+    r: &IcrResult,
+    correction: BiasCorrection,
+    checkpoint: &Path,
+) -> Result<f64, EvalError> {
+    match correction {
+        BiasCorrection::None => Ok(r.icr),
+        BiasCorrection::Jackknife => r.jackknife_corrected().ok_or_else(|| EvalError::Invalid {
+            checkpoint: checkpoint.to_path_buf(),
+            message: "icr.bias_correction is jackknife, but ICR has no jackknife (too few view \
+                      pairs, or a leave-out solve failed: see the warning above)"
+                .into(),
+        }),
+    }
+}
+
 /// `min(n, len)` distinct indices of `0..len` chosen by `seed`, in ascending order.
 fn seeded_subset(len: usize, n: usize, seed: u64) -> Vec<usize> {
     tch::manual_seed(seed as i64);
@@ -151,6 +169,15 @@ impl Evaluator {
                     samples = n,
                     feature_dim = contract.feature_dim,
                     "icr.samples is below twice the feature dimension: the ICR estimate is dominated by the ridge"
+                );
+            }
+            if config.icr.bias_correction == BiasCorrection::Jackknife
+                && n < 8 * contract.feature_dim
+            {
+                tracing::warn!(
+                    samples = n,
+                    feature_dim = contract.feature_dim,
+                    "icr.samples is below 8 times the feature dimension: the jackknife's bias correction may overshoot there (docs/design.md §2)"
                 );
             }
             Some(ViewProbe::new(images.to_device(device), &config.icr))
@@ -230,7 +257,7 @@ impl Evaluator {
             let what = checkpoint.display().to_string();
             let icr = &self.config.icr;
             let r = views.run(&self.model, icr.sigma, icr.ridge, &what)?;
-            record.icr = Some(r.icr);
+            record.icr = Some(reported(&r, icr.bias_correction, checkpoint)?);
             record.icr_stderr = r.stderr;
             record.icr_samples = Some(r.samples as i64);
             record.icr_invariant_trace = Some(r.invariant_trace);
@@ -244,7 +271,7 @@ impl Evaluator {
                     let r = views.run(&self.model, sigma, icr.ridge, &what)?;
                     sweep.push(SweepPoint {
                         sigma,
-                        icr: r.icr,
+                        icr: reported(&r, icr.bias_correction, checkpoint)?,
                         stderr: r.stderr,
                     });
                 }
