@@ -2,9 +2,9 @@
 //! enabled metrics into an [`Evaluation`] record. The `Evaluator` owns the model and the data
 //! (libtorch and HDF5 objects), so it lives on one thread.
 
-use crate::config::Config;
+use crate::config::{BiasCorrection, Config};
 use crate::data::{DataError, ImageSet};
-use crate::icr::{IcrError, ViewProbe};
+use crate::icr::{IcrError, IcrResult, ViewProbe};
 use crate::metrics;
 use crate::model::{ContractInfo, Model, ModelError};
 use crate::pfd::{PfdError, PfdProbe};
@@ -60,11 +60,12 @@ impl LossProbe {
         })
     }
 
-    /// Mean EDM-weighted denoising loss λ(σ)‖D(x0 + σn; σ) − x0‖²/dim (docs/design.md §8).
-    fn loss(&self, model: &Model, sigma: f64, batch: usize) -> Result<f64, ModelError> {
+    /// Mean EDM-weighted denoising loss λ(σ)‖D(x0 + σn; σ) − x0‖²/dim (docs/design.md §8), and
+    /// its standard error over the images, `sd/√n` of the per-image losses (0 for one image).
+    fn loss(&self, model: &Model, sigma: f64, batch: usize) -> Result<(f64, f64), ModelError> {
         let n = self.images.size()[0];
         let weight = (sigma * sigma + SIGMA_DATA * SIGMA_DATA) / (sigma * SIGMA_DATA).powi(2);
-        let mut total = 0.0;
+        let mut per_image = Vec::with_capacity(n as usize);
         let mut start = 0;
         while start < n {
             let len = (batch as i64).min(n - start);
@@ -73,15 +74,44 @@ impl LossProbe {
             let s = Tensor::full([len], sigma, (Kind::Float, model.device()));
             let (d, _) = model.forward(&x, &s)?;
             let err = (d.to_kind(Kind::Double) - x0.to_kind(Kind::Double)).square();
-            // Sum over images of the per-image mean over dimensions.
-            total += err
-                .flatten(1, -1)
-                .mean_dim(1, false, Kind::Double)
-                .sum(Kind::Double)
-                .double_value(&[]);
+            // The per-image mean over dimensions.
+            let losses = err.flatten(1, -1).mean_dim(1, false, Kind::Double);
+            per_image.extend(
+                Vec::<f64>::try_from(losses.to_device(Device::Cpu)).expect("float64 losses"),
+            );
             start += len;
         }
-        Ok(weight * total / n as f64)
+        Ok(mean_and_stderr(&per_image, weight))
+    }
+}
+
+/// `weight ×` the mean of `values` and its standard error `sd/√n` (sample SD, divisor n − 1;
+/// 0 for a single value).
+fn mean_and_stderr(values: &[f64], weight: f64) -> (f64, f64) {
+    let n = values.len() as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    if values.len() < 2 {
+        return (weight * mean, 0.0);
+    }
+    let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (weight * mean, weight * (var / n).sqrt())
+}
+
+/// The ICR a record carries: the estimate itself, or its jackknife bias correction
+/// (`icr.bias_correction`, docs/design.md §2), which needs the jackknife.
+fn reported(
+    r: &IcrResult,
+    correction: BiasCorrection,
+    checkpoint: &Path,
+) -> Result<f64, EvalError> {
+    match correction {
+        BiasCorrection::None => Ok(r.icr),
+        BiasCorrection::Jackknife => r.jackknife_corrected().ok_or_else(|| EvalError::Invalid {
+            checkpoint: checkpoint.to_path_buf(),
+            message: "icr.bias_correction is jackknife, but ICR has no jackknife (too few view \
+                      pairs, or a leave-out solve failed: see the warning above)"
+                .into(),
+        }),
     }
 }
 
@@ -139,6 +169,15 @@ impl Evaluator {
                     samples = n,
                     feature_dim = contract.feature_dim,
                     "icr.samples is below twice the feature dimension: the ICR estimate is dominated by the ridge"
+                );
+            }
+            if config.icr.bias_correction == BiasCorrection::Jackknife
+                && n < 8 * contract.feature_dim
+            {
+                tracing::warn!(
+                    samples = n,
+                    feature_dim = contract.feature_dim,
+                    "icr.samples is below 8 times the feature dimension: the jackknife's bias correction may overshoot there (docs/design.md §2)"
                 );
             }
             Some(ViewProbe::new(images.to_device(device), &config.icr))
@@ -218,7 +257,9 @@ impl Evaluator {
             let what = checkpoint.display().to_string();
             let icr = &self.config.icr;
             let r = views.run(&self.model, icr.sigma, icr.ridge, &what)?;
-            record.icr = Some(r.icr);
+            record.icr = Some(reported(&r, icr.bias_correction, checkpoint)?);
+            record.icr_stderr = r.stderr;
+            record.icr_samples = Some(r.samples as i64);
             record.icr_invariant_trace = Some(r.invariant_trace);
             record.icr_residual_trace = Some(r.residual_trace);
             record.icr_invariant_trace_normalized = Some(r.invariant_trace_normalized);
@@ -228,7 +269,11 @@ impl Evaluator {
                 let mut sweep = Vec::with_capacity(sigmas.len());
                 for &sigma in sigmas {
                     let r = views.run(&self.model, sigma, icr.ridge, &what)?;
-                    sweep.push(SweepPoint { sigma, icr: r.icr });
+                    sweep.push(SweepPoint {
+                        sigma,
+                        icr: reported(&r, icr.bias_correction, checkpoint)?,
+                        stderr: r.stderr,
+                    });
                 }
                 record.icr_sweep = Some(sweep);
             }
@@ -240,8 +285,8 @@ impl Evaluator {
         if let (Some(train), Some(heldout)) = (&self.train_probe, &self.heldout_probe) {
             let sigma = self.config.icr.sigma;
             let batch = self.config.icr.batch_size;
-            let lt = train.loss(&self.model, sigma, batch)?;
-            let lh = heldout.loss(&self.model, sigma, batch)?;
+            let (lt, se_t) = train.loss(&self.model, sigma, batch)?;
+            let (lh, se_h) = heldout.loss(&self.model, sigma, batch)?;
             for (what, v) in [("training loss", lt), ("held-out loss", lh)] {
                 if !v.is_finite() {
                     return Err(EvalError::Invalid {
@@ -253,6 +298,8 @@ impl Evaluator {
             record.loss_train = Some(lt);
             record.loss_heldout = Some(lh);
             record.generalization_gap = Some(lh - lt);
+            // Two independent sets of images and noise: the variances add.
+            record.generalization_gap_stderr = Some(se_t.hypot(se_h));
             record
                 .stages
                 .push((metrics::STAGE_LOSS, stage.elapsed().as_secs_f64()));
@@ -285,5 +332,20 @@ pub fn read_options(c: &crate::config::CheckpointsConfig) -> ReadOptions {
         strip_prefix: c.strip_prefix.clone(),
         max_entry_bytes: c.max_entry_mib.saturating_mul(1 << 20),
         prefer_ema: c.prefer_ema,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Against the closed form: values 1..=5 have mean 3 and sample variance 2.5, so the
+    /// standard error of the mean is sqrt(2.5/5) = sqrt(0.5); the weight scales both.
+    #[test]
+    fn loss_mean_and_stderr_follow_the_closed_form() {
+        let (mean, se) = mean_and_stderr(&[1.0, 2.0, 3.0, 4.0, 5.0], 2.0);
+        assert!((mean - 6.0).abs() < 1e-12, "{mean}");
+        assert!((se - 2.0 * 0.5f64.sqrt()).abs() < 1e-12, "{se}");
+        assert_eq!(mean_and_stderr(&[4.0], 1.0), (4.0, 0.0));
     }
 }

@@ -29,8 +29,8 @@ pub struct Evaluation {
     /// Standard error of `icr` (delete-group jackknife over the view pairs, docs/design.md §2).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub icr_stderr: Option<f64>,
-    /// The number of view pairs `icr` was computed from (`icr.samples`, capped by the data):
-    /// compare ICR curves only at equal `icr_samples`.
+    /// The number of view pairs `icr` was computed from (`icr.samples`; images repeat when the
+    /// data has fewer): ICR depends on it, so compare curves only at equal `icr_samples`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub icr_samples: Option<i64>,
     /// ICR at each sigma of `icr.sigmas`.
@@ -52,6 +52,10 @@ pub struct Evaluation {
     pub loss_heldout: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub generalization_gap: Option<f64>,
+    /// Standard error of `generalization_gap`: of a difference of two means of per-image losses
+    /// over independent images (docs/design.md §8).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub generalization_gap_stderr: Option<f64>,
     pub seconds: f64,
     /// Seconds per stage (`load`, `icr`, `loss`), for the duration histogram; not serialized.
     #[serde(skip)]
@@ -63,6 +67,9 @@ pub struct Evaluation {
 pub struct SweepPoint {
     pub sigma: f64,
     pub icr: f64,
+    /// Standard error of `icr` (the same jackknife as `icr_stderr`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stderr: Option<f64>,
 }
 
 /// Why a checkpoint could not be evaluated (docs/design.md §16): the journal's `reason` and the
@@ -193,6 +200,9 @@ pub struct Column {
     pub eval: Option<&'static str>,
     /// The report's table of the last evaluations: the header (the value as `{:.5}`).
     pub report: Option<&'static str>,
+    /// Its standard error, written after the value in `diffmon eval`'s line (`icr 0.81230 ±
+    /// 0.00420`) when the record has it.
+    pub stderr: Option<fn(&Evaluation) -> Option<f64>>,
 }
 
 /// How `diffmon watch`'s line writes a value.
@@ -269,7 +279,7 @@ const DENOISE_LOSS_HELP: &str = "EDM-weighted denoising loss at the ICR noise le
 /// Every scalar metric field of [`Evaluation`], in the HDF5 history's column order (new ones at
 /// the end). `step`, `checkpoint` and `seconds`, in every record, have fixed places in every
 /// output instead; the vectors (`icr_eigenvalues`, `icr_sweep`) have their own.
-pub const FIELDS: [Field; 15] = {
+pub const FIELDS: [Field; 16] = {
     use Format::{Fixed, Percent, Signed};
     use gauge_names as m;
     [
@@ -284,6 +294,7 @@ pub const FIELDS: [Field; 15] = {
                 eval: Some("icr"),
                 // The report's table shows the early-stop metric itself.
                 report: None,
+                stderr: Some(|r| r.icr_stderr),
             }),
             // The early-stop plot shows the early-stop metric, raw and smoothed.
             ..field("icr", Get::Float(|r| r.icr))
@@ -330,6 +341,7 @@ pub const FIELDS: [Field; 15] = {
                 watch: Some(("E_gen", Fixed(4))),
                 eval: Some("E_gen"),
                 report: Some("E_gen"),
+                stderr: None,
             }),
             series: Some(Series {
                 plot: "pfd",
@@ -348,6 +360,7 @@ pub const FIELDS: [Field; 15] = {
                 watch: Some(("E_mem", Fixed(4))),
                 eval: Some("E_mem"),
                 report: Some("E_mem"),
+                stderr: None,
             }),
             series: Some(Series {
                 plot: "pfd",
@@ -366,6 +379,7 @@ pub const FIELDS: [Field; 15] = {
                 watch: Some(("memorized", Percent(1))),
                 eval: Some("mem"),
                 report: Some("memorized"),
+                stderr: None,
             }),
             series: Some(Series {
                 plot: "memorization",
@@ -396,6 +410,7 @@ pub const FIELDS: [Field; 15] = {
                 watch: None,
                 eval: Some("loss_train"),
                 report: None,
+                stderr: None,
             }),
             ..field("loss_train", Get::Float(|r| r.loss_train))
         },
@@ -410,6 +425,7 @@ pub const FIELDS: [Field; 15] = {
                 watch: None,
                 eval: Some("loss_heldout"),
                 report: None,
+                stderr: None,
             }),
             ..field("loss_heldout", Get::Float(|r| r.loss_heldout))
         },
@@ -423,6 +439,7 @@ pub const FIELDS: [Field; 15] = {
                 watch: Some(("gap", Signed(5))),
                 eval: Some("gap"),
                 report: Some("gap"),
+                stderr: Some(|r| r.generalization_gap_stderr),
             }),
             series: Some(Series {
                 plot: "gap",
@@ -439,6 +456,10 @@ pub const FIELDS: [Field; 15] = {
             ..field("icr_stderr", Get::Float(|r| r.icr_stderr))
         },
         field("icr_samples", Get::Int(|r| r.icr_samples)),
+        field(
+            "generalization_gap_stderr",
+            Get::Float(|r| r.generalization_gap_stderr),
+        ),
     ]
 };
 
@@ -479,7 +500,10 @@ pub fn eval_line(r: &Evaluation) -> String {
     let mut parts = vec![format!("step {:>7}", r.step)];
     for (k, c) in columns() {
         if let (Some(label), Some(v)) = (c.eval, FIELDS[k].float(r)) {
-            parts.push(format!("{label} {v:.5}"));
+            match c.stderr.and_then(|se| se(r)) {
+                Some(se) => parts.push(format!("{label} {v:.5} ± {se:.5}")),
+                None => parts.push(format!("{label} {v:.5}")),
+            }
         }
     }
     parts.push(format!("{:.2}s", r.seconds));
@@ -505,6 +529,7 @@ pub(crate) fn full_record() -> Evaluation {
         icr_sweep: Some(vec![SweepPoint {
             sigma: 0.5,
             icr: 0.8,
+            stderr: Some(0.004),
         }]),
         pfd_generalization: Some(0.0456),
         pfd_memorization: Some(0.0789),
@@ -514,6 +539,7 @@ pub(crate) fn full_record() -> Evaluation {
         loss_train: Some(0.1111),
         loss_heldout: Some(0.1234),
         generalization_gap: Some(0.0123),
+        generalization_gap_stderr: Some(0.0021),
         seconds: 12.34,
         stages: vec![("icr", 1.0)],
     }
@@ -583,7 +609,8 @@ mod tests {
         assert!(!ranks.contains(&DETECTOR_RANK));
     }
 
-    /// The console lines of a full record, as they have always been written.
+    /// The console lines of a full record, as they have always been written (`diffmon eval`'s
+    /// with the standard errors since they exist).
     #[test]
     fn the_summary_lines_of_a_full_record() {
         let r = full_record();
@@ -595,7 +622,8 @@ mod tests {
         );
         assert_eq!(
             eval_line(&r),
-            "step     100  icr 0.81230  loss_train 0.11110  loss_heldout 0.12340  gap 0.01230  \
+            "step     100  icr 0.81230 ± 0.00420  loss_train 0.11110  loss_heldout 0.12340  \
+             gap 0.01230 ± 0.00210  \
              E_gen 0.04560  E_mem 0.07890  mem 0.03100  12.34s  /runs/x/ckpt_100.pt"
         );
         // Absent fields leave no column; the detector's state stays after where ICR would be.

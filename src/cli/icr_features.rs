@@ -42,6 +42,7 @@ pub fn icr_features(input: &Path, ridge: f64) -> Result<()> {
     let r = crate::icr::icr_of_features(&h1, &h2, ridge, &input.display().to_string())?;
     let json = serde_json::json!({
         "icr": r.icr,
+        "stderr": r.stderr,
         "invariant_trace": r.invariant_trace,
         "residual_trace": r.residual_trace,
         "eigenvalues": r.eigenvalues,

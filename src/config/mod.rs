@@ -262,6 +262,20 @@ pub struct IcrConfig {
     pub batch_size: usize,
     #[serde(default)]
     pub augment: AugmentConfig,
+    /// Correction of ICR's finite-n bias (docs/design.md §2); off by default.
+    #[serde(default)]
+    pub bias_correction: BiasCorrection,
+}
+
+/// `icr.bias_correction`: how ICR's dependence on the number of view pairs is corrected.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BiasCorrection {
+    /// The plain estimate.
+    #[default]
+    None,
+    /// The jackknife's bias correction `G·ICR − (G−1)·mean of the leave-one-group-out ICRs`.
+    Jackknife,
 }
 
 fn default_icr_sigma() -> f64 {
@@ -288,6 +302,7 @@ impl Default for IcrConfig {
             seed: 0,
             batch_size: default_batch_size(),
             augment: AugmentConfig::default(),
+            bias_correction: BiasCorrection::None,
         }
     }
 }
@@ -1596,6 +1611,7 @@ mod tests {
         assert_eq!(c.icr.samples, 4096);
         assert_eq!(c.icr.sigma, 0.29);
         assert_eq!(c.icr.ridge, 1e-4);
+        assert_eq!(c.icr.bias_correction, BiasCorrection::None);
         assert_eq!(c.pfd.samples, 10_000);
         assert_eq!(
             (c.pfd.steps, c.pfd.sigma_min, c.pfd.sigma_max, c.pfd.rho),

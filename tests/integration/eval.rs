@@ -61,10 +61,18 @@ fn eval_json_has_the_record_fields_and_is_deterministic() {
         "loss_train",
         "loss_heldout",
         "generalization_gap",
+        "generalization_gap_stderr",
+        "icr_stderr",
+        "icr_samples",
         "seconds",
     ] {
         assert!(r[key].is_number(), "{key} missing in {r}");
     }
+    // icr.samples pairs were used (64 training images, repeated), and the jackknife over them
+    // gives a standard error well below the value itself.
+    assert_eq!(r["icr_samples"], 256);
+    let se = r["icr_stderr"].as_f64().unwrap();
+    assert!(se > 0.0 && se < 0.1 * r["icr"].as_f64().unwrap(), "{se}");
     for absent in [
         "pfd_generalization",
         "pfd_memorization",
@@ -89,7 +97,8 @@ fn eval_json_has_the_record_fields_and_is_deterministic() {
 }
 
 /// The denoising loss of docs/design.md §8 recomputed in PyTorch: same subset (seeded randperm),
-/// same noise (libtorch's CPU generator, same seed and call order), same checkpoint.
+/// same noise (libtorch's CPU generator, same seed and call order), same checkpoint; and the
+/// gap's standard error, sqrt(var_train/n + var_heldout/n) of the per-image losses.
 #[test]
 fn denoising_losses_match_a_pytorch_reference() {
     let dir = toy_run();
@@ -115,14 +124,20 @@ def loss(path, n, seed, sigma=0.29, sd_=0.5):
     with torch.no_grad():
         d, _ = model(x0 + sigma * noise, torch.full((x0.shape[0],), sigma))
     w = (sigma**2 + sd_**2) / (sigma * sd_)**2
-    return w * ((d.double() - x0.double())**2).flatten(1).mean(1).mean().item()
+    per_image = w * ((d.double() - x0.double())**2).flatten(1).mean(1)
+    return per_image.mean().item(), (per_image.var() / per_image.numel()).item()
 n = 64  # min(icr.samples, training images, held-out images)
-print(json.dumps({{"train": loss(run + "/train.h5", n, 5), "heldout": loss(run + "/heldout.h5", n, 6)}}))
+(lt, vt), (lh, vh) = loss(run + "/train.h5", n, 5), loss(run + "/heldout.h5", n, 6)
+print(json.dumps({{"train": lt, "heldout": lh, "gap_stderr": (vt + vh) ** 0.5}}))
 "#,
         dir = dir.display().to_string()
     );
     let reference: Value = serde_json::from_str(&stdout(&run_python(&["-c", &script]))).unwrap();
-    for (ours, theirs) in [("loss_train", "train"), ("loss_heldout", "heldout")] {
+    for (ours, theirs) in [
+        ("loss_train", "train"),
+        ("loss_heldout", "heldout"),
+        ("generalization_gap_stderr", "gap_stderr"),
+    ] {
         let a = r[ours].as_f64().unwrap();
         let b = reference[theirs].as_f64().unwrap();
         // float32 forward in both, float64 reduction: agreement to float32 rounding of the sum.
@@ -175,6 +190,8 @@ fn noise_level_sweep_reports_each_sigma_and_marks_the_lowest() {
     // Same seed, same views: the sweep's point at icr.sigma is the headline ICR exactly.
     assert_eq!(sweep[0]["sigma"], 0.29);
     assert_eq!(sweep[0]["icr"], r["icr"]);
+    assert_eq!(sweep[0]["stderr"], r["icr_stderr"]);
+    assert!(sweep[1]["stderr"].as_f64().unwrap() > 0.0);
     assert_ne!(sweep[1]["icr"], r["icr"]);
     let table = diffmon(&[
         "eval",
@@ -184,4 +201,43 @@ fn noise_level_sweep_reports_each_sigma_and_marks_the_lowest() {
     ]);
     let text = stdout(&table);
     assert_eq!(text.matches("<- lowest").count(), 1, "{text}");
+    assert!(text.contains("std.err") && text.contains(" ± "), "{text}");
+}
+
+/// `icr.bias_correction: jackknife` (docs/design.md §2): at 256 pairs of the toy's 64-dimensional
+/// features the plain ICR is biased low by several standard errors (the README's table), so the
+/// corrected value must be higher by more than one; the spectrum and the standard error are the
+/// plain estimate's, and the sweep's point at icr.sigma carries the corrected value too.
+#[test]
+fn jackknife_bias_correction_raises_icr_and_keeps_the_spectrum() {
+    let dir = toy_run();
+    let tmp = tempfile::tempdir().unwrap();
+    let write = |name: &str, extra: &str| {
+        let cfg = tmp.path().join(name);
+        fs::write(
+            &cfg,
+            format!(
+                "run: {{dir: {d}}}\nmodel: {{architecture: {d}/model.ts}}\ndevice: cpu\n\
+                 data: {{path: {d}/train.h5}}\nicr: {{samples: 256, sigmas: [0.29]{extra}}}\n",
+                d = dir.display()
+            ),
+        )
+        .unwrap();
+        cfg
+    };
+    let ckpt = dir.join("ckpt_000060.pt");
+    let plain = eval_json(&write("plain.yaml", ""), &ckpt);
+    let corrected = eval_json(
+        &write("corrected.yaml", ", bias_correction: jackknife"),
+        &ckpt,
+    );
+    let (p, c) = (
+        plain["icr"].as_f64().unwrap(),
+        corrected["icr"].as_f64().unwrap(),
+    );
+    let se = plain["icr_stderr"].as_f64().unwrap();
+    assert!(c - p > se, "corrected {c}, plain {p} ± {se}");
+    assert_eq!(corrected["icr_eigenvalues"], plain["icr_eigenvalues"]);
+    assert_eq!(corrected["icr_stderr"], plain["icr_stderr"]);
+    assert_eq!(corrected["icr_sweep"][0]["icr"], corrected["icr"]);
 }

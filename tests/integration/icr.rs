@@ -1,4 +1,5 @@
-//! `diffmon icr-features` against an independent numpy/scipy computation of docs/design.md §2.
+//! `diffmon icr-features` against an independent numpy/scipy computation of docs/design.md §2,
+//! its jackknife standard error included.
 
 use crate::common::{diffmon, run_python, stderr, stdout};
 use serde_json::Value;
@@ -25,7 +26,18 @@ cov_t, cov_u = np.cov(t, rowvar=False), np.cov(u, rowvar=False)
 xi, ss = cov_u / 2, cov_t - cov_u / 4
 tau = 1e-4 * np.trace(xi) / d
 lam = scipy.linalg.eigh(ss, xi + tau * np.eye(d), eigvals_only=True)
-print(json.dumps({{"icr": 1 / (1 + lam.mean()), "eigenvalues": lam.tolist(),
+def icr(h1, h2):
+    t, u = (h1 + h2) / 2, h1 - h2
+    cov_t, cov_u = np.cov(t, rowvar=False), np.cov(u, rowvar=False)
+    xi, ss = cov_u / 2, cov_t - cov_u / 4
+    tau = 1e-4 * np.trace(xi) / d
+    return 1 / (1 + scipy.linalg.eigh(ss, xi + tau * np.eye(d), eigvals_only=True).mean())
+# Delete-group jackknife: G = 32 contiguous groups, group k = pairs [k*n//G, (k+1)*n//G).
+G = 32
+theta = np.array([icr(np.delete(h1, np.s_[k * n // G:(k + 1) * n // G], 0),
+                      np.delete(h2, np.s_[k * n // G:(k + 1) * n // G], 0)) for k in range(G)])
+stderr = np.sqrt((G - 1) / G * ((theta - theta.mean()) ** 2).sum())
+print(json.dumps({{"icr": 1 / (1 + lam.mean()), "eigenvalues": lam.tolist(), "stderr": stderr,
                   "invariant_trace": np.trace(ss), "residual_trace": np.trace(xi)}}))
 "#,
             input = input.display().to_string()
@@ -42,7 +54,7 @@ print(json.dumps({{"icr": 1 / (1 + lam.mean()), "eigenvalues": lam.tolist(),
                 "{dtype} {what}: {a} vs {b}"
             );
         };
-        for key in ["icr", "invariant_trace", "residual_trace"] {
+        for key in ["icr", "stderr", "invariant_trace", "residual_trace"] {
             close(
                 ours[key].as_f64().unwrap(),
                 reference[key].as_f64().unwrap(),
