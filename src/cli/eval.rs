@@ -54,10 +54,11 @@ pub fn eval(config_path: &Path, checkpoints: &[PathBuf], json: bool) -> Result<(
 /// The noise-level sweep as a table, the sigma of lowest ICR (the semantic window) marked.
 pub fn sweep_table(sweep: &[crate::record::SweepPoint]) -> String {
     let best = sweep.iter().map(|p| p.icr).fold(f64::INFINITY, f64::min);
-    let mut table = String::from("    sigma        ICR\n");
+    let mut table = String::from("    sigma        ICR   std.err\n");
     for p in sweep {
         let mark = if p.icr == best { "  <- lowest" } else { "" };
-        table += &format!("  {:>7.4}  {:>9.5}{mark}\n", p.sigma, p.icr);
+        let se = p.stderr.map_or("-".to_string(), |se| format!("{se:.5}"));
+        table += &format!("  {:>7.4}  {:>9.5}  {se:>8}{mark}\n", p.sigma, p.icr);
     }
     table
 }
