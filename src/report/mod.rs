@@ -3,7 +3,8 @@
 //! [`render`].
 //!
 //! The plots: the early-stop metric (ICR by default) as raw points with the smoothed curve the
-//! detector uses, the best step and the early stop marked; then [`PLOTS`], whose series are the
+//! detector uses, the best step and the early stop marked, and for ICR a shaded band of ± its
+//! standard error (`icr_stderr`, docs/design.md §2) where records have one; then [`PLOTS`], whose series are the
 //! record fields drawn in them (`record::FIELDS`): PFD (E_gen, E_mem); the memorization ratio;
 //! the invariant and residual traces; the denoising generalization gap. A plot whose metrics
 //! were never computed is left out. The input is a [`Snapshot`]: plain data that the
@@ -124,6 +125,9 @@ pub struct Row {
     pub value: Option<f64>,
     /// The detector's smoothed value after this evaluation.
     pub smoothed: Option<f64>,
+    /// The standard error of `value` where the record has one (ICR's jackknife, docs/design.md
+    /// §2); drawn as a band value ± stderr.
+    pub stderr: Option<f64>,
     /// The value of each field of `record::FIELDS`, in its order.
     pub fields: Vec<Option<f64>>,
 }
@@ -181,6 +185,9 @@ impl Snapshot {
             checkpoint: r.checkpoint.clone(),
             value,
             smoothed: value.and(decision.smoothed),
+            stderr: value
+                .and(metric_stderr(self.metric, r))
+                .filter(|e| e.is_finite() && *e >= 0.0),
             fields: FIELDS.iter().map(|f| f.float(r)).collect(),
         });
         let marker = |b: &crate::detector::Best| Marker {
@@ -266,6 +273,16 @@ struct Series {
     dashed: bool,
 }
 
+/// A shaded band value ± standard error behind a series.
+struct Band {
+    /// `data-band` of its path.
+    id: &'static str,
+    color: &'static str,
+    /// (step, value, stderr) of each evaluation, `None` where it has no standard error (the
+    /// band breaks there).
+    points: Vec<(i64, Option<(f64, f64)>)>,
+}
+
 struct Plot {
     id: &'static str,
     title: String,
@@ -275,6 +292,8 @@ struct Plot {
     lines: Vec<(&'static str, i64, String, &'static str, bool)>,
     /// A ringed point: (data-marker, step, value).
     ring: Option<(&'static str, i64, f64)>,
+    /// Drawn under the series.
+    band: Option<Band>,
     /// A note under the title (the early stop's state).
     note: Option<String>,
 }
@@ -289,6 +308,7 @@ impl Plot {
             series,
             lines: Vec::new(),
             ring: None,
+            band: None,
             note: None,
         }
     }
@@ -327,6 +347,15 @@ fn metric_names(metric: EarlyStopMetric) -> (&'static str, &'static str) {
     }
 }
 
+/// The standard error of the early-stop metric in a record: ICR has one (docs/design.md §2),
+/// E_gen none.
+fn metric_stderr(metric: EarlyStopMetric, r: &Evaluation) -> Option<f64> {
+    match metric {
+        EarlyStopMetric::Icr => r.icr_stderr,
+        EarlyStopMetric::PfdGeneralization => None,
+    }
+}
+
 /// The plots after the early-stop one, in order: (id, title, y label). Their series are the
 /// fields of `record::FIELDS` whose `series` names the plot, in the table's order.
 pub const PLOTS: [(&str, &str, &str); 4] = [
@@ -361,8 +390,20 @@ fn plots(s: &Snapshot) -> Vec<Plot> {
         series: vec![raw, smoothed],
         lines: Vec::new(),
         ring: None,
+        band: None,
         note: Some(early_stop_note(s)),
     };
+    if rows.iter().any(|r| r.stderr.is_some()) {
+        main.band = Some(Band {
+            id,
+            color: "#1f77b4",
+            points: rows
+                .iter()
+                .filter(|r| r.value.is_some())
+                .map(|r| (r.step, r.value.zip(r.stderr)))
+                .collect(),
+        });
+    }
     if let Some(b) = &s.best {
         main.ring = Some(("best", b.step, b.value));
         main.lines
@@ -665,6 +706,129 @@ mod tests {
             html.contains("<th>step</th><th>ICR</th><th>smoothed</th><th>gap</th><th>E_gen</th><th>E_mem</th><th>memorized</th><th>checkpoint</th>"),
             "{html}"
         );
+    }
+
+    /// The early-stop plot of ICR values with these standard errors (steps 50, 100, ...).
+    fn with_stderr(metric: EarlyStopMetric, icr: &[f64], stderr: &[Option<f64>]) -> Snapshot {
+        let entries: Vec<Entry> = icr
+            .iter()
+            .zip(stderr)
+            .enumerate()
+            .map(|(i, (&v, &e))| {
+                let step = 50 * (i as i64 + 1);
+                let mut r = record(step, v, &format!("/r/{step}.pt"));
+                r.icr_stderr = e;
+                r.pfd_generalization = Some(v);
+                Entry::Evaluation {
+                    key: crate::history::CheckpointKey {
+                        path: r.checkpoint.clone(),
+                        size: 1,
+                        mtime_ns: step,
+                    },
+                    at: "2026-01-01T00:00:00Z".into(),
+                    record: Box::new(r),
+                }
+            })
+            .collect();
+        Snapshot::replay("r", metric, EarlyStopConfig::default(), &entries)
+    }
+
+    fn vertex(text: &str) -> (f64, f64) {
+        let (x, y) = text.split_once(',').unwrap();
+        (x.parse().unwrap(), y.parse().unwrap())
+    }
+
+    /// The ICR band's outline is at value ± stderr at each point, in the ICR series' own
+    /// scale (recovered from its polyline), and a point without a standard error breaks it.
+    #[test]
+    fn the_icr_band_is_value_plus_minus_stderr() {
+        let icr = [0.95, 0.91, 0.87, 0.85, 0.86, 0.90, 0.93];
+        let stderr = [
+            Some(0.010),
+            Some(0.015),
+            Some(0.020),
+            None,
+            Some(0.012),
+            Some(0.018),
+            Some(0.011),
+        ];
+        let s = with_stderr(EarlyStopMetric::Icr, &icr, &stderr);
+        let svg = svg_of(&s);
+        let doc = roxmltree::Document::parse(&svg).unwrap();
+        let line: Vec<(f64, f64)> = doc
+            .descendants()
+            .find(|n| n.has_tag_name("polyline") && n.attribute("data-series") == Some("icr"))
+            .unwrap()
+            .attribute("points")
+            .unwrap()
+            .split_whitespace()
+            .map(vertex)
+            .collect();
+        assert_eq!(line.len(), icr.len());
+        // The y scale is affine: recover it from the two points farthest apart (0.95, 0.85).
+        let slope = (line[0].1 - line[3].1) / (icr[0] - icr[3]);
+        let sy = |v: f64| line[3].1 + slope * (v - icr[3]);
+        let band = doc
+            .descendants()
+            .find(|n| n.attribute("data-band") == Some("icr"))
+            .expect("a band");
+        assert!(band.has_tag_name("path"));
+        let plot = band
+            .ancestors()
+            .find_map(|n| n.attribute("data-plot"))
+            .unwrap();
+        assert_eq!(plot, "early-stop");
+        let opacity: f64 = band.attribute("fill-opacity").unwrap().parse().unwrap();
+        assert!(opacity > 0.0 && opacity < 0.5, "{opacity}");
+        // Two closed outlines: points 0..3 and 4..7 (point 3 has no standard error).
+        let d = band.attribute("d").unwrap();
+        let outlines: Vec<Vec<(f64, f64)>> = d
+            .split('M')
+            .filter(|p| !p.trim().is_empty())
+            .map(|p| {
+                let p = p.trim().strip_suffix('Z').expect("closed").trim();
+                p.split(" L").map(vertex).collect()
+            })
+            .collect();
+        assert_eq!(outlines.len(), 2, "{d}");
+        for (outline, run) in outlines.iter().zip([0..3, 4..7]) {
+            let n = run.len();
+            assert_eq!(outline.len(), 2 * n, "{d}");
+            for (k, i) in run.enumerate() {
+                let e = stderr[i].unwrap();
+                let (upper, lower) = (outline[k], outline[2 * n - 1 - k]);
+                for (vertex, want) in [(upper, icr[i] + e), (lower, icr[i] - e)] {
+                    assert_eq!(vertex.0, line[i].0, "step of point {i}");
+                    // 0.1 px rounding of the SVG's coordinates; one standard error here is
+                    // over 10 px.
+                    assert!(
+                        (vertex.1 - sy(want)).abs() < 0.25,
+                        "point {i}: {} against {} ({d})",
+                        vertex.1,
+                        sy(want)
+                    );
+                }
+            }
+        }
+        // The PNG is drawn from the same SVG.
+        assert!(!render(&s, Format::Png).unwrap().is_empty());
+    }
+
+    #[test]
+    fn no_band_without_a_standard_error() {
+        let icr = [0.95, 0.91, 0.87];
+        let s = with_stderr(EarlyStopMetric::Icr, &icr, &[None; 3]);
+        assert!(!svg_of(&s).contains("data-band"));
+        assert!(!svg_of(&u_curve("/r/x.pt")).contains("data-band"));
+        // A lone point with one between two without is no band either.
+        let s = with_stderr(EarlyStopMetric::Icr, &icr, &[None, Some(0.01), None]);
+        assert!(!svg_of(&s).contains("data-band"));
+        // E_gen has no standard error: ICR's is not drawn around it.
+        let s = with_stderr(EarlyStopMetric::PfdGeneralization, &icr, &[Some(0.01); 3]);
+        assert!(!svg_of(&s).contains("data-band"));
+        let html =
+            String::from_utf8(render(&s, Format::Html { refresh_secs: None }).unwrap()).unwrap();
+        assert!(!html.contains("data-band"));
     }
 
     #[test]

@@ -81,6 +81,14 @@ pub(super) fn plot_body(p: &Plot, x_range: (f64, f64), size: (u32, u32)) -> Stri
         .flat_map(|s| s.points.iter().map(|q| q.1))
         .collect();
     values.extend(p.ring.map(|r| r.2));
+    if let Some(band) = &p.band {
+        values.extend(
+            band.points
+                .iter()
+                .filter_map(|q| q.1)
+                .flat_map(|(v, e)| [v - e, v + e]),
+        );
+    }
     let (lo, hi) = domain(values.into_iter(), 0.08);
     let sx = |step: f64| x0 + (step - x_range.0) / (x_range.1 - x_range.0) * (x1 - x0);
     let sy = |v: f64| y0 + (v - lo) / (hi - lo) * (y1 - y0);
@@ -137,6 +145,9 @@ pub(super) fn plot_body(p: &Plot, x_range: (f64, f64), size: (u32, u32)) -> Stri
         (y0 + y1) / 2.0,
         escape(p.y_label)
     );
+    if let Some(band) = &p.band {
+        o.push_str(&band_path(band, sx, sy));
+    }
     // Marker lines under the data.
     for (k, (marker, step, label, color, dashed)) in p.lines.iter().enumerate() {
         let x = sx(*step as f64);
@@ -223,6 +234,37 @@ pub(super) fn plot_body(p: &Plot, x_range: (f64, f64), size: (u32, u32)) -> Stri
     }
     o.push_str("</g>");
     o
+}
+
+/// The band as one `<path>`: a closed outline (value + stderr forwards, value − stderr back) for
+/// each run of two or more consecutive points with a standard error; a point without one
+/// breaks it, and a point alone between two breaks is left out. Empty without such a run.
+fn band_path(band: &Band, sx: impl Fn(f64) -> f64, sy: impl Fn(f64) -> f64) -> String {
+    let mut d = String::new();
+    for run in band.points.split(|q| q.1.is_none()) {
+        if run.len() < 2 {
+            continue;
+        }
+        let vertex = |q: &(i64, Option<(f64, f64)>), sign: f64| {
+            let (v, e) = q.1.unwrap_or_default();
+            format!("{:.1},{:.1}", sx(q.0 as f64), sy(v + sign * e))
+        };
+        let upper = run.iter().map(|q| vertex(q, 1.0));
+        let lower = run.iter().rev().map(|q| vertex(q, -1.0));
+        let outline: Vec<String> = upper.chain(lower).collect();
+        if !d.is_empty() {
+            d.push(' ');
+        }
+        let _ = write!(d, "M{} Z", outline.join(" L"));
+    }
+    if d.is_empty() {
+        return d;
+    }
+    format!(
+        r##"<path data-band="{id}" d="{d}" fill="{color}" fill-opacity="0.18" stroke="none"><title>± one standard error (jackknife)</title></path>"##,
+        id = band.id,
+        color = band.color
+    )
 }
 
 /// The step range shared by all plots, so that they line up.
