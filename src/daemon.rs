@@ -335,12 +335,12 @@ impl Recorder {
         match e.event {
             EventKind::EarlyStop => {
                 println!(
-                    "EARLY STOP: {} turned at step {} (smoothed {:.4} > best {:.4} · (1 + {})); best checkpoint: {} (step {})",
+                    "EARLY STOP: {} turned at step {} (smoothed {:.4} > best {:.4} + {:.4}); best checkpoint: {} (step {})",
                     e.metric,
                     e.current_step,
                     e.current_value,
                     e.best_value,
-                    self.config.early_stop.min_rise,
+                    self.detector.state.last_threshold.unwrap_or(f64::NAN),
                     e.best_checkpoint,
                     e.best_step
                 );

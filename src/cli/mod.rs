@@ -347,7 +347,8 @@ pub fn run(command: Command) -> Result<()> {
     match command {
         Command::CheckConfig { file, config } => {
             let file = config.or(file).expect("clap requires the file or --config");
-            let config = Config::load(&file)?;
+            let mut config = Config::load(&file)?;
+            config.imply_memorization();
             println!(
                 "{}: ok (run `{}`, watching {})",
                 file.display(),
@@ -355,6 +356,7 @@ pub fn run(command: Command) -> Result<()> {
                 config.run.dir.display()
             );
             println!("{}", config.cost_summary());
+            println!("{}", config.early_stop_summary());
             Ok(())
         }
         Command::Init { run_dir } => {
@@ -384,7 +386,11 @@ pub fn run(command: Command) -> Result<()> {
             checkpoints,
             json,
         } => eval(&config, &checkpoints, json),
-        Command::Watch { config } => crate::daemon::run(Config::load(&config)?),
+        Command::Watch { config } => {
+            let mut config = Config::load(&config)?;
+            config.imply_memorization();
+            crate::daemon::run(config)
+        }
         Command::IcrFeatures { input, ridge } => icr_features(&input, ridge),
         Command::Sample(args) => sample(args),
         Command::Tail {

@@ -17,7 +17,7 @@ mod html;
 mod png;
 mod svg;
 
-use crate::config::{EarlyStopConfig, EarlyStopMetric};
+use crate::config::{EarlyStopMetric, EarlyStopSettings};
 use crate::detector::{Decision, Detector, DetectorState};
 use crate::history::{Entry, History, HistoryError, JOURNAL};
 use crate::record::Evaluation;
@@ -212,7 +212,7 @@ impl Snapshot {
     pub fn replay(
         run: &str,
         metric: EarlyStopMetric,
-        detector: EarlyStopConfig,
+        detector: EarlyStopSettings,
         entries: &[Entry],
     ) -> Snapshot {
         let mut snapshot = Snapshot::new(run, metric);
@@ -495,10 +495,7 @@ mod tests {
                 }
             })
             .collect();
-        let config = EarlyStopConfig {
-            confirm: crate::config::Confirm::None,
-            ..EarlyStopConfig::default()
-        };
+        let config = EarlyStopSettings::default();
         Snapshot::replay(hostile, EarlyStopMetric::Icr, config, &entries)
     }
 

@@ -273,3 +273,57 @@ fn a_citation_not_in_the_form_is_refused() {
     );
     assert!(cited_sections("# required: the model contract (README)").is_err());
 }
+
+/// A config in `dir` naming files that exist (empty: nothing is loaded), plus `extra`.
+fn config_with(dir: &Path, extra: &str) -> std::path::PathBuf {
+    for f in ["model.ts", "train.h5", "heldout.h5"] {
+        fs::write(dir.join(f), b"").unwrap();
+    }
+    let config = dir.join("diffmon.yaml");
+    let data = if extra.contains("data:") {
+        ""
+    } else {
+        "data: {path: train.h5}\n"
+    };
+    fs::write(
+        &config,
+        format!("run: {{dir: .}}\nmodel: {{architecture: model.ts}}\n{data}{extra}"),
+    )
+    .unwrap();
+    config
+}
+
+/// `check-config` says which signal confirms the early stop, what it can and cannot tell
+/// apart, and what the memorization ratio that `confirm: auto` turns on without a held-out set
+/// costs.
+#[test]
+fn check_config_says_what_the_early_stop_can_tell_apart() {
+    let check = |extra: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let config = config_with(dir.path(), extra);
+        let out = diffmon(&["check-config", config.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out)
+    };
+    let auto = check("");
+    assert!(
+        auto.contains("confirmed by the memorization ratio (early_stop.confirm: auto"),
+        "{auto}"
+    );
+    assert!(
+        auto.contains("memorization ratio 4480 (35 x 128 latents, every checkpoint"),
+        "{auto}"
+    );
+    let gap = check("data: {path: train.h5, heldout_path: heldout.h5}\n");
+    assert!(gap.contains("confirmed by the generalization gap"), "{gap}");
+    assert!(!gap.contains("memorization ratio 4480"), "{gap}");
+    let none = check("early_stop: {confirm: none}\n");
+    assert!(
+        none.contains("unconfirmed (early_stop.confirm: none)"),
+        "{none}"
+    );
+    assert!(
+        !none.contains("PFD") && !none.contains("memorization ratio 4480"),
+        "{none}"
+    );
+}
