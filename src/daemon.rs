@@ -98,14 +98,29 @@ struct Recorder {
     stalled: bool,
     /// Rewriting `history.h5` failed, and that was logged.
     hdf5_failing: bool,
+    /// Keeps the best checkpoint in `<state_dir>/best/` (`early_stop.keep_best`), on its own
+    /// thread.
+    keeper: Option<crate::keep_best::Keeper>,
 }
 
 impl Recorder {
     /// Feeds one record to the detector; returns the event to send, if any.
     fn decide(&mut self, r: &Evaluation, at: &str) -> Option<Event> {
+        let before = self
+            .detector
+            .state
+            .best
+            .as_ref()
+            .map(|b| b.checkpoint.clone());
         let decision = self
             .detector
             .observe(&Observation::of(r, self.config.early_stop.metric));
+        // keep_best: a new best checkpoint is kept before rotation can delete it.
+        if let (Some(keeper), Some(best)) = (&self.keeper, &self.detector.state.best)
+            && before.as_ref() != Some(&best.checkpoint)
+        {
+            keeper.keep(std::path::Path::new(&best.checkpoint));
+        }
         if decision.unconfirmed {
             let confirm = self.detector.config().confirm.as_str();
             tracing::info!(
@@ -156,6 +171,10 @@ impl Recorder {
             metric: self.config.early_stop.metric.as_str().to_string(),
             best_step: best.step,
             best_checkpoint: best.checkpoint.clone(),
+            best_checkpoint_kept: self.keeper.as_ref().and_then(|k| {
+                let kept = k.kept(std::path::Path::new(&best.checkpoint))?;
+                Some(kept.display().to_string())
+            }),
             best_value: best.value,
             current_step: r.step,
             current_value: decision.smoothed.unwrap_or(f64::NAN),
@@ -335,14 +354,18 @@ impl Recorder {
         match e.event {
             EventKind::EarlyStop => {
                 println!(
-                    "EARLY STOP: {} turned at step {} (smoothed {:.4} > best {:.4} + {:.4}); best checkpoint: {} (step {})",
+                    "EARLY STOP: {} turned at step {} (smoothed {:.4} > best {:.4} + {:.4}); best checkpoint: {} (step {}){}",
                     e.metric,
                     e.current_step,
                     e.current_value,
                     e.best_value,
                     self.detector.state.last_threshold.unwrap_or(f64::NAN),
                     e.best_checkpoint,
-                    e.best_step
+                    e.best_step,
+                    match &e.best_checkpoint_kept {
+                        Some(kept) => format!(", kept as {kept}"),
+                        None => String::new(),
+                    }
                 );
                 tracing::warn!(run = %e.run, best_step = e.best_step, best_checkpoint = %e.best_checkpoint, "early stop fired");
             }
@@ -393,6 +416,10 @@ pub fn run(config: Config) -> Result<()> {
         unrecorded: VecDeque::new(),
         stalled: false,
         hdf5_failing: false,
+        keeper: config
+            .early_stop
+            .keep_best
+            .then(|| crate::keep_best::Keeper::new(&state_dir)),
     };
     recorder.write_hdf5();
     // The detector's state is the history replayed; replayed events are re-sent below (the
@@ -411,6 +438,9 @@ pub fn run(config: Config) -> Result<()> {
         },
     );
     recorder.detector = detector;
+    if let (Some(keeper), Some(best)) = (&recorder.keeper, &recorder.detector.state.best) {
+        keeper.keep(std::path::Path::new(&best.checkpoint));
+    }
     lock(&snapshot).failures = failures;
     if evaluated_before > 0 {
         tracing::info!(evaluations = evaluated_before, state = %state_dir.display(), "history restored");

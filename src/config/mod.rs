@@ -717,6 +717,9 @@ pub struct EarlyStopConfig {
     pub confirm: Confirm,
     #[serde(default = "default_confirm_rise")]
     pub confirm_rise: f64,
+    /// Keep a link (or a copy) of the best checkpoint in `<state_dir>/best/`.
+    #[serde(default = "default_keep_best")]
+    pub keep_best: bool,
 }
 
 fn default_es_metric() -> EarlyStopMetric {
@@ -746,6 +749,9 @@ fn default_confirm() -> Confirm {
 fn default_confirm_rise() -> f64 {
     0.5
 }
+fn default_keep_best() -> bool {
+    true
+}
 
 impl Default for EarlyStopConfig {
     fn default() -> Self {
@@ -759,6 +765,7 @@ impl Default for EarlyStopConfig {
             noise_multiple: default_noise_multiple(),
             confirm: default_confirm(),
             confirm_rise: default_confirm_rise(),
+            keep_best: default_keep_best(),
         }
     }
 }
@@ -1803,6 +1810,7 @@ mod tests {
         assert_eq!(c.early_stop.smoother, Smoother::Median);
         assert_eq!(c.early_stop.min_rise, 0.005);
         assert_eq!(c.early_stop.noise_multiple, 6.0);
+        assert!(c.early_stop.keep_best);
         assert_eq!(c.early_stop.confirm, Confirm::Auto);
         assert_eq!(
             c.early_stop_resolved().confirm,
