@@ -29,7 +29,8 @@
 //! nothing. The signal is taken at its last measurement (the PF-ODE metrics may run on every
 //! `pfd.every`-th checkpoint only).
 //!
-//! The state is plain data and is never stored: the daemon (and `diffmon report`) derives it by replaying the history journal through a fresh detector
+//! The state is plain data and is never stored: the daemon (and `diffmon report`, `diffmon
+//! replay`) derives it by replaying the history journal through a fresh detector
 //! (docs/design.md §9), so it cannot disagree with the journal, and a restart neither forgets the
 //! best nor fires twice (the replayed events keep their ids, and the alerter delivers each id
 //! once).
@@ -416,8 +417,8 @@ fn median(points: &[Point]) -> (f64, Point) {
 /// Replays a history (docs/design.md §9): feeds its evaluations, in journal order, to
 /// `detector` (a fresh one, for the state the journal implies) watching `metric`, and hands each
 /// to `each` with the detector's decision and its state afterwards. Failures are not observed;
-/// returns how many there were. The daemon rebuilds its state at start-up this way, and
-/// `diffmon report` its plots.
+/// returns how many there were. The daemon rebuilds its state at start-up this way, `diffmon
+/// report` its plots, and `diffmon replay` prints what the detector decides.
 pub fn replay<'a>(
     detector: &mut Detector,
     metric: EarlyStopMetric,

@@ -1,8 +1,10 @@
 //! `early_stop.keep_best` end to end: a trainer that rotates its checkpoints (accelerate's
 //! `checkpoints_total_limit: 2`: checkpoint folders, the newest two kept) while `diffmon watch`
 //! evaluates them. The best checkpoint survives in `<state_dir>/best/`, one kept copy at a time,
-//! and the event names both paths.
+//! the event names both paths, and `diffmon replay` over the recorded history decides what the
+//! daemon decided.
 
+use crate::common::{diffmon, stdout};
 use crate::daemon::{Daemon, empty_run, journal};
 use crate::early_stop::{checkpoints_by_icr, detector_config, write_base_config};
 use serde_json::Value;
@@ -135,4 +137,21 @@ fn the_best_checkpoint_survives_rotation_and_one_copy_is_kept() {
     });
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(kept(dir), ["checkpoint-2"]);
+    d.terminate();
+
+    // `diffmon replay` over the recorded history decides what the daemon decided.
+    let config = dir.join("diffmon.yaml");
+    let out = diffmon(&["replay", "--config", config.to_str().unwrap(), "--json"]);
+    assert!(out.status.success(), "{}", crate::common::stderr(&out));
+    let lines: Vec<Value> = stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 6, "{lines:?}");
+    let summary = &lines[5];
+    assert_eq!(summary["kind"], "summary");
+    assert_eq!(summary["fired_at_step"], 5);
+    assert_eq!(summary["best_step"], 2);
+    assert_eq!(lines[4]["decision"], "early_stop");
+    assert_eq!(lines[1]["decision"], "best");
 }
