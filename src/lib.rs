@@ -14,6 +14,7 @@ pub mod history;
 pub mod http;
 pub mod icr;
 pub mod init;
+pub mod keep_best;
 pub mod lock;
 pub mod metrics;
 pub mod model;

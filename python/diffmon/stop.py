@@ -3,8 +3,11 @@
 When diffmon detects the turn of the ICR curve it writes ``<run_dir>/<stop_file>`` (default
 ``EARLY_STOP``) atomically, holding the event JSON::
 
-    {"id", "event", "run", "metric", "best_step", "best_checkpoint", "best_value",
-     "current_step", "current_value", "fired_at"}
+    {"id", "event", "run", "metric", "best_step", "best_checkpoint", "best_checkpoint_kept",
+     "best_value", "current_step", "current_value", "fired_at"}
+
+``best_checkpoint_kept`` is diffmon's copy of the best checkpoint in its state folder (safe from
+the training job's checkpoint rotation), or null.
 
 Plain loop::
 

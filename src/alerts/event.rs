@@ -41,6 +41,10 @@ pub struct Event {
     pub metric: String,
     pub best_step: i64,
     pub best_checkpoint: String,
+    /// Where diffmon keeps a copy of the best checkpoint (`early_stop.keep_best`), safe from the
+    /// training job's rotation; `null` when it keeps none.
+    #[serde(default)]
+    pub best_checkpoint_kept: Option<String>,
     pub best_value: f64,
     pub current_step: i64,
     pub current_value: f64,
@@ -49,7 +53,7 @@ pub struct Event {
 }
 
 impl Event {
-    /// An event with its stable id and `fired_at` = now.
+    /// An event with its stable id, `fired_at` = now and no kept copy.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         kind: EventKind,
@@ -68,6 +72,7 @@ impl Event {
             metric: metric.to_string(),
             best_step,
             best_checkpoint: best_checkpoint.to_string(),
+            best_checkpoint_kept: None,
             best_value,
             current_step,
             current_value,
@@ -148,7 +153,7 @@ mod tests {
         assert_ne!(a, event_id("run-b", EventKind::EarlyStop, 1000, 3000));
         assert_ne!(a, event_id("run-a", EventKind::EarlyStop, 1001, 3000));
         assert_ne!(a, event_id("run-a", EventKind::EarlyStop, 1000, 3001));
-        // Events built at different times keep the id.
+        // Events built at different times keep the id, and so does naming a kept copy.
         let e1 = Event::new(
             EventKind::EarlyStop,
             "run-a",
@@ -171,6 +176,11 @@ mod tests {
         );
         assert_eq!(e1.id, a);
         assert_eq!(e2.id, a);
+        let kept = Event {
+            best_checkpoint_kept: Some("/r/.diffmon/best/c".into()),
+            ..e1.clone()
+        };
+        assert_eq!(kept.id, a);
     }
 
     #[test]
@@ -185,6 +195,7 @@ mod tests {
             "metric",
             "best_step",
             "best_checkpoint",
+            "best_checkpoint_kept",
             "best_value",
             "current_step",
             "current_value",
@@ -192,7 +203,8 @@ mod tests {
         ] {
             assert!(v.get(key).is_some(), "{key} missing in {v}");
         }
-        assert_eq!(v.as_object().unwrap().len(), 10);
+        assert_eq!(v.as_object().unwrap().len(), 11);
+        assert_eq!(v["best_checkpoint_kept"], serde_json::Value::Null);
         let back: Event = serde_json::from_value(v).unwrap();
         assert_eq!(back, e);
         let r = serde_json::to_value(EventKind::Resolved).unwrap();

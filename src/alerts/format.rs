@@ -65,8 +65,14 @@ pub fn description(event: &Event) -> String {
     );
     match event.event {
         EventKind::EarlyStop => format!(
-            "Run {}: the early-stop metric {} has turned up (the model starts to memorize). {best}; {now}. The stop file has been written: stop the training and keep the checkpoint of step {}.",
-            event.run, event.metric, event.best_step
+            "Run {}: the early-stop metric {} has turned up (the model starts to memorize). {best}; {now}. The stop file has been written: stop the training and keep the checkpoint of step {}{}.",
+            event.run,
+            event.metric,
+            event.best_step,
+            match &event.best_checkpoint_kept {
+                Some(kept) => format!(" (diffmon keeps a copy at {kept})"),
+                None => String::new(),
+            }
         ),
         EventKind::Resolved => format!(
             "Run {}: the early stop is resolved: the metric {} went below its previous best again. {best}; {now}.",
@@ -113,6 +119,9 @@ pub fn annotations(event: &Event) -> Map<String, Value> {
         "best_checkpoint".into(),
         event.best_checkpoint.clone().into(),
     );
+    if let Some(kept) = &event.best_checkpoint_kept {
+        m.insert("best_checkpoint_kept".into(), kept.clone().into());
+    }
     m.insert("best_value".into(), fmt_value(event.best_value).into());
     m.insert("current_step".into(), event.current_step.to_string().into());
     m.insert(
@@ -210,6 +219,7 @@ mod tests {
             metric: "icr".into(),
             best_step: 1000,
             best_checkpoint: "ckpt-001000.pt".into(),
+            best_checkpoint_kept: None,
             best_value: 0.12345678,
             current_step: 3000,
             current_value: 0.1302,
@@ -288,6 +298,22 @@ mod tests {
         let b = &r.as_array().unwrap()[0];
         assert_eq!(b["labels"], a["labels"]);
         assert_eq!(b["endsAt"], "2026-01-31T12:00:00.000Z");
+        // The kept copy of the best checkpoint is named when there is one.
+        assert!(a["annotations"].get("best_checkpoint_kept").is_none());
+        let kept = Event {
+            best_checkpoint_kept: Some("/r/.diffmon/best/ckpt-001000.pt".into()),
+            ..event(EventKind::EarlyStop)
+        };
+        let k = parse(&alertmanager_api_body(&kept));
+        let k = &k.as_array().unwrap()[0]["annotations"];
+        assert_eq!(k["best_checkpoint_kept"], "/r/.diffmon/best/ckpt-001000.pt");
+        assert!(
+            k["description"]
+                .as_str()
+                .unwrap()
+                .contains("keeps a copy at /r/.diffmon/best/ckpt-001000.pt)."),
+            "{k}"
+        );
     }
 
     #[test]

@@ -9,7 +9,8 @@ use std::path::{Path, PathBuf};
 
 /// `diffmon eval`.
 pub fn eval(config_path: &Path, checkpoints: &[PathBuf], json: bool) -> Result<()> {
-    let config = Config::load_without_secrets(config_path)?;
+    let mut config = Config::load_without_secrets(config_path)?;
+    config.imply_memorization();
     let steps = checkpoints
         .iter()
         .map(|path| {

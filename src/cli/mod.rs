@@ -2,11 +2,13 @@
 //! exit codes ([`Exit`]): 0 ok, 2 bad usage or config, 1 runtime failure.
 //!
 //! The longer one-shot commands have a module each (`eval`, `icr_features`, `sample`,
-//! `bias_variance`); `watch` is [`crate::daemon::run`], `report` [`crate::report::write`].
+//! `bias_variance`, `replay`); `watch` is [`crate::daemon::run`], `report`
+//! [`crate::report::write`].
 
 mod bias_variance;
 mod eval;
 mod icr_features;
+mod replay;
 mod sample;
 
 use crate::config::{self, Config, ConfigError, DeviceSpec, Observable};
@@ -36,6 +38,9 @@ Workflow, for a training run saving checkpoints into runs/exp1:
   5. diffmon watch --config diffmon.yaml
                                     the daemon: evaluates every new checkpoint, serves
                                     /metrics, writes the early-stop file
+  6. diffmon replay --config diffmon.yaml [--set early_stop.min_rise=0.01]
+                                    what the early stop decided at each checkpoint, and
+                                    would decide with other settings
 
 Logging goes to stderr, filtered by the DIFFMON_LOG environment variable (default: info; e.g.
 DIFFMON_LOG=debug, or DIFFMON_LOG=warn).
@@ -138,6 +143,23 @@ pub enum Command {
         /// The output file; its extension picks the format: .html, .svg or .png.
         #[arg(long, value_name = "FILE")]
         out: PathBuf,
+    },
+    /// Run the early-stop detector over the recorded history and print what it decides at each
+    /// checkpoint (step, value, smoothed, noise, threshold, decision) and when it fires: to tune
+    /// early_stop on your own runs.
+    Replay {
+        /// The daemon's config: the history is read from its state_dir, the detector's
+        /// settings from its early_stop section.
+        #[arg(long, value_name = "FILE")]
+        config: PathBuf,
+        /// Replays with an early_stop key changed, as KEY=VALUE, the value in YAML (e.g.
+        /// early_stop.min_rise=0.01, early_stop.confirm=none); repeatable.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+        /// One JSON object per line: one per checkpoint (`"kind": "checkpoint"`), then the
+        /// summary (`"kind": "summary"`: fired_at_step, best_step, ...).
+        #[arg(long)]
+        json: bool,
     },
     /// Validate a config file and report every problem (exit code 2 if there is one).
     CheckConfig {
@@ -347,7 +369,8 @@ pub fn run(command: Command) -> Result<()> {
     match command {
         Command::CheckConfig { file, config } => {
             let file = config.or(file).expect("clap requires the file or --config");
-            let config = Config::load(&file)?;
+            let mut config = Config::load(&file)?;
+            config.imply_memorization();
             println!(
                 "{}: ok (run `{}`, watching {})",
                 file.display(),
@@ -355,6 +378,7 @@ pub fn run(command: Command) -> Result<()> {
                 config.run.dir.display()
             );
             println!("{}", config.cost_summary());
+            println!("{}", config.early_stop_summary());
             Ok(())
         }
         Command::Init { run_dir } => {
@@ -384,7 +408,11 @@ pub fn run(command: Command) -> Result<()> {
             checkpoints,
             json,
         } => eval(&config, &checkpoints, json),
-        Command::Watch { config } => crate::daemon::run(Config::load(&config)?),
+        Command::Watch { config } => {
+            let mut config = Config::load(&config)?;
+            config.imply_memorization();
+            crate::daemon::run(config)
+        }
         Command::IcrFeatures { input, ridge } => icr_features(&input, ridge),
         Command::Sample(args) => sample(args),
         Command::Tail {
@@ -412,6 +440,7 @@ pub fn run(command: Command) -> Result<()> {
             Ok(())
         }
         Command::BiasVariance { config, students } => bias_variance(&config, &students),
+        Command::Replay { config, set, json } => replay::replay(&config, &set, json),
         Command::Report { config, out } => {
             crate::report::write(&Config::load_without_secrets(&config)?, &out)?;
             println!("{}", out.display());

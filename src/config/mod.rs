@@ -40,6 +40,12 @@ fn num(x: f64) -> String {
     }
 }
 
+/// PF-ODE latents of the memorization ratio that `early_stop.confirm: auto` turns on when no
+/// held-out set is configured and `pfd.enabled` is false (docs/design.md §9): one memorized
+/// sample is 0.8% of them, well under the 5% at which the toy runs count as memorizing, for 35 ×
+/// 128 network calls per checkpoint.
+pub const CONFIRM_LATENTS: usize = 128;
+
 /// Largest config file read (a real one is a few KiB).
 pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
@@ -112,6 +118,12 @@ pub struct Config {
     pub early_stop: EarlyStopConfig,
     pub alerts: AlertsConfig,
     pub http: HttpConfig,
+    /// The memorization ratio (and, with `pfd.enabled: false`, a PF-ODE of
+    /// [`CONFIRM_LATENTS`] latents) was turned on by `early_stop.confirm: auto` without a
+    /// held-out set ([`Config::imply_memorization`]); not a key.
+    pub implied_memorization: bool,
+    /// Of these, the PF-ODE itself (`pfd.enabled` was false).
+    pub implied_pf_ode: bool,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -587,10 +599,12 @@ impl EarlyStopMetric {
     }
 }
 
+/// `early_stop.confirm` as written: a confirming signal, or `auto` (resolved by
+/// [`Config::early_stop_resolved`] into a [`Confirmation`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Confirm {
-    /// `generalization_gap` when `data.heldout_path` is set, else `none`.
+    /// `generalization_gap` when `data.heldout_path` is set, else `memorization_ratio`.
     Auto,
     None,
     GeneralizationGap,
@@ -609,11 +623,54 @@ impl Confirm {
     }
 }
 
+/// The signal that confirms a turn, as the detector applies it: `early_stop.confirm` with
+/// `auto` resolved (docs/design.md §9).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Confirmation {
+    None,
+    GeneralizationGap,
+    MemorizationRatio,
+}
+
+impl Confirmation {
+    /// Its name, as the config writes it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Confirmation::None => "none",
+            Confirmation::GeneralizationGap => "generalization_gap",
+            Confirmation::MemorizationRatio => "memorization_ratio",
+        }
+    }
+}
+
+/// How the detector smooths the monitored series (`early_stop.smoother`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Smoother {
+    /// The median of the last `window` values.
+    Median,
+    /// An exponential moving average of span `window` (weight `2/(window + 1)` on the newest).
+    Ema,
+}
+
+impl Smoother {
+    /// Its name, as the config writes it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Smoother::Median => "median",
+            Smoother::Ema => "ema",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct EarlyStopConfig {
     #[serde(default = "default_es_metric")]
     pub metric: EarlyStopMetric,
+    #[serde(default = "default_smoother")]
+    pub smoother: Smoother,
     #[serde(default = "default_window")]
     pub window: usize,
     #[serde(default = "default_warmup")]
@@ -622,14 +679,24 @@ pub struct EarlyStopConfig {
     pub patience: usize,
     #[serde(default = "default_min_rise")]
     pub min_rise: f64,
+    /// The rise must also exceed this many times the noise of the smoothed value; 0 turns the
+    /// noise rule off.
+    #[serde(default = "default_noise_multiple")]
+    pub noise_multiple: f64,
     #[serde(default = "default_confirm")]
     pub confirm: Confirm,
     #[serde(default = "default_confirm_rise")]
     pub confirm_rise: f64,
+    /// Keep a link (or a copy) of the best checkpoint in `<state_dir>/best/`.
+    #[serde(default = "default_keep_best")]
+    pub keep_best: bool,
 }
 
 fn default_es_metric() -> EarlyStopMetric {
     EarlyStopMetric::Icr
+}
+fn default_smoother() -> Smoother {
+    Smoother::Median
 }
 fn default_window() -> usize {
     3
@@ -643,24 +710,97 @@ fn default_patience() -> usize {
 fn default_min_rise() -> f64 {
     0.005
 }
+fn default_noise_multiple() -> f64 {
+    6.0
+}
 fn default_confirm() -> Confirm {
     Confirm::Auto
 }
 fn default_confirm_rise() -> f64 {
     0.5
 }
+fn default_keep_best() -> bool {
+    true
+}
 
 impl Default for EarlyStopConfig {
     fn default() -> Self {
         EarlyStopConfig {
             metric: default_es_metric(),
+            smoother: default_smoother(),
             window: default_window(),
             warmup: default_warmup(),
             patience: default_patience(),
             min_rise: default_min_rise(),
+            noise_multiple: default_noise_multiple(),
             confirm: default_confirm(),
             confirm_rise: default_confirm_rise(),
+            keep_best: default_keep_best(),
         }
+    }
+}
+
+/// The detector's settings: the `early_stop` section with `confirm: auto` resolved
+/// ([`Config::early_stop_resolved`]), so that the detector never meets `auto`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EarlyStopSettings {
+    pub metric: EarlyStopMetric,
+    pub smoother: Smoother,
+    pub window: usize,
+    pub warmup: usize,
+    pub patience: usize,
+    pub min_rise: f64,
+    pub noise_multiple: f64,
+    pub confirm: Confirmation,
+    pub confirm_rise: f64,
+}
+
+impl EarlyStopSettings {
+    /// The section's settings with `confirmation` in place of its `confirm`.
+    pub fn of(e: &EarlyStopConfig, confirmation: Confirmation) -> EarlyStopSettings {
+        EarlyStopSettings {
+            metric: e.metric,
+            smoother: e.smoother,
+            window: e.window,
+            warmup: e.warmup,
+            patience: e.patience,
+            min_rise: e.min_rise,
+            noise_multiple: e.noise_multiple,
+            confirm: confirmation,
+            confirm_rise: e.confirm_rise,
+        }
+    }
+}
+
+impl EarlyStopConfig {
+    /// The ranges of its values (the dependencies on other sections are checked by
+    /// [`Config::validate`]).
+    fn check_ranges(&self, v: &mut Validator) {
+        v.count("early_stop.window", self.window, 1..=1000);
+        v.count("early_stop.warmup", self.warmup, 0..=1_000_000);
+        v.count("early_stop.patience", self.patience, 1..=1_000_000);
+        v.real("early_stop.min_rise", self.min_rise, 0.0..=10.0);
+        v.real(
+            "early_stop.noise_multiple",
+            self.noise_multiple,
+            0.0..=100.0,
+        );
+        v.positive("early_stop.confirm_rise", self.confirm_rise, 10.0);
+    }
+
+    /// Every problem of the section's values, each with its key: the ranges alone, for
+    /// settings given apart from a config file.
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut v = Validator::default();
+        self.check_ranges(&mut v);
+        v.problems
+    }
+}
+
+impl Default for EarlyStopSettings {
+    /// The defaults, without a confirmation (the defaults' `auto` depends on the data keys).
+    fn default() -> Self {
+        EarlyStopSettings::of(&EarlyStopConfig::default(), Confirmation::None)
     }
 }
 
@@ -899,10 +1039,23 @@ impl Config {
                 1 => "every checkpoint".to_string(),
                 k => format!("every {k}{} checkpoint", ordinal_suffix(k)),
             };
+            let (what, why) = if self.implied_pf_ode {
+                (
+                    "memorization ratio",
+                    ", for early_stop.confirm: auto without data.heldout_path",
+                )
+            } else {
+                ("PFD", "")
+            };
             parts.push(match &self.pfd.latents {
-                Some(_) => format!("PFD {per_latent} per latent of pfd.latents, {every}"),
+                Some(_) => format!("{what} {per_latent} per latent of pfd.latents, {every}{why}"),
+                None if self.implied_pf_ode => format!(
+                    "{what} {} ({per_latent} x {} latents, {every}{why})",
+                    per_latent * self.pfd.samples,
+                    self.pfd.samples
+                ),
                 None => format!(
-                    "PFD {} ({per_latent} x pfd.samples, {every})",
+                    "{what} {} ({per_latent} x pfd.samples, {every})",
                     per_latent * self.pfd.samples
                 ),
             });
@@ -913,18 +1066,96 @@ impl Config {
         )
     }
 
-    /// The detector's settings with `confirm: auto` resolved: the generalization gap when a
-    /// held-out set is configured, else none.
-    pub fn early_stop_resolved(&self) -> EarlyStopConfig {
-        let mut e = self.early_stop.clone();
-        if e.confirm == Confirm::Auto {
-            e.confirm = if self.data.heldout_path.is_some() {
-                Confirm::GeneralizationGap
-            } else {
-                Confirm::None
-            };
+    /// `early_stop.confirm` resolved: `auto` is the generalization gap when a held-out set is
+    /// configured, else the memorization ratio (docs/design.md §9).
+    pub fn confirmation(&self) -> Confirmation {
+        match self.early_stop.confirm {
+            Confirm::Auto if self.data.heldout_path.is_some() => Confirmation::GeneralizationGap,
+            Confirm::Auto | Confirm::MemorizationRatio => Confirmation::MemorizationRatio,
+            Confirm::GeneralizationGap => Confirmation::GeneralizationGap,
+            Confirm::None => Confirmation::None,
         }
-        e
+    }
+
+    /// The detector's settings, with `confirm: auto` resolved ([`Config::confirmation`]).
+    pub fn early_stop_resolved(&self) -> EarlyStopSettings {
+        EarlyStopSettings::of(&self.early_stop, self.confirmation())
+    }
+
+    /// Does `early_stop.confirm: auto` need the memorization ratio that the config does not
+    /// compute? (No held-out set, and `memorization.enabled` false.)
+    fn needs_implied_memorization(&self) -> bool {
+        implies_memorization(&self.early_stop, &self.data, &self.memorization)
+    }
+
+    /// Turns on what `early_stop.confirm: auto` without a held-out set confirms by: the
+    /// memorization ratio, computed from the PF-ODE samples of PFD when `pfd.enabled`, else from
+    /// [`CONFIRM_LATENTS`] latents integrated for it alone (the other `pfd.*` keys as written;
+    /// E_mem comes with them). For the commands that evaluate for the early stop (`eval`,
+    /// `watch`) and `check-config`, after [`Config::load`], which validates the config as
+    /// written (`bias-variance` keeps its `pfd.samples`).
+    pub fn imply_memorization(&mut self) {
+        if !self.needs_implied_memorization() {
+            return;
+        }
+        self.memorization.enabled = true;
+        if !self.pfd.enabled {
+            self.pfd.enabled = true;
+            self.pfd.samples = CONFIRM_LATENTS;
+            self.implied_pf_ode = true;
+        }
+        self.implied_memorization = true;
+    }
+
+    /// What the early stop, as configured, can and cannot tell apart (for `check-config`).
+    pub fn early_stop_summary(&self) -> String {
+        let e = &self.early_stop;
+        let metric = e.metric.as_str();
+        let rule = if e.noise_multiple > 0.0 {
+            format!(
+                "fires when the smoothed {metric} rises above its best by more than min_rise \
+                 ({}) and {} times its own noise",
+                e.min_rise, e.noise_multiple
+            )
+        } else {
+            format!(
+                "fires when the smoothed {metric} rises above its best by more than min_rise \
+                 ({}); noise_multiple is 0, so a rise of noise alone can fire it",
+                e.min_rise
+            )
+        };
+        let confirm = match self.confirmation() {
+            Confirmation::GeneralizationGap => "confirmed by the generalization gap \
+                (data.heldout_path): tells a model that memorizes (the held-out loss rises above \
+                the training loss) from a steady rise of the metric in data-rich training, \
+                provided the training job never sees the held-out images"
+                .to_string(),
+            Confirmation::MemorizationRatio => {
+                let source = match (self.implied_memorization, self.implied_pf_ode) {
+                    (true, true) => format!(
+                        " (early_stop.confirm: auto without data.heldout_path; from {} PF-ODE \
+                         latents of its own, {} network calls per checkpoint)",
+                        self.pfd.samples,
+                        (2 * self.pfd.steps - 1) * self.pfd.samples
+                    ),
+                    (true, false) => " (early_stop.confirm: auto without data.heldout_path; \
+                        from the PFD samples)"
+                        .to_string(),
+                    _ => String::new(),
+                };
+                format!(
+                    "confirmed by the memorization ratio{source}: tells a model that memorizes \
+                     (its samples copy training images) from a steady rise of the metric in \
+                     data-rich training, but sees only copies of the images in data.path, so \
+                     that file must hold the whole training set"
+                )
+            }
+            Confirmation::None => "unconfirmed (early_stop.confirm: none): tells a turn from \
+                noise, but not a model that memorizes from a steady rise of the metric in \
+                data-rich training (about 2% on the full digits set, with no memorization)"
+                .to_string(),
+        };
+        format!("early stop: {rule}; {confirm} (README, \"The early stop\")")
     }
 
     pub fn state_dir(&self) -> PathBuf {
@@ -1086,11 +1317,7 @@ impl ConfigFile {
         v.real("tail.offset", tl.offset, f64::MIN..=f64::MAX);
 
         let e = &self.early_stop;
-        v.count("early_stop.window", e.window, 1..=1000);
-        v.count("early_stop.warmup", e.warmup, 0..=1_000_000);
-        v.count("early_stop.patience", e.patience, 1..=1_000_000);
-        v.real("early_stop.min_rise", e.min_rise, 0.0..=10.0);
-        v.positive("early_stop.confirm_rise", e.confirm_rise, 10.0);
+        e.check_ranges(&mut v);
         match e.metric {
             EarlyStopMetric::Icr => v.check(
                 i.enabled,
@@ -1116,6 +1343,14 @@ impl ConfigFile {
                 "`memorization_ratio` needs memorization.enabled",
             ),
         }
+        if implies_memorization(e, &self.data, m) && m.criterion == MemorizationCriterion::Cosine {
+            v.check(
+                p.descriptor.is_some(),
+                "memorization.criterion",
+                "`cosine` needs a descriptor model in pfd.descriptor (early_stop.confirm: auto \
+                 without data.heldout_path confirms by the memorization ratio)",
+            );
+        }
 
         let alerts = alerts(&mut v, &self.alerts, lookup);
         let http = http(&mut v, &self.http);
@@ -1140,11 +1375,19 @@ impl ConfigFile {
                     early_stop: self.early_stop.clone(),
                     alerts,
                     http,
+                    implied_memorization: false,
+                    implied_pf_ode: false,
                 })
             }
             _ => Err(v.problems),
         }
     }
+}
+
+/// Does `early_stop.confirm: auto` confirm by a memorization ratio that the config does not
+/// compute? (No held-out set, and `memorization.enabled` false.)
+fn implies_memorization(e: &EarlyStopConfig, data: &DataConfig, m: &MemorizationConfig) -> bool {
+    e.confirm == Confirm::Auto && data.heldout_path.is_none() && !m.enabled
 }
 
 /// The `checkpoints` section's settings; `None` when a value is refused (the problem is in `v`).
@@ -1618,12 +1861,21 @@ mod tests {
             (18, 0.002, 80.0, 7.0)
         );
         assert_eq!(c.early_stop.window, 3);
+        assert_eq!(c.early_stop.smoother, Smoother::Median);
         assert_eq!(c.early_stop.min_rise, 0.005);
+        assert_eq!(c.early_stop.noise_multiple, 6.0);
+        assert!(c.early_stop.keep_best);
         assert_eq!(c.early_stop.confirm, Confirm::Auto);
-        assert_eq!(c.early_stop_resolved().confirm, Confirm::None);
+        assert_eq!(
+            c.early_stop_resolved().confirm,
+            Confirmation::MemorizationRatio
+        );
         let with_heldout = MINIMAL.replace("{path: d.h5}", "{path: d.h5, heldout_path: h.h5}");
         let c = settings(&with_heldout);
-        assert_eq!(c.early_stop_resolved().confirm, Confirm::GeneralizationGap);
+        assert_eq!(
+            c.early_stop_resolved().confirm,
+            Confirmation::GeneralizationGap
+        );
         assert_eq!(c.data.dataset, "images");
         assert_eq!(c.alerts.stop_file, "EARLY_STOP");
         assert_eq!(c.http.listen, SocketAddr::from(([127, 0, 0, 1], 9464)));
@@ -1826,6 +2078,132 @@ mod tests {
             err.contains("big.yaml: the config file is 1048577 bytes"),
             "{err}"
         );
+    }
+
+    /// A loaded config in a folder holding the files it names: [`MINIMAL`] and `extra`
+    /// (whose `data:` line, if any, replaces the minimal one).
+    fn loaded(extra: &str) -> Result<Config, ConfigError> {
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["m.ts", "d.h5", "h.h5", "desc.ts"] {
+            std::fs::write(dir.path().join(f), b"").unwrap();
+        }
+        let base = if extra.contains("data:") {
+            MINIMAL.replace("data: {path: d.h5}\n", "")
+        } else {
+            MINIMAL.to_string()
+        };
+        let file = dir.path().join("c.yaml");
+        std::fs::write(&file, format!("{base}{extra}")).unwrap();
+        let mut config = Config::load(&file)?;
+        config.imply_memorization();
+        Ok(config)
+    }
+
+    /// `confirm: auto` without a held-out set confirms by the memorization ratio, which
+    /// `imply_memorization` turns on: with PFD off, from `CONFIRM_LATENTS` PF-ODE latents (counted in the
+    /// cost summary); with PFD on, from its samples. A held-out set, an explicit confirmation
+    /// or the ratio already enabled leave the config as written.
+    #[test]
+    fn auto_without_heldout_data_turns_the_memorization_ratio_on() {
+        let c = loaded("").unwrap();
+        assert!(c.memorization.enabled && c.pfd.enabled && c.implied_memorization);
+        assert_eq!(c.pfd.samples, CONFIRM_LATENTS);
+        assert_eq!(
+            c.cost_summary(),
+            "network calls per checkpoint: ICR 8192 (2 x icr.samples), memorization ratio 4480 \
+             (35 x 128 latents, every checkpoint, for early_stop.confirm: auto without \
+             data.heldout_path) (README, \"Cost and GPU\")"
+        );
+        assert!(
+            c.early_stop_summary()
+                .contains("confirmed by the memorization ratio (early_stop.confirm: auto"),
+            "{}",
+            c.early_stop_summary()
+        );
+        let c = loaded("pfd: {enabled: true, samples: 500}\n").unwrap();
+        assert!(c.memorization.enabled && c.implied_memorization && !c.implied_pf_ode);
+        assert_eq!(c.pfd.samples, 500);
+        for extra in [
+            "early_stop: {confirm: none}\n",
+            "data: {path: d.h5, heldout_path: h.h5}\n",
+        ] {
+            let c = loaded(extra).unwrap();
+            assert!(!c.memorization.enabled && !c.pfd.enabled, "{extra}");
+            assert!(!c.implied_memorization);
+        }
+        // Validation checks the config as written: the implied PF-ODE does not satisfy a key
+        // that needs pfd.enabled.
+        let e = loaded("tail: {enabled: true, reference: training}\n").unwrap_err();
+        assert!(
+            e.to_string().contains("tail.enabled needs pfd.enabled"),
+            "{e}"
+        );
+        // The implied ratio's criterion must be computable.
+        let e = loaded("memorization: {criterion: cosine}\n").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("memorization.criterion `cosine` needs a descriptor model"),
+            "{e}"
+        );
+    }
+
+    /// `check-config` says what each configuration can and cannot tell apart.
+    #[test]
+    fn the_early_stop_summary_says_what_each_confirmation_tells_apart() {
+        let summary = |extra: &str| loaded(extra).unwrap().early_stop_summary();
+        let gap = summary(
+            "early_stop: {confirm: generalization_gap}\ndata: {path: d.h5, heldout_path: h.h5}\n",
+        );
+        assert!(gap.contains("confirmed by the generalization gap"), "{gap}");
+        assert!(gap.contains("never sees the held-out images"), "{gap}");
+        let memorization = summary("");
+        assert!(
+            memorization.contains("must hold the whole training set"),
+            "{memorization}"
+        );
+        let none = summary("early_stop: {confirm: none}\n");
+        assert!(
+            none.contains("not a model that memorizes from a steady rise"),
+            "{none}"
+        );
+        assert!(
+            none.contains("min_rise (0.005) and 6 times its own noise"),
+            "{none}"
+        );
+        let no_noise = summary("early_stop: {confirm: none, noise_multiple: 0}\n");
+        assert!(
+            no_noise.contains("a rise of noise alone can fire it"),
+            "{no_noise}"
+        );
+    }
+
+    #[test]
+    fn early_stop_keys_have_ranges_and_names() {
+        let e = EarlyStopConfig {
+            noise_multiple: -1.0,
+            window: 0,
+            ..EarlyStopConfig::default()
+        };
+        let problems: Vec<String> = e.problems().iter().map(|p| p.to_string()).collect();
+        assert_eq!(
+            problems,
+            [
+                "early_stop.window must be ≥ 1, got 0",
+                "early_stop.noise_multiple must be ≥ 0, got -1"
+            ]
+        );
+        for s in [Smoother::Median, Smoother::Ema] {
+            let yaml: Smoother = serde_yaml::from_str(s.as_str()).unwrap();
+            assert_eq!(yaml, s);
+        }
+        for c in [
+            Confirmation::None,
+            Confirmation::GeneralizationGap,
+            Confirmation::MemorizationRatio,
+        ] {
+            let yaml: Confirm = serde_yaml::from_str(c.as_str()).unwrap();
+            assert_eq!(yaml.as_str(), c.as_str());
+        }
     }
 
     #[test]

@@ -92,6 +92,10 @@ pub fn run(config: Config) -> Result<()> {
         config.early_stop_resolved(),
         recorder.entries(),
         metrics.clone(),
+        config
+            .early_stop
+            .keep_best
+            .then(|| crate::keep_best::Keeper::new(&state_dir)),
     );
     if replayed.evaluations > 0 {
         tracing::info!(evaluations = replayed.evaluations, state = %state_dir.display(), "history restored");
@@ -119,9 +123,7 @@ pub fn run(config: Config) -> Result<()> {
             Arc::new(move |receiver, outcome| outcome_metrics.delivery(receiver, outcome)),
         )?
     };
-    let console = Console {
-        min_rise: config.early_stop.min_rise,
-    };
+    let console = Console::default();
     let mut sinks = Sinks::new(vec![Box::new(console), Box::new(Alerts(alerter))]);
     // The replay's events go out again; the alerter delivers only those not delivered yet.
     for event in &replayed.events {
@@ -188,7 +190,7 @@ pub fn run(config: Config) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Confirm, EarlyStopConfig, EarlyStopMetric};
+    use crate::config::{Confirmation, EarlyStopMetric, EarlyStopSettings, Smoother};
     use crate::history::CheckpointKey;
     use crate::record::{Evaluation, FailureReason};
     use crate::watcher::WorkItem;
@@ -211,16 +213,18 @@ mod tests {
     #[test]
     fn a_recorded_outcome_reaches_the_sinks_after_the_run_state() {
         // Window 1, patience 1: 3, 1, 2 turns at the third checkpoint.
-        let early_stop = EarlyStopConfig {
+        let early_stop = EarlyStopSettings {
             metric: EarlyStopMetric::Icr,
+            smoother: Smoother::Median,
             window: 1,
             warmup: 1,
             patience: 1,
             min_rise: 0.005,
-            confirm: Confirm::None,
+            noise_multiple: 0.0,
+            confirm: Confirmation::None,
             confirm_rise: 0.5,
         };
-        let (state, _) = RunState::replay("r", early_stop, &[], Arc::new(Metrics::new("r")));
+        let (state, _) = RunState::replay("r", early_stop, &[], Arc::new(Metrics::new("r")), None);
         let lines = Arc::new(Mutex::new(Vec::new()));
         let log = sinks::tests::Log {
             name: "log",

@@ -9,13 +9,15 @@
 
 use super::executor::Outcome;
 use crate::alerts::{Event, EventKind, event_id};
-use crate::config::EarlyStopConfig;
+use crate::config::EarlyStopSettings;
 use crate::detector::{Best, Decision, Detector, DetectorState, Observation, Signal};
 use crate::history::Entry;
 use crate::http::EarlyStopStatus;
+use crate::keep_best::Keeper;
 use crate::metrics::Metrics;
 use crate::record::Evaluation;
 use crate::report::Snapshot;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 /// A lock that a panicked holder did not poison for the others (the data stays usable).
@@ -31,6 +33,8 @@ pub struct RunState {
     status: Arc<Mutex<EarlyStopStatus>>,
     /// What the live page (`GET /`) plots.
     snapshot: Arc<Mutex<Snapshot>>,
+    /// Keeps the best checkpoint safe from rotation (`early_stop.keep_best`).
+    keeper: Option<Keeper>,
 }
 
 /// What a replay found besides the state.
@@ -47,12 +51,14 @@ impl RunState {
     /// The state of run `run` after the outcomes of `entries` (a journal, in order), watched
     /// by a detector with settings `early_stop` (`confirm: auto` resolved), with its metrics
     /// in `metrics`. Replayed evaluations set the metrics' gauges but not their counters, which
-    /// count this process's evaluations and failures.
+    /// count this process's evaluations and failures. With a `keeper`, the replayed best is
+    /// kept (again: a restart finds what is kept already), and every later best.
     pub fn replay(
         run: &str,
-        early_stop: EarlyStopConfig,
+        early_stop: EarlyStopSettings,
         entries: &[Entry],
         metrics: Arc<Metrics>,
+        keeper: Option<Keeper>,
     ) -> (RunState, Replayed) {
         let metric = early_stop.metric;
         let mut state = RunState {
@@ -61,6 +67,7 @@ impl RunState {
             metrics,
             status: Arc::new(Mutex::new(EarlyStopStatus::default())),
             snapshot: Arc::new(Mutex::new(Snapshot::new(run, metric))),
+            keeper,
         };
         let mut replayed = Replayed::default();
         let mut detector = Detector::new(early_stop, DetectorState::default());
@@ -74,6 +81,9 @@ impl RunState {
             });
         state.detector = detector;
         lock(&state.snapshot).failures = failures;
+        if let (Some(keeper), Some(best)) = (&state.keeper, &state.detector.state.best) {
+            keeper.keep(Path::new(&best.checkpoint));
+        }
         (state, replayed)
     }
 
@@ -112,7 +122,14 @@ impl RunState {
     /// Feeds one live record to the detector; returns the event to send, if any.
     fn decide(&mut self, r: &Evaluation, at: &str) -> Option<Event> {
         let metric = self.detector.config().metric;
+        let before = self.detector.state.best.as_ref().map(|b| b.step);
         let decision = self.detector.observe(&Observation::of(r, metric));
+        // A new best is kept before the training job's rotation can delete it.
+        if let (Some(keeper), Some(best)) = (&self.keeper, &self.detector.state.best)
+            && before != Some(best.step)
+        {
+            keeper.keep(Path::new(&best.checkpoint));
+        }
         if decision.unconfirmed {
             let confirm = self.detector.config().confirm.as_str();
             tracing::info!(
@@ -163,6 +180,10 @@ impl RunState {
             metric: self.detector.config().metric.as_str().to_string(),
             best_step: best.step,
             best_checkpoint: best.checkpoint.clone(),
+            best_checkpoint_kept: self.keeper.as_ref().and_then(|k| {
+                let kept = k.kept(Path::new(&best.checkpoint))?;
+                Some(kept.display().to_string())
+            }),
             best_value: best.value,
             current_step: r.step,
             current_value: decision.smoothed.unwrap_or(f64::NAN),
@@ -176,7 +197,7 @@ impl RunState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Confirm, EarlyStopMetric};
+    use crate::config::{Confirmation, EarlyStopMetric, Smoother};
     use crate::history::CheckpointKey;
     use crate::metrics::{
         BEST_STEP, BEST_STEP_TIMESTAMP, CHECKPOINT_FAILURES, CHECKPOINTS_EVALUATED,
@@ -188,14 +209,16 @@ mod tests {
     use crate::watcher::WorkItem;
 
     /// A window of one, so the smoothed value is the raw one and the turn has a closed form.
-    fn settings() -> EarlyStopConfig {
-        EarlyStopConfig {
+    fn settings() -> EarlyStopSettings {
+        EarlyStopSettings {
             metric: EarlyStopMetric::Icr,
+            smoother: Smoother::Median,
             window: 1,
             warmup: 3,
             patience: 2,
             min_rise: 0.005,
-            confirm: Confirm::None,
+            noise_multiple: 0.0,
+            confirm: Confirmation::None,
             confirm_rise: 0.5,
         }
     }
@@ -269,7 +292,7 @@ mod tests {
     }
 
     fn fresh() -> RunState {
-        RunState::replay("r", settings(), &[], Arc::new(Metrics::new("r"))).0
+        RunState::replay("r", settings(), &[], Arc::new(Metrics::new("r")), None).0
     }
 
     /// The value of the first series of `metrics` named `series` whose labels hold `label`.
@@ -310,7 +333,7 @@ mod tests {
         for k in 0..=outcomes.len() {
             let entries: Vec<Entry> = outcomes[..k].iter().map(entry).collect();
             let (mut state, replayed) =
-                RunState::replay("r", settings(), &entries, Arc::new(Metrics::new("r")));
+                RunState::replay("r", settings(), &entries, Arc::new(Metrics::new("r")), None);
             let evaluations = outcomes[..k]
                 .iter()
                 .filter(|o| matches!(o, Outcome::Done(..)))
@@ -367,7 +390,7 @@ mod tests {
         // A replayed failure is in the snapshot, not in this process's counter.
         let entries = vec![entry(&failed(200))];
         let (replayed, _) =
-            RunState::replay("r", settings(), &entries, Arc::new(Metrics::new("r")));
+            RunState::replay("r", settings(), &entries, Arc::new(Metrics::new("r")), None);
         assert_eq!(lock(&replayed.snapshot).failures, 1);
         assert_eq!(
             sample(&replayed, &failures, "reason=\"mismatch\""),
@@ -401,6 +424,7 @@ mod tests {
             metric: "icr".into(),
             best_step: 400,
             best_checkpoint: "ckpt_400.pt".into(),
+            best_checkpoint_kept: None,
             best_value: 2.0,
             current_step: 600,
             current_value: 4.0,
@@ -452,7 +476,8 @@ mod tests {
     #[test]
     fn the_replayed_snapshot_is_the_reports() {
         let entries: Vec<Entry> = run_outcomes().iter().map(entry).collect();
-        let (state, _) = RunState::replay("r", settings(), &entries, Arc::new(Metrics::new("r")));
+        let (state, _) =
+            RunState::replay("r", settings(), &entries, Arc::new(Metrics::new("r")), None);
         let report = Snapshot::replay("r", EarlyStopMetric::Icr, settings(), &entries);
         assert_eq!(*lock(&state.snapshot), report);
     }

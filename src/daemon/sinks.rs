@@ -71,13 +71,16 @@ impl Sinks {
 
 /// Standard output: a summary line per evaluation, and the early stop and its resolution
 /// announced (and logged at WARN).
+#[derive(Default)]
 pub struct Console {
-    /// `early_stop.min_rise`, quoted by the early-stop announcement.
-    pub min_rise: f64,
+    /// The rise over the best that the last evaluation had to exceed (the larger of `min_rise`
+    /// and the noise rule's), quoted by the early-stop announcement that follows it.
+    threshold: Option<f64>,
 }
 
 impl Sink for Console {
     fn evaluation(&mut self, record: &Evaluation, state: &DetectorState) {
+        self.threshold = state.last_threshold;
         println!("{}", summary(record, state));
     }
 
@@ -85,14 +88,18 @@ impl Sink for Console {
         match e.event {
             EventKind::EarlyStop => {
                 println!(
-                    "EARLY STOP: {} turned at step {} (smoothed {:.4} > best {:.4} · (1 + {})); best checkpoint: {} (step {})",
+                    "EARLY STOP: {} turned at step {} (smoothed {:.4} > best {:.4} + {:.4}); best checkpoint: {} (step {}){}",
                     e.metric,
                     e.current_step,
                     e.current_value,
                     e.best_value,
-                    self.min_rise,
+                    self.threshold.unwrap_or(f64::NAN),
                     e.best_checkpoint,
-                    e.best_step
+                    e.best_step,
+                    match &e.best_checkpoint_kept {
+                        Some(kept) => format!(", kept as {kept}"),
+                        None => String::new(),
+                    }
                 );
                 tracing::warn!(run = %e.run, best_step = e.best_step, best_checkpoint = %e.best_checkpoint, "early stop fired");
             }
@@ -171,6 +178,7 @@ pub(super) mod tests {
             metric: "icr".into(),
             best_step: 1,
             best_checkpoint: "ckpt_1.pt".into(),
+            best_checkpoint_kept: None,
             best_value: 0.25,
             current_step: step,
             current_value: 0.5,

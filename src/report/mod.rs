@@ -19,7 +19,7 @@ mod html;
 mod png;
 mod svg;
 
-use crate::config::{EarlyStopConfig, EarlyStopMetric};
+use crate::config::{EarlyStopMetric, EarlyStopSettings};
 use crate::detector::{Decision, Detector, DetectorState};
 use crate::history::{Entry, History, HistoryError, JOURNAL};
 use crate::record::{Evaluation, FIELDS};
@@ -211,7 +211,7 @@ impl Snapshot {
     pub fn replay(
         run: &str,
         metric: EarlyStopMetric,
-        detector: EarlyStopConfig,
+        detector: EarlyStopSettings,
         entries: &[Entry],
     ) -> Snapshot {
         let mut snapshot = Snapshot::new(run, metric);
@@ -504,10 +504,7 @@ mod tests {
                 }
             })
             .collect();
-        let config = EarlyStopConfig {
-            confirm: crate::config::Confirm::None,
-            ..EarlyStopConfig::default()
-        };
+        let config = EarlyStopSettings::default();
         Snapshot::replay(hostile, EarlyStopMetric::Icr, config, &entries)
     }
 
@@ -662,7 +659,7 @@ mod tests {
         let s = Snapshot::replay(
             "r",
             EarlyStopMetric::Icr,
-            EarlyStopConfig::default(),
+            EarlyStopSettings::default(),
             &entries,
         );
         let svg = svg_of(&s);
@@ -730,7 +727,7 @@ mod tests {
                 }
             })
             .collect();
-        Snapshot::replay("r", metric, EarlyStopConfig::default(), &entries)
+        Snapshot::replay("r", metric, EarlyStopSettings::default(), &entries)
     }
 
     fn vertex(text: &str) -> (f64, f64) {

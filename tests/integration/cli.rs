@@ -273,3 +273,185 @@ fn a_citation_not_in_the_form_is_refused() {
     );
     assert!(cited_sections("# required: the model contract (README)").is_err());
 }
+
+/// A config in `dir` naming files that exist (empty: nothing is loaded), plus `extra`.
+fn config_with(dir: &Path, extra: &str) -> std::path::PathBuf {
+    for f in ["model.ts", "train.h5", "heldout.h5"] {
+        fs::write(dir.join(f), b"").unwrap();
+    }
+    let config = dir.join("diffmon.yaml");
+    let data = if extra.contains("data:") {
+        ""
+    } else {
+        "data: {path: train.h5}\n"
+    };
+    fs::write(
+        &config,
+        format!("run: {{dir: .}}\nmodel: {{architecture: model.ts}}\n{data}{extra}"),
+    )
+    .unwrap();
+    config
+}
+
+/// `check-config` says which signal confirms the early stop, what it can and cannot tell
+/// apart, and what the memorization ratio that `confirm: auto` turns on without a held-out set
+/// costs.
+#[test]
+fn check_config_says_what_the_early_stop_can_tell_apart() {
+    let check = |extra: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let config = config_with(dir.path(), extra);
+        let out = diffmon(&["check-config", config.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out)
+    };
+    let auto = check("");
+    assert!(
+        auto.contains("confirmed by the memorization ratio (early_stop.confirm: auto"),
+        "{auto}"
+    );
+    assert!(
+        auto.contains("memorization ratio 4480 (35 x 128 latents, every checkpoint"),
+        "{auto}"
+    );
+    let gap = check("data: {path: train.h5, heldout_path: heldout.h5}\n");
+    assert!(gap.contains("confirmed by the generalization gap"), "{gap}");
+    assert!(!gap.contains("memorization ratio 4480"), "{gap}");
+    let none = check("early_stop: {confirm: none}\n");
+    assert!(
+        none.contains("unconfirmed (early_stop.confirm: none)"),
+        "{none}"
+    );
+    assert!(
+        !none.contains("PFD") && !none.contains("memorization ratio 4480"),
+        "{none}"
+    );
+}
+
+/// A state folder whose journal holds a U-curve of 20 checkpoints (its minimum at step 500) and
+/// one failure, as `diffmon watch` writes it.
+fn recorded_history(dir: &Path) {
+    let state = dir.join(".diffmon");
+    fs::create_dir_all(&state).unwrap();
+    let mut lines = Vec::new();
+    for i in 0..20i64 {
+        let step = 50 * (i + 1);
+        let icr = 0.8 + 0.0004 * ((i - 9) * (i - 9)) as f64;
+        lines.push(serde_json::json!({
+            "kind": "evaluation",
+            "key": {"path": format!("{}/ckpt_{step}.pt", dir.display()), "size": 1, "mtime_ns": step},
+            "at": "2026-01-01T00:00:00.000Z",
+            "record": {"step": step, "checkpoint": format!("{}/ckpt_{step}.pt", dir.display()),
+                       "icr": icr, "seconds": 1.0},
+        }));
+        if i == 4 {
+            lines.push(serde_json::json!({
+                "kind": "failure",
+                "key": {"path": "x", "size": 1, "mtime_ns": 1},
+                "at": "2026-01-01T00:00:00.000Z",
+                "step": 251, "reason": "unreadable", "message": "m",
+            }));
+        }
+    }
+    let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    fs::write(state.join("history.jsonl"), text).unwrap();
+}
+
+#[test]
+fn replay_prints_what_the_detector_decides_over_a_recorded_history() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config_with(dir.path(), "early_stop: {confirm: none}\n");
+    let config = config.to_str().unwrap();
+    // No history yet: a runtime failure naming the journal.
+    let out = diffmon(&["replay", "--config", config]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("history.jsonl: no history"),
+        "{}",
+        stderr(&out)
+    );
+
+    recorded_history(dir.path());
+    let replay = |set: &[&str]| -> Vec<serde_json::Value> {
+        let mut args = vec!["replay", "--config", config, "--json"];
+        for s in set {
+            args.extend(["--set", s]);
+        }
+        let out = diffmon(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let lines = replay(&[]);
+    assert_eq!(lines.len(), 21);
+    let summary = &lines[20];
+    assert_eq!(summary["kind"], "summary");
+    assert_eq!(summary["evaluations"], 20);
+    assert_eq!(summary["failures"], 1);
+    // The smoothed minimum is 0.8004 (from step 500, the median of steps 450 to 550, naming
+    // step 450); the parabola has no scatter, so the threshold is min_rise · 0.8004; the
+    // smoothed value clears it at step 750 (0.8064) and again at 800 (patience 2).
+    assert_eq!(summary["fired"], true);
+    assert_eq!(summary["fired_at_step"], 800);
+    assert_eq!(summary["best_step"], 450);
+    assert_eq!(summary["settings"]["confirm"], "none");
+    assert_eq!(summary["settings"]["noise_multiple"], 6.0);
+    let row = &lines[15];
+    assert_eq!(
+        (row["kind"].as_str(), row["step"].as_i64()),
+        (Some("checkpoint"), Some(800))
+    );
+    assert_eq!(row["decision"], "early_stop");
+    assert!(row["noise"].as_f64().unwrap() < 1e-9, "{row}");
+    assert!(
+        (row["threshold"].as_f64().unwrap() - 0.005 * 0.8004).abs() < 1e-12,
+        "{row}"
+    );
+
+    // Overrides on the command line: a larger min_rise does not fire within the history.
+    let lines = replay(&["early_stop.min_rise=0.5"]);
+    assert_eq!(lines[20]["fired"], false);
+    assert_eq!(lines[20]["fired_at_step"], serde_json::Value::Null);
+    // `confirm: auto` without a held-out set is the memorization ratio, which this history
+    // does not have: the turn is seen, never confirmed.
+    let lines = replay(&["early_stop.confirm=auto"]);
+    assert_eq!(lines[20]["fired"], false);
+    assert_eq!(lines[20]["turned_at_step"], 800);
+    assert_eq!(lines[20]["settings"]["confirm"], "memorization_ratio");
+    assert_eq!(lines[15]["decision"], "unconfirmed");
+    assert_eq!(lines[14]["decision"], "above");
+
+    // For people: a table and a summary.
+    let out = diffmon(&[
+        "replay",
+        "--config",
+        config,
+        "--set",
+        "early_stop.confirm=auto",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("threshold  decision"), "{text}");
+    assert!(text.contains("turned, unconfirmed"), "{text}");
+    assert!(text.contains("did not fire: best step 450"), "{text}");
+    assert!(
+        text.contains("the history has no memorization_ratio"),
+        "{text}"
+    );
+
+    // A bad override is a usage error naming the key.
+    for (set, says) in [
+        (
+            "early_stop.patience=0",
+            "early_stop.patience must be ≥ 1, got 0",
+        ),
+        ("early_stop.windw=3", "unknown field `windw`"),
+        ("icr.samples=3", "only early_stop keys can be set"),
+    ] {
+        let out = diffmon(&["replay", "--config", config, "--set", set]);
+        assert_eq!(out.status.code(), Some(2), "{set}: {}", stderr(&out));
+        assert!(stderr(&out).contains(says), "{set}: {}", stderr(&out));
+    }
+}

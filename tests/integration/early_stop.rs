@@ -121,10 +121,11 @@ pub fn checkpoints_by_icr(dir: &Path) -> (PathBuf, PathBuf, f64) {
 
 /// Config text for a U-turn over five checkpoints: high, low, low, high, high by step.
 /// With window 1, warmup 2, patience 2 and min_rise half the relative difference, the detector
-/// fires at step 5 with the best at step 2.
+/// fires at step 5 with the best at step 2. The noise rule is off: five values are too few to
+/// know the noise (it needs eight), and their only scatter is the turn itself.
 pub fn detector_config(rise: f64) -> String {
     format!(
-        "early_stop: {{window: 1, warmup: 2, patience: 2, min_rise: {}, confirm: none}}\n",
+        "early_stop: {{window: 1, warmup: 2, patience: 2, min_rise: {}, noise_multiple: 0, confirm: none}}\n",
         rise / 2.0
     )
 }

@@ -13,6 +13,7 @@ mod hostile;
 mod hostile_files;
 mod hostile_process;
 mod icr;
+mod keep_best;
 mod model;
 mod monitoring;
 mod multifile;

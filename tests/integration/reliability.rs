@@ -58,6 +58,18 @@ fn comparable(status: &Value) -> Value {
     if s["event"].is_object() {
         s["event"]["best_checkpoint"] = name(&s["event"]["best_checkpoint"]);
         s["event"]["fired_at"] = Value::Null;
+        // The kept copy, `<run folder>/.diffmon/best/<name>`, from the state folder on.
+        let kept: Vec<String> = Path::new(
+            s["event"]["best_checkpoint_kept"]
+                .as_str()
+                .unwrap_or_default(),
+        )
+        .components()
+        .rev()
+        .take(3)
+        .map(|c| c.as_os_str().to_string_lossy().to_string())
+        .collect();
+        s["event"]["best_checkpoint_kept"] = Value::from(kept);
     }
     s
 }

@@ -1,0 +1,747 @@
+//! `early_stop.keep_best` (docs/design.md §9): the current best checkpoint is kept in
+//! `<state_dir>/best/`, so that the training job's rotation (`checkpoints_total_limit`,
+//! `save_top_k`, `keep_latest_k`) cannot delete it.
+//!
+//! [`keep`] is the one entry point: it makes `<state_dir>/best/<name>` a complete copy of the
+//! checkpoint unit (a file, or a folder and its tree), each regular file hard-linked, or copied
+//! when a link is not possible (another file system, or one that refuses links). Then it removes
+//! every other entry of `best/`: one kept checkpoint at a time, and the previous one is removed
+//! only once the new one is complete.
+//!
+//! - **Bounded.** A folder is walked at most [`MAX_DEPTH`] levels and [`MAX_ENTRIES`] entries
+//!   deep, as the watcher walks it. The disk use is one checkpoint: nothing while the training
+//!   job still has the original (links share its blocks), its size once rotation deletes it, and
+//!   twice that for a moment when the next best is copied across file systems.
+//! - **No links followed.** A checkpoint that is a symbolic link is not kept; links inside a
+//!   checkpoint folder are skipped, as are FIFOs, sockets and devices. A source file is opened
+//!   with `O_NOFOLLOW`, and everything in `best/` is created exclusively (`O_CREAT|O_EXCL`,
+//!   `mkdir`), in a folder of mode 0700 under a temporary name, then renamed into place.
+//! - **Restarts.** What is kept is read from the folder, never remembered: a copy cut short by a
+//!   crash is a temporary name, removed at the next call; a complete one is recognized by its
+//!   files' names, sizes and modification times (copies keep the original's).
+//!
+//! [`Keeper`] runs [`keep`] on a thread of its own (`diffmon-keep`), the newest request
+//! replacing any waiting one: a copy across file systems can take minutes for a large
+//! checkpoint, and the recorder thread, which journals every outcome before anything acts on it,
+//! must not wait for it.
+
+use crate::safe_fs::{TEMP_SUFFIX, is_temp_name, sync_dir, untrusted};
+use crate::unit::{MAX_DEPTH, MAX_ENTRIES};
+use std::ffi::OsStr;
+use std::fs::{self, OpenOptions};
+use std::io;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+/// The folder of `state_dir` that holds the kept checkpoint.
+pub const KEPT_DIR: &str = "best";
+
+/// How long [`Keeper::kept`] waits for a keep in progress.
+const WAIT_FOR_KEEP: Duration = Duration::from_secs(120);
+
+#[derive(Debug, thiserror::Error)]
+pub enum KeepBestError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{path}: a symbolic link: not kept (links are never followed)")]
+    Link { path: PathBuf },
+    #[error("{path}: neither a regular file nor a folder: not kept")]
+    NotRegular { path: PathBuf },
+    #[error(
+        "{folder}: more than {MAX_ENTRIES} entries, or deeper than {MAX_DEPTH} levels: not kept"
+    )]
+    TooLarge { folder: PathBuf },
+    #[error("{path}: no name to keep it under")]
+    NoName { path: PathBuf },
+    #[error("{path}: exists and is not a folder (or is a link): the best checkpoint is not kept")]
+    BadFolder { path: PathBuf },
+}
+
+fn io_error(path: &Path) -> impl FnOnce(io::Error) -> KeepBestError + '_ {
+    move |source| KeepBestError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// A kept checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Kept {
+    /// `<state_dir>/best/<name>`.
+    pub path: PathBuf,
+    /// Files linked and files copied (a link was not possible) by this call; both 0 when the
+    /// checkpoint was kept already.
+    pub linked: usize,
+    pub copied: usize,
+}
+
+/// Makes `<state_dir>/best/<name of checkpoint>` a complete copy of the checkpoint unit and
+/// removes every other kept checkpoint (module docs).
+pub fn keep(state_dir: &Path, checkpoint: &Path) -> Result<Kept, KeepBestError> {
+    keep_with(state_dir, checkpoint, &|from, to| fs::hard_link(from, to))
+}
+
+/// The kept copy of `checkpoint`, if `<state_dir>/best/` holds a complete one: the same files,
+/// or, once rotation has deleted the checkpoint, whatever is kept under its name (only complete
+/// copies are renamed to it).
+pub fn lookup(state_dir: &Path, checkpoint: &Path) -> Option<PathBuf> {
+    let name = kept_name(checkpoint).ok()?;
+    let path = state_dir.join(KEPT_DIR).join(name);
+    (same(&path, checkpoint) || (gone(checkpoint) && is_kept(&path))).then_some(path)
+}
+
+/// Has `path` been deleted?
+fn gone(path: &Path) -> bool {
+    matches!(fs::symlink_metadata(path), Err(e) if e.kind() == io::ErrorKind::NotFound)
+}
+
+/// Is there a kept checkpoint at `path` (a regular file or a folder, not a link)?
+fn is_kept(path: &Path) -> bool {
+    fs::symlink_metadata(path).is_ok_and(|m| m.is_file() || m.is_dir())
+}
+
+/// [`keep`] with the function that makes a hard link (tests make it fail).
+fn keep_with(
+    state_dir: &Path,
+    checkpoint: &Path,
+    link: &dyn Fn(&Path, &Path) -> io::Result<()>,
+) -> Result<Kept, KeepBestError> {
+    let dir = state_dir.join(KEPT_DIR);
+    prepare(&dir)?;
+    let name = kept_name(checkpoint)?;
+    let target = dir.join(name);
+    let mut kept = Kept {
+        path: target.clone(),
+        linked: 0,
+        copied: 0,
+    };
+    // Deleted by rotation after it was kept (a restart): the kept copy is what is left of it.
+    let meta = match fs::symlink_metadata(checkpoint) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound && is_kept(&target) => None,
+        other => Some(other.map_err(io_error(checkpoint))?),
+    };
+    if let Some(meta) = meta.filter(|_| !same(&target, checkpoint)) {
+        let tmp = temp_name(&dir, name);
+        let built = if meta.file_type().is_symlink() {
+            Err(KeepBestError::Link {
+                path: checkpoint.to_path_buf(),
+            })
+        } else if meta.is_dir() {
+            copy_tree(checkpoint, &tmp, link, &mut kept)
+        } else if meta.is_file() {
+            link_or_copy(checkpoint, &tmp, link, &mut kept)
+        } else {
+            Err(KeepBestError::NotRegular {
+                path: checkpoint.to_path_buf(),
+            })
+        };
+        if let Err(e) = built {
+            remove_entry(&tmp);
+            return Err(e);
+        }
+        // An older version under the same name moves aside first (a folder cannot be renamed
+        // over), and goes with the other kept checkpoints below.
+        if fs::symlink_metadata(&target).is_ok() {
+            let aside = temp_name(&dir, name);
+            fs::rename(&target, &aside).map_err(io_error(&target))?;
+        }
+        fs::rename(&tmp, &target).map_err(io_error(&target))?;
+    }
+    for entry in fs::read_dir(&dir).map_err(io_error(&dir))?.flatten() {
+        if entry.file_name() != name {
+            remove_entry(&entry.path());
+        }
+    }
+    sync_dir(&dir);
+    Ok(kept)
+}
+
+/// The name the checkpoint is kept under: its own (a name in `run.dir`, never hidden there).
+fn kept_name(checkpoint: &Path) -> Result<&OsStr, KeepBestError> {
+    match checkpoint.file_name() {
+        Some(n) if !n.as_encoded_bytes().starts_with(b".") => Ok(n),
+        _ => Err(KeepBestError::NoName {
+            path: checkpoint.to_path_buf(),
+        }),
+    }
+}
+
+/// Creates `best/` (mode 0700) in the state folder, which must exist (a deleted state folder is
+/// the daemon's to notice and re-create, not this), or checks it is a real folder; removes what
+/// a keep cut short left there.
+fn prepare(dir: &Path) -> Result<(), KeepBestError> {
+    match fs::symlink_metadata(dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(KeepBestError::BadFolder {
+                path: dir.to_path_buf(),
+            });
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            use std::os::unix::fs::DirBuilderExt;
+            fs::DirBuilder::new()
+                .mode(0o700)
+                .create(dir)
+                .map_err(io_error(dir))?;
+        }
+        Err(e) => return Err(io_error(dir)(e)),
+    }
+    for entry in fs::read_dir(dir).map_err(io_error(dir))?.flatten() {
+        if is_temp_name(&entry.file_name().to_string_lossy(), None) {
+            remove_entry(&entry.path());
+        }
+    }
+    Ok(())
+}
+
+/// An unused temporary name for `name` in `dir`: `.<name>.<random>.tmp`.
+fn temp_name(dir: &Path, name: &OsStr) -> PathBuf {
+    use rand::Rng;
+    let mut rng = rand::thread_rng();
+    loop {
+        let suffix: String = (0..12)
+            .map(|_| char::from(b'a' + rng.gen_range(0..26u8)))
+            .collect();
+        let mut n = std::ffi::OsString::from(".");
+        n.push(name);
+        n.push(format!(".{suffix}{TEMP_SUFFIX}"));
+        let p = dir.join(n);
+        if fs::symlink_metadata(&p).is_err() {
+            return p;
+        }
+    }
+}
+
+/// Removes `path` without following links: a link is removed as a link, a folder with its tree.
+fn remove_entry(path: &Path) {
+    let removed = match fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => fs::remove_dir_all(path),
+        Ok(_) => fs::remove_file(path),
+        Err(_) => return,
+    };
+    if let Err(e) = removed {
+        tracing::warn!(path = %untrusted(path), "cannot remove an old kept checkpoint: {e}");
+    }
+}
+
+/// Links the regular file `from` at the new name `to`, or copies it when a link is not possible.
+fn link_or_copy(
+    from: &Path,
+    to: &Path,
+    link: &dyn Fn(&Path, &Path) -> io::Result<()>,
+    kept: &mut Kept,
+) -> Result<(), KeepBestError> {
+    match link(from, to) {
+        Ok(()) => {
+            // `link` does not follow a link at `from`; had one replaced the file since it was
+            // looked at, the new entry is that link, and it goes.
+            let m = fs::symlink_metadata(to).map_err(io_error(to))?;
+            if !m.is_file() {
+                remove_entry(to);
+                return Err(KeepBestError::Link {
+                    path: from.to_path_buf(),
+                });
+            }
+            kept.linked += 1;
+            Ok(())
+        }
+        // Another file system, a file system without links, or links refused (Linux's
+        // protected_hardlinks, for a file of another user): a copy.
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EXDEV | libc::EPERM | libc::EMLINK | libc::EOPNOTSUPP)
+            ) =>
+        {
+            copy_file(from, to)?;
+            kept.copied += 1;
+            Ok(())
+        }
+        Err(e) => Err(io_error(from)(e)),
+    }
+}
+
+/// Copies the regular file `from` (not through a link) to the new file `to` (mode 0600), with
+/// `from`'s modification time, and syncs it.
+fn copy_file(from: &Path, to: &Path) -> Result<(), KeepBestError> {
+    let mut src = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(from)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => KeepBestError::Link {
+                path: from.to_path_buf(),
+            },
+            _ => io_error(from)(e),
+        })?;
+    let meta = src.metadata().map_err(io_error(from))?;
+    if !meta.is_file() {
+        return Err(KeepBestError::NotRegular {
+            path: from.to_path_buf(),
+        });
+    }
+    let mut dst = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(to)
+        .map_err(io_error(to))?;
+    io::copy(&mut src, &mut dst).map_err(io_error(to))?;
+    if let Ok(modified) = meta.modified() {
+        dst.set_modified(modified).map_err(io_error(to))?;
+    }
+    dst.sync_all().map_err(io_error(to))
+}
+
+/// Copies the folder `from` to the new folder `to`: its folders made, its regular files linked
+/// or copied, links and special files skipped; bounded like the watcher's walk.
+fn copy_tree(
+    from: &Path,
+    to: &Path,
+    link: &dyn Fn(&Path, &Path) -> io::Result<()>,
+    kept: &mut Kept,
+) -> Result<(), KeepBestError> {
+    let mkdir = |p: &Path| {
+        use std::os::unix::fs::DirBuilderExt;
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(p)
+            .map_err(io_error(p))
+    };
+    mkdir(to)?;
+    let too_large = || KeepBestError::TooLarge {
+        folder: from.to_path_buf(),
+    };
+    let mut entries = 0usize;
+    let mut skipped = 0usize;
+    let mut stack = vec![(from.to_path_buf(), to.to_path_buf(), 0usize)];
+    while let Some((src, dst, depth)) = stack.pop() {
+        for entry in fs::read_dir(&src).map_err(io_error(&src))? {
+            let entry = entry.map_err(io_error(&src))?;
+            entries += 1;
+            if entries > MAX_ENTRIES {
+                return Err(too_large());
+            }
+            let (s, d) = (entry.path(), dst.join(entry.file_name()));
+            let ft = entry.file_type().map_err(io_error(&s))?;
+            if ft.is_dir() {
+                if depth + 1 >= MAX_DEPTH {
+                    return Err(too_large());
+                }
+                mkdir(&d)?;
+                stack.push((s, d, depth + 1));
+            } else if ft.is_file() {
+                link_or_copy(&s, &d, link, kept)?;
+            } else {
+                skipped += 1;
+            }
+        }
+    }
+    if skipped > 0 {
+        tracing::info!(
+            checkpoint = %untrusted(from),
+            skipped,
+            "links and special files of the best checkpoint are not kept"
+        );
+    }
+    Ok(())
+}
+
+/// The regular files of a tree (links not followed): (relative path, size, mtime in ns), or
+/// `None` when it is not a regular file or folder or cannot be walked within the bounds.
+fn summary(path: &Path) -> Option<Vec<(PathBuf, u64, i128)>> {
+    let stamp =
+        |m: &fs::Metadata| i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec());
+    let meta = fs::symlink_metadata(path).ok()?;
+    if meta.is_file() {
+        return Some(vec![(PathBuf::new(), meta.len(), stamp(&meta))]);
+    }
+    if !meta.is_dir() {
+        return None;
+    }
+    let mut files = Vec::new();
+    let mut entries = 0usize;
+    let mut stack = vec![(path.to_path_buf(), PathBuf::new(), 0usize)];
+    while let Some((dir, rel, depth)) = stack.pop() {
+        for entry in fs::read_dir(&dir).ok()? {
+            let entry = entry.ok()?;
+            entries += 1;
+            if entries > MAX_ENTRIES {
+                return None;
+            }
+            let ft = entry.file_type().ok()?;
+            let relative = rel.join(entry.file_name());
+            if ft.is_dir() {
+                if depth + 1 >= MAX_DEPTH {
+                    return None;
+                }
+                stack.push((entry.path(), relative, depth + 1));
+            } else if ft.is_file() {
+                let m = entry.metadata().ok()?;
+                files.push((relative, m.len(), stamp(&m)));
+            }
+        }
+    }
+    files.sort();
+    Some(files)
+}
+
+/// Is `kept` a complete copy of `checkpoint`: the same regular files, sizes and modification
+/// times (links are never part of either)?
+fn same(kept: &Path, checkpoint: &Path) -> bool {
+    match (summary(kept), summary(checkpoint)) {
+        (Some(a), Some(b)) => a == b && !a.is_empty(),
+        _ => false,
+    }
+}
+
+/// What [`Keeper`]'s thread and its callers share.
+#[derive(Default)]
+struct Slot {
+    /// The newest checkpoint asked for, not started yet.
+    wanted: Option<PathBuf>,
+    /// The one being kept now.
+    busy: Option<PathBuf>,
+    /// The last one kept, and where.
+    done: Option<(PathBuf, PathBuf)>,
+    stop: bool,
+}
+
+/// Runs [`keep`] on its own thread, `diffmon-keep` (module docs): [`Keeper::keep`] never waits.
+pub struct Keeper {
+    state_dir: PathBuf,
+    shared: Arc<(Mutex<Slot>, Condvar)>,
+    started: Mutex<bool>,
+}
+
+impl Keeper {
+    /// A keeper for `state_dir`; its thread starts with the first request.
+    pub fn new(state_dir: &Path) -> Keeper {
+        Keeper {
+            state_dir: state_dir.to_path_buf(),
+            shared: Arc::new((Mutex::new(Slot::default()), Condvar::new())),
+            started: Mutex::new(false),
+        }
+    }
+
+    /// Asks for `checkpoint` to be kept; a request not started yet is replaced.
+    pub fn keep(&self, checkpoint: &Path) {
+        self.start();
+        let (slot, changed) = &*self.shared;
+        let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
+        s.wanted = Some(checkpoint.to_path_buf());
+        changed.notify_all();
+    }
+
+    /// Where `checkpoint` is kept, once it is: waits (at most 2 minutes) while it is asked for
+    /// or being kept; `None` when keeping it failed or it is not the kept one. Before any
+    /// request, the folder tells ([`lookup`]).
+    pub fn kept(&self, checkpoint: &Path) -> Option<PathBuf> {
+        let (slot, changed) = &*self.shared;
+        let pending = |s: &Slot| {
+            s.wanted.as_deref() == Some(checkpoint) || s.busy.as_deref() == Some(checkpoint)
+        };
+        let s = slot.lock().unwrap_or_else(|e| e.into_inner());
+        let (s, _) = changed
+            .wait_timeout_while(s, WAIT_FOR_KEEP, |s| pending(s))
+            .unwrap_or_else(|e| e.into_inner());
+        match &s.done {
+            Some((c, kept)) if c == checkpoint => Some(kept.clone()),
+            _ if pending(&s) => None,
+            _ => lookup(&self.state_dir, checkpoint),
+        }
+    }
+
+    fn start(&self) {
+        let mut started = self.started.lock().unwrap_or_else(|e| e.into_inner());
+        if *started {
+            return;
+        }
+        let shared = self.shared.clone();
+        let state_dir = self.state_dir.clone();
+        let spawned = std::thread::Builder::new()
+            .name("diffmon-keep".into())
+            .spawn(move || run(&state_dir, &shared));
+        match spawned {
+            Ok(_) => *started = true,
+            Err(e) => tracing::warn!("cannot start the thread that keeps the best checkpoint: {e}"),
+        }
+    }
+}
+
+impl Drop for Keeper {
+    /// Stops the thread after the keep in progress (not waited for: a copy cut short is removed
+    /// at the next start).
+    fn drop(&mut self) {
+        let (slot, changed) = &*self.shared;
+        slot.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
+        changed.notify_all();
+    }
+}
+
+/// The keeper thread: keeps the newest request, until stopped.
+fn run(state_dir: &Path, shared: &(Mutex<Slot>, Condvar)) {
+    let (slot, changed) = shared;
+    loop {
+        let checkpoint = {
+            let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
+            while s.wanted.is_none() && !s.stop {
+                s = changed.wait(s).unwrap_or_else(|e| e.into_inner());
+            }
+            if s.stop {
+                return;
+            }
+            let c = s.wanted.take().expect("waited for it");
+            s.busy = Some(c.clone());
+            c
+        };
+        let started = std::time::Instant::now();
+        let result = keep(state_dir, &checkpoint);
+        let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
+        s.busy = None;
+        match result {
+            Ok(kept) => {
+                if kept.linked + kept.copied > 0 {
+                    tracing::info!(
+                        checkpoint = %untrusted(&checkpoint),
+                        kept = %untrusted(&kept.path),
+                        linked = kept.linked,
+                        copied = kept.copied,
+                        seconds = started.elapsed().as_secs_f64(),
+                        "best checkpoint kept (early_stop.keep_best)"
+                    );
+                }
+                s.done = Some((checkpoint, kept.path));
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "cannot keep the best checkpoint (early_stop.keep_best): {}",
+                    crate::safe_fs::untrusted_text(&e.to_string())
+                );
+                s.done = None;
+            }
+        }
+        changed.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn write(path: &Path, bytes: &[u8]) {
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(path, bytes).unwrap();
+    }
+
+    /// A state folder in `dir`, as the daemon creates it.
+    fn state_in(dir: &Path) -> PathBuf {
+        let state = dir.join("state");
+        fs::create_dir(&state).unwrap();
+        state
+    }
+
+    fn kept_names(state: &Path) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(state.join(KEPT_DIR))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// A file checkpoint is hard-linked (the same inode: no extra space), survives the
+    /// deletion of the original, and a new best replaces it: one kept checkpoint at a time.
+    #[test]
+    fn a_file_is_linked_survives_rotation_and_is_replaced_by_the_next_best() {
+        let run = tempfile::tempdir().unwrap();
+        let state = run.path().join(".diffmon");
+        fs::create_dir(&state).unwrap();
+        let a = run.path().join("ckpt_100.pt");
+        let b = run.path().join("ckpt_200.pt");
+        write(&a, b"weights of 100");
+        write(&b, b"weights of 200");
+        let kept = keep(&state, &a).unwrap();
+        assert_eq!(kept.path, state.join("best/ckpt_100.pt"));
+        assert_eq!((kept.linked, kept.copied), (1, 0));
+        assert_eq!(
+            fs::metadata(&kept.path).unwrap().ino(),
+            fs::metadata(&a).unwrap().ino()
+        );
+        let mode = fs::metadata(state.join(KEPT_DIR))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o700);
+        // Rotation deletes the original; the kept one stays.
+        fs::remove_file(&a).unwrap();
+        assert_eq!(fs::read(&kept.path).unwrap(), b"weights of 100");
+        // Asking again for the same checkpoint (a restart) changes nothing.
+        write(&b, b"weights of 200");
+        let again = keep(&state, &b).unwrap();
+        assert_eq!(kept_names(&state), ["ckpt_200.pt"]);
+        let same = keep(&state, &b).unwrap();
+        assert_eq!((same.linked, same.copied), (0, 0));
+        assert_eq!(same.path, again.path);
+        assert_eq!(lookup(&state, &b), Some(again.path));
+        assert_eq!(lookup(&state, &a), None);
+    }
+
+    /// A folder checkpoint (accelerate, diffusers) is kept with its tree; links inside it are
+    /// not followed, and a checkpoint that is itself a link is not kept, leaving the previous
+    /// kept one in place.
+    #[test]
+    fn a_folder_is_kept_with_its_tree_and_links_are_never_followed() {
+        let run = tempfile::tempdir().unwrap();
+        let state = state_in(run.path());
+        let outside = tempfile::tempdir().unwrap();
+        let secret = outside.path().join("secret");
+        write(&secret, b"not yours");
+        let ck = run.path().join("checkpoint-300");
+        write(&ck.join("model.safetensors"), b"model");
+        write(
+            &ck.join("unet_ema/diffusion_pytorch_model.safetensors"),
+            b"ema",
+        );
+        std::os::unix::fs::symlink(&secret, ck.join("linked_file")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), ck.join("linked_dir")).unwrap();
+        let kept = keep(&state, &ck).unwrap();
+        assert_eq!(kept.linked, 2);
+        let k = state.join("best/checkpoint-300");
+        assert_eq!(fs::read(k.join("model.safetensors")).unwrap(), b"model");
+        assert_eq!(
+            fs::read(k.join("unet_ema/diffusion_pytorch_model.safetensors")).unwrap(),
+            b"ema"
+        );
+        assert!(fs::symlink_metadata(k.join("linked_file")).is_err());
+        assert!(fs::symlink_metadata(k.join("linked_dir")).is_err());
+        assert_eq!(lookup(&state, &ck), Some(k.clone()));
+        // Rotation deletes the whole folder; asked again (a restart), the kept copy stands.
+        fs::remove_dir_all(&ck).unwrap();
+        assert_eq!(fs::read(k.join("model.safetensors")).unwrap(), b"model");
+        let again = keep(&state, &ck).unwrap();
+        assert_eq!(
+            (again.path.clone(), again.linked, again.copied),
+            (k.clone(), 0, 0)
+        );
+        assert_eq!(lookup(&state, &ck), Some(k.clone()));
+        // A checkpoint deleted before it was ever kept is an error, and changes nothing.
+        let never = run.path().join("checkpoint-350");
+        assert!(keep(&state, &never).is_err());
+        assert_eq!(lookup(&state, &never), None);
+        // A best that is a link to a file elsewhere is not followed.
+        let link = run.path().join("ckpt_400.pt");
+        std::os::unix::fs::symlink(&secret, &link).unwrap();
+        let e = keep(&state, &link).unwrap_err();
+        assert!(matches!(e, KeepBestError::Link { .. }), "{e}");
+        assert_eq!(kept_names(&state), ["checkpoint-300"]);
+        assert_eq!(fs::read(&secret).unwrap(), b"not yours");
+    }
+
+    /// When a link is not possible (another file system: EXDEV), files are copied, with the
+    /// original's modification time, so that the copy is recognized after a restart.
+    #[test]
+    fn without_links_the_files_are_copied() {
+        let run = tempfile::tempdir().unwrap();
+        let state = state_in(run.path());
+        let ck = run.path().join("checkpoint-500");
+        write(&ck.join("a/b/weights.bin"), &vec![7u8; 100_000]);
+        write(&ck.join("optimizer.bin"), b"opt");
+        let exdev = |_: &Path, _: &Path| Err(io::Error::from_raw_os_error(libc::EXDEV));
+        let kept = keep_with(&state, &ck, &exdev).unwrap();
+        assert_eq!((kept.linked, kept.copied), (0, 2));
+        let copy = state.join("best/checkpoint-500/a/b/weights.bin");
+        assert_eq!(fs::read(&copy).unwrap(), vec![7u8; 100_000]);
+        assert_ne!(
+            fs::metadata(&copy).unwrap().ino(),
+            fs::metadata(ck.join("a/b/weights.bin")).unwrap().ino()
+        );
+        assert_eq!(
+            fs::metadata(&copy).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        // Recognized as complete: a second call copies nothing.
+        let again = keep_with(&state, &ck, &exdev).unwrap();
+        assert_eq!((again.linked, again.copied), (0, 0));
+        // Any other error of the link is an error, and leaves nothing behind.
+        let denied = |_: &Path, _: &Path| Err(io::Error::from_raw_os_error(libc::EIO));
+        let other = run.path().join("ckpt_600.pt");
+        write(&other, b"x");
+        assert!(keep_with(&state, &other, &denied).is_err());
+        assert_eq!(kept_names(&state), ["checkpoint-500"]);
+    }
+
+    /// What a crash left (a temporary copy) is removed; a link planted under the kept name or
+    /// as the kept folder is never written through.
+    #[test]
+    fn leftovers_are_removed_and_planted_links_are_not_followed() {
+        let run = tempfile::tempdir().unwrap();
+        let state = state_in(run.path());
+        let victim = run.path().join("victim");
+        write(&victim, b"precious");
+        let ck = run.path().join("ckpt_700.pt");
+        write(&ck, b"seven hundred");
+        fs::create_dir_all(state.join(KEPT_DIR)).unwrap();
+        write(
+            &state.join("best/.ckpt_650.pt.abcdefabcdef.tmp"),
+            b"half a copy",
+        );
+        fs::create_dir(state.join("best/.checkpoint-9.qwertyuiopas.tmp")).unwrap();
+        std::os::unix::fs::symlink(&victim, state.join("best/ckpt_700.pt")).unwrap();
+        let kept = keep(&state, &ck).unwrap();
+        assert_eq!(kept_names(&state), ["ckpt_700.pt"]);
+        assert_eq!(fs::read(&kept.path).unwrap(), b"seven hundred");
+        assert!(
+            !fs::symlink_metadata(&kept.path)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        assert_eq!(fs::read(&victim).unwrap(), b"precious");
+        // A state folder that is gone is not re-created here (the daemon notices, and says so).
+        fs::remove_dir_all(&state).unwrap();
+        assert!(keep(&state, &ck).is_err());
+        assert!(!state.exists());
+        // The kept folder itself a link: refused.
+        let other = tempfile::tempdir().unwrap();
+        let state2 = other.path().join("state");
+        fs::create_dir(&state2).unwrap();
+        std::os::unix::fs::symlink(run.path(), state2.join(KEPT_DIR)).unwrap();
+        let e = keep(&state2, &ck).unwrap_err();
+        assert!(matches!(e, KeepBestError::BadFolder { .. }), "{e}");
+    }
+
+    /// The keeper's thread keeps the newest request; `kept` waits for a keep in progress.
+    #[test]
+    fn the_keeper_keeps_the_newest_request_on_its_thread() {
+        let run = tempfile::tempdir().unwrap();
+        let state = state_in(run.path());
+        let paths: Vec<PathBuf> = (1..=5)
+            .map(|i| {
+                let p = run.path().join(format!("ckpt_{i}00.pt"));
+                write(&p, format!("weights {i}").as_bytes());
+                p
+            })
+            .collect();
+        let keeper = Keeper::new(&state);
+        assert_eq!(keeper.kept(&paths[0]), None);
+        for p in &paths {
+            keeper.keep(p);
+        }
+        let kept = keeper.kept(&paths[4]).unwrap();
+        assert_eq!(kept, state.join("best/ckpt_500.pt"));
+        assert_eq!(kept_names(&state), ["ckpt_500.pt"]);
+        assert_eq!(keeper.kept(&paths[1]), None);
+        // A new keeper (a restart) finds it in the folder.
+        drop(keeper);
+        assert_eq!(Keeper::new(&state).kept(&paths[4]), Some(kept));
+    }
+}

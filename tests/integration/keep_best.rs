@@ -1,0 +1,157 @@
+//! `early_stop.keep_best` end to end: a trainer that rotates its checkpoints (accelerate's
+//! `checkpoints_total_limit: 2`: checkpoint folders, the newest two kept) while `diffmon watch`
+//! evaluates them. The best checkpoint survives in `<state_dir>/best/`, one kept copy at a time,
+//! the event names both paths, and `diffmon replay` over the recorded history decides what the
+//! daemon decided.
+
+use crate::common::{diffmon, stdout};
+use crate::daemon::{Daemon, empty_run, journal};
+use crate::early_stop::{checkpoints_by_icr, detector_config, write_base_config};
+use serde_json::Value;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// How many checkpoints the trainer keeps (`checkpoints_total_limit`).
+const TOTAL_LIMIT: usize = 2;
+
+/// The trainer: writes `checkpoint-<step>/` (the weights as accelerate's `pytorch_model.bin`,
+/// and an optimizer file) under a hidden name and renames it into place, then deletes all but
+/// the newest [`TOTAL_LIMIT`] checkpoint folders, as accelerate does before its next save.
+fn save_and_rotate(dir: &Path, weights: &Path, step: i64) {
+    let tmp = dir.join(format!(".checkpoint-{step}.partial"));
+    fs::create_dir(&tmp).unwrap();
+    fs::copy(weights, tmp.join("pytorch_model.bin")).unwrap();
+    fs::write(tmp.join("optimizer.bin"), format!("optimizer state {step}")).unwrap();
+    fs::rename(&tmp, dir.join(format!("checkpoint-{step}"))).unwrap();
+}
+
+fn rotate(dir: &Path) {
+    let mut steps: Vec<i64> = fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            name.strip_prefix("checkpoint-")?.parse().ok()
+        })
+        .collect();
+    steps.sort_unstable();
+    let excess = steps.len().saturating_sub(TOTAL_LIMIT);
+    for step in &steps[..excess] {
+        fs::remove_dir_all(dir.join(format!("checkpoint-{step}"))).unwrap();
+    }
+}
+
+/// The names in `<state_dir>/best/`.
+fn kept(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(dir.join(".diffmon/best"))
+        .map(|entries| {
+            entries
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+#[test]
+fn the_best_checkpoint_survives_rotation_and_one_copy_is_kept() {
+    let run = empty_run();
+    let dir = run.path();
+    write_base_config(dir, "");
+    let (hi, lo, rise) = checkpoints_by_icr(dir);
+    let mut d = Daemon::start(
+        dir,
+        &format!(
+            "checkpoints: {{pattern: \"checkpoint-*\", settle_secs: 0.2, poll_secs: 0.5}}\n{}",
+            detector_config(rise)
+        ),
+    );
+    // ICR high, low, low, high, high: the best is step 2 (step 3 only equals it), and the
+    // early stop fires at step 5, when rotation has long deleted checkpoint-2.
+    let plan: [(i64, &PathBuf, i64); 5] = [
+        (1, &hi, 1),
+        (2, &lo, 2),
+        (3, &lo, 2),
+        (4, &hi, 2),
+        (5, &hi, 2),
+    ];
+    for (step, weights, best) in plan {
+        save_and_rotate(dir, weights, step);
+        d.wait_for(
+            Duration::from_secs(180),
+            &format!("the evaluation of step {step}"),
+            |_| journal(dir).0.len() as i64 >= step,
+        );
+        rotate(dir);
+        let want = vec![format!("checkpoint-{best}")];
+        d.wait_for(
+            Duration::from_secs(60),
+            &format!("checkpoint-{best} kept alone after step {step}"),
+            |_| kept(dir) == want,
+        );
+    }
+    assert!(!dir.join("checkpoint-2").exists(), "rotation kept it");
+    let copy = dir.join(".diffmon/best/checkpoint-2");
+    assert_eq!(
+        fs::read(copy.join("pytorch_model.bin")).unwrap(),
+        fs::read(&lo).unwrap()
+    );
+    assert_eq!(
+        fs::read_to_string(copy.join("optimizer.bin")).unwrap(),
+        "optimizer state 2"
+    );
+
+    // The event names the best checkpoint and its kept copy.
+    d.wait_for(Duration::from_secs(60), "the stop file", |_| {
+        dir.join("EARLY_STOP").is_file()
+    });
+    let stop: Value =
+        serde_json::from_str(&fs::read_to_string(dir.join("EARLY_STOP")).unwrap()).unwrap();
+    assert_eq!(stop["best_step"], 2);
+    assert_eq!(stop["current_step"], 5);
+    assert!(
+        stop["best_checkpoint"]
+            .as_str()
+            .unwrap()
+            .ends_with("/checkpoint-2"),
+        "{stop}"
+    );
+    assert_eq!(stop["best_checkpoint_kept"], copy.display().to_string());
+    let status: Value = serde_json::from_str(&d.get("/v1/early-stop").unwrap()).unwrap();
+    assert_eq!(
+        status["event"]["best_checkpoint_kept"],
+        stop["best_checkpoint_kept"]
+    );
+    assert!(
+        d.log()
+            .contains("best checkpoint kept (early_stop.keep_best)")
+    );
+
+    // A restart finds the kept copy in the state folder and keeps it: still one.
+    d.terminate();
+    d.restart();
+    d.wait_for(Duration::from_secs(120), "the restored status", |d| {
+        d.get("/v1/early-stop")
+            .is_some_and(|s| s.contains("\"fired\":true"))
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(kept(dir), ["checkpoint-2"]);
+    d.terminate();
+
+    // `diffmon replay` over the recorded history decides what the daemon decided.
+    let config = dir.join("diffmon.yaml");
+    let out = diffmon(&["replay", "--config", config.to_str().unwrap(), "--json"]);
+    assert!(out.status.success(), "{}", crate::common::stderr(&out));
+    let lines: Vec<Value> = stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 6, "{lines:?}");
+    let summary = &lines[5];
+    assert_eq!(summary["kind"], "summary");
+    assert_eq!(summary["fired_at_step"], 5);
+    assert_eq!(summary["best_step"], 2);
+    assert_eq!(lines[4]["decision"], "early_stop");
+    assert_eq!(lines[1]["decision"], "best");
+}
