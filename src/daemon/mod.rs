@@ -188,7 +188,7 @@ pub fn run(config: Config) -> Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::config::{Confirmation, EarlyStopMetric, EarlyStopSettings, Smoother};
     use crate::history::CheckpointKey;
@@ -196,13 +196,15 @@ mod tests {
     use crate::watcher::WorkItem;
     use std::sync::Mutex;
 
-    fn item(step: i64) -> WorkItem {
+    /// A work item for `ckpt_<step>.pt` (the stages' tests share it).
+    pub(super) fn item(step: i64) -> WorkItem {
+        let path = format!("ckpt_{step}.pt");
         WorkItem {
-            path: format!("ckpt_{step}.pt").into(),
+            path: path.clone().into(),
             step,
             key: CheckpointKey {
-                path: format!("ckpt_{step}.pt"),
-                size: 1,
+                path,
+                size: 1000 + step as u64,
                 mtime_ns: step,
             },
         }

@@ -200,21 +200,9 @@ impl Recorder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::history::{CheckpointKey, HDF5};
+    use crate::daemon::tests::item;
+    use crate::history::HDF5;
     use crate::record::Evaluation;
-
-    fn item(step: i64) -> WorkItem {
-        let path = format!("ckpt_{step}.pt");
-        WorkItem {
-            path: path.clone().into(),
-            step,
-            key: CheckpointKey {
-                path,
-                size: 10,
-                mtime_ns: step,
-            },
-        }
-    }
 
     fn done(step: i64) -> Outcome {
         Outcome::Done(

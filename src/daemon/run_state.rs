@@ -198,7 +198,7 @@ impl RunState {
 mod tests {
     use super::*;
     use crate::config::{Confirmation, EarlyStopMetric, Smoother};
-    use crate::history::CheckpointKey;
+    use crate::daemon::tests::item;
     use crate::metrics::{
         BEST_STEP, BEST_STEP_TIMESTAMP, CHECKPOINT_FAILURES, CHECKPOINTS_EVALUATED,
         EARLY_STOP_TIMESTAMP, EARLY_STOP_TRIGGERED, EARLY_STOP_UNCONFIRMED, ICR, ICR_SMOOTHED,
@@ -220,19 +220,6 @@ mod tests {
             noise_multiple: 0.0,
             confirm: Confirmation::None,
             confirm_rise: 0.5,
-        }
-    }
-
-    fn item(step: i64) -> WorkItem {
-        let path = format!("ckpt_{step}.pt");
-        WorkItem {
-            path: path.clone().into(),
-            step,
-            key: CheckpointKey {
-                path,
-                size: 1000 + step as u64,
-                mtime_ns: step,
-            },
         }
     }
 
