@@ -8,7 +8,12 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// `diffmon eval`.
-pub fn eval(config_path: &Path, checkpoints: &[PathBuf], json: bool) -> Result<()> {
+pub fn eval(
+    config_path: &Path,
+    checkpoints: &[PathBuf],
+    json: bool,
+    evaluated_before: usize,
+) -> Result<()> {
     let mut config = Config::load_without_secrets(config_path)?;
     config.imply_memorization();
     let steps = checkpoints
@@ -22,6 +27,7 @@ pub fn eval(config_path: &Path, checkpoints: &[PathBuf], json: bool) -> Result<(
         })
         .collect::<Result<Vec<i64>, NoStep>>()?;
     let mut evaluator = Evaluator::new(&config)?;
+    evaluator.set_evaluated(evaluated_before);
     let mut out = std::io::stdout().lock();
     let mut failures = 0;
     for (path, step) in checkpoints.iter().zip(steps) {

@@ -34,9 +34,10 @@ mod recorder;
 mod run_state;
 mod shutdown;
 mod sinks;
+pub mod slurm;
 
 use crate::alerts::Alerter;
-use crate::config::Config;
+use crate::config::{Config, ExecutorKind};
 use crate::lock::StateLock;
 use crate::metrics::Metrics;
 use crate::watcher::{Watcher, work_channel};
@@ -139,11 +140,19 @@ pub fn run(config: Config) -> Result<()> {
 
     let (work_tx, work_rx) = work_channel();
     let (outcome_tx, outcome_rx) = crossbeam_channel::bounded::<Outcome>(OUTCOMES_BOUND);
-    let executor = Local {
-        config: config.clone(),
-        evaluated_before: replayed.evaluations,
-    }
-    .start(work_rx, outcome_tx)?;
+    let executor = match config.evaluation.executor {
+        ExecutorKind::Local => Local {
+            config: config.clone(),
+            evaluated_before: replayed.evaluations,
+        }
+        .start(work_rx, outcome_tx)?,
+        ExecutorKind::Slurm => slurm::Slurm {
+            config: config.clone(),
+            metrics: metrics.clone(),
+            evaluated_before: replayed.evaluations,
+        }
+        .start(work_rx, outcome_tx)?,
+    };
 
     let (stop, stopped) = shutdown::stop_channel();
     let done = recorder.entries().iter().map(|e| e.key().clone()).collect();
