@@ -1925,6 +1925,38 @@ mod tests {
         file.settings(false).unwrap()
     }
 
+    /// `evaluation`: the defaults are today's local evaluator; the Slurm settings arrive as
+    /// written, the binary resolved against the config's folder.
+    #[test]
+    fn the_evaluation_section_defaults_to_local_and_reads_the_slurm_options() {
+        let c = settings(MINIMAL);
+        assert_eq!(c.evaluation.executor, ExecutorKind::Local);
+        assert_eq!(c.evaluation.max_in_flight, 4);
+        assert_eq!(c.evaluation.slurm.poll, Duration::from_secs(5));
+        assert_eq!(c.evaluation.slurm.max_retries, 1);
+        assert_eq!(c.evaluation, EvaluationConfig::default());
+        let c = settings(&format!(
+            "{MINIMAL}evaluation:\n  executor: slurm\n  max_in_flight: 8\n  slurm:\n    \
+             partition: gpu\n    account: lab\n    time_limit: \"1-0\"\n    gres: \"gpu:1\"\n    \
+             extra_args: [\"--mem=16G\"]\n    env: {{OMP_NUM_THREADS: \"4\"}}\n    \
+             poll_secs: 0.5\n    max_retries: 0\n    binary: bin/diffmon\n"
+        ));
+        let (e, s) = (&c.evaluation, &c.evaluation.slurm);
+        assert_eq!((e.executor, e.max_in_flight), (ExecutorKind::Slurm, 8));
+        assert_eq!(s.partition.as_deref(), Some("gpu"));
+        assert_eq!(s.account.as_deref(), Some("lab"));
+        assert_eq!(s.time_limit.as_deref(), Some("1-0"));
+        assert_eq!(s.gres.as_deref(), Some("gpu:1"));
+        assert_eq!(s.extra_args, ["--mem=16G"]);
+        assert_eq!(s.env["OMP_NUM_THREADS"], "4");
+        assert_eq!((s.poll, s.max_retries), (Duration::from_millis(500), 0));
+        let binary = s.binary.as_ref().unwrap();
+        assert!(
+            binary.is_absolute() && binary.ends_with("bin/diffmon"),
+            "{binary:?}"
+        );
+    }
+
     #[test]
     fn the_cost_summary_counts_network_calls_per_metric() {
         let c = settings(MINIMAL);

@@ -198,6 +198,11 @@ fn dashboards_query_only_metrics_the_code_exports() {
         "diffmon_webhook_deliveries_total",
         "diffmon_early_stop_triggered",
         "diffmon_build_info",
+        "diffmon_slurm_jobs_submitted_total",
+        "diffmon_slurm_jobs_running",
+        "diffmon_slurm_jobs_failed_total",
+        "diffmon_slurm_queue_wait_seconds_bucket",
+        "diffmon_slurm_run_seconds_bucket",
     ] {
         assert!(used.contains(needed), "no dashboard shows {needed}");
     }
