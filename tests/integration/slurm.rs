@@ -195,7 +195,8 @@ fn failed_jobs(d: &Daemon, reason: &str) -> f64 {
 /// The faults of a real cluster, one after the other on one daemon: a cancelled job (retried;
 /// cancelled again, the checkpoint's failure), the daemon SIGKILLed with two jobs in flight
 /// and restarted (they are adopted, not submitted again), `slurmd` stopped and restarted under
-/// a running job, and a job over its time limit (retried). Nothing is lost, nothing evaluated
+/// a running job, a job whose processes are killed (retried) and a job over its time limit
+/// (retried). Nothing is lost, nothing evaluated
 /// twice, each job failure is counted with its reason.
 ///
 /// The jobs run `diffmon eval` through a wrapper that waits while a gate file exists: the
@@ -289,27 +290,48 @@ fn cancelled_timed_out_and_orphaned_jobs_lose_nothing_and_duplicate_nothing() {
         journal(dir).0 == [1, 3, 4, 5]
     });
 
-    // A job over its time limit (1 minute) is submitted again.
+    // A job whose processes are killed (an out-of-memory kill, say) failed; submitted again.
     fs::write(&gate, "").unwrap();
     place(dir, &ckpt, 6);
-    wait_running(&cluster, &d, 1);
-    d.wait_for(Duration::from_secs(180), "the time-out to count", |d| {
-        failed_jobs(d, "timeout") == 1.0
+    let ids = wait_running(&cluster, &d, 1);
+    let pids = cluster.command("scontrol", &["listpids", &ids[0]]);
+    let pids: Vec<i32> = String::from_utf8_lossy(&pids.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect();
+    assert!(!pids.is_empty(), "no processes listed for job {}", ids[0]);
+    for pid in pids {
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    d.wait_for(Duration::from_secs(60), "the failed job to count", |d| {
+        failed_jobs(d, "failed") == 1.0
     });
     fs::remove_file(&gate).unwrap();
     d.wait_for(Duration::from_secs(180), "step 6", |_| {
         journal(dir).0 == [1, 3, 4, 5, 6]
     });
 
+    // A job over its time limit (1 minute) is submitted again.
+    fs::write(&gate, "").unwrap();
+    place(dir, &ckpt, 7);
+    wait_running(&cluster, &d, 1);
+    d.wait_for(Duration::from_secs(180), "the time-out to count", |d| {
+        failed_jobs(d, "timeout") == 1.0
+    });
+    fs::remove_file(&gate).unwrap();
+    d.wait_for(Duration::from_secs(180), "step 7", |_| {
+        journal(dir).0 == [1, 3, 4, 5, 6, 7]
+    });
+
     let per_step = submissions(dir);
     assert_eq!(
         per_step,
-        HashMap::from([(1, 1), (2, 2), (3, 1), (4, 1), (5, 1), (6, 2)]),
+        HashMap::from([(1, 1), (2, 2), (3, 1), (4, 1), (5, 1), (6, 2), (7, 2)]),
         "retries only where a job ended without a result"
     );
     assert_eq!(journal(dir).1, vec![(2, "job_cancelled".to_string())]);
     assert_eq!(failed_jobs(&d, "timeout"), 1.0);
     assert_eq!(failed_jobs(&d, "lost"), 0.0);
-    assert_eq!(failed_jobs(&d, "failed"), 0.0);
+    assert_eq!(failed_jobs(&d, "failed"), 1.0);
     d.terminate();
 }
