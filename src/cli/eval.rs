@@ -13,6 +13,7 @@ pub fn eval(
     checkpoints: &[PathBuf],
     json: bool,
     evaluated_before: usize,
+    failure_lines: bool,
 ) -> Result<()> {
     let mut config = Config::load_without_secrets(config_path)?;
     config.imply_memorization();
@@ -31,6 +32,8 @@ pub fn eval(
     let mut out = std::io::stdout().lock();
     let mut failures = 0;
     for (path, step) in checkpoints.iter().zip(steps) {
+        // The version evaluated: a failure's reason is `vanished` if it changes meanwhile.
+        let key = crate::unit::key(path).ok();
         match evaluator.evaluate(path, step) {
             Ok(record) => {
                 if json {
@@ -46,6 +49,26 @@ pub fn eval(
             Err(e) => {
                 failures += 1;
                 tracing::warn!(checkpoint = %path.display(), "{e}");
+                if failure_lines {
+                    let reason = match &key {
+                        Some(key) => crate::daemon::failure_reason(
+                            &crate::watcher::WorkItem {
+                                path: path.clone(),
+                                step,
+                                key: key.clone(),
+                            },
+                            &e,
+                        ),
+                        None => crate::record::FailureReason::Unreadable,
+                    };
+                    let line = serde_json::json!({"failure": {
+                        "step": step,
+                        "reason": reason.as_str(),
+                        "message": e.to_string(),
+                    }});
+                    writeln!(out, "{line}")?;
+                    out.flush()?;
+                }
             }
         }
     }

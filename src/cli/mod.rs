@@ -91,6 +91,10 @@ pub enum Command {
         /// executor's jobs pass it).
         #[arg(long, default_value_t = 0, hide = true)]
         evaluated_before: usize,
+        /// With --json: a checkpoint that cannot be evaluated is a line
+        /// `{"failure": {"step", "reason", "message"}}` (the Slurm executor's jobs pass it).
+        #[arg(long, hide = true)]
+        failure_lines: bool,
     },
     /// ICR from precomputed features (`/h1`, `/h2` `[n,d]`), printed as JSON.
     IcrFeatures {
@@ -412,7 +416,14 @@ pub fn run(command: Command) -> Result<()> {
             checkpoints,
             json,
             evaluated_before,
-        } => eval(&config, &checkpoints, json, evaluated_before),
+            failure_lines,
+        } => eval(
+            &config,
+            &checkpoints,
+            json,
+            evaluated_before,
+            json && failure_lines,
+        ),
         Command::Watch { config } => {
             let mut config = Config::load(&config)?;
             config.imply_memorization();

@@ -121,7 +121,7 @@ pub(super) fn unchanged(item: &WorkItem) -> bool {
 }
 
 /// Failure reason label of `diffmon_checkpoint_failures_total{reason}`.
-fn failure_reason(item: &WorkItem, e: &EvalError) -> FailureReason {
+pub(crate) fn failure_reason(item: &WorkItem, e: &EvalError) -> FailureReason {
     if !unchanged(item) {
         return FailureReason::Vanished;
     }

@@ -42,6 +42,7 @@ use crate::lock::StateLock;
 use crate::metrics::Metrics;
 use crate::watcher::{Watcher, work_channel};
 use anyhow::{Context, Result};
+pub(crate) use executor::failure_reason;
 use executor::{Executor, Local, Outcome};
 use recorder::Recorder;
 use run_state::RunState;

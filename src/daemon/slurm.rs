@@ -22,7 +22,8 @@
 //!   without a status, is counted (`diffmon_slurm_jobs_failed_total{reason}`) and submitted
 //!   again, up to `evaluation.slurm.max_retries` times; then the checkpoint is a failure with
 //!   reason `job_failed`, `job_timeout`, `job_cancelled` or `job_lost`. `diffmon eval` exiting
-//!   non-zero is the checkpoint's failure (reason `error`), not retried: it would fail again.
+//!   non-zero is the checkpoint's failure, with the reason its failure line gives (the local
+//!   executor's: `unreadable`, `mismatch`, ...), not retried: it would fail again.
 //!   When `squeue` cannot reach the controller, jobs are left as they were until it answers.
 //! - **Caches.** Until one job has delivered a record (or the history has evaluations), one job
 //!   runs at a time: that first job computes the PFD caches in `<state_dir>/cache/`, and the
@@ -255,7 +256,7 @@ fn script(binary: &Path, config: &Path, folder: &Path, item: &WorkItem, index: u
         "#!/bin/sh\n\
          # diffmon watch: evaluation of step {step}\n\
          dir={dir}\n\
-         {bin} eval --json --evaluated-before {index} --config {config} -- {checkpoint} > \"$dir/record.json.tmp\"\n\
+         {bin} eval --json --failure-lines --evaluated-before {index} --config {config} -- {checkpoint} > \"$dir/record.json.tmp\"\n\
          status=$?\n\
          mv -f \"$dir/record.json.tmp\" \"$dir/record.json\"\n\
          echo \"$status\" > \"$dir/status.tmp\" && mv -f \"$dir/status.tmp\" \"$dir/status\"\n\
@@ -823,6 +824,14 @@ impl Runner {
     fn result(&self, job: &Job, folder: &Path, status: &str) -> Outcome {
         let item = job.item.clone();
         if status != "0" {
+            // `diffmon eval` says why on its failure line; its reason is the local executor's.
+            if let Some((reason, message)) = read_result(&folder.join("record.json"))
+                .ok()
+                .flatten()
+                .and_then(|t| failure_line(&t))
+            {
+                return Outcome::Failed(item, reason, message);
+            }
             return Outcome::Failed(
                 item,
                 FailureReason::Error,
@@ -868,6 +877,18 @@ impl Runner {
             ),
         }
     }
+}
+
+/// The reason and message of `diffmon eval --failure-lines`'s failure line in `text`.
+fn failure_line(text: &str) -> Option<(FailureReason, String)> {
+    let v: serde_json::Value = serde_json::from_str(text.lines().next()?).ok()?;
+    let f = v.get("failure")?;
+    let reason = f.get("reason")?.as_str()?;
+    let reason = FailureReason::ALL
+        .into_iter()
+        .find(|r| r.as_str() == reason)?;
+    let message = f.get("message")?.as_str()?.to_string();
+    Some((reason, message))
 }
 
 /// `JobState` of a job from `scontrol show job` (kept for `MinJobAge` after it ends); `None`
@@ -971,6 +992,24 @@ mod tests {
         std::fs::write(&path, format!("garbage\n{text}")).unwrap();
         let e = read_journal(&path).unwrap_err();
         assert!(e.to_string().contains("line 1"), "{e}");
+    }
+
+    /// `diffmon eval --failure-lines`'s line gives the reason; anything else gives none.
+    #[test]
+    fn failure_lines_give_the_reason_and_message() {
+        let line = r#"{"failure":{"step":6,"reason":"unreadable","message":"not a zip"}}"#;
+        assert_eq!(
+            failure_line(line),
+            Some((FailureReason::Unreadable, "not a zip".to_string()))
+        );
+        for other in [
+            "",
+            "{}",
+            r#"{"failure":{"reason":"made_up","message":"m"}}"#,
+            r#"{"step":6,"icr":0.5}"#,
+        ] {
+            assert_eq!(failure_line(other), None, "{other}");
+        }
     }
 
     #[test]

@@ -90,7 +90,8 @@ fn numbers(record: &Value) -> Vec<(String, f64)> {
 }
 
 /// Acceptance: a U-turn of five checkpoints, each evaluated once by its own Slurm job, gives
-/// the local executor's records (to 1e-12 relative) in the same order and the same decision.
+/// the local executor's records (to 1e-12 relative) in the same order and the same decision;
+/// a sixth file that is no checkpoint is the same failure (`unreadable`) either way.
 #[test]
 fn every_checkpoint_is_evaluated_once_through_slurm_as_the_local_executor_would() {
     let Some(cluster) = Cluster::start() else {
@@ -113,20 +114,23 @@ fn every_checkpoint_is_evaluated_once_through_slurm_as_the_local_executor_would(
         for (step, src) in [(1, &hi), (2, &lo), (3, &lo), (4, &hi), (5, &hi)] {
             place(dir, src, step);
         }
+        // Not a checkpoint: a failure with the same reason either way.
+        fs::write(dir.join("ckpt_6.pt"), b"not a checkpoint").unwrap();
         let port = free_port();
         let config = write_config(dir, port, &format!("{detector}{executor}"));
         let d = daemon(&cluster, config, port);
-        d.wait_for(Duration::from_secs(300), "five evaluations", |_| {
-            journal(dir).0.len() >= 5
+        d.wait_for(Duration::from_secs(300), "six outcomes", |_| {
+            journal_entries(dir).len() >= 6
         });
         assert_eq!(
             journal(dir),
-            (vec![1, 2, 3, 4, 5], vec![]),
+            (vec![1, 2, 3, 4, 5], vec![(6, "unreadable".to_string())]),
             "in step order, once each"
         );
         records.push(
             journal_entries(dir)
                 .iter()
+                .filter(|e| e["kind"] == "evaluation")
                 .map(|e| numbers(&e["record"]))
                 .collect::<Vec<_>>(),
         );
@@ -136,16 +140,16 @@ fn every_checkpoint_is_evaluated_once_through_slurm_as_the_local_executor_would(
             let per_step = submissions(dir);
             assert_eq!(
                 per_step,
-                (1..=5).map(|s| (s, 1)).collect::<HashMap<i64, usize>>(),
+                (1..=6).map(|s| (s, 1)).collect::<HashMap<i64, usize>>(),
                 "one job per checkpoint"
             );
             assert_eq!(
                 d.metric("diffmon_slurm_jobs_submitted_total{run=\"test\"}"),
-                Some(5.0)
+                Some(6.0)
             );
             // Each job ran `diffmon eval` on its checkpoint and left its record.
             let folders = fs::read_dir(dir.join(".diffmon/jobs")).unwrap().count();
-            assert_eq!(folders, 5);
+            assert_eq!(folders, 6);
         }
     }
     let (via_slurm, via_local) = (&records[0], &records[1]);
