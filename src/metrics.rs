@@ -43,6 +43,15 @@ pub const BUILD_INFO: &str = "diffmon_build_info";
 pub const LAST_EVALUATION_TIMESTAMP: &str = "diffmon_last_evaluation_timestamp_seconds";
 pub const BEST_STEP_TIMESTAMP: &str = "diffmon_best_step_timestamp_seconds";
 pub const EARLY_STOP_TIMESTAMP: &str = "diffmon_early_stop_timestamp_seconds";
+// The Slurm executor's jobs (zero with the local executor).
+pub const SLURM_JOBS_SUBMITTED: &str = "diffmon_slurm_jobs_submitted";
+pub const SLURM_JOBS_RUNNING: &str = "diffmon_slurm_jobs_running";
+pub const SLURM_JOBS_FAILED: &str = "diffmon_slurm_jobs_failed";
+pub const SLURM_QUEUE_WAIT: &str = "diffmon_slurm_queue_wait_seconds";
+pub const SLURM_RUN: &str = "diffmon_slurm_run_seconds";
+
+/// `reason` label values of `diffmon_slurm_jobs_failed_total`: how a job ended without a result.
+pub const SLURM_JOB_FAILURES: [&str; 5] = ["failed", "timeout", "cancelled", "preempted", "lost"];
 // The standard process metrics (https://prometheus.io/docs/instrumenting/writing_clientlibs/),
 // read from /proc/self at each scrape (absent where /proc is not).
 pub const PROCESS_CPU_SECONDS: &str = "process_cpu_seconds";
@@ -69,6 +78,8 @@ pub fn exported_names() -> Vec<String> {
         CHECKPOINTS_SKIPPED,
         WEBHOOK_DELIVERIES,
         PROCESS_CPU_SECONDS,
+        SLURM_JOBS_SUBMITTED,
+        SLURM_JOBS_FAILED,
     ];
     let mut names: Vec<String> = Vec::new();
     for g in FIELDS.iter().filter_map(|f| f.gauge) {
@@ -90,6 +101,9 @@ pub fn exported_names() -> Vec<String> {
             LAST_EVALUATION_TIMESTAMP,
             BEST_STEP_TIMESTAMP,
             EARLY_STOP_TIMESTAMP,
+            SLURM_JOBS_RUNNING,
+            SLURM_QUEUE_WAIT,
+            SLURM_RUN,
             PROCESS_RESIDENT_MEMORY,
             PROCESS_VIRTUAL_MEMORY,
             PROCESS_START_TIME,
@@ -160,6 +174,11 @@ pub struct Metrics {
     last_evaluation_timestamp: Family<RunLabel, FGauge>,
     best_step_timestamp: Family<RunLabel, FGauge>,
     early_stop_timestamp: Family<RunLabel, FGauge>,
+    slurm_jobs_submitted: Family<RunLabel, Counter>,
+    slurm_jobs_running: Family<RunLabel, Gauge>,
+    slurm_jobs_failed: Family<ReasonLabels, Counter>,
+    slurm_queue_wait: Family<RunLabel, Histogram>,
+    slurm_run: Family<RunLabel, Histogram>,
     /// The detector's state last published: (best step, fired), to time their changes.
     seen: Mutex<(Option<i64>, bool)>,
 }
@@ -508,6 +527,11 @@ impl Metrics {
             last_evaluation_timestamp: Family::default(),
             best_step_timestamp: Family::default(),
             early_stop_timestamp: Family::default(),
+            slurm_jobs_submitted: Family::default(),
+            slurm_jobs_running: Family::default(),
+            slurm_jobs_failed: Family::default(),
+            slurm_queue_wait: Family::new_with_constructor(duration_histogram),
+            slurm_run: Family::new_with_constructor(duration_histogram),
             seen: Mutex::new((None, false)),
             registry: Registry::default(),
         };
@@ -606,6 +630,31 @@ impl Metrics {
             "Unix time of the evaluation that fired the early stop last (0 if it never fired)",
             m.early_stop_timestamp.clone(),
         );
+        registry.register(
+            SLURM_JOBS_SUBMITTED,
+            "Slurm jobs submitted (retries included)",
+            m.slurm_jobs_submitted.clone(),
+        );
+        registry.register(
+            SLURM_JOBS_RUNNING,
+            "Slurm jobs running now",
+            m.slurm_jobs_running.clone(),
+        );
+        registry.register(
+            SLURM_JOBS_FAILED,
+            "Slurm jobs that ended without a result, by reason (each retry counts)",
+            m.slurm_jobs_failed.clone(),
+        );
+        registry.register(
+            SLURM_QUEUE_WAIT,
+            "Time from a Slurm job's submission until it was seen running",
+            m.slurm_queue_wait.clone(),
+        );
+        registry.register(
+            SLURM_RUN,
+            "Time a Slurm job was seen running until its result was read",
+            m.slurm_run.clone(),
+        );
         registry.register_collector(Box::new(ProcessCollector { label: m.label() }));
         let build: Family<VersionLabels, Gauge> = Family::default();
         build
@@ -632,6 +681,18 @@ impl Metrics {
         for reason in FailureReason::ALL {
             m.checkpoint_failures
                 .get_or_create(&m.reason_labels(reason))
+                .inc_by(0);
+        }
+        m.slurm_jobs_submitted.get_or_create(&l).inc_by(0);
+        m.slurm_jobs_running.get_or_create(&l).set(0);
+        let _ = m.slurm_queue_wait.get_or_create(&l);
+        let _ = m.slurm_run.get_or_create(&l);
+        for reason in SLURM_JOB_FAILURES {
+            m.slurm_jobs_failed
+                .get_or_create(&ReasonLabels {
+                    run: run.to_string(),
+                    reason: reason.into(),
+                })
                 .inc_by(0);
         }
         for stage in STAGES {
@@ -789,6 +850,38 @@ impl Metrics {
             .inc_by(n as u64);
     }
 
+    /// Counts one Slurm job submitted.
+    pub fn slurm_submitted(&self) {
+        self.slurm_jobs_submitted.get_or_create(&self.label()).inc();
+    }
+
+    pub fn set_slurm_running(&self, n: usize) {
+        self.slurm_jobs_running
+            .get_or_create(&self.label())
+            .set(n as i64);
+    }
+
+    /// Counts one Slurm job that ended without a result; `reason` is one of
+    /// [`SLURM_JOB_FAILURES`].
+    pub fn slurm_failed(&self, reason: &str) {
+        self.slurm_jobs_failed
+            .get_or_create(&ReasonLabels {
+                run: self.run.clone(),
+                reason: reason.into(),
+            })
+            .inc();
+    }
+
+    pub fn slurm_queue_wait(&self, seconds: f64) {
+        self.slurm_queue_wait
+            .get_or_create(&self.label())
+            .observe(seconds);
+    }
+
+    pub fn slurm_run(&self, seconds: f64) {
+        self.slurm_run.get_or_create(&self.label()).observe(seconds);
+    }
+
     /// Counts one delivery outcome of a receiver.
     pub fn delivery(&self, receiver: Receiver, outcome: DeliveryOutcome) {
         self.webhook_deliveries
@@ -821,11 +914,12 @@ mod tests {
         m.delivery(Receiver::Webhook, DeliveryOutcome::Delivered);
         let text = m.encode();
         for name in exported_names() {
-            let series = if name == EVALUATION_DURATION {
-                format!("{name}_count{{")
-            } else {
-                format!("{name}{{")
-            };
+            let series =
+                if [EVALUATION_DURATION, SLURM_QUEUE_WAIT, SLURM_RUN].contains(&name.as_str()) {
+                    format!("{name}_count{{")
+                } else {
+                    format!("{name}{{")
+                };
             let line = text.lines().find(|l| l.starts_with(&series));
             let line = line.unwrap_or_else(|| panic!("{name} missing in\n{text}"));
             assert!(line.contains("run=\"exp1\""), "{line}");
@@ -1151,7 +1245,11 @@ mod tests {
                 let name = m.as_str();
                 let base = ["_bucket", "_sum", "_count"]
                     .iter()
-                    .find_map(|s| name.strip_suffix(s).filter(|b| *b == EVALUATION_DURATION))
+                    .find_map(|s| {
+                        name.strip_suffix(s).filter(|b| {
+                            [EVALUATION_DURATION, SLURM_QUEUE_WAIT, SLURM_RUN].contains(b)
+                        })
+                    })
                     .unwrap_or(name);
                 assert!(
                     names.iter().any(|n| n == base),

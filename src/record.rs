@@ -89,17 +89,30 @@ pub enum FailureReason {
     Error,
     /// The process died (a fatal signal) while evaluating it; recorded after the restart.
     Crashed,
+    /// Its Slurm job failed (a non-zero exit of the job script outside `diffmon eval`, a node
+    /// failure, out of memory) after every retry.
+    JobFailed,
+    /// Its Slurm job ran past its time limit, after every retry.
+    JobTimeout,
+    /// Its Slurm job was cancelled or preempted, after every retry.
+    JobCancelled,
+    /// Its Slurm job left the queue without a result, after every retry.
+    JobLost,
 }
 
 impl FailureReason {
     /// Every reason, in the order the metric's series are created (each at 0).
-    pub const ALL: [FailureReason; 6] = [
+    pub const ALL: [FailureReason; 10] = [
         FailureReason::Unreadable,
         FailureReason::Mismatch,
         FailureReason::NonFinite,
         FailureReason::Vanished,
         FailureReason::Error,
         FailureReason::Crashed,
+        FailureReason::JobFailed,
+        FailureReason::JobTimeout,
+        FailureReason::JobCancelled,
+        FailureReason::JobLost,
     ];
 
     /// The journal's `reason` and the metric's label value.
@@ -111,6 +124,10 @@ impl FailureReason {
             FailureReason::Vanished => "vanished",
             FailureReason::Error => "error",
             FailureReason::Crashed => "crashed",
+            FailureReason::JobFailed => "job_failed",
+            FailureReason::JobTimeout => "job_timeout",
+            FailureReason::JobCancelled => "job_cancelled",
+            FailureReason::JobLost => "job_lost",
         }
     }
 }
@@ -654,7 +671,11 @@ mod tests {
                 "non_finite",
                 "vanished",
                 "error",
-                "crashed"
+                "crashed",
+                "job_failed",
+                "job_timeout",
+                "job_cancelled",
+                "job_lost"
             ]
         );
         assert_eq!(FailureReason::NonFinite.to_string(), "non_finite");

@@ -8,7 +8,13 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// `diffmon eval`.
-pub fn eval(config_path: &Path, checkpoints: &[PathBuf], json: bool) -> Result<()> {
+pub fn eval(
+    config_path: &Path,
+    checkpoints: &[PathBuf],
+    json: bool,
+    evaluated_before: usize,
+    failure_lines: bool,
+) -> Result<()> {
     let mut config = Config::load_without_secrets(config_path)?;
     config.imply_memorization();
     let steps = checkpoints
@@ -22,9 +28,12 @@ pub fn eval(config_path: &Path, checkpoints: &[PathBuf], json: bool) -> Result<(
         })
         .collect::<Result<Vec<i64>, NoStep>>()?;
     let mut evaluator = Evaluator::new(&config)?;
+    evaluator.set_evaluated(evaluated_before);
     let mut out = std::io::stdout().lock();
     let mut failures = 0;
     for (path, step) in checkpoints.iter().zip(steps) {
+        // The version evaluated: a failure's reason is `vanished` if it changes meanwhile.
+        let key = crate::unit::key(path).ok();
         match evaluator.evaluate(path, step) {
             Ok(record) => {
                 if json {
@@ -40,6 +49,26 @@ pub fn eval(config_path: &Path, checkpoints: &[PathBuf], json: bool) -> Result<(
             Err(e) => {
                 failures += 1;
                 tracing::warn!(checkpoint = %path.display(), "{e}");
+                if failure_lines {
+                    let reason = match &key {
+                        Some(key) => crate::daemon::failure_reason(
+                            &crate::watcher::WorkItem {
+                                path: path.clone(),
+                                step,
+                                key: key.clone(),
+                            },
+                            &e,
+                        ),
+                        None => crate::record::FailureReason::Unreadable,
+                    };
+                    let line = serde_json::json!({"failure": {
+                        "step": step,
+                        "reason": reason.as_str(),
+                        "message": e.to_string(),
+                    }});
+                    writeln!(out, "{line}")?;
+                    out.flush()?;
+                }
             }
         }
     }

@@ -87,6 +87,14 @@ pub enum Command {
         /// One JSON object per line instead of a table.
         #[arg(long)]
         json: bool,
+        /// Checkpoints of the run evaluated before these (for `pfd.every`'s rhythm; the Slurm
+        /// executor's jobs pass it).
+        #[arg(long, default_value_t = 0, hide = true)]
+        evaluated_before: usize,
+        /// With --json: a checkpoint that cannot be evaluated is a line
+        /// `{"failure": {"step", "reason", "message"}}` (the Slurm executor's jobs pass it).
+        #[arg(long, hide = true)]
+        failure_lines: bool,
     },
     /// ICR from precomputed features (`/h1`, `/h2` `[n,d]`), printed as JSON.
     IcrFeatures {
@@ -407,7 +415,15 @@ pub fn run(command: Command) -> Result<()> {
             config,
             checkpoints,
             json,
-        } => eval(&config, &checkpoints, json),
+            evaluated_before,
+            failure_lines,
+        } => eval(
+            &config,
+            &checkpoints,
+            json,
+            evaluated_before,
+            json && failure_lines,
+        ),
         Command::Watch { config } => {
             let mut config = Config::load(&config)?;
             config.imply_memorization();

@@ -50,6 +50,82 @@ pub struct ConfigFile {
     pub(super) alerts: Alerts,
     #[serde(default)]
     pub(super) http: Http,
+    #[serde(default)]
+    pub(super) evaluation: Evaluation,
+}
+
+/// `evaluation`: where checkpoints are evaluated.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Evaluation {
+    #[serde(default)]
+    pub(super) executor: super::ExecutorKind,
+    #[serde(default = "default_max_in_flight")]
+    pub(super) max_in_flight: usize,
+    #[serde(default)]
+    pub(super) slurm: Slurm,
+}
+
+fn default_max_in_flight() -> usize {
+    4
+}
+
+impl Default for Evaluation {
+    fn default() -> Self {
+        Evaluation {
+            executor: super::ExecutorKind::Local,
+            max_in_flight: default_max_in_flight(),
+            slurm: Slurm::default(),
+        }
+    }
+}
+
+/// `evaluation.slurm`: the jobs' `sbatch` options.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Slurm {
+    #[serde(default)]
+    pub(super) partition: Option<String>,
+    #[serde(default)]
+    pub(super) account: Option<String>,
+    #[serde(default)]
+    pub(super) time_limit: Option<String>,
+    #[serde(default)]
+    pub(super) gres: Option<String>,
+    #[serde(default)]
+    pub(super) extra_args: Vec<String>,
+    #[serde(default)]
+    pub(super) env: std::collections::BTreeMap<String, String>,
+    #[serde(default = "default_slurm_poll_secs")]
+    pub(super) poll_secs: f64,
+    #[serde(default = "default_max_retries")]
+    pub(super) max_retries: usize,
+    #[serde(default)]
+    pub(super) binary: Option<PathBuf>,
+}
+
+fn default_slurm_poll_secs() -> f64 {
+    5.0
+}
+
+fn default_max_retries() -> usize {
+    1
+}
+
+impl Default for Slurm {
+    fn default() -> Self {
+        Slurm {
+            partition: None,
+            account: None,
+            time_limit: None,
+            gres: None,
+            extra_args: Vec::new(),
+            env: Default::default(),
+            poll_secs: default_slurm_poll_secs(),
+            max_retries: default_max_retries(),
+            binary: None,
+        }
+    }
 }
 
 /// `checkpoints`, as written.

@@ -118,6 +118,10 @@ pub struct Config {
     pub early_stop: EarlyStopConfig,
     pub alerts: AlertsConfig,
     pub http: HttpConfig,
+    pub evaluation: EvaluationConfig,
+    /// The config file this was read from (`None`: built from text); the Slurm executor's jobs
+    /// read it.
+    pub source: Option<PathBuf>,
     /// The memorization ratio (and, with `pfd.enabled: false`, a PF-ODE of
     /// [`CONFIRM_LATENTS`] latents) was turned on by `early_stop.confirm: auto` without a
     /// held-out set ([`Config::imply_memorization`]); not a key.
@@ -844,6 +848,52 @@ impl Default for AlertsConfig {
     }
 }
 
+/// `evaluation.executor`: where checkpoints are evaluated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ExecutorKind {
+    /// The evaluator thread of the daemon, one checkpoint at a time.
+    #[default]
+    Local,
+    /// One Slurm job per checkpoint, `diffmon eval --json` on a compute node.
+    Slurm,
+}
+
+/// `evaluation`: the executor and its settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvaluationConfig {
+    pub executor: ExecutorKind,
+    /// Jobs in flight at once (Slurm).
+    pub max_in_flight: usize,
+    pub slurm: SlurmConfig,
+}
+
+/// `evaluation.slurm`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlurmConfig {
+    pub partition: Option<String>,
+    pub account: Option<String>,
+    /// `--time`, in Slurm's format (`30`, `1:00:00`, `1-0`).
+    pub time_limit: Option<String>,
+    pub gres: Option<String>,
+    /// More `sbatch` options, each one argument.
+    pub extra_args: Vec<String>,
+    /// Set in `sbatch`'s environment, which the job inherits (Slurm's `--export=ALL`).
+    pub env: std::collections::BTreeMap<String, String>,
+    pub poll: Duration,
+    /// Resubmissions of a job that failed, timed out, was cancelled or lost.
+    pub max_retries: usize,
+    /// The `diffmon` the job runs (default: this process's executable).
+    pub binary: Option<PathBuf>,
+}
+
+impl Default for EvaluationConfig {
+    fn default() -> Self {
+        evaluation(&mut Validator::default(), &file::Evaluation::default())
+            .expect("the default evaluation section is valid")
+    }
+}
+
 /// `http`: the metrics server's address and bounds.
 #[derive(Debug, Clone, Copy)]
 pub struct HttpConfig {
@@ -883,12 +933,14 @@ impl Config {
         let base = path.parent().unwrap_or(Path::new("."));
         let mut config = ConfigFile::parse(&text, &path.display().to_string())?;
         config.resolve_paths(base);
-        config
+        let mut config = config
             .settings(secrets)
             .map_err(|problems| ConfigError::Invalid {
                 file: path.display().to_string(),
                 problems,
-            })
+            })?;
+        config.source = Some(std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()));
+        Ok(config)
     }
 }
 
@@ -974,6 +1026,9 @@ impl ConfigFile {
         .into_iter()
         .flatten()
         {
+            fix(p);
+        }
+        if let Some(p) = self.evaluation.slurm.binary.as_mut() {
             fix(p);
         }
     }
@@ -1354,31 +1409,36 @@ impl ConfigFile {
 
         let alerts = alerts(&mut v, &self.alerts, lookup);
         let http = http(&mut v, &self.http);
+        let evaluation = evaluation(&mut v, &self.evaluation);
 
-        match (checkpoints, shutdown_drain, alerts, http) {
-            (Some(checkpoints), Some(shutdown_drain), Some(alerts), Some(http))
-                if v.problems.is_empty() =>
-            {
-                Ok(Config {
-                    run: self.run.clone(),
-                    state_dir: self.state_dir.clone(),
-                    checkpoints,
-                    model: self.model.clone(),
-                    device: self.device,
-                    cpu_threads: self.cpu_threads,
-                    shutdown_drain,
-                    data: self.data.clone(),
-                    icr: self.icr.clone(),
-                    pfd: self.pfd.clone(),
-                    memorization: self.memorization.clone(),
-                    tail: self.tail.clone(),
-                    early_stop: self.early_stop.clone(),
-                    alerts,
-                    http,
-                    implied_memorization: false,
-                    implied_pf_ode: false,
-                })
-            }
+        match (checkpoints, shutdown_drain, alerts, http, evaluation) {
+            (
+                Some(checkpoints),
+                Some(shutdown_drain),
+                Some(alerts),
+                Some(http),
+                Some(evaluation),
+            ) if v.problems.is_empty() => Ok(Config {
+                run: self.run.clone(),
+                state_dir: self.state_dir.clone(),
+                checkpoints,
+                model: self.model.clone(),
+                device: self.device,
+                cpu_threads: self.cpu_threads,
+                shutdown_drain,
+                data: self.data.clone(),
+                icr: self.icr.clone(),
+                pfd: self.pfd.clone(),
+                memorization: self.memorization.clone(),
+                tail: self.tail.clone(),
+                early_stop: self.early_stop.clone(),
+                alerts,
+                http,
+                evaluation,
+                source: None,
+                implied_memorization: false,
+                implied_pf_ode: false,
+            }),
             _ => Err(v.problems),
         }
     }
@@ -1539,6 +1599,94 @@ fn http(v: &mut Validator, h: &file::Http) -> Option<HttpConfig> {
         header_timeout: header_timeout?,
         idle_timeout: idle_timeout?,
         max_connections: max_connections?,
+    })
+}
+
+/// The `evaluation` section's settings; `None` when a value is refused.
+fn evaluation(v: &mut Validator, e: &file::Evaluation) -> Option<EvaluationConfig> {
+    v.count("evaluation.max_in_flight", e.max_in_flight, 1..=1024);
+    let s = &e.slurm;
+    // One word each: they become single sbatch arguments.
+    let word = |x: &str| {
+        !x.is_empty() && x.len() <= 256 && !x.chars().any(|c| c.is_whitespace() || c.is_control())
+    };
+    for (key, value) in [
+        ("evaluation.slurm.partition", &s.partition),
+        ("evaluation.slurm.account", &s.account),
+        ("evaluation.slurm.gres", &s.gres),
+    ] {
+        if let Some(x) = value {
+            v.check(
+                word(x),
+                key,
+                format!("must be one word without spaces, got `{x}`"),
+            );
+        }
+    }
+    if let Some(t) = &s.time_limit {
+        let ok = !t.is_empty()
+            && t.len() <= 32
+            && t.chars()
+                .all(|c| c.is_ascii_digit() || c == ':' || c == '-')
+            && t.starts_with(|c: char| c.is_ascii_digit());
+        v.check(
+            ok,
+            "evaluation.slurm.time_limit",
+            format!("must be a Slurm time such as `30`, `1:00:00` or `1-0`, got `{t}`"),
+        );
+    }
+    v.check(
+        s.extra_args.len() <= 64,
+        "evaluation.slurm.extra_args",
+        format!("lists {} options; at most 64", s.extra_args.len()),
+    );
+    for (k, a) in s.extra_args.iter().enumerate() {
+        v.check(
+            a.starts_with('-') && a.len() <= 1024 && !a.chars().any(|c| c.is_control()),
+            &format!("evaluation.slurm.extra_args[{k}]"),
+            format!("must be one sbatch option starting with `-`, got `{a}`"),
+        );
+    }
+    v.check(
+        s.env.len() <= 256,
+        "evaluation.slurm.env",
+        format!("sets {} variables; at most 256", s.env.len()),
+    );
+    for (name, value) in &s.env {
+        let ok = name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        v.check(
+            ok,
+            &format!("evaluation.slurm.env.{name}"),
+            "must be a variable name (letters, digits, `_`)",
+        );
+        v.check(
+            !value.contains('\0') && value.len() <= 4096,
+            &format!("evaluation.slurm.env.{name}"),
+            "must be at most 4096 bytes without NUL",
+        );
+    }
+    let poll = v.secs("evaluation.slurm.poll_secs", s.poll_secs, 0.1..=3600.0);
+    v.check(
+        s.max_retries <= 100,
+        "evaluation.slurm.max_retries",
+        format!("must be between 0 and 100, got {}", s.max_retries),
+    );
+    // The compute node's path: not checked here, where it may not exist.
+    Some(EvaluationConfig {
+        executor: e.executor,
+        max_in_flight: e.max_in_flight,
+        slurm: SlurmConfig {
+            partition: s.partition.clone(),
+            account: s.account.clone(),
+            time_limit: s.time_limit.clone(),
+            gres: s.gres.clone(),
+            extra_args: s.extra_args.clone(),
+            env: s.env.clone(),
+            poll: poll?,
+            max_retries: s.max_retries,
+            binary: s.binary.clone(),
+        },
     })
 }
 
@@ -1775,6 +1923,38 @@ mod tests {
         let mut file = ConfigFile::parse(text, "c.yaml").unwrap();
         file.resolve_paths(dir.path());
         file.settings(false).unwrap()
+    }
+
+    /// `evaluation`: the defaults are today's local evaluator; the Slurm settings arrive as
+    /// written, the binary resolved against the config's folder.
+    #[test]
+    fn the_evaluation_section_defaults_to_local_and_reads_the_slurm_options() {
+        let c = settings(MINIMAL);
+        assert_eq!(c.evaluation.executor, ExecutorKind::Local);
+        assert_eq!(c.evaluation.max_in_flight, 4);
+        assert_eq!(c.evaluation.slurm.poll, Duration::from_secs(5));
+        assert_eq!(c.evaluation.slurm.max_retries, 1);
+        assert_eq!(c.evaluation, EvaluationConfig::default());
+        let c = settings(&format!(
+            "{MINIMAL}evaluation:\n  executor: slurm\n  max_in_flight: 8\n  slurm:\n    \
+             partition: gpu\n    account: lab\n    time_limit: \"1-0\"\n    gres: \"gpu:1\"\n    \
+             extra_args: [\"--mem=16G\"]\n    env: {{OMP_NUM_THREADS: \"4\"}}\n    \
+             poll_secs: 0.5\n    max_retries: 0\n    binary: bin/diffmon\n"
+        ));
+        let (e, s) = (&c.evaluation, &c.evaluation.slurm);
+        assert_eq!((e.executor, e.max_in_flight), (ExecutorKind::Slurm, 8));
+        assert_eq!(s.partition.as_deref(), Some("gpu"));
+        assert_eq!(s.account.as_deref(), Some("lab"));
+        assert_eq!(s.time_limit.as_deref(), Some("1-0"));
+        assert_eq!(s.gres.as_deref(), Some("gpu:1"));
+        assert_eq!(s.extra_args, ["--mem=16G"]);
+        assert_eq!(s.env["OMP_NUM_THREADS"], "4");
+        assert_eq!((s.poll, s.max_retries), (Duration::from_millis(500), 0));
+        let binary = s.binary.as_ref().unwrap();
+        assert!(
+            binary.is_absolute() && binary.ends_with("bin/diffmon"),
+            "{binary:?}"
+        );
     }
 
     #[test]

@@ -29,6 +29,8 @@ pub enum ExecutorError {
     StoppedDuringStart,
     #[error("cannot start the evaluator thread")]
     Spawn(#[source] std::io::Error),
+    #[error("cannot start the Slurm executor")]
+    Slurm(#[source] super::slurm::SlurmError),
 }
 
 /// Turns work items into outcomes.
@@ -114,12 +116,12 @@ fn evaluate(evaluator: &mut Evaluator, item: WorkItem) -> Outcome {
 }
 
 /// Is the unit on disk still the version the item names?
-fn unchanged(item: &WorkItem) -> bool {
+pub(super) fn unchanged(item: &WorkItem) -> bool {
     crate::unit::key(&item.path).ok().as_ref() == Some(&item.key)
 }
 
 /// Failure reason label of `diffmon_checkpoint_failures_total{reason}`.
-fn failure_reason(item: &WorkItem, e: &EvalError) -> FailureReason {
+pub(crate) fn failure_reason(item: &WorkItem, e: &EvalError) -> FailureReason {
     if !unchanged(item) {
         return FailureReason::Vanished;
     }

@@ -34,13 +34,15 @@ mod recorder;
 mod run_state;
 mod shutdown;
 mod sinks;
+pub mod slurm;
 
 use crate::alerts::Alerter;
-use crate::config::Config;
+use crate::config::{Config, ExecutorKind};
 use crate::lock::StateLock;
 use crate::metrics::Metrics;
 use crate::watcher::{Watcher, work_channel};
 use anyhow::{Context, Result};
+pub(crate) use executor::failure_reason;
 use executor::{Executor, Local, Outcome};
 use recorder::Recorder;
 use run_state::RunState;
@@ -139,11 +141,19 @@ pub fn run(config: Config) -> Result<()> {
 
     let (work_tx, work_rx) = work_channel();
     let (outcome_tx, outcome_rx) = crossbeam_channel::bounded::<Outcome>(OUTCOMES_BOUND);
-    let executor = Local {
-        config: config.clone(),
-        evaluated_before: replayed.evaluations,
-    }
-    .start(work_rx, outcome_tx)?;
+    let executor = match config.evaluation.executor {
+        ExecutorKind::Local => Local {
+            config: config.clone(),
+            evaluated_before: replayed.evaluations,
+        }
+        .start(work_rx, outcome_tx)?,
+        ExecutorKind::Slurm => slurm::Slurm {
+            config: config.clone(),
+            metrics: metrics.clone(),
+            evaluated_before: replayed.evaluations,
+        }
+        .start(work_rx, outcome_tx)?,
+    };
 
     let (stop, stopped) = shutdown::stop_channel();
     let done = recorder.entries().iter().map(|e| e.key().clone()).collect();

@@ -20,6 +20,8 @@ mod multifile;
 mod pfd;
 mod reliability;
 mod report;
+mod slurm;
+mod slurm_cluster;
 mod stacks;
 mod tail;
 mod toy_training;

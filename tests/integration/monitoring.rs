@@ -133,11 +133,13 @@ fn metric_names(expr: &str) -> Vec<String> {
 /// The series names the code can export: `exported_names()`, with the histogram as its three
 /// series (`_bucket`, `_sum`, `_count`) instead of its family name.
 fn known_series_names() -> BTreeSet<String> {
-    use diffmon::metrics::{EVALUATION_DURATION, exported_names};
+    use diffmon::metrics::{EVALUATION_DURATION, SLURM_QUEUE_WAIT, SLURM_RUN, exported_names};
     let mut names: BTreeSet<String> = exported_names().into_iter().collect();
-    assert!(names.remove(EVALUATION_DURATION));
-    for s in ["_bucket", "_sum", "_count"] {
-        names.insert(format!("{EVALUATION_DURATION}{s}"));
+    for histogram in [EVALUATION_DURATION, SLURM_QUEUE_WAIT, SLURM_RUN] {
+        assert!(names.remove(histogram));
+        for s in ["_bucket", "_sum", "_count"] {
+            names.insert(format!("{histogram}{s}"));
+        }
     }
     names
 }
@@ -196,6 +198,11 @@ fn dashboards_query_only_metrics_the_code_exports() {
         "diffmon_webhook_deliveries_total",
         "diffmon_early_stop_triggered",
         "diffmon_build_info",
+        "diffmon_slurm_jobs_submitted_total",
+        "diffmon_slurm_jobs_running",
+        "diffmon_slurm_jobs_failed_total",
+        "diffmon_slurm_queue_wait_seconds_bucket",
+        "diffmon_slurm_run_seconds_bucket",
     ] {
         assert!(used.contains(needed), "no dashboard shows {needed}");
     }

@@ -1,0 +1,341 @@
+//! The Slurm executor (`evaluation.executor: slurm`) on a real single-node cluster
+//! ([`crate::slurm_cluster`]): records equal to the local executor's, exactly once, in order,
+//! and the faults of a real cluster (a cancelled job, a job over its time limit, `slurmd`
+//! stopped and restarted, the daemon killed with jobs in flight).
+
+use crate::common::toy_run;
+use crate::daemon::{Daemon, empty_run, free_port, journal, journal_entries};
+use crate::early_stop::{checkpoints_by_icr, detector_config, place, write_base_config};
+use crate::slurm_cluster::Cluster;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The harness itself: the node comes up idle and runs a batch job to completion.
+#[test]
+fn the_test_cluster_runs_a_batch_job() {
+    let Some(cluster) = Cluster::start() else {
+        return;
+    };
+    let script = cluster.dir.path().join("hello.sh");
+    fs::write(&script, "#!/bin/sh\necho hello from $SLURM_JOB_ID\n").unwrap();
+    let out_file = cluster.dir.path().join("hello.out");
+    let out = cluster.command(
+        "sbatch",
+        &[
+            "--parsable",
+            "--output",
+            out_file.to_str().unwrap(),
+            script.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        cluster.logs()
+    );
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    cluster.wait_for(Duration::from_secs(60), "the job to finish", |_| {
+        fs::read_to_string(&out_file).is_ok_and(|t| t.contains("hello"))
+    });
+    assert_eq!(
+        fs::read_to_string(&out_file).unwrap().trim(),
+        format!("hello from {id}")
+    );
+}
+
+/// Starts `diffmon watch` on `config` with the cluster's `SLURM_CONF`.
+fn daemon(cluster: &Cluster, config: PathBuf, port: u16) -> Daemon {
+    let conf = format!("SLURM_CONF={}", cluster.conf.display());
+    Daemon::spawn_wrapped(config, port, &["env", &conf])
+}
+
+/// Writes `<dir>/diffmon.yaml`: the run, quick completion checks, `extra`.
+fn write_config(dir: &Path, port: u16, extra: &str) -> PathBuf {
+    let config = dir.join("diffmon.yaml");
+    fs::write(
+        &config,
+        format!(
+            "run: {{dir: ., name: test}}\nmodel: {{architecture: model.ts}}\ndevice: cpu\n\
+             data: {{path: train.h5, heldout_path: heldout.h5}}\n\
+             icr: {{samples: 256, batch_size: 256}}\n\
+             http: {{listen: \"127.0.0.1:{port}\"}}\n\
+             checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{extra}"
+        ),
+    )
+    .unwrap();
+    config
+}
+
+/// Job submissions per step, from the jobs journal.
+fn submissions(dir: &Path) -> HashMap<i64, usize> {
+    diffmon::daemon::slurm::submissions_per_step(&dir.join(".diffmon")).unwrap_or_default()
+}
+
+/// The records' numbers, without the timings (`seconds`, `stages`) and the path.
+fn numbers(record: &Value) -> Vec<(String, f64)> {
+    let mut out: Vec<(String, f64)> = record
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| !["seconds", "stages", "checkpoint"].contains(&k.as_str()))
+        .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// Acceptance: a U-turn of five checkpoints, each evaluated once by its own Slurm job, gives
+/// the local executor's records (to 1e-12 relative) in the same order and the same decision;
+/// a sixth file that is no checkpoint is the same failure (`unreadable`) either way.
+#[test]
+fn every_checkpoint_is_evaluated_once_through_slurm_as_the_local_executor_would() {
+    let Some(cluster) = Cluster::start() else {
+        return;
+    };
+    let (local, slurm) = (empty_run(), empty_run());
+    write_base_config(local.path(), "");
+    let (hi, lo, rise) = checkpoints_by_icr(local.path());
+    let detector = detector_config(rise);
+    let mut records = Vec::new();
+    let mut statuses = Vec::new();
+    for (run, executor) in [
+        (
+            &slurm,
+            "evaluation: {executor: slurm, max_in_flight: 3, slurm: {poll_secs: 0.5}}\n",
+        ),
+        (&local, ""),
+    ] {
+        let dir = run.path();
+        for (step, src) in [(1, &hi), (2, &lo), (3, &lo), (4, &hi), (5, &hi)] {
+            place(dir, src, step);
+        }
+        // Not a checkpoint: a failure with the same reason either way.
+        fs::write(dir.join("ckpt_6.pt"), b"not a checkpoint").unwrap();
+        let port = free_port();
+        let config = write_config(dir, port, &format!("{detector}{executor}"));
+        let d = daemon(&cluster, config, port);
+        d.wait_for(Duration::from_secs(300), "six outcomes", |_| {
+            journal_entries(dir).len() >= 6
+        });
+        assert_eq!(
+            journal(dir),
+            (vec![1, 2, 3, 4, 5], vec![(6, "unreadable".to_string())]),
+            "in step order, once each"
+        );
+        records.push(
+            journal_entries(dir)
+                .iter()
+                .filter(|e| e["kind"] == "evaluation")
+                .map(|e| numbers(&e["record"]))
+                .collect::<Vec<_>>(),
+        );
+        let status: Value = serde_json::from_str(&d.get("/v1/early-stop").unwrap()).unwrap();
+        statuses.push((status["fired"].clone(), status["best_step"].clone()));
+        if !executor.is_empty() {
+            let per_step = submissions(dir);
+            assert_eq!(
+                per_step,
+                (1..=6).map(|s| (s, 1)).collect::<HashMap<i64, usize>>(),
+                "one job per checkpoint"
+            );
+            assert_eq!(
+                d.metric("diffmon_slurm_jobs_submitted_total{run=\"test\"}"),
+                Some(6.0)
+            );
+            // Each job ran `diffmon eval` on its checkpoint and left its record.
+            let folders = fs::read_dir(dir.join(".diffmon/jobs")).unwrap().count();
+            assert_eq!(folders, 6);
+        }
+    }
+    let (via_slurm, via_local) = (&records[0], &records[1]);
+    for (a, b) in via_slurm.iter().zip(via_local) {
+        assert_eq!(
+            a.iter().map(|x| &x.0).collect::<Vec<_>>(),
+            b.iter().map(|x| &x.0).collect::<Vec<_>>()
+        );
+        for ((key, x), (_, y)) in a.iter().zip(b) {
+            let tolerance = 1e-12 * x.abs().max(y.abs());
+            assert!(
+                (x - y).abs() <= tolerance,
+                "{key}: {x} via Slurm, {y} locally"
+            );
+        }
+    }
+    assert_eq!(statuses[0], statuses[1], "the same early-stop decision");
+    assert_eq!(statuses[0], (Value::Bool(true), Value::from(2)));
+}
+
+/// The ids of the cluster's jobs that are running.
+fn running(cluster: &Cluster) -> Vec<String> {
+    cluster
+        .queue()
+        .into_iter()
+        .filter(|(_, state)| state == "RUNNING")
+        .map(|(id, _)| id)
+        .collect()
+}
+
+fn wait_running(cluster: &Cluster, d: &Daemon, n: usize) -> Vec<String> {
+    d.wait_for(
+        Duration::from_secs(120),
+        &format!("{n} running job(s)"),
+        |_| running(cluster).len() >= n,
+    );
+    running(cluster)
+}
+
+fn failed_jobs(d: &Daemon, reason: &str) -> f64 {
+    d.metric(&format!(
+        "diffmon_slurm_jobs_failed_total{{run=\"test\",reason=\"{reason}\"}}"
+    ))
+    .unwrap_or(-1.0)
+}
+
+/// The faults of a real cluster, one after the other on one daemon: a cancelled job (retried;
+/// cancelled again, the checkpoint's failure), the daemon SIGKILLed with two jobs in flight
+/// and restarted (they are adopted, not submitted again), `slurmd` stopped and restarted under
+/// a running job, a job whose processes are killed (retried) and a job over its time limit
+/// (retried). Nothing is lost, nothing evaluated
+/// twice, each job failure is counted with its reason.
+///
+/// The jobs run `diffmon eval` through a wrapper that waits while a gate file exists: the
+/// test holds a job running as long as it needs to.
+#[test]
+fn cancelled_timed_out_and_orphaned_jobs_lose_nothing_and_duplicate_nothing() {
+    let Some(mut cluster) = Cluster::start() else {
+        return;
+    };
+    let run = empty_run();
+    let dir = run.path();
+    let gate = cluster.dir.path().join("gate");
+    let wrapper = cluster.dir.path().join("gated-diffmon");
+    fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nwhile [ -e '{}' ]; do sleep 0.2; done\nexec '{}' \"$@\"\n",
+            gate.display(),
+            env!("CARGO_BIN_EXE_diffmon")
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(&wrapper, fs::Permissions::from_mode(0o755)).unwrap();
+    let port = free_port();
+    let config = write_config(
+        dir,
+        port,
+        &format!(
+            "evaluation:\n  executor: slurm\n  max_in_flight: 2\n  slurm:\n    poll_secs: 0.5\n    \
+             max_retries: 1\n    time_limit: \"1\"\n    binary: {}\n",
+            wrapper.display()
+        ),
+    );
+    let ckpt = toy_run().join("ckpt_000030.pt");
+    let mut d = daemon(&cluster, config.clone(), port);
+
+    // Step 1 runs alone (it computes what the others share).
+    place(dir, &ckpt, 1);
+    d.wait_for(Duration::from_secs(120), "step 1", |_| {
+        journal(dir).0 == [1]
+    });
+
+    // A cancelled job is submitted again; cancelled again, it is the checkpoint's failure.
+    fs::write(&gate, "").unwrap();
+    place(dir, &ckpt, 2);
+    let ids = wait_running(&cluster, &d, 1);
+    assert!(cluster.command("scancel", &[&ids[0]]).status.success());
+    d.wait_for(Duration::from_secs(60), "the cancellation to count", |d| {
+        failed_jobs(d, "cancelled") == 1.0
+    });
+    d.wait_for(Duration::from_secs(60), "the retry to run", |_| {
+        running(&cluster).iter().any(|id| *id != ids[0])
+    });
+    for id in running(&cluster) {
+        cluster.command("scancel", &[&id]);
+    }
+    d.wait_for(Duration::from_secs(60), "step 2's failure", |_| {
+        journal(dir).1.len() == 1
+    });
+    assert_eq!(journal(dir).1, vec![(2, "job_cancelled".to_string())]);
+    assert_eq!(failed_jobs(&d, "cancelled"), 2.0);
+    assert_eq!(
+        d.metric("diffmon_checkpoint_failures_total{run=\"test\",reason=\"job_cancelled\"}"),
+        Some(1.0)
+    );
+
+    // SIGKILL with two jobs in flight; the restarted daemon adopts them.
+    place(dir, &ckpt, 3);
+    place(dir, &ckpt, 4);
+    wait_running(&cluster, &d, 2);
+    d.child.kill().unwrap();
+    d.child.wait().unwrap();
+    let mut d = daemon(&cluster, config.clone(), port);
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(running(&cluster).len(), 2, "the jobs outlive the daemon");
+    fs::remove_file(&gate).unwrap();
+    d.wait_for(Duration::from_secs(180), "steps 3 and 4", |_| {
+        journal(dir).0 == [1, 3, 4]
+    });
+    assert!(d.log().contains("adopting the Slurm job"), "{}", d.log());
+
+    // slurmd stopped and started again under a running job.
+    fs::write(&gate, "").unwrap();
+    place(dir, &ckpt, 5);
+    wait_running(&cluster, &d, 1);
+    cluster.stop_slurmd();
+    std::thread::sleep(Duration::from_secs(3));
+    cluster.start_slurmd();
+    fs::remove_file(&gate).unwrap();
+    d.wait_for(Duration::from_secs(180), "step 5", |_| {
+        journal(dir).0 == [1, 3, 4, 5]
+    });
+
+    // A job whose processes are killed (an out-of-memory kill, say) failed; submitted again.
+    fs::write(&gate, "").unwrap();
+    place(dir, &ckpt, 6);
+    let ids = wait_running(&cluster, &d, 1);
+    let pids = cluster.command("scontrol", &["listpids", &ids[0]]);
+    let pids: Vec<i32> = String::from_utf8_lossy(&pids.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect();
+    assert!(!pids.is_empty(), "no processes listed for job {}", ids[0]);
+    for pid in pids {
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    d.wait_for(Duration::from_secs(60), "the failed job to count", |d| {
+        failed_jobs(d, "failed") == 1.0
+    });
+    fs::remove_file(&gate).unwrap();
+    d.wait_for(Duration::from_secs(180), "step 6", |_| {
+        journal(dir).0 == [1, 3, 4, 5, 6]
+    });
+
+    // A job over its time limit (1 minute) is submitted again.
+    fs::write(&gate, "").unwrap();
+    place(dir, &ckpt, 7);
+    wait_running(&cluster, &d, 1);
+    d.wait_for(Duration::from_secs(180), "the time-out to count", |d| {
+        failed_jobs(d, "timeout") == 1.0
+    });
+    fs::remove_file(&gate).unwrap();
+    d.wait_for(Duration::from_secs(180), "step 7", |_| {
+        journal(dir).0 == [1, 3, 4, 5, 6, 7]
+    });
+
+    let per_step = submissions(dir);
+    assert_eq!(
+        per_step,
+        HashMap::from([(1, 1), (2, 2), (3, 1), (4, 1), (5, 1), (6, 2), (7, 2)]),
+        "retries only where a job ended without a result"
+    );
+    assert_eq!(journal(dir).1, vec![(2, "job_cancelled".to_string())]);
+    assert_eq!(failed_jobs(&d, "timeout"), 1.0);
+    assert_eq!(failed_jobs(&d, "lost"), 0.0);
+    assert_eq!(failed_jobs(&d, "failed"), 1.0);
+    d.terminate();
+}
