@@ -62,6 +62,8 @@ pub(super) struct Evaluation {
     pub(super) executor: super::ExecutorKind,
     #[serde(default = "default_max_in_flight")]
     pub(super) max_in_flight: usize,
+    #[serde(default = "default_retries")]
+    pub(super) retries: usize,
     #[serde(default)]
     pub(super) slurm: Slurm,
 }
@@ -75,6 +77,7 @@ impl Default for Evaluation {
         Evaluation {
             executor: super::ExecutorKind::Local,
             max_in_flight: default_max_in_flight(),
+            retries: default_retries(),
             slurm: Slurm::default(),
         }
     }
@@ -93,13 +96,11 @@ pub(super) struct Slurm {
     #[serde(default)]
     pub(super) gres: Option<String>,
     #[serde(default)]
-    pub(super) extra_args: Vec<String>,
+    pub(super) sbatch_args: Vec<String>,
     #[serde(default)]
     pub(super) env: std::collections::BTreeMap<String, String>,
     #[serde(default = "default_slurm_poll_secs")]
     pub(super) poll_secs: f64,
-    #[serde(default = "default_max_retries")]
-    pub(super) max_retries: usize,
     #[serde(default)]
     pub(super) binary: Option<PathBuf>,
 }
@@ -108,7 +109,7 @@ fn default_slurm_poll_secs() -> f64 {
     5.0
 }
 
-fn default_max_retries() -> usize {
+fn default_retries() -> usize {
     1
 }
 
@@ -119,10 +120,9 @@ impl Default for Slurm {
             account: None,
             time_limit: None,
             gres: None,
-            extra_args: Vec::new(),
+            sbatch_args: Vec::new(),
             env: Default::default(),
             poll_secs: default_slurm_poll_secs(),
-            max_retries: default_max_retries(),
             binary: None,
         }
     }

@@ -865,6 +865,8 @@ pub struct EvaluationConfig {
     pub executor: ExecutorKind,
     /// Jobs in flight at once (Slurm).
     pub max_in_flight: usize,
+    /// Resubmissions of a job that failed, timed out, was cancelled or lost (Slurm).
+    pub retries: usize,
     pub slurm: SlurmConfig,
 }
 
@@ -877,12 +879,10 @@ pub struct SlurmConfig {
     pub time_limit: Option<String>,
     pub gres: Option<String>,
     /// More `sbatch` options, each one argument.
-    pub extra_args: Vec<String>,
+    pub sbatch_args: Vec<String>,
     /// Set in `sbatch`'s environment, which the job inherits (Slurm's `--export=ALL`).
     pub env: std::collections::BTreeMap<String, String>,
     pub poll: Duration,
-    /// Resubmissions of a job that failed, timed out, was cancelled or lost.
-    pub max_retries: usize,
     /// The `diffmon` the job runs (default: this process's executable).
     pub binary: Option<PathBuf>,
 }
@@ -1636,14 +1636,14 @@ fn evaluation(v: &mut Validator, e: &file::Evaluation) -> Option<EvaluationConfi
         );
     }
     v.check(
-        s.extra_args.len() <= 64,
-        "evaluation.slurm.extra_args",
-        format!("lists {} options; at most 64", s.extra_args.len()),
+        s.sbatch_args.len() <= 64,
+        "evaluation.slurm.sbatch_args",
+        format!("lists {} options; at most 64", s.sbatch_args.len()),
     );
-    for (k, a) in s.extra_args.iter().enumerate() {
+    for (k, a) in s.sbatch_args.iter().enumerate() {
         v.check(
             a.starts_with('-') && a.len() <= 1024 && !a.chars().any(|c| c.is_control()),
-            &format!("evaluation.slurm.extra_args[{k}]"),
+            &format!("evaluation.slurm.sbatch_args[{k}]"),
             format!("must be one sbatch option starting with `-`, got `{a}`"),
         );
     }
@@ -1668,23 +1668,23 @@ fn evaluation(v: &mut Validator, e: &file::Evaluation) -> Option<EvaluationConfi
     }
     let poll = v.secs("evaluation.slurm.poll_secs", s.poll_secs, 0.1..=3600.0);
     v.check(
-        s.max_retries <= 100,
-        "evaluation.slurm.max_retries",
-        format!("must be between 0 and 100, got {}", s.max_retries),
+        e.retries <= 100,
+        "evaluation.retries",
+        format!("must be between 0 and 100, got {}", e.retries),
     );
     // The compute node's path: not checked here, where it may not exist.
     Some(EvaluationConfig {
         executor: e.executor,
         max_in_flight: e.max_in_flight,
+        retries: e.retries,
         slurm: SlurmConfig {
             partition: s.partition.clone(),
             account: s.account.clone(),
             time_limit: s.time_limit.clone(),
             gres: s.gres.clone(),
-            extra_args: s.extra_args.clone(),
+            sbatch_args: s.sbatch_args.clone(),
             env: s.env.clone(),
             poll: poll?,
-            max_retries: s.max_retries,
             binary: s.binary.clone(),
         },
     })
@@ -1933,13 +1933,13 @@ mod tests {
         assert_eq!(c.evaluation.executor, ExecutorKind::Local);
         assert_eq!(c.evaluation.max_in_flight, 4);
         assert_eq!(c.evaluation.slurm.poll, Duration::from_secs(5));
-        assert_eq!(c.evaluation.slurm.max_retries, 1);
+        assert_eq!(c.evaluation.retries, 1);
         assert_eq!(c.evaluation, EvaluationConfig::default());
         let c = settings(&format!(
-            "{MINIMAL}evaluation:\n  executor: slurm\n  max_in_flight: 8\n  slurm:\n    \
+            "{MINIMAL}evaluation:\n  executor: slurm\n  max_in_flight: 8\n  retries: 0\n  slurm:\n    \
              partition: gpu\n    account: lab\n    time_limit: \"1-0\"\n    gres: \"gpu:1\"\n    \
-             extra_args: [\"--mem=16G\"]\n    env: {{OMP_NUM_THREADS: \"4\"}}\n    \
-             poll_secs: 0.5\n    max_retries: 0\n    binary: bin/diffmon\n"
+             sbatch_args: [\"--mem=16G\"]\n    env: {{OMP_NUM_THREADS: \"4\"}}\n    \
+             poll_secs: 0.5\n    binary: bin/diffmon\n"
         ));
         let (e, s) = (&c.evaluation, &c.evaluation.slurm);
         assert_eq!((e.executor, e.max_in_flight), (ExecutorKind::Slurm, 8));
@@ -1947,9 +1947,9 @@ mod tests {
         assert_eq!(s.account.as_deref(), Some("lab"));
         assert_eq!(s.time_limit.as_deref(), Some("1-0"));
         assert_eq!(s.gres.as_deref(), Some("gpu:1"));
-        assert_eq!(s.extra_args, ["--mem=16G"]);
+        assert_eq!(s.sbatch_args, ["--mem=16G"]);
         assert_eq!(s.env["OMP_NUM_THREADS"], "4");
-        assert_eq!((s.poll, s.max_retries), (Duration::from_millis(500), 0));
+        assert_eq!((s.poll, e.retries), (Duration::from_millis(500), 0));
         let binary = s.binary.as_ref().unwrap();
         assert!(
             binary.is_absolute() && binary.ends_with("bin/diffmon"),

@@ -20,7 +20,7 @@
 //!   the sequence the local executor gives.
 //! - **Faults.** A job that fails, times out, is cancelled or preempted, or leaves the queue
 //!   without a status, is counted (`diffmon_slurm_jobs_failed_total{reason}`) and submitted
-//!   again, up to `evaluation.slurm.max_retries` times; then the checkpoint is a failure with
+//!   again, up to `evaluation.retries` times; then the checkpoint is a failure with
 //!   reason `job_failed`, `job_timeout`, `job_cancelled` or `job_lost`. `diffmon eval` exiting
 //!   non-zero is the checkpoint's failure, with the reason its failure line gives (the local
 //!   executor's: `unreadable`, `mismatch`, ...), not retried: it would fail again.
@@ -173,6 +173,8 @@ pub struct Slurm {
 struct Runner {
     settings: SlurmConfig,
     max_in_flight: usize,
+    /// Resubmissions of a job that ended without a result (`evaluation.retries`).
+    retries: usize,
     run: String,
     config_file: PathBuf,
     binary: PathBuf,
@@ -417,6 +419,7 @@ impl Runner {
         Ok(Runner {
             settings: config.evaluation.slurm.clone(),
             max_in_flight: config.evaluation.max_in_flight,
+            retries: config.evaluation.retries,
             run: config.run_name(),
             config_file,
             binary,
@@ -656,7 +659,7 @@ impl Runner {
                 cmd.arg(format!("{flag}={v}"));
             }
         }
-        cmd.args(&s.extra_args)
+        cmd.args(&s.sbatch_args)
             .arg(folder.join("job.sh"))
             .envs(&s.env);
         let answer = cmd.output();
@@ -704,7 +707,7 @@ impl Runner {
     }
 
     fn retry_or_fail(&mut self, job: &mut Job, end: JobEnd, message: String) {
-        if job.attempt < self.settings.max_retries {
+        if job.attempt < self.retries {
             tracing::warn!(
                 step = job.item.step,
                 reason = end.label(),

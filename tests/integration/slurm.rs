@@ -229,8 +229,8 @@ fn cancelled_timed_out_and_orphaned_jobs_lose_nothing_and_duplicate_nothing() {
         dir,
         port,
         &format!(
-            "evaluation:\n  executor: slurm\n  max_in_flight: 2\n  slurm:\n    poll_secs: 0.5\n    \
-             max_retries: 1\n    time_limit: \"1\"\n    binary: {}\n",
+            "evaluation:\n  executor: slurm\n  max_in_flight: 2\n  retries: 1\n  slurm:\n    \
+             poll_secs: 0.5\n    time_limit: \"1\"\n    binary: {}\n",
             wrapper.display()
         ),
     );
