@@ -691,6 +691,59 @@ impl Metrics {
         }
     }
 
+    /// The OpenMetrics exposition of several runs' metrics (a sweep) as one: each family once,
+    /// with every run's samples (each under its own `run` label), in the first run's order.
+    pub fn encode_runs(runs: &[std::sync::Arc<Metrics>]) -> String {
+        // (family name, its `# HELP`/`# TYPE`/`# UNIT` lines, its samples)
+        let mut families: Vec<(String, Vec<String>, Vec<String>)> = Vec::new();
+        for m in runs {
+            let text = m.encode();
+            let mut current: Option<usize> = None;
+            for line in text.lines() {
+                if line == "# EOF" {
+                    continue;
+                }
+                let meta = ["# HELP ", "# TYPE ", "# UNIT "]
+                    .iter()
+                    .find_map(|p| line.strip_prefix(p));
+                if let Some(rest) = meta {
+                    let name = rest.split(' ').next().unwrap_or_default();
+                    let at = match families.iter().position(|f| f.0 == name) {
+                        Some(at) => at,
+                        None => {
+                            families.push((name.to_string(), Vec::new(), Vec::new()));
+                            families.len() - 1
+                        }
+                    };
+                    let header = &mut families[at].1;
+                    if !header.iter().any(|h| h == line) {
+                        header.push(line.to_string());
+                    }
+                    current = Some(at);
+                } else if let Some(at) = current {
+                    families[at].2.push(line.to_string());
+                }
+            }
+        }
+        let mut out = String::new();
+        for (_, header, samples) in &families {
+            for line in header.iter().chain(samples) {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+        out.push_str("# EOF\n");
+        out
+    }
+
+    /// [`Metrics::encode_runs`] in the given format.
+    pub fn encode_runs_as(runs: &[std::sync::Arc<Metrics>], format: Format) -> String {
+        match format {
+            Format::OpenMetrics => Metrics::encode_runs(runs),
+            Format::Text => openmetrics_to_text(&Metrics::encode_runs(runs)),
+        }
+    }
+
     /// Publishes one evaluation's values (gauges only: a restart republishes the last one). A
     /// field the record does not have leaves its gauge as it was.
     pub fn record(&self, e: &Evaluation) {

@@ -91,6 +91,93 @@ impl Executor for Local {
     }
 }
 
+/// One run of a sweep as the shared evaluator sees it: the run's settings, its work channel
+/// (from its watcher) and its outcome channel (to its recorder).
+pub struct Lane {
+    pub config: Config,
+    /// As [`Local::evaluated_before`], for this run.
+    pub evaluated_before: usize,
+    pub work: Receiver<WorkItem>,
+    pub outcomes: Sender<Outcome>,
+}
+
+/// The evaluator thread of a sweep (docs/design.md §18): one item at a time for all the runs,
+/// taken round-robin (after an item of one run, every other run with an item waiting goes
+/// first), so a run with a deep backlog cannot starve the others. It keeps an evaluation
+/// context per run (runs may differ in data), built on the thread at start; the crash marker
+/// it arms is the state folder's of the run being evaluated. It ends once every run's work
+/// channel is closed, or every outcome channel.
+pub fn start_shared(lanes: Vec<Lane>) -> Result<JoinHandle<()>, ExecutorError> {
+    let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(), EvalError>>(1);
+    let thread = std::thread::Builder::new()
+        .name(crate::crash::EVALUATOR_THREAD.into())
+        .spawn(move || {
+            let mut runs = Vec::with_capacity(lanes.len());
+            for lane in lanes {
+                match Evaluator::new(&lane.config) {
+                    Ok(mut e) => {
+                        e.set_evaluated(lane.evaluated_before);
+                        runs.push((lane, e));
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                }
+            }
+            let _ = ready_tx.send(Ok(()));
+            let mut open = vec![true; runs.len()];
+            let mut next = 0;
+            let mut armed: Option<usize> = None;
+            while open.iter().any(|&o| o) {
+                let n = runs.len();
+                let taken = (0..n).map(|k| (next + k) % n).find_map(|i| {
+                    if !open[i] {
+                        return None;
+                    }
+                    match runs[i].0.work.try_recv() {
+                        Ok(item) => Some((i, item)),
+                        Err(crossbeam_channel::TryRecvError::Empty) => None,
+                        Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                            open[i] = false;
+                            None
+                        }
+                    }
+                });
+                let Some((i, item)) = taken else {
+                    // Nothing waiting: sleep until a run offers an item (or closes).
+                    let mut select = crossbeam_channel::Select::new();
+                    for (lane, _) in runs.iter().zip(&open).filter(|(_, o)| **o).map(|(r, _)| r) {
+                        select.recv(&lane.work);
+                    }
+                    if open.iter().any(|&o| o) {
+                        select.ready();
+                    }
+                    continue;
+                };
+                next = i + 1;
+                let (lane, evaluator) = &mut runs[i];
+                if armed != Some(i) {
+                    if let Err(e) = crate::crash::arm(&lane.config.state_dir()) {
+                        // Not the last run's marker: a crash now is recorded nowhere.
+                        crate::crash::disarm();
+                        tracing::warn!(run = %lane.config.run_name(), "{e}; a crash would not be recorded");
+                    }
+                    armed = Some(i);
+                }
+                if lane.outcomes.send(evaluate(evaluator, item)).is_err() {
+                    open[i] = false;
+                }
+            }
+        })
+        .map_err(ExecutorError::Spawn)?;
+    match ready_rx.recv() {
+        Ok(Ok(())) => Ok(thread),
+        Ok(Err(e)) => Err(ExecutorError::Start(e)),
+        Err(_) => Err(ExecutorError::StoppedDuringStart),
+    }
+}
+
 /// Evaluates one item with the crash marker naming it (docs/design.md §10).
 fn evaluate(evaluator: &mut Evaluator, item: WorkItem) -> Outcome {
     crate::crash::evaluating(Some(&InFlight {

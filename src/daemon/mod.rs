@@ -34,6 +34,7 @@ mod recorder;
 mod run_state;
 mod shutdown;
 mod sinks;
+mod sweep;
 
 use crate::alerts::Alerter;
 use crate::config::Config;
@@ -70,8 +71,11 @@ impl Published {
     }
 }
 
-/// Runs the daemon until a signal.
+/// Runs the daemon until a signal: on one run, or on every run of a sweep ([`sweep`]).
 pub fn run(config: Config) -> Result<()> {
+    if !config.sweep.is_empty() {
+        return sweep::run(config);
+    }
     let run = config.run_name();
     let state_dir = config.state_dir();
     shutdown::exit_on_panic();

@@ -21,6 +21,7 @@ mod pfd;
 mod reliability;
 mod report;
 mod stacks;
+mod sweep;
 mod tail;
 mod toy_training;
 mod units;
