@@ -854,6 +854,52 @@ impl Metrics {
 mod tests {
     use super::*;
 
+    /// A sweep's exposition: each family once (its metadata once), with every run's samples,
+    /// each under its own label; one `# EOF`; a run's lines as its own exposition has them.
+    #[test]
+    fn several_runs_encode_as_one_exposition() {
+        let runs: Vec<std::sync::Arc<Metrics>> = ["a", "b"]
+            .into_iter()
+            .map(|r| std::sync::Arc::new(Metrics::new(r)))
+            .collect();
+        runs[1].record(&Evaluation {
+            step: 7,
+            icr: Some(0.25),
+            ..Evaluation::default()
+        });
+        let all = Metrics::encode_runs(&runs);
+        assert!(
+            all.ends_with("# EOF\n") && all.matches("# EOF").count() == 1,
+            "{all}"
+        );
+        let meta: Vec<&str> = all.lines().filter(|l| l.starts_with("# ")).collect();
+        let mut unique = meta.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(meta.len(), unique.len(), "a family's metadata twice");
+        for m in &runs {
+            for line in m.encode().lines() {
+                assert!(all.lines().any(|l| l == line), "{line} missing");
+            }
+        }
+        assert!(all.contains("diffmon_icr{run=\"b\"} 0.25"), "{all}");
+        // Every sample line follows its family's metadata: no family is split in two.
+        let mut seen = Vec::new();
+        let mut family = "";
+        for l in all.lines() {
+            if let Some(rest) = l.strip_prefix("# TYPE ") {
+                family = rest.split(' ').next().unwrap();
+                assert!(!seen.contains(&family), "{family} twice");
+                seen.push(family);
+            } else if !l.starts_with('#') {
+                assert!(l.starts_with(family), "{l} outside {family}");
+            }
+        }
+        let text = Metrics::encode_runs_as(&runs, Format::Text);
+        assert!(!text.contains("# EOF"));
+        assert!(text.contains("run=\"a\"") && text.contains("run=\"b\""));
+    }
+
     #[test]
     fn every_named_metric_is_exported_with_the_run_label() {
         let m = Metrics::new("exp1");

@@ -130,20 +130,7 @@ pub fn start_shared(lanes: Vec<Lane>) -> Result<JoinHandle<()>, ExecutorError> {
             let mut next = 0;
             let mut armed: Option<usize> = None;
             while open.iter().any(|&o| o) {
-                let n = runs.len();
-                let taken = (0..n).map(|k| (next + k) % n).find_map(|i| {
-                    if !open[i] {
-                        return None;
-                    }
-                    match runs[i].0.work.try_recv() {
-                        Ok(item) => Some((i, item)),
-                        Err(crossbeam_channel::TryRecvError::Empty) => None,
-                        Err(crossbeam_channel::TryRecvError::Disconnected) => {
-                            open[i] = false;
-                            None
-                        }
-                    }
-                });
+                let taken = round_robin(runs.iter().map(|(lane, _)| &lane.work), &mut open, next);
                 let Some((i, item)) = taken else {
                     // Nothing waiting: sleep until a run offers an item (or closes).
                     let mut select = crossbeam_channel::Select::new();
@@ -176,6 +163,30 @@ pub fn start_shared(lanes: Vec<Lane>) -> Result<JoinHandle<()>, ExecutorError> {
         Ok(Err(e)) => Err(ExecutorError::Start(e)),
         Err(_) => Err(ExecutorError::StoppedDuringStart),
     }
+}
+
+/// The next item of the first run, from `next` on and wrapping around, that has one waiting
+/// (`open[i]` turns false once run `i`'s channel is found closed), with its run's index.
+fn round_robin<'a, T: 'a>(
+    channels: impl ExactSizeIterator<Item = &'a Receiver<T>>,
+    open: &mut [bool],
+    next: usize,
+) -> Option<(usize, T)> {
+    let n = channels.len();
+    let channels: Vec<&Receiver<T>> = channels.collect();
+    (0..n).map(|k| (next + k) % n).find_map(|i| {
+        if !open[i] {
+            return None;
+        }
+        match channels[i].try_recv() {
+            Ok(item) => Some((i, item)),
+            Err(crossbeam_channel::TryRecvError::Empty) => None,
+            Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                open[i] = false;
+                None
+            }
+        }
+    })
 }
 
 /// Evaluates one item with the crash marker naming it (docs/design.md §10).
@@ -255,6 +266,39 @@ mod tests {
         assert_eq!(failure_reason(&item, &invalid()), FailureReason::Vanished);
         std::fs::remove_file(&path).unwrap();
         assert_eq!(failure_reason(&item, &invalid()), FailureReason::Vanished);
+    }
+
+    /// A run with a deep backlog does not starve the others: after an item of one run, every
+    /// other run with an item waiting goes first; a closed channel closes its run.
+    #[test]
+    fn the_shared_evaluator_takes_work_round_robin() {
+        let (deep_tx, deep) = crossbeam_channel::unbounded();
+        let (short_tx, short) = crossbeam_channel::unbounded();
+        let (closed_tx, closed) = crossbeam_channel::unbounded::<i32>();
+        for i in 0..5 {
+            deep_tx.send(i).unwrap();
+        }
+        for i in 10..12 {
+            short_tx.send(i).unwrap();
+        }
+        drop(closed_tx);
+        let channels = [deep, closed, short];
+        let mut open = [true; 3];
+        let mut next = 0;
+        let mut taken = Vec::new();
+        while let Some((i, item)) = round_robin(channels.iter(), &mut open, next) {
+            taken.push(item);
+            next = i + 1;
+        }
+        assert_eq!(taken, [0, 10, 1, 11, 2, 3, 4]);
+        assert_eq!(
+            open,
+            [true, false, true],
+            "only the closed channel is closed"
+        );
+        drop((deep_tx, short_tx));
+        assert_eq!(round_robin(channels.iter(), &mut open, next), None);
+        assert_eq!(open, [false; 3]);
     }
 
     /// An evaluator that cannot be built (here: no data file) fails the start with its cause.
