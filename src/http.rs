@@ -82,6 +82,153 @@ pub fn router(
         )
 }
 
+/// One run of a sweep as the HTTP endpoints see it.
+#[derive(Clone)]
+pub struct RunView {
+    pub name: String,
+    pub metrics: Arc<Metrics>,
+    pub status: Arc<Mutex<EarlyStopStatus>>,
+    pub snapshot: Arc<Mutex<Snapshot>>,
+}
+
+/// The endpoints of a sweep (docs/design.md §19): `/metrics` with every run's series (each
+/// under its `run` label), `/healthz`, `/v1/early-stop` (an object: run name → that run's
+/// status), `/v1/runs/{run}/early-stop`, `/` (the list of runs, with their state and a link to
+/// each live page) and `/runs/{run}` (a run's live page). Run names are checked by the config
+/// (letters, digits, `.`, `_`, `-`), so they are safe in a path and in HTML.
+pub fn sweep_router(runs: Arc<Vec<RunView>>) -> Router {
+    let find = |runs: &[RunView], name: &str| runs.iter().find(|r| r.name == name).cloned();
+    let (r1, r2, r3, r4, r5) = (
+        runs.clone(),
+        runs.clone(),
+        runs.clone(),
+        runs.clone(),
+        runs.clone(),
+    );
+    Router::new()
+        .route(
+            "/",
+            get(move || {
+                let page = runs_page(&r1);
+                async move {
+                    (
+                        [
+                            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+                            (header::CACHE_CONTROL, "no-store"),
+                        ],
+                        page,
+                    )
+                }
+            }),
+        )
+        .route(
+            "/runs/{run}",
+            get(
+                move |axum::extract::Path(name): axum::extract::Path<String>| {
+                    let run = find(&r2, &name);
+                    async move {
+                        let Some(run) = run else {
+                            return (StatusCode::NOT_FOUND, "no such run\n").into_response();
+                        };
+                        let snapshot = run
+                            .snapshot
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .clone();
+                        live_page(&snapshot)
+                    }
+                },
+            ),
+        )
+        .route(
+            "/metrics",
+            get(move |headers: HeaderMap| {
+                let metrics: Vec<Arc<Metrics>> = r3.iter().map(|r| r.metrics.clone()).collect();
+                async move {
+                    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+                    let format = metrics::Format::negotiate(accept);
+                    (
+                        [(header::CONTENT_TYPE, format.content_type())],
+                        Metrics::encode_runs_as(&metrics, format),
+                    )
+                }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/v1/early-stop",
+            get(move || {
+                let all: serde_json::Map<String, serde_json::Value> = r4
+                    .iter()
+                    .map(|r| {
+                        let status = r.status.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                        (
+                            r.name.clone(),
+                            serde_json::to_value(status).unwrap_or_default(),
+                        )
+                    })
+                    .collect();
+                async move { axum::Json(all).into_response() }
+            }),
+        )
+        .route(
+            "/v1/runs/{run}/early-stop",
+            get(
+                move |axum::extract::Path(name): axum::extract::Path<String>| {
+                    let status = find(&r5, &name)
+                        .map(|r| r.status.lock().unwrap_or_else(|e| e.into_inner()).clone());
+                    async move {
+                        match status {
+                            Some(status) => axum::Json(status).into_response(),
+                            None => (StatusCode::NOT_FOUND, "no such run\n").into_response(),
+                        }
+                    }
+                },
+            ),
+        )
+}
+
+/// A run's live page.
+fn live_page(snapshot: &Snapshot) -> axum::response::Response {
+    let format = Format::Html {
+        refresh_secs: Some(report::LIVE_REFRESH_SECS),
+    };
+    match report::render(snapshot, format) {
+        Ok(page) => (
+            [
+                (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+                (header::CACHE_CONTROL, "no-store"),
+            ],
+            page,
+        )
+            .into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+/// The sweep's front page: one row per run (its early-stop state), linking to its live page.
+fn runs_page(runs: &[RunView]) -> String {
+    let mut rows = String::new();
+    for r in runs {
+        let s = r.status.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let step = |v: Option<i64>| v.map_or("–".to_string(), |s| s.to_string());
+        rows.push_str(&format!(
+            "<tr><td><a href=\"runs/{name}\">{name}</a></td><td>{last}</td><td>{best}</td><td>{fired}</td></tr>\n",
+            name = r.name,
+            last = step(s.last_step),
+            best = step(s.best_step),
+            fired = if s.fired { "stop" } else { "" },
+        ));
+    }
+    format!(
+        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><meta http-equiv=\"refresh\" content=\"{refresh}\">\
+         <title>diffmon: {n} runs</title></head><body><h1>diffmon: {n} runs</h1>\n\
+         <table><tr><th>run</th><th>last step</th><th>best step</th><th>early stop</th></tr>\n{rows}</table></body></html>\n",
+        refresh = report::LIVE_REFRESH_SECS,
+        n = runs.len(),
+    )
+}
+
 /// What `/v1/early-stop` answers.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct EarlyStopStatus {

@@ -752,6 +752,59 @@ impl Metrics {
         }
     }
 
+    /// The OpenMetrics exposition of several runs' metrics (a sweep) as one: each family once,
+    /// with every run's samples (each under its own `run` label), in the first run's order.
+    pub fn encode_runs(runs: &[std::sync::Arc<Metrics>]) -> String {
+        // (family name, its `# HELP`/`# TYPE`/`# UNIT` lines, its samples)
+        let mut families: Vec<(String, Vec<String>, Vec<String>)> = Vec::new();
+        for m in runs {
+            let text = m.encode();
+            let mut current: Option<usize> = None;
+            for line in text.lines() {
+                if line == "# EOF" {
+                    continue;
+                }
+                let meta = ["# HELP ", "# TYPE ", "# UNIT "]
+                    .iter()
+                    .find_map(|p| line.strip_prefix(p));
+                if let Some(rest) = meta {
+                    let name = rest.split(' ').next().unwrap_or_default();
+                    let at = match families.iter().position(|f| f.0 == name) {
+                        Some(at) => at,
+                        None => {
+                            families.push((name.to_string(), Vec::new(), Vec::new()));
+                            families.len() - 1
+                        }
+                    };
+                    let header = &mut families[at].1;
+                    if !header.iter().any(|h| h == line) {
+                        header.push(line.to_string());
+                    }
+                    current = Some(at);
+                } else if let Some(at) = current {
+                    families[at].2.push(line.to_string());
+                }
+            }
+        }
+        let mut out = String::new();
+        for (_, header, samples) in &families {
+            for line in header.iter().chain(samples) {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+        out.push_str("# EOF\n");
+        out
+    }
+
+    /// [`Metrics::encode_runs`] in the given format.
+    pub fn encode_runs_as(runs: &[std::sync::Arc<Metrics>], format: Format) -> String {
+        match format {
+            Format::OpenMetrics => Metrics::encode_runs(runs),
+            Format::Text => openmetrics_to_text(&Metrics::encode_runs(runs)),
+        }
+    }
+
     /// Publishes one evaluation's values (gauges only: a restart republishes the last one). A
     /// field the record does not have leaves its gauge as it was.
     pub fn record(&self, e: &Evaluation) {
@@ -893,6 +946,59 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sweep's exposition: each family once (its metadata once), with every run's samples,
+    /// each under its own label; one `# EOF`; a run's lines as its own exposition has them.
+    #[test]
+    fn several_runs_encode_as_one_exposition() {
+        let runs: Vec<std::sync::Arc<Metrics>> = ["a", "b"]
+            .into_iter()
+            .map(|r| std::sync::Arc::new(Metrics::new(r)))
+            .collect();
+        runs[1].record(&Evaluation {
+            step: 7,
+            icr: Some(0.25),
+            ..Evaluation::default()
+        });
+        let all = Metrics::encode_runs(&runs);
+        assert!(
+            all.ends_with("# EOF\n") && all.matches("# EOF").count() == 1,
+            "{all}"
+        );
+        let meta: Vec<&str> = all.lines().filter(|l| l.starts_with("# ")).collect();
+        let mut unique = meta.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(meta.len(), unique.len(), "a family's metadata twice");
+        // The process' own gauges (memory, CPU time) are read at each encoding: compared by name.
+        let name = |l: &str| l.split(' ').next().unwrap_or("").to_string();
+        for m in &runs {
+            for line in m.encode().lines() {
+                let found = if line.starts_with("process_") {
+                    all.lines().any(|l| name(l) == name(line))
+                } else {
+                    all.lines().any(|l| l == line)
+                };
+                assert!(found, "{line} missing");
+            }
+        }
+        assert!(all.contains("diffmon_icr{run=\"b\"} 0.25"), "{all}");
+        // Every sample line follows its family's metadata: no family is split in two.
+        let mut seen = Vec::new();
+        let mut family = "";
+        for l in all.lines() {
+            if let Some(rest) = l.strip_prefix("# TYPE ") {
+                family = rest.split(' ').next().unwrap();
+                assert!(!seen.contains(&family), "{family} twice");
+                seen.push(family);
+            } else if !l.starts_with('#') {
+                assert!(l.starts_with(family), "{l} outside {family}");
+            }
+        }
+        let text = Metrics::encode_runs_as(&runs, Format::Text);
+        assert!(!text.contains("# EOF"));
+        assert!(text.contains("run=\"a\"") && text.contains("run=\"b\""));
+    }
 
     #[test]
     fn every_named_metric_is_exported_with_the_run_label() {

@@ -17,7 +17,13 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConfigFile {
-    pub(super) run: RunConfig,
+    /// The one run watched; exclusive with `runs` (a sweep).
+    #[serde(default)]
+    pub(super) run: Option<RunConfig>,
+    /// A sweep: the runs one daemon watches, each with its own name, folder and, optionally,
+    /// state folder, data and alerts; every other section is shared.
+    #[serde(default)]
+    pub(super) runs: Option<Vec<RunEntry>>,
     /// Where diffmon keeps its history, alert outbox, caches, lock and crash marker.
     /// Default: `<run.dir>/.diffmon`.
     #[serde(default)]
@@ -126,6 +132,21 @@ impl Default for Slurm {
             binary: None,
         }
     }
+}
+
+/// One entry of `runs`, as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RunEntry {
+    /// The run's label `run` on every metric; unique in the sweep.
+    pub(super) name: String,
+    pub(super) dir: PathBuf,
+    #[serde(default)]
+    pub(super) state_dir: Option<PathBuf>,
+    #[serde(default)]
+    pub(super) data: Option<DataConfig>,
+    #[serde(default)]
+    pub(super) alerts: Option<Alerts>,
 }
 
 /// `checkpoints`, as written.

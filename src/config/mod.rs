@@ -30,6 +30,8 @@ pub const EXAMPLE: &str = include_str!("../../config/diffmon.example.yaml");
 const MAX_SIGMA: f64 = 1_000.0;
 const MAX_SAMPLES: usize = 1 << 20;
 const MAX_BATCH: usize = 1 << 16;
+/// Most runs one daemon watches (`runs`): each holds its own evaluation context.
+pub const MAX_RUNS: usize = 256;
 
 /// A number as a person writes it in YAML: `1e20` rather than twenty-one digits.
 fn num(x: f64) -> String {
@@ -128,6 +130,9 @@ pub struct Config {
     pub implied_memorization: bool,
     /// Of these, the PF-ODE itself (`pfd.enabled` was false).
     pub implied_pf_ode: bool,
+    /// A sweep (`runs`): each run's complete settings, in the file's order; empty for a single
+    /// run. The fields above are then the first run's. See [`Config::runs`].
+    pub sweep: Vec<Config>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -1011,9 +1016,23 @@ impl ConfigFile {
                 normalize(p)
             };
         };
-        fix(&mut self.run.dir);
+        if let Some(run) = self.run.as_mut() {
+            fix(&mut run.dir);
+        }
         if let Some(p) = self.state_dir.as_mut() {
             fix(p);
+        }
+        for entry in self.runs.iter_mut().flatten() {
+            fix(&mut entry.dir);
+            if let Some(p) = entry.state_dir.as_mut() {
+                fix(p);
+            }
+            if let Some(data) = entry.data.as_mut() {
+                fix(&mut data.path);
+                if let Some(p) = data.heldout_path.as_mut() {
+                    fix(p);
+                }
+            }
         }
         fix(&mut self.model.architecture);
         fix(&mut self.data.path);
@@ -1218,6 +1237,16 @@ impl Config {
             .clone()
             .unwrap_or_else(|| self.run.dir.join(".diffmon"))
     }
+
+    /// Each watched run's complete settings: this config for a single run, one per entry of
+    /// `runs` for a sweep (docs/design.md §19).
+    pub fn runs(&self) -> Vec<Config> {
+        if self.sweep.is_empty() {
+            vec![self.clone()]
+        } else {
+            self.sweep.clone()
+        }
+    }
 }
 
 impl ConfigFile {
@@ -1239,8 +1268,136 @@ impl ConfigFile {
     /// [`ConfigFile::settings`] with the secrets' variables looked up by `lookup` (`None`: not
     /// looked up).
     fn settings_with(&self, lookup: Option<&SecretLookup>) -> Result<Config, Vec<Problem>> {
+        let problem = |key: &str, message: &str| {
+            Err(vec![Problem {
+                key: key.into(),
+                message: message.into(),
+            }])
+        };
+        match (&self.run, &self.runs) {
+            (Some(run), None) => self.run_settings(run, lookup),
+            (None, Some(entries)) => self.sweep_settings(entries, lookup),
+            (Some(_), Some(_)) => problem(
+                "runs",
+                "cannot be given with `run`: give one run (`run`) or a sweep (`runs`)",
+            ),
+            (None, None) => problem("run", "missing field `run` (or `runs`, for a sweep)"),
+        }
+    }
+
+    /// A sweep's settings: each entry's run settings (the shared sections with the entry's own
+    /// `state_dir`, `data` and `alerts`), checked as a single run's are; a problem of an entry's
+    /// own section is keyed under `runs[i]`, one of a shared section is reported once.
+    fn sweep_settings(
+        &self,
+        entries: &[file::RunEntry],
+        lookup: Option<&SecretLookup>,
+    ) -> Result<Config, Vec<Problem>> {
         let mut v = Validator::default();
-        if let Some(name) = &self.run.name {
+        v.check(!entries.is_empty(), "runs", "must list at least one run");
+        v.check(
+            entries.len() <= MAX_RUNS,
+            "runs",
+            format!("lists {} runs; at most {MAX_RUNS}", entries.len()),
+        );
+        // The Slurm executor serves one run: its jobs read the daemon's config file, which
+        // holds the whole sweep, and it takes one stream of work, not one per run.
+        v.check(
+            self.evaluation.executor != ExecutorKind::Slurm,
+            "evaluation.executor",
+            "`slurm` cannot run a sweep yet (`runs`): use `local`, or one daemon per run",
+        );
+        let mut configs = Vec::new();
+        for (i, entry) in entries.iter().enumerate().take(MAX_RUNS) {
+            let at = format!("runs[{i}]");
+            v.check(
+                !entry.name.is_empty()
+                    && entry
+                        .name
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)),
+                &format!("{at}.name"),
+                format!(
+                    "`{}`: a run's name is letters, digits, `.`, `_` or `-` (it is a URL path and a label)",
+                    entry.name.escape_debug()
+                ),
+            );
+            if let Some(j) = entries[..i].iter().position(|e| e.name == entry.name) {
+                v.problem(
+                    &format!("{at}.name"),
+                    format!("`{}` is also the name of runs[{j}]", entry.name),
+                );
+            }
+            let mut one = self.clone();
+            one.runs = None;
+            one.run = Some(RunConfig {
+                name: Some(entry.name.clone()),
+                dir: entry.dir.clone(),
+            });
+            if let Some(state_dir) = &entry.state_dir {
+                one.state_dir = Some(state_dir.clone());
+            } else {
+                one.state_dir = None;
+            }
+            let own = |key: &str| {
+                (key.starts_with("data") && entry.data.is_some())
+                    || (key.starts_with("alerts") && entry.alerts.is_some())
+                    || key.starts_with("state_dir")
+            };
+            if let Some(data) = &entry.data {
+                one.data = data.clone();
+            }
+            if let Some(alerts) = &entry.alerts {
+                one.alerts = alerts.clone();
+            }
+            match one.run_settings(one.run.as_ref().expect("set above"), lookup) {
+                Ok(config) => {
+                    let state_dir = config.state_dir();
+                    if let Some(j) = configs
+                        .iter()
+                        .position(|c: &Config| c.state_dir() == state_dir)
+                    {
+                        v.problem(
+                            &format!("{at}.state_dir"),
+                            format!(
+                                "{} is also the state folder of runs[{j}] (each run needs its own)",
+                                state_dir.display()
+                            ),
+                        );
+                    }
+                    configs.push(config);
+                }
+                Err(problems) => {
+                    for p in problems {
+                        let key = match p.key.strip_prefix("run.") {
+                            Some(rest) => format!("{at}.{rest}"),
+                            None if own(&p.key) => format!("{at}.{}", p.key),
+                            None => p.key.clone(),
+                        };
+                        let p = Problem { key, ..p };
+                        if !v.problems.contains(&p) {
+                            v.problems.push(p);
+                        }
+                    }
+                }
+            }
+        }
+        if !v.problems.is_empty() {
+            return Err(v.problems);
+        }
+        let mut first = configs[0].clone();
+        first.sweep = configs;
+        Ok(first)
+    }
+
+    /// A single run's settings.
+    fn run_settings(
+        &self,
+        run: &RunConfig,
+        lookup: Option<&SecretLookup>,
+    ) -> Result<Config, Vec<Problem>> {
+        let mut v = Validator::default();
+        if let Some(name) = &run.name {
             v.check(!name.trim().is_empty(), "run.name", "must not be empty");
         }
 
@@ -1419,7 +1576,7 @@ impl ConfigFile {
                 Some(http),
                 Some(evaluation),
             ) if v.problems.is_empty() => Ok(Config {
-                run: self.run.clone(),
+                run: run.clone(),
                 state_dir: self.state_dir.clone(),
                 checkpoints,
                 model: self.model.clone(),
@@ -1438,6 +1595,7 @@ impl ConfigFile {
                 source: None,
                 implied_memorization: false,
                 implied_pf_ode: false,
+                sweep: Vec::new(),
             }),
             _ => Err(v.problems),
         }
@@ -2548,5 +2706,91 @@ mod tests {
         for bad in ["", "/etc/passwd", "../x", "a/../b", "./x", "a[", "x\\"] {
             assert!(WeightsFile::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    const SWEEP: &str = "runs:\n  - {name: a, dir: ra}\n  - {name: b, dir: rb, state_dir: sb, data: {path: h.h5}}\n  \
+        - {name: c, dir: rc, alerts: {stop_file: STOP_C}}\nmodel: {architecture: m.ts}\ndata: {path: d.h5}\n\
+        icr: {samples: 512}\n";
+
+    /// A sweep is one complete single-run config per entry: its own name, folder, state folder,
+    /// data and alerts where it gives them, the shared sections otherwise.
+    #[test]
+    fn a_sweep_is_one_complete_config_per_run() {
+        let c = settings(SWEEP);
+        let runs = c.runs();
+        let names: Vec<String> = runs.iter().map(|r| r.run_name()).collect();
+        assert_eq!(names, ["a", "b", "c"]);
+        assert!(runs[0].state_dir().ends_with("ra/.diffmon"));
+        assert!(runs[1].state_dir().ends_with("sb"));
+        assert!(runs[0].data.path.ends_with("d.h5"));
+        assert!(runs[1].data.path.ends_with("h.h5"), "b's own data");
+        assert!(runs[2].data.path.ends_with("d.h5"));
+        assert_eq!(runs[2].alerts.stop_file, "STOP_C");
+        assert_eq!(runs[0].alerts.stop_file, c.alerts.stop_file);
+        assert!(
+            runs.iter()
+                .all(|r| r.icr.samples == 512 && r.sweep.is_empty())
+        );
+        // The top-level fields are the first run's; a single run is its own only run.
+        assert_eq!(c.run_name(), "a");
+        let one = settings(MINIMAL);
+        assert!(one.sweep.is_empty());
+        assert_eq!(one.runs().len(), 1);
+        assert_eq!(one.runs()[0].run_name(), one.run_name());
+    }
+
+    /// `run` xor `runs`; names and state folders unique; an entry's own sections' problems are
+    /// keyed under it, a shared section's reported once.
+    #[test]
+    fn sweep_problems_are_keyed_by_entry() {
+        let problems = |text: &str| -> Vec<String> {
+            let dir = tempfile::tempdir().unwrap();
+            for f in ["m.ts", "d.h5"] {
+                std::fs::write(dir.path().join(f), b"").unwrap();
+            }
+            let mut file = ConfigFile::parse(text, "c.yaml").unwrap();
+            file.resolve_paths(dir.path());
+            let problems = file.settings(false).unwrap_err();
+            problems.iter().map(|p| p.to_string()).collect()
+        };
+        let tail = "model: {architecture: m.ts}\ndata: {path: d.h5}\n";
+        let both = problems(&format!(
+            "run: {{dir: r}}\nruns: [{{name: a, dir: r}}]\n{tail}"
+        ));
+        assert_eq!(both.len(), 1);
+        assert!(
+            both[0].starts_with("runs cannot be given with `run`"),
+            "{both:?}"
+        );
+        let neither = problems(tail);
+        assert!(
+            neither[0].starts_with("run missing field `run`"),
+            "{neither:?}"
+        );
+        let same = problems(&format!(
+            "runs: [{{name: a, dir: r}}, {{name: a, dir: s}}, {{name: b, dir: r}}]\n{tail}"
+        ));
+        assert!(
+            same.iter()
+                .any(|p| p.starts_with("runs[1].name `a` is also the name of runs[0]")),
+            "{same:?}"
+        );
+        assert!(
+            same.iter()
+                .any(|p| p.starts_with("runs[2].state_dir") && p.contains("runs[0]")),
+            "{same:?}"
+        );
+        let bad = problems(&format!(
+            "runs: [{{name: a, dir: r, data: {{path: x.h5}}}}, {{name: b, dir: s}}]\nicr: {{samples: 0}}\n{tail}"
+        ));
+        assert!(
+            bad.iter().any(|p| p.starts_with("runs[0].data.path")),
+            "{bad:?}"
+        );
+        assert_eq!(
+            bad.iter().filter(|p| p.starts_with("icr.samples")).count(),
+            1,
+            "{bad:?}"
+        );
     }
 }

@@ -93,6 +93,104 @@ impl Executor for Local {
     }
 }
 
+/// One run of a sweep as the shared evaluator sees it: the run's settings, its work channel
+/// (from its watcher) and its outcome channel (to its recorder).
+pub struct Lane {
+    pub config: Config,
+    /// As [`Local::evaluated_before`], for this run.
+    pub evaluated_before: usize,
+    pub work: Receiver<WorkItem>,
+    pub outcomes: Sender<Outcome>,
+}
+
+/// The evaluator thread of a sweep (docs/design.md §19): one item at a time for all the runs,
+/// taken round-robin (after an item of one run, every other run with an item waiting goes
+/// first), so a run with a deep backlog cannot starve the others. It keeps an evaluation
+/// context per run (runs may differ in data), built on the thread at start; the crash marker
+/// it arms is the state folder's of the run being evaluated. It ends once every run's work
+/// channel is closed, or every outcome channel.
+pub fn start_shared(lanes: Vec<Lane>) -> Result<JoinHandle<()>, ExecutorError> {
+    let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(), EvalError>>(1);
+    let thread = std::thread::Builder::new()
+        .name(crate::crash::EVALUATOR_THREAD.into())
+        .spawn(move || {
+            let mut runs = Vec::with_capacity(lanes.len());
+            for lane in lanes {
+                match Evaluator::new(&lane.config) {
+                    Ok(mut e) => {
+                        e.set_evaluated(lane.evaluated_before);
+                        runs.push((lane, e));
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                }
+            }
+            let _ = ready_tx.send(Ok(()));
+            let mut open = vec![true; runs.len()];
+            let mut next = 0;
+            let mut armed: Option<usize> = None;
+            while open.iter().any(|&o| o) {
+                let taken = round_robin(runs.iter().map(|(lane, _)| &lane.work), &mut open, next);
+                let Some((i, item)) = taken else {
+                    // Nothing waiting: sleep until a run offers an item (or closes).
+                    let mut select = crossbeam_channel::Select::new();
+                    for (lane, _) in runs.iter().zip(&open).filter(|(_, o)| **o).map(|(r, _)| r) {
+                        select.recv(&lane.work);
+                    }
+                    if open.iter().any(|&o| o) {
+                        select.ready();
+                    }
+                    continue;
+                };
+                next = i + 1;
+                let (lane, evaluator) = &mut runs[i];
+                if armed != Some(i) {
+                    if let Err(e) = crate::crash::arm(&lane.config.state_dir()) {
+                        // Not the last run's marker: a crash now is recorded nowhere.
+                        crate::crash::disarm();
+                        tracing::warn!(run = %lane.config.run_name(), "{e}; a crash would not be recorded");
+                    }
+                    armed = Some(i);
+                }
+                if lane.outcomes.send(evaluate(evaluator, item)).is_err() {
+                    open[i] = false;
+                }
+            }
+        })
+        .map_err(ExecutorError::Spawn)?;
+    match ready_rx.recv() {
+        Ok(Ok(())) => Ok(thread),
+        Ok(Err(e)) => Err(ExecutorError::Start(e)),
+        Err(_) => Err(ExecutorError::StoppedDuringStart),
+    }
+}
+
+/// The next item of the first run, from `next` on and wrapping around, that has one waiting
+/// (`open[i]` turns false once run `i`'s channel is found closed), with its run's index.
+fn round_robin<'a, T: 'a>(
+    channels: impl ExactSizeIterator<Item = &'a Receiver<T>>,
+    open: &mut [bool],
+    next: usize,
+) -> Option<(usize, T)> {
+    let n = channels.len();
+    let channels: Vec<&Receiver<T>> = channels.collect();
+    (0..n).map(|k| (next + k) % n).find_map(|i| {
+        if !open[i] {
+            return None;
+        }
+        match channels[i].try_recv() {
+            Ok(item) => Some((i, item)),
+            Err(crossbeam_channel::TryRecvError::Empty) => None,
+            Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                open[i] = false;
+                None
+            }
+        }
+    })
+}
+
 /// Evaluates one item with the crash marker naming it (docs/design.md §10).
 fn evaluate(evaluator: &mut Evaluator, item: WorkItem) -> Outcome {
     crate::crash::evaluating(Some(&InFlight {
@@ -170,6 +268,39 @@ mod tests {
         assert_eq!(failure_reason(&item, &invalid()), FailureReason::Vanished);
         std::fs::remove_file(&path).unwrap();
         assert_eq!(failure_reason(&item, &invalid()), FailureReason::Vanished);
+    }
+
+    /// A run with a deep backlog does not starve the others: after an item of one run, every
+    /// other run with an item waiting goes first; a closed channel closes its run.
+    #[test]
+    fn the_shared_evaluator_takes_work_round_robin() {
+        let (deep_tx, deep) = crossbeam_channel::unbounded();
+        let (short_tx, short) = crossbeam_channel::unbounded();
+        let (closed_tx, closed) = crossbeam_channel::unbounded::<i32>();
+        for i in 0..5 {
+            deep_tx.send(i).unwrap();
+        }
+        for i in 10..12 {
+            short_tx.send(i).unwrap();
+        }
+        drop(closed_tx);
+        let channels = [deep, closed, short];
+        let mut open = [true; 3];
+        let mut next = 0;
+        let mut taken = Vec::new();
+        while let Some((i, item)) = round_robin(channels.iter(), &mut open, next) {
+            taken.push(item);
+            next = i + 1;
+        }
+        assert_eq!(taken, [0, 10, 1, 11, 2, 3, 4]);
+        assert_eq!(
+            open,
+            [true, false, true],
+            "only the closed channel is closed"
+        );
+        drop((deep_tx, short_tx));
+        assert_eq!(round_robin(channels.iter(), &mut open, next), None);
+        assert_eq!(open, [false; 3]);
     }
 
     /// An evaluator that cannot be built (here: no data file) fails the start with its cause.

@@ -35,6 +35,7 @@ mod run_state;
 mod shutdown;
 mod sinks;
 pub mod slurm;
+mod sweep;
 
 use crate::alerts::Alerter;
 use crate::config::{Config, ExecutorKind};
@@ -72,8 +73,11 @@ impl Published {
     }
 }
 
-/// Runs the daemon until a signal.
+/// Runs the daemon until a signal: on one run, or on every run of a sweep ([`sweep`]).
 pub fn run(config: Config) -> Result<()> {
+    if !config.sweep.is_empty() {
+        return sweep::run(config);
+    }
     let run = config.run_name();
     let state_dir = config.state_dir();
     shutdown::exit_on_panic();

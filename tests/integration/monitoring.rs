@@ -207,7 +207,8 @@ fn dashboards_query_only_metrics_the_code_exports() {
         assert!(used.contains(needed), "no dashboard shows {needed}");
     }
 
-    // Classic dashboard model, `$datasource` (Prometheus) and `$run` from label_values.
+    // Classic dashboard model, `$datasource` (Prometheus) and `$run` from label_values,
+    // several runs at once (a sweep) or all.
     for entry in fs::read_dir(root().join("dashboards")).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().and_then(|e| e.to_str()) != Some("json") {
@@ -222,6 +223,8 @@ fn dashboards_query_only_metrics_the_code_exports() {
         };
         assert_eq!(var("datasource")["type"], "datasource");
         assert_eq!(var("datasource")["query"], "prometheus");
+        assert_eq!(var("run")["multi"], true);
+        assert_eq!(var("run")["includeAll"], true);
         assert!(
             var("run")["definition"]
                 .as_str()
@@ -232,7 +235,8 @@ fn dashboards_query_only_metrics_the_code_exports() {
             assert_eq!(p["datasource"]["uid"], "${datasource}", "{p}");
             for t in p["targets"].as_array().unwrap() {
                 let e = t["expr"].as_str().unwrap();
-                assert!(e.contains("run=\"$run\""), "{}: {e}", p["title"]);
+                // `$run` is multi-select (a sweep): a regex match.
+                assert!(e.contains("run=~\"$run\""), "{}: {e}", p["title"]);
             }
         }
     }
