@@ -8,7 +8,7 @@ both sides) and the best of --repeat runs, and only ratios are compared with tar
 
     python bench/bench.py [--quick] [--only NAMES] [--repeat N] [--json OUT] [--markdown OUT]
 
-Workloads (NAMES, comma-separated; all by default, in this order):
+Workloads (NAMES, comma-separated; all but the opt-in `slurm` by default, in this order):
   limits     the machine's own libtorch rates: matrix-multiply GFLOP/s (float32, float64) and the
              bare network-forward throughput of both models in PyTorch; each network-bound row
              below reports bare_forward_s, the time that loop needs for the row's evaluations.
@@ -30,6 +30,13 @@ Workloads (NAMES, comma-separated; all by default, in this order):
   http       `/metrics` and `/` under 200 requests/s (worker threads on loopback) while a
              `diffmon watch` evaluates checkpoints: latency p50/p99, errors, and the evaluation
              time with and without the load (phases alternate).
+  slurm      (opt-in: about 11 min here, 2-3 with --quick; needs root, slurm-wlm and munge)
+             scale-out: all of a toy run's checkpoints present when `diffmon watch` starts;
+             checkpoints per minute with the local executor (the reference, first and last)
+             and the Slurm executor on a real single-node cluster (munged, slurmctld, slurmd in a
+             temporary folder; Debian's slurm-wlm and munge) at max_in_flight 1, 2, 4, the mean
+             queue wait and run time per job from /metrics, and each Slurm history checked
+             equal to the local one (numbers to 1e-12 relative).
 """
 
 from __future__ import annotations
@@ -119,10 +126,10 @@ def steady(times: list[float]) -> list[float]:
     return times[1:] if len(times) > 1 else times
 
 
-def write_config(path: Path, run_dir: Path, data: Path, extra: str) -> Path:
+def write_config(path: Path, run_dir: Path, data: Path, extra: str, threads: int = THREADS) -> Path:
     path.write_text(
         f"run: {{dir: {run_dir}}}\nstate_dir: {path.parent / (path.stem + '.state')}\n"
-        f"model: {{architecture: {run_dir / 'model.ts'}}}\ndevice: cpu\ncpu_threads: {THREADS}\n"
+        f"model: {{architecture: {run_dir / 'model.ts'}}}\ndevice: cpu\ncpu_threads: {threads}\n"
         f"data: {{path: {data}}}\n{extra}"
     )
     return path
@@ -440,16 +447,17 @@ class Receiver:
 class Daemon:
     """`diffmon watch` over `run_dir`, with a fresh state folder."""
 
-    def __init__(self, work: Path, run_dir: Path, extra: str):
+    def __init__(self, work: Path, run_dir: Path, extra: str, env: dict | None = None,
+                 threads: int = THREADS):
         self.run_dir = run_dir
         self.port = free_port()
         self.cfg = write_config(work / f"watch-{run_dir.name}.yaml", run_dir, run_dir / "train.h5",
-                                f"http: {{listen: '127.0.0.1:{self.port}'}}\n{extra}")
+                                f"http: {{listen: '127.0.0.1:{self.port}'}}\n{extra}", threads)
         shutil.rmtree(self.cfg.with_suffix(".state"), ignore_errors=True)
         self.log = open(work / f"watch-{run_dir.name}.log", "w")
         self.proc = subprocess.Popen([str(BIN), "watch", "--config", str(self.cfg)],
                                      stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "DIFFMON_LOG": "info"})
+                                     env={**os.environ, "DIFFMON_LOG": "info", **(env or {})})
         deadline = time.time() + 120
         while self.get("/healthz") is None:
             if self.proc.poll() is not None or time.time() > deadline:
@@ -678,6 +686,229 @@ def bench_http_load(work: Path, repeat: int, quick: bool) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Scale-out: the Slurm executor on a real single-node cluster
+
+def _sbin(name: str) -> str | None:
+    for d in ("/usr/sbin", "/sbin"):
+        if os.path.isfile(f"{d}/{name}"):
+            return f"{d}/{name}"
+    return shutil.which(name)
+
+
+class SlurmCluster:
+    """A single-node Slurm cluster in a temporary folder, as tests/integration/slurm_cluster.rs
+    starts it: `munged` with its own key and socket, `slurmctld` and `slurmd` from a generated
+    slurm.conf (this host as the node with the CPUs `slurmd -C` reports, free ports, no
+    accounting). Commands reach it through `SLURM_CONF` (`self.env`). `stop()` cancels its jobs
+    and stops its daemons."""
+
+    BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
+
+    def __init__(self):
+        missing = [b for b in self.BINARIES if _sbin(b) is None]
+        if missing:
+            raise SystemExit(f"the slurm workload needs {missing} (Debian's slurm-wlm and munge)")
+        self.dir = Path(tempfile.mkdtemp(prefix="diffmon-bench-slurm-"))
+        self.dir.chmod(0o755)  # munged wants every folder above its socket searchable by all
+        self.procs: list[subprocess.Popen] = []
+        self.conf = self.dir / "slurm.conf"
+        self.env = {"SLURM_CONF": str(self.conf)}
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self):
+        d = self.dir
+        for sub in ("state", "spool"):
+            (d / sub).mkdir()
+        key = d / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o600)
+        node = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+        hw = dict(w.split("=", 1) for w in subprocess.run([_sbin("slurmd"), "-C"], capture_output=True,
+                                                           text=True).stdout.split() if "=" in w)
+        self.cpus = int(hw.get("CPUs", "1"))
+        self.conf.write_text(
+            f"ClusterName=diffmonbench\nSlurmctldHost={node}\nSlurmctldPort={free_port()}\n"
+            f"SlurmdPort={free_port()}\nSlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\n"
+            f"AuthInfo=socket={d / 'munge.sock'}\nCredType=cred/munge\nStateSaveLocation={d / 'state'}\n"
+            f"SlurmdSpoolDir={d / 'spool'}\nSlurmctldPidFile={d / 'slurmctld.pid'}\n"
+            f"SlurmdPidFile={d / 'slurmd.pid'}\nSlurmctldLogFile={d / 'slurmctld.log'}\n"
+            f"SlurmdLogFile={d / 'slurmd.log'}\nProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n"
+            "SelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\nSchedulerType=sched/backfill\n"
+            "MpiDefault=none\nReturnToService=2\nMinJobAge=60\nSlurmdTimeout=300\n"
+            "JobAcctGatherType=jobacct_gather/none\nAccountingStorageType=accounting_storage/none\n"
+            f"NodeName={node} CPUs={self.cpus} RealMemory={hw.get('RealMemory', '1024')} State=UNKNOWN\n"
+            f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP\n")
+        self._spawn("munged", "-F", f"--key-file={key}", f"--socket={d / 'munge.sock'}",
+                    f"--pid-file={d / 'munged.pid'}", f"--log-file={d / 'munged.log'}",
+                    f"--seed-file={d / 'munged.seed'}")
+        self._wait(20, "munged's socket", lambda: (d / "munge.sock").exists())
+        self._spawn("slurmctld", "-D", "-i", "-f", str(self.conf))
+        self._spawn("slurmd", "-D", "-f", str(self.conf))
+        self._wait(60, "the node to be idle", lambda: self.command("sinfo", "-h", "-o", "%t") == "idle")
+
+    def _spawn(self, name: str, *args: str):
+        with open(self.dir / f"{name}.out", "w") as log:
+            self.procs.append(subprocess.Popen([_sbin(name), *args], stdin=subprocess.DEVNULL, stdout=log,
+                                               stderr=subprocess.STDOUT, env={**os.environ, **self.env}))
+
+    def _wait(self, seconds: float, what: str, cond):
+        deadline = time.time() + seconds
+        while not cond():
+            if time.time() > deadline or any(p.poll() is not None for p in self.procs):
+                raise SystemExit(f"Slurm cluster: no {what}; logs in {self.dir}")
+            time.sleep(0.25)
+
+    def command(self, name: str, *args: str) -> str:
+        p = subprocess.run([_sbin(name), *args], capture_output=True, text=True,
+                           env={**os.environ, **self.env})
+        return p.stdout.strip()
+
+    def stop(self):
+        """Cancels every job, waits for the queue to empty, then stops slurmd, slurmctld and
+        munged (SIGTERM, SIGKILL after 10 s) and removes the folder."""
+        if len(self.procs) == 3:
+            self.command("scancel", "--full", "-u", "root")
+            deadline = time.time() + 20
+            while self.command("squeue", "-h") and time.time() < deadline:
+                time.sleep(0.25)
+        for p in reversed(self.procs):
+            p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def history(state_dir: Path) -> list[dict]:
+    path = state_dir / "history.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _numbers(value, skip=("seconds", "stages", "checkpoint")):
+    """The numbers of a record, flattened, without its timings and its path."""
+    if isinstance(value, dict):
+        return [(f"{k}.{kk}", x) for k, v in sorted(value.items()) if k not in skip
+                for kk, x in _numbers(v, ())]
+    if isinstance(value, list):
+        return [(f"{i}.{kk}", x) for i, v in enumerate(value) for kk, x in _numbers(v, ())]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return [("", value)]
+    return [("", float(value))]
+
+
+def same_records(a: list[dict], b: list[dict]) -> str | None:
+    """None when the two histories hold the same outcomes in the same order (numbers to 1e-12
+    relative, timings and paths aside); else the first difference."""
+    if len(a) != len(b):
+        return f"{len(a)} entries against {len(b)}"
+    for i, (ea, eb) in enumerate(zip(a, b)):
+        if ea.get("kind") != eb.get("kind"):
+            return f"entry {i}: {ea.get('kind')} against {eb.get('kind')}"
+        na, nb = _numbers(ea.get("record", {})), _numbers(eb.get("record", {}))
+        if [k for k, _ in na] != [k for k, _ in nb]:
+            return f"entry {i}: different fields"
+        for (k, x), (_, y) in zip(na, nb):  # the record's step is among the numbers
+            if isinstance(x, float) and isinstance(y, float):
+                if not (x == y or (np.isnan(x) and np.isnan(y)) or abs(x - y) <= 1e-12 * max(abs(x), abs(y))):
+                    return f"entry {i}: {k} = {x} against {y}"
+            elif x != y:
+                return f"entry {i}: {k} = {x!r} against {y!r}"
+    return None
+
+
+def bench_slurm(work: Path, repeat: int, quick: bool) -> list[dict]:
+    """Checkpoints arriving faster than one evaluator can handle: all of a toy run's checkpoints
+    are present when `diffmon watch` starts. Checkpoints per minute until every one is in the
+    history, with the local executor (the reference, run first and last) and with the Slurm
+    executor on a real single-node cluster at k = `evaluation.max_in_flight` in {1, 2, 4}; each
+    Slurm history must equal the local one (numbers to 1e-12 relative)."""
+    missing = [b for b in SlurmCluster.BINARIES if _sbin(b) is None]
+    if missing or os.geteuid() != 0:
+        print(f"SKIPPED slurm: it needs {missing or 'root'} (Debian's slurm-wlm and munge, as root)",
+              file=sys.stderr)
+        return []
+    toy = toy_run(work)
+    n_ckpts, n_icr, m_pfd = (6, 256, 64) if quick else (10, 512, 250)
+    sources = sorted(toy.glob("ckpt_*.pt"))
+    evals = (f"icr: {{samples: {n_icr}, batch_size: 256, sigma: 0.5}}\n"
+             f"pfd: {{enabled: true, teacher: {toy / 'teacher.ts'}, samples: {m_pfd}}}\n"
+             "checkpoints: {settle_secs: 0.2}\n")
+
+    def measure_run(name: str, extra: str, env: dict | None = None) -> dict:
+        run_dir = watched_run(work, name)
+        for i in range(n_ckpts):  # the toy run's checkpoints, in turn, as steps 1..n
+            shutil.copy(sources[i % len(sources)], run_dir / f"ckpt_{i + 1:06d}.pt")
+        t0 = time.perf_counter()
+        daemon = Daemon(work, run_dir, evals + extra, env=env, threads=1)
+        state = daemon.cfg.with_suffix(".state")
+        first = None
+        try:
+            while True:
+                done = history(state)
+                if done and first is None:
+                    first = time.perf_counter()
+                if len(done) >= n_ckpts:
+                    break
+                if daemon.proc.poll() is not None or time.perf_counter() > t0 + 900:
+                    raise SystemExit(f"{name}: {len(done)} of {n_ckpts} recorded; see {daemon.log.name}")
+                time.sleep(0.1)
+            t1 = time.perf_counter()
+            hist = history(state)
+            metrics = {}
+            for h in ("queue_wait", "run"):
+                s = daemon.metric(f"diffmon_slurm_{h}_seconds_sum")
+                c = daemon.metric(f"diffmon_slurm_{h}_seconds_count")
+                metrics[f"mean_{h}_s"] = s / c if s is not None and c else None
+        finally:
+            daemon.stop()
+        bad = [e for e in hist if e.get("kind") != "evaluation"]
+        if bad:
+            raise SystemExit(f"{name}: not evaluations: {bad[:2]}")
+        return {"wall_s": t1 - t0, "per_min": 60 * n_ckpts / (t1 - t0),
+                "after_first_per_min": 60 * (n_ckpts - 1) / (t1 - first) if t1 > first else None,
+                "history": hist, **metrics}
+
+    local = [measure_run("slurm-local", "")]
+    cluster = SlurmCluster()
+    slurm = {}
+    try:
+        for k in (1, 2, 4):
+            slurm[k] = measure_run(f"slurm-k{k}", f"evaluation: {{executor: slurm, max_in_flight: {k}, "
+                                                  f"slurm: {{poll_secs: 0.5}}}}\n", cluster.env)
+            diff = same_records(slurm[k]["history"], local[0]["history"])
+            if diff:
+                raise SystemExit(f"Slurm k = {k}: the history differs from the local one: {diff}")
+    finally:
+        cluster.stop()
+    if not quick:
+        local.append(measure_run("slurm-local", ""))
+    ref = float(np.mean([r["per_min"] for r in local]))
+    load = os.getloadavg()[0]
+    what = f"{n_ckpts} toy checkpoints, ICR n = {n_icr} + PFD M = {m_pfd}, cpu_threads 1"
+    rows = [{"workload": f"local executor: checkpoints per minute ({what})", "unit": "ckpt/min",
+             "diffmon": ref, "runs": [r["per_min"] for r in local],
+             "after_first_per_min": [r["after_first_per_min"] for r in local],
+             "wall_s": [r["wall_s"] for r in local], "target": "—"}]
+    for k, r in slurm.items():
+        rows.append({"workload": f"Slurm executor, max_in_flight = {k}: checkpoints per minute", "unit": "ckpt/min",
+                     "diffmon": r["per_min"], "reference": ref, "ratio": r["per_min"] / ref,
+                     "after_first_per_min": r["after_first_per_min"], "wall_s": r["wall_s"],
+                     "mean_queue_wait_s": r["mean_queue_wait_s"], "mean_run_s": r["mean_run_s"],
+                     "node_cpus": cluster.cpus, "loadavg_1min": load, "same_records": True,
+                     "target": "ratio > 1 when k > 1"})
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
 # Scaling and the machine's limits
 
 def bench_scaling(work: Path, repeat: int, quick: bool) -> list[dict]:
@@ -753,7 +984,8 @@ def bench_limits(work: Path, repeat: int, quick: bool) -> list[dict]:
 
 ENTRIES = {"limits": bench_limits, "icr": bench_icr, "pfd": bench_pfd, "empirical": bench_empirical,
            "load": bench_load, "latency": bench_daemon, "scaling": bench_scaling, "batch": bench_batch,
-           "http": bench_http_load}
+           "http": bench_http_load, "slurm": bench_slurm}
+OPT_IN = {"slurm"}  # run only when named in --only
 
 
 def fmt(v, unit: str = "") -> str:
@@ -786,7 +1018,8 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
-    ap.add_argument("--only", default=",".join(ENTRIES), help="comma-separated workloads")
+    ap.add_argument("--only", default=",".join(n for n in ENTRIES if n not in OPT_IN),
+                    help="comma-separated workloads (slurm only when named)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", type=Path, help="also write every result here")
     ap.add_argument("--markdown", type=Path, help="also write the table here")
