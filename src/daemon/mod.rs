@@ -39,6 +39,7 @@ mod sweep;
 
 use crate::alerts::Alerter;
 use crate::config::{Config, ExecutorKind};
+use crate::http::RunView;
 use crate::lock::StateLock;
 use crate::metrics::Metrics;
 use crate::watcher::{Watcher, work_channel};
@@ -73,16 +74,23 @@ impl Published {
     }
 }
 
-/// Runs the daemon until a signal: on one run, or on every run of a sweep ([`sweep`]).
-pub fn run(config: Config) -> Result<()> {
-    if !config.sweep.is_empty() {
-        return sweep::run(config);
-    }
+/// A run's pipeline up to its executor, as [`open`] leaves it.
+struct Opened {
+    recorder: Recorder,
+    published: Published,
+    /// Its name, metrics, status and live snapshot, for the HTTP server.
+    view: RunView,
+    /// Evaluations in its history (the executor's `pfd.every` count).
+    evaluated_before: usize,
+}
+
+/// Opens a run whose state folder is locked: its history (rewriting the HDF5 export), its
+/// state replayed from it, its alerter (on `runtime`) and sinks, which get the replay's events
+/// again (the alerter delivers only those not delivered yet); records a crash the last process
+/// left, and arms a fresh crash marker. The one set-up of a single run and of each run of a sweep.
+fn open(config: &Config, runtime: &tokio::runtime::Runtime) -> Result<Opened> {
     let run = config.run_name();
     let state_dir = config.state_dir();
-    shutdown::exit_on_panic();
-    // Held until the process ends (the kernel releases it, however the process ends).
-    let _lock = StateLock::acquire(&state_dir)?;
     let mut recorder = Recorder::open(&state_dir).context("cannot open the history")?;
     let crash = match crate::crash::read_marker(&state_dir) {
         Ok(crash) => crash,
@@ -104,8 +112,54 @@ pub fn run(config: Config) -> Result<()> {
             .then(|| crate::keep_best::Keeper::new(&state_dir)),
     );
     if replayed.evaluations > 0 {
-        tracing::info!(evaluations = replayed.evaluations, state = %state_dir.display(), "history restored");
+        tracing::info!(run = %run, evaluations = replayed.evaluations, state = %state_dir.display(), "history restored");
     }
+    let alerter = {
+        // The alerter's delivery tasks run on this runtime.
+        let _guard = runtime.enter();
+        let outcome_metrics = metrics.clone();
+        Alerter::start(
+            &config.alerts,
+            &config.run.dir,
+            &state_dir,
+            Arc::new(move |receiver, outcome| outcome_metrics.delivery(receiver, outcome)),
+        )?
+    };
+    let mut sinks = Sinks::new(vec![
+        Box::new(Console::default()),
+        Box::new(Alerts(alerter)),
+    ]);
+    for event in &replayed.events {
+        sinks.replayed(event)?;
+    }
+    let view = RunView {
+        name: run,
+        metrics,
+        status: state.status(),
+        snapshot: state.snapshot(),
+    };
+    let mut published = Published { state, sinks };
+    if let Some(crash) = crash {
+        recorder.record_crash(crash, &mut |outcome, at| published.recorded(outcome, at));
+    }
+    crate::crash::arm(&state_dir)?;
+    Ok(Opened {
+        recorder,
+        published,
+        view,
+        evaluated_before: replayed.evaluations,
+    })
+}
+
+/// Runs the daemon until a signal: on one run, or on every run of a sweep ([`sweep`]).
+pub fn run(config: Config) -> Result<()> {
+    if !config.sweep.is_empty() {
+        return sweep::run(config);
+    }
+    let state_dir = config.state_dir();
+    shutdown::exit_on_panic();
+    // Held until the process ends (the kernel releases it, however the process ends).
+    let _lock = StateLock::acquire(&state_dir)?;
 
     let listen: SocketAddr = config.http.listen;
     let listener = std::net::TcpListener::bind(listen).with_context(|| {
@@ -118,43 +172,26 @@ pub fn run(config: Config) -> Result<()> {
         .thread_name("diffmon-io")
         .enable_all()
         .build()?;
-    let alerter = {
-        // The alerter's delivery tasks run on this runtime.
-        let _guard = runtime.enter();
-        let outcome_metrics = metrics.clone();
-        Alerter::start(
-            &config.alerts,
-            &config.run.dir,
-            &state_dir,
-            Arc::new(move |receiver, outcome| outcome_metrics.delivery(receiver, outcome)),
-        )?
-    };
-    let console = Console::default();
-    let mut sinks = Sinks::new(vec![Box::new(console), Box::new(Alerts(alerter))]);
-    // The replay's events go out again; the alerter delivers only those not delivered yet.
-    for event in &replayed.events {
-        sinks.replayed(event)?;
-    }
-    let (status, snapshot) = (state.status(), state.snapshot());
-    let mut published = Published { state, sinks };
-
-    if let Some(crash) = crash {
-        recorder.record_crash(crash, &mut |outcome, at| published.recorded(outcome, at));
-    }
-    crate::crash::arm(&state_dir)?;
+    let Opened {
+        recorder,
+        mut published,
+        view,
+        evaluated_before,
+    } = open(&config, &runtime)?;
+    let (run, metrics) = (view.name, view.metrics);
 
     let (work_tx, work_rx) = work_channel();
     let (outcome_tx, outcome_rx) = crossbeam_channel::bounded::<Outcome>(OUTCOMES_BOUND);
     let executor = match config.evaluation.executor {
         ExecutorKind::Local => Local {
             config: config.clone(),
-            evaluated_before: replayed.evaluations,
+            evaluated_before,
         }
         .start(work_rx, outcome_tx)?,
         ExecutorKind::Slurm => slurm::Slurm {
             config: config.clone(),
             metrics: metrics.clone(),
-            evaluated_before: replayed.evaluations,
+            evaluated_before,
         }
         .start(work_rx, outcome_tx)?,
     };
@@ -173,7 +210,7 @@ pub fn run(config: Config) -> Result<()> {
             published.sinks
         })?;
 
-    let app = crate::http::router(metrics.clone(), status, snapshot);
+    let app = crate::http::router(metrics.clone(), view.status, view.snapshot);
     let limits = crate::http::Limits::of(&config.http);
     let server = runtime.spawn(async move {
         let listener =

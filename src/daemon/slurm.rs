@@ -581,17 +581,7 @@ impl Runner {
             (comment.trim() == job.folder).then(|| id.trim().to_string())
         });
         match found {
-            Some(id) => {
-                self.journal_surely(&JournalLine::Submitted {
-                    folder: job.folder.clone(),
-                    job_id: id.clone(),
-                });
-                job.state = State::Queued {
-                    job_id: Some(id),
-                    since: Instant::now(),
-                    running_since: None,
-                };
-            }
+            Some(id) => self.queued(job, id),
             None => {
                 job.attempt += 1;
                 self.submit(job);
@@ -685,6 +675,11 @@ impl Runner {
         };
         self.metrics.slurm_submitted();
         tracing::info!(step = job.item.step, job = %id, attempt = job.attempt, "submitted to Slurm");
+        self.queued(job, id);
+    }
+
+    /// The job has Slurm id `id` (from `sbatch`, or found in the queue): journaled, then queued.
+    fn queued(&mut self, job: &mut Job, id: String) {
         self.journal_surely(&JournalLine::Submitted {
             folder: job.folder.clone(),
             job_id: id.clone(),

@@ -5,15 +5,10 @@
 //! and one tokio runtime. A run's outcomes go to its own recorder only.
 
 use super::executor::{self, Lane, Outcome};
-use super::recorder::Recorder;
-use super::run_state::RunState;
-use super::sinks::{Alerts, Console, Sinks};
-use super::{OUTCOMES_BOUND, Published, shutdown};
-use crate::alerts::Alerter;
+use super::sinks::Sinks;
+use super::{OUTCOMES_BOUND, shutdown};
 use crate::config::Config;
-use crate::http::RunView;
 use crate::lock::StateLock;
-use crate::metrics::Metrics;
 use crate::watcher::{Watcher, work_channel};
 use anyhow::{Context, Result};
 use std::net::SocketAddr;
@@ -42,61 +37,21 @@ pub fn run(config: Config) -> Result<()> {
     for config in &runs {
         let run = config.run_name();
         let state_dir = config.state_dir();
-        let opened = (|| -> Result<_> {
-            locks.push(StateLock::acquire(&state_dir)?);
-            let mut recorder = Recorder::open(&state_dir).context("cannot open the history")?;
-            let crash = match crate::crash::read_marker(&state_dir) {
-                Ok(crash) => crash,
-                Err(e) => {
-                    tracing::warn!("{e}; ignoring it");
-                    None
-                }
-            };
-            let metrics = Arc::new(Metrics::new(&run));
-            recorder.write_hdf5();
-            let (state, replayed) = RunState::replay(
-                &run,
-                config.early_stop_resolved(),
-                recorder.entries(),
-                metrics.clone(),
-                config
-                    .early_stop
-                    .keep_best
-                    .then(|| crate::keep_best::Keeper::new(&state_dir)),
-            );
-            if replayed.evaluations > 0 {
-                tracing::info!(run = %run, evaluations = replayed.evaluations, state = %state_dir.display(), "history restored");
-            }
-            let alerter = {
-                let _guard = runtime.enter();
-                let outcome_metrics = metrics.clone();
-                Alerter::start(
-                    &config.alerts,
-                    &config.run.dir,
-                    &state_dir,
-                    Arc::new(move |receiver, outcome| outcome_metrics.delivery(receiver, outcome)),
-                )?
-            };
-            let mut sinks = Sinks::new(vec![Box::new(Console::default()), Box::new(Alerts(alerter))]);
-            for event in &replayed.events {
-                sinks.replayed(event)?;
-            }
-            views.push(RunView {
-                name: run.clone(),
-                metrics: metrics.clone(),
-                status: state.status(),
-                snapshot: state.snapshot(),
-            });
-            let mut published = Published { state, sinks };
-            if let Some(crash) = crash {
-                recorder.record_crash(crash, &mut |outcome, at| published.recorded(outcome, at));
-            }
-            // A fresh marker (the evaluator arms each run's in turn as it evaluates it).
-            crate::crash::arm(&state_dir)?;
-            Ok((recorder, published, metrics, replayed.evaluations))
-        })()
-        .with_context(|| format!("run `{run}` ({})", config.run.dir.display()))?;
-        let (recorder, published, metrics, evaluated_before) = opened;
+        let opened = StateLock::acquire(&state_dir)
+            .map_err(anyhow::Error::from)
+            .and_then(|lock| {
+                locks.push(lock);
+                super::open(config, &runtime)
+            })
+            .with_context(|| format!("run `{run}` ({})", config.run.dir.display()))?;
+        let super::Opened {
+            recorder,
+            published,
+            view,
+            evaluated_before,
+        } = opened;
+        let metrics = view.metrics.clone();
+        views.push(view);
         let (work_tx, work_rx) = work_channel();
         let (outcome_tx, outcome_rx) = crossbeam_channel::bounded::<Outcome>(OUTCOMES_BOUND);
         lanes.push(Lane {
