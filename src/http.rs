@@ -91,12 +91,28 @@ pub struct RunView {
     pub snapshot: Arc<Mutex<Snapshot>>,
 }
 
+/// The runs of a sweep as the HTTP endpoints see them: a list that grows while the daemon runs
+/// (`runs_glob`). Each request works on a snapshot of it.
+#[derive(Clone, Default)]
+pub struct RunList(Arc<std::sync::RwLock<Vec<RunView>>>);
+
+impl RunList {
+    pub fn push(&self, run: RunView) {
+        self.0.write().unwrap_or_else(|e| e.into_inner()).push(run);
+    }
+
+    /// The runs now.
+    pub fn snapshot(&self) -> Vec<RunView> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
 /// The endpoints of a sweep (docs/design.md §19): `/metrics` with every run's series (each
 /// under its `run` label), `/healthz`, `/v1/early-stop` (an object: run name → that run's
 /// status), `/v1/runs/{run}/early-stop`, `/` (the list of runs, with their state and a link to
 /// each live page) and `/runs/{run}` (a run's live page). Run names are checked by the config
 /// (letters, digits, `.`, `_`, `-`), so they are safe in a path and in HTML.
-pub fn sweep_router(runs: Arc<Vec<RunView>>) -> Router {
+pub fn sweep_router(runs: RunList) -> Router {
     let find = |runs: &[RunView], name: &str| runs.iter().find(|r| r.name == name).cloned();
     let (r1, r2, r3, r4, r5) = (
         runs.clone(),
@@ -109,7 +125,7 @@ pub fn sweep_router(runs: Arc<Vec<RunView>>) -> Router {
         .route(
             "/",
             get(move || {
-                let page = runs_page(&r1);
+                let page = runs_page(&r1.snapshot());
                 async move {
                     (
                         [
@@ -125,7 +141,7 @@ pub fn sweep_router(runs: Arc<Vec<RunView>>) -> Router {
             "/runs/{run}",
             get(
                 move |axum::extract::Path(name): axum::extract::Path<String>| {
-                    let run = find(&r2, &name);
+                    let run = find(&r2.snapshot(), &name);
                     async move {
                         let Some(run) = run else {
                             return (StatusCode::NOT_FOUND, "no such run\n").into_response();
@@ -143,7 +159,8 @@ pub fn sweep_router(runs: Arc<Vec<RunView>>) -> Router {
         .route(
             "/metrics",
             get(move |headers: HeaderMap| {
-                let metrics: Vec<Arc<Metrics>> = r3.iter().map(|r| r.metrics.clone()).collect();
+                let metrics: Vec<Arc<Metrics>> =
+                    r3.snapshot().iter().map(|r| r.metrics.clone()).collect();
                 async move {
                     let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
                     let format = metrics::Format::negotiate(accept);
@@ -159,6 +176,7 @@ pub fn sweep_router(runs: Arc<Vec<RunView>>) -> Router {
             "/v1/early-stop",
             get(move || {
                 let all: serde_json::Map<String, serde_json::Value> = r4
+                    .snapshot()
                     .iter()
                     .map(|r| {
                         let status = r.status.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -175,7 +193,7 @@ pub fn sweep_router(runs: Arc<Vec<RunView>>) -> Router {
             "/v1/runs/{run}/early-stop",
             get(
                 move |axum::extract::Path(name): axum::extract::Path<String>| {
-                    let status = find(&r5, &name)
+                    let status = find(&r5.snapshot(), &name)
                         .map(|r| r.status.lock().unwrap_or_else(|e| e.into_inner()).clone());
                     async move {
                         match status {

@@ -24,6 +24,11 @@ pub struct ConfigFile {
     /// state folder, data and alerts; every other section is shared.
     #[serde(default)]
     pub(super) runs: Option<Vec<RunEntry>>,
+    /// A sweep of folders: every folder matching this glob (wildcards in its last component
+    /// only) is a run, named after the folder, with every section shared; folders that appear
+    /// later join while the daemon runs. Exclusive with `run` and `runs`.
+    #[serde(default)]
+    pub(super) runs_glob: Option<PathBuf>,
     /// Where diffmon keeps its history, alert outbox, caches, lock and crash marker.
     /// Default: `<run.dir>/.diffmon`.
     #[serde(default)]

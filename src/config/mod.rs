@@ -130,9 +130,94 @@ pub struct Config {
     pub implied_memorization: bool,
     /// Of these, the PF-ODE itself (`pfd.enabled` was false).
     pub implied_pf_ode: bool,
-    /// A sweep (`runs`): each run's complete settings, in the file's order; empty for a single
-    /// run. The fields above are then the first run's. See [`Config::runs`].
+    /// A sweep (`runs`, or the folders `runs_glob` matches): each run's complete settings, in
+    /// the file's order (by name for `runs_glob`); empty for a single run. The fields above are
+    /// then the first run's. See [`Config::runs`].
     pub sweep: Vec<Config>,
+    /// `runs_glob`: how to find the sweep's runs again, as folders appear. With no match yet,
+    /// `sweep` is empty and the fields above are the shared settings, checked as those of a run
+    /// in the glob's folder.
+    pub runs_glob: Option<RunsGlob>,
+}
+
+/// `runs_glob`, compiled: the folder whose entries are matched, and the matcher of their names.
+#[derive(Debug, Clone)]
+pub struct RunsGlob {
+    /// The glob, as resolved against the config file's folder.
+    pub pattern: PathBuf,
+    parent: PathBuf,
+    matcher: globset::GlobMatcher,
+    /// The config as written (paths resolved): each new run's settings are built from it.
+    file: std::sync::Arc<ConfigFile>,
+}
+
+/// Entries of the glob's folder read at most per scan: the folder is the user's, but what lands
+/// in it may not be.
+const MAX_GLOB_ENTRIES: usize = 100_000;
+
+impl RunsGlob {
+    /// Splits `pattern` into its folder, which must be literal, and the glob of the last
+    /// component.
+    fn compile(pattern: &Path, file: &ConfigFile) -> Result<RunsGlob, String> {
+        let wild = |s: &str| s.contains(['*', '?', '[', '{']);
+        let (Some(parent), Some(last)) = (pattern.parent(), pattern.file_name()) else {
+            return Err(format!(
+                "`{}` names no folder entries: give a glob such as `sweep/*`",
+                pattern.display()
+            ));
+        };
+        if wild(&parent.to_string_lossy()) {
+            return Err(format!(
+                "`{}`: wildcards only in the last component (the runs are the entries of one folder)",
+                pattern.display()
+            ));
+        }
+        let last = last.to_string_lossy();
+        let matcher = globset::GlobBuilder::new(&last)
+            .literal_separator(true)
+            .build()
+            .map_err(|e| format!("`{}` is not a valid glob: {e}", pattern.display()))?
+            .compile_matcher();
+        Ok(RunsGlob {
+            pattern: pattern.to_path_buf(),
+            parent: parent.to_path_buf(),
+            matcher,
+            file: std::sync::Arc::new(file.clone()),
+        })
+    }
+
+    /// The runs now: the folder's entries that match, are folders (not links), are not hidden
+    /// and have a run's name, as (name, folder), sorted by name, at most [`MAX_RUNS`]. A folder
+    /// that cannot be read has none.
+    pub fn matches(&self) -> Vec<(String, PathBuf)> {
+        let Ok(entries) = std::fs::read_dir(&self.parent) else {
+            return Vec::new();
+        };
+        let mut found: Vec<(String, PathBuf)> = entries
+            .take(MAX_GLOB_ENTRIES)
+            .filter_map(|e| {
+                let e = e.ok()?;
+                let name = e.file_name().into_string().ok()?;
+                let is_dir = e.file_type().ok()?.is_dir();
+                (is_dir
+                    && !name.starts_with('.')
+                    && valid_run_name(&name)
+                    && self.matcher.is_match(&name))
+                .then(|| (name, e.path()))
+            })
+            .collect();
+        found.sort();
+        found.truncate(MAX_RUNS);
+        found
+    }
+}
+
+/// A run's name: letters, digits, `.`, `_` or `-` (it is a URL path and a label).
+fn valid_run_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -1022,6 +1107,9 @@ impl ConfigFile {
         if let Some(p) = self.state_dir.as_mut() {
             fix(p);
         }
+        if let Some(p) = self.runs_glob.as_mut() {
+            fix(p);
+        }
         for entry in self.runs.iter_mut().flatten() {
             fix(&mut entry.dir);
             if let Some(p) = entry.state_dir.as_mut() {
@@ -1238,10 +1326,28 @@ impl Config {
             .unwrap_or_else(|| self.run.dir.join(".diffmon"))
     }
 
+    /// Is this a sweep (`runs` or `runs_glob`), even one with no run yet?
+    pub fn is_sweep(&self) -> bool {
+        !self.sweep.is_empty() || self.runs_glob.is_some()
+    }
+
+    /// `runs_glob`: every run's settings as of now, the folders that appeared since the config
+    /// was read included; otherwise [`Config::runs`].
+    pub fn discover_runs(&self) -> Result<Vec<Config>, Vec<Problem>> {
+        let Some(glob) = &self.runs_glob else {
+            return Ok(self.runs());
+        };
+        let mut runs = glob.file.settings(true)?.runs();
+        for run in &mut runs {
+            run.source.clone_from(&self.source);
+        }
+        Ok(runs)
+    }
+
     /// Each watched run's complete settings: this config for a single run, one per entry of
-    /// `runs` for a sweep (docs/design.md §19).
+    /// `runs` (or folder `runs_glob` matched) for a sweep (docs/design.md §19).
     pub fn runs(&self) -> Vec<Config> {
-        if self.sweep.is_empty() {
+        if self.sweep.is_empty() && self.runs_glob.is_none() {
             vec![self.clone()]
         } else {
             self.sweep.clone()
@@ -1274,15 +1380,74 @@ impl ConfigFile {
                 message: message.into(),
             }])
         };
-        match (&self.run, &self.runs) {
-            (Some(run), None) => self.run_settings(run, lookup),
-            (None, Some(entries)) => self.sweep_settings(entries, lookup),
-            (Some(_), Some(_)) => problem(
+        match (&self.run, &self.runs, &self.runs_glob) {
+            (Some(run), None, None) => self.run_settings(run, lookup),
+            (None, Some(entries), None) => self.sweep_settings(entries, lookup),
+            (None, None, Some(glob)) => self.glob_settings(glob, lookup),
+            (Some(_), Some(_), _) => problem(
                 "runs",
                 "cannot be given with `run`: give one run (`run`) or a sweep (`runs`)",
             ),
-            (None, None) => problem("run", "missing field `run` (or `runs`, for a sweep)"),
+            (_, _, Some(_)) => problem(
+                "runs_glob",
+                "cannot be given with `run` or `runs`: give one run (`run`), a list of runs \
+                 (`runs`) or a glob of run folders (`runs_glob`)",
+            ),
+            (None, None, None) => problem(
+                "run",
+                "missing field `run` (or `runs` or `runs_glob`, for a sweep)",
+            ),
         }
+    }
+
+    /// A sweep of folders: the runs `pattern` matches now, each with the shared sections, as
+    /// `runs` entries with nothing of their own would give; with no match yet, the shared
+    /// settings checked as those of a run in the glob's folder. Either way the glob is kept to
+    /// find new runs ([`Config::discover_runs`]).
+    fn glob_settings(
+        &self,
+        pattern: &Path,
+        lookup: Option<&SecretLookup>,
+    ) -> Result<Config, Vec<Problem>> {
+        let problem = |key: &str, message: String| {
+            vec![Problem {
+                key: key.into(),
+                message,
+            }]
+        };
+        let glob = RunsGlob::compile(pattern, self).map_err(|m| problem("runs_glob", m))?;
+        if self.state_dir.is_some() {
+            return Err(problem(
+                "state_dir",
+                "cannot be given with `runs_glob`: each run keeps its state in its own folder \
+                 (`<run>/.diffmon`)"
+                    .into(),
+            ));
+        }
+        let mut shared = self.clone();
+        shared.runs_glob = None;
+        let found = glob.matches();
+        let mut config = if found.is_empty() {
+            let run = RunConfig {
+                name: Some("runs_glob".into()),
+                dir: glob.parent.clone(),
+            };
+            shared.run_settings(&run, lookup)?
+        } else {
+            let entries: Vec<file::RunEntry> = found
+                .into_iter()
+                .map(|(name, dir)| file::RunEntry {
+                    name,
+                    dir,
+                    state_dir: None,
+                    data: None,
+                    alerts: None,
+                })
+                .collect();
+            shared.sweep_settings(&entries, lookup)?
+        };
+        config.runs_glob = Some(glob);
+        Ok(config)
     }
 
     /// A sweep's settings: each entry's run settings (the shared sections with the entry's own
@@ -1311,11 +1476,7 @@ impl ConfigFile {
         for (i, entry) in entries.iter().enumerate().take(MAX_RUNS) {
             let at = format!("runs[{i}]");
             v.check(
-                !entry.name.is_empty()
-                    && entry
-                        .name
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)),
+                valid_run_name(&entry.name),
                 &format!("{at}.name"),
                 format!(
                     "`{}`: a run's name is letters, digits, `.`, `_` or `-` (it is a URL path and a label)",
@@ -1596,6 +1757,7 @@ impl ConfigFile {
                 implied_memorization: false,
                 implied_pf_ode: false,
                 sweep: Vec::new(),
+                runs_glob: None,
             }),
             _ => Err(v.problems),
         }
@@ -2737,6 +2899,86 @@ mod tests {
         assert!(one.sweep.is_empty());
         assert_eq!(one.runs().len(), 1);
         assert_eq!(one.runs()[0].run_name(), one.run_name());
+    }
+
+    /// `runs_glob`: the matching folders are the runs, by name, each with the shared sections
+    /// and its state in its own folder; hidden folders, links, files and names that are not run
+    /// names are not runs; with no match yet the sweep is empty, and a folder that appears is
+    /// found by `discover_runs`.
+    #[test]
+    fn runs_glob_makes_a_run_of_each_matching_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let at = dir.path();
+        for f in ["m.ts", "d.h5"] {
+            std::fs::write(at.join(f), b"").unwrap();
+        }
+        std::fs::create_dir(at.join("sweep")).unwrap();
+        let load = || {
+            let text = "runs_glob: sweep/lr-*
+model: {architecture: m.ts}
+data: {path: d.h5}
+";
+            let mut file = ConfigFile::parse(text, "c.yaml").unwrap();
+            file.resolve_paths(at);
+            file.settings(false).unwrap()
+        };
+        let empty = load();
+        assert!(empty.is_sweep());
+        assert!(empty.runs().is_empty());
+        assert!(empty.discover_runs().unwrap().is_empty());
+
+        for d in ["lr-b", "lr-a", ".lr-hidden", "lr-a b", "other"] {
+            std::fs::create_dir(at.join("sweep").join(d)).unwrap();
+        }
+        std::fs::write(at.join("sweep/lr-file"), b"").unwrap();
+        std::os::unix::fs::symlink(at.join("sweep/other"), at.join("sweep/lr-link")).unwrap();
+        let names = |runs: &[Config]| runs.iter().map(|r| r.run_name()).collect::<Vec<_>>();
+        // Found by the config read before the folders appeared, and by a fresh read.
+        assert_eq!(names(&empty.discover_runs().unwrap()), ["lr-a", "lr-b"]);
+        let c = load();
+        let runs = c.runs();
+        assert_eq!(names(&runs), ["lr-a", "lr-b"]);
+        assert!(runs[1].run.dir.ends_with("sweep/lr-b"));
+        assert!(runs[1].state_dir().ends_with("sweep/lr-b/.diffmon"));
+        assert!(runs.iter().all(|r| r.data.path.ends_with("d.h5")));
+        assert_eq!(c.run_name(), "lr-a");
+    }
+
+    /// `runs_glob` is exclusive with `run` and `runs`, takes wildcards in its last component
+    /// only, and leaves each run's state in its own folder (no `state_dir`).
+    #[test]
+    fn runs_glob_problems() {
+        let problems = |text: &str| -> Vec<String> {
+            let dir = tempfile::tempdir().unwrap();
+            for f in ["m.ts", "d.h5"] {
+                std::fs::write(dir.path().join(f), b"").unwrap();
+            }
+            let mut file = ConfigFile::parse(text, "c.yaml").unwrap();
+            file.resolve_paths(dir.path());
+            let problems = file.settings(false).unwrap_err();
+            problems.iter().map(|p| p.to_string()).collect()
+        };
+        let tail = "model: {architecture: m.ts}\ndata: {path: d.h5}\n";
+        for (text, expected) in [
+            (
+                "run: {dir: r}\nruns_glob: s/*\n",
+                "runs_glob cannot be given with `run` or `runs`",
+            ),
+            ("runs_glob: s*/x\n", "runs_glob "),
+            ("runs_glob: 's/[a'\n", "is not a valid glob"),
+            (
+                "runs_glob: s/*\nstate_dir: st\n",
+                "state_dir cannot be given with `runs_glob`",
+            ),
+        ] {
+            let p = problems(&format!("{text}{tail}"));
+            assert_eq!(p.len(), 1, "{text}: {p:?}");
+            assert!(p[0].contains(expected), "{text}: {p:?}");
+        }
+        assert!(
+            problems(&format!("runs_glob: s*/x\n{tail}"))[0]
+                .contains("wildcards only in the last component")
+        );
     }
 
     /// `run` xor `runs`; names and state folders unique; an entry's own sections' problems are

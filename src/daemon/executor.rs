@@ -106,10 +106,15 @@ pub struct Lane {
 /// The evaluator thread of a sweep (docs/design.md §19): one item at a time for all the runs,
 /// taken round-robin (after an item of one run, every other run with an item waiting goes
 /// first), so a run with a deep backlog cannot starve the others. It keeps an evaluation
-/// context per run (runs may differ in data), built on the thread at start; the crash marker
-/// it arms is the state folder's of the run being evaluated. It ends once every run's work
-/// channel is closed, or every outcome channel.
-pub fn start_shared(lanes: Vec<Lane>) -> Result<JoinHandle<()>, ExecutorError> {
+/// context per run (runs may differ in data), built on the thread: for `lanes` at start (an
+/// error stops the daemon), for a run sent on `added` when it comes (`runs_glob`; an error is
+/// logged and the run gets no evaluations). The crash marker it arms is the state folder's of
+/// the run being evaluated. It ends once `added` and every run's work channel are closed, or
+/// every outcome channel.
+pub fn start_shared(
+    lanes: Vec<Lane>,
+    added: Receiver<Lane>,
+) -> Result<JoinHandle<()>, ExecutorError> {
     let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(), EvalError>>(1);
     let thread = std::thread::Builder::new()
         .name(crate::crash::EVALUATOR_THREAD.into())
@@ -129,18 +134,43 @@ pub fn start_shared(lanes: Vec<Lane>) -> Result<JoinHandle<()>, ExecutorError> {
             }
             let _ = ready_tx.send(Ok(()));
             let mut open = vec![true; runs.len()];
+            let mut adding = true;
             let mut next = 0;
             let mut armed: Option<usize> = None;
-            while open.iter().any(|&o| o) {
+            while adding || open.iter().any(|&o| o) {
                 let taken = round_robin(runs.iter().map(|(lane, _)| &lane.work), &mut open, next);
                 let Some((i, item)) = taken else {
-                    // Nothing waiting: sleep until a run offers an item (or closes).
+                    // Nothing waiting: sleep until a run offers an item (or closes), or a run
+                    // is added.
                     let mut select = crossbeam_channel::Select::new();
                     for (lane, _) in runs.iter().zip(&open).filter(|(_, o)| **o).map(|(r, _)| r) {
                         select.recv(&lane.work);
                     }
-                    if open.iter().any(|&o| o) {
-                        select.ready();
+                    let adds = adding.then(|| select.recv(&added));
+                    if !(adding || open.iter().any(|&o| o)) {
+                        continue;
+                    }
+                    let ready = select.ready();
+                    if Some(ready) == adds {
+                        match added.try_recv() {
+                            Ok(lane) => {
+                                let run = lane.config.run_name();
+                                match Evaluator::new(&lane.config) {
+                                    Ok(mut e) => {
+                                        e.set_evaluated(lane.evaluated_before);
+                                        runs.push((lane, e));
+                                        open.push(true);
+                                    }
+                                    Err(e) => tracing::error!(
+                                        run = %run,
+                                        "cannot evaluate the run's checkpoints: {:#}",
+                                        anyhow::Error::from(e)
+                                    ),
+                                }
+                            }
+                            Err(crossbeam_channel::TryRecvError::Disconnected) => adding = false,
+                            Err(crossbeam_channel::TryRecvError::Empty) => {}
+                        }
                     }
                     continue;
                 };

@@ -87,8 +87,10 @@ struct Opened {
 /// Opens a run whose state folder is locked: its history (rewriting the HDF5 export), its
 /// state replayed from it, its alerter (on `runtime`) and sinks, which get the replay's events
 /// again (the alerter delivers only those not delivered yet); records a crash the last process
-/// left, and arms a fresh crash marker. The one set-up of a single run and of each run of a sweep.
-fn open(config: &Config, runtime: &tokio::runtime::Runtime) -> Result<Opened> {
+/// left, and (with `arm`) arms a fresh crash marker: not for a run joining a sweep while another
+/// run's checkpoint may be evaluated, whose marker the evaluator holds; the evaluator arms the
+/// run's own before its first item. The one set-up of a single run and of each run of a sweep.
+fn open(config: &Config, runtime: &tokio::runtime::Handle, arm: bool) -> Result<Opened> {
     let run = config.run_name();
     let state_dir = config.state_dir();
     let mut recorder = Recorder::open(&state_dir).context("cannot open the history")?;
@@ -142,7 +144,9 @@ fn open(config: &Config, runtime: &tokio::runtime::Runtime) -> Result<Opened> {
     if let Some(crash) = crash {
         recorder.record_crash(crash, &mut |outcome, at| published.recorded(outcome, at));
     }
-    crate::crash::arm(&state_dir)?;
+    if arm {
+        crate::crash::arm(&state_dir)?;
+    }
     Ok(Opened {
         recorder,
         published,
@@ -153,7 +157,7 @@ fn open(config: &Config, runtime: &tokio::runtime::Runtime) -> Result<Opened> {
 
 /// Runs the daemon until a signal: on one run, or on every run of a sweep ([`sweep`]).
 pub fn run(config: Config) -> Result<()> {
-    if !config.sweep.is_empty() {
+    if config.is_sweep() {
         return sweep::run(config);
     }
     let state_dir = config.state_dir();
@@ -177,7 +181,7 @@ pub fn run(config: Config) -> Result<()> {
         mut published,
         view,
         evaluated_before,
-    } = open(&config, &runtime)?;
+    } = open(&config, runtime.handle(), true)?;
     let (run, metrics) = (view.name, view.metrics);
 
     let (work_tx, work_rx) = work_channel();

@@ -1,23 +1,28 @@
-//! `diffmon watch` on a sweep (`runs` in the config; docs/design.md §19): per run, the pipeline
-//! of one daemon (its state lock, recorder, run state, sinks with its own alerter, stop file
-//! and webhooks, and watcher); shared, one evaluator thread fed round-robin
+//! `diffmon watch` on a sweep (`runs` or `runs_glob` in the config; docs/design.md §19): per
+//! run, the pipeline of one daemon (its state lock, recorder, run state, sinks with its own
+//! alerter, stop file and webhooks, and watcher); shared, one evaluator thread fed round-robin
 //! ([`executor::start_shared`]), one HTTP server (every run's metrics under its `run` label)
-//! and one tokio runtime. A run's outcomes go to its own recorder only.
+//! and one tokio runtime. A run's outcomes go to its own recorder only. With `runs_glob`, a
+//! thread looks for new run folders every `checkpoints.poll_secs` and adds each as a run.
 
 use super::executor::{self, Lane, Outcome};
+use super::recorder::Recorder;
 use super::sinks::Sinks;
-use super::{OUTCOMES_BOUND, shutdown};
+use super::{OUTCOMES_BOUND, Published, shutdown};
 use crate::config::Config;
+use crate::http::{RunList, RunView};
 use crate::lock::StateLock;
-use crate::watcher::{Watcher, work_channel};
+use crate::watcher::{Watcher, WorkItem, work_channel};
 use anyhow::{Context, Result};
+use crossbeam_channel::{Receiver, Sender};
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::Duration;
 
-/// Runs the daemon on every run of `config.runs()` until a signal.
+/// Runs the daemon on every run of `config.runs()` (and, with `runs_glob`, on every run that
+/// appears) until a signal.
 pub fn run(config: Config) -> Result<()> {
-    let runs = config.runs();
     shutdown::exit_on_panic();
     let listen: SocketAddr = config.http.listen;
     let listener = std::net::TcpListener::bind(listen).with_context(|| {
@@ -30,82 +35,82 @@ pub fn run(config: Config) -> Result<()> {
         .enable_all()
         .build()?;
 
-    let mut locks = Vec::new();
-    let mut lanes = Vec::new();
-    let mut views = Vec::new();
     let mut pipelines = Vec::new();
-    for config in &runs {
-        let run = config.run_name();
-        let state_dir = config.state_dir();
-        let opened = StateLock::acquire(&state_dir)
-            .map_err(anyhow::Error::from)
-            .and_then(|lock| {
-                locks.push(lock);
-                super::open(config, &runtime)
-            })
-            .with_context(|| format!("run `{run}` ({})", config.run.dir.display()))?;
-        let super::Opened {
-            recorder,
-            published,
-            view,
-            evaluated_before,
-        } = opened;
-        let metrics = view.metrics.clone();
-        views.push(view);
-        let (work_tx, work_rx) = work_channel();
-        let (outcome_tx, outcome_rx) = crossbeam_channel::bounded::<Outcome>(OUTCOMES_BOUND);
-        lanes.push(Lane {
-            config: config.clone(),
-            evaluated_before,
-            work: work_rx,
-            outcomes: outcome_tx,
-        });
-        pipelines.push((config, recorder, published, metrics, work_tx, outcome_rx));
+    let mut lanes = Vec::new();
+    for config in config.runs() {
+        let (pipeline, lane) = Pipeline::open(config, runtime.handle(), true)?;
+        pipelines.push(pipeline);
+        lanes.push(lane);
     }
-    let executor = executor::start_shared(lanes)?;
+    let (add, added) = crossbeam_channel::unbounded::<Lane>();
+    let executor = executor::start_shared(lanes, added)?;
 
     let (stop, stopped) = shutdown::stop_channel();
-    let mut watchers = Vec::new();
-    let mut recorders = Vec::new();
-    for (config, recorder, mut published, metrics, work_tx, outcome_rx) in pipelines {
-        let done = recorder.entries().iter().map(|e| e.key().clone()).collect();
-        let watcher = Watcher::new(&config.run.dir, &config.checkpoints, done, metrics)
-            .with_excluded(config.named_files());
-        let stopped = stopped.clone();
-        watchers.push(
-            std::thread::Builder::new()
-                .name("diffmon-watch".into())
-                .spawn(move || watcher.run(work_tx, stopped))?,
-        );
-        recorders.push(
-            std::thread::Builder::new()
-                .name("diffmon-record".into())
-                .spawn(move || {
-                    recorder.run(outcome_rx, |outcome, at| published.recorded(outcome, at));
-                    published.sinks
-                })?,
-        );
+    let views = RunList::default();
+    let mut started = Started::default();
+    for pipeline in pipelines {
+        started.start(pipeline, &views, &stopped)?;
     }
+    let names: Vec<String> = views.snapshot().into_iter().map(|v| v.name).collect();
+    // With `runs_glob`, the finder adds runs until the stop; it hands what it started to the
+    // threads the shutdown waits on.
+    let finder = match &config.runs_glob {
+        Some(glob) => {
+            tracing::info!(glob = %glob.pattern.display(), "new run folders join the sweep as they appear");
+            let finder = Finder {
+                config: config.clone(),
+                runtime: runtime.handle().clone(),
+                known: names.iter().cloned().collect(),
+                refused: HashMap::new(),
+                add,
+                views: views.clone(),
+                stopped: stopped.clone(),
+            };
+            Some(
+                std::thread::Builder::new()
+                    .name("diffmon-runs".into())
+                    .spawn(move || finder.run())?,
+            )
+        }
+        None => {
+            drop(add);
+            None
+        }
+    };
     drop(stopped);
-    // The shutdown waits on one watcher and one recorder: these join every run's.
-    let watcher = std::thread::Builder::new()
-        .name("diffmon-watch".into())
-        .spawn(move || {
-            for w in watchers {
-                let _ = w.join();
-            }
-        })?;
+    let Started {
+        locks,
+        watchers,
+        recorders,
+    } = started;
+    let (more_watchers, found_watchers) = crossbeam_channel::bounded::<Vec<JoinHandle<()>>>(1);
+    // The shutdown waits on one recorder thread and one watcher thread: these join every run's.
     let recorder = std::thread::Builder::new()
         .name("diffmon-record".into())
         .spawn(move || {
-            recorders
+            let mut recorders = recorders;
+            let mut locks = locks;
+            if let Some(found) = finder.and_then(|f| f.join().ok()) {
+                let _ = more_watchers.send(found.watchers);
+                recorders.extend(found.recorders);
+                locks.extend(found.locks);
+            }
+            drop(more_watchers);
+            let sinks: Vec<Sinks> = recorders
                 .into_iter()
                 .filter_map(|r| r.join().ok())
-                .collect::<Vec<Sinks>>()
+                .collect();
+            (sinks, locks)
+        })?;
+    let watcher = std::thread::Builder::new()
+        .name("diffmon-watch".into())
+        .spawn(move || {
+            for w in watchers.into_iter().chain(found_watchers.iter().flatten()) {
+                let _ = w.join();
+            }
         })?;
 
-    let names: Vec<String> = views.iter().map(|v| v.name.clone()).collect();
-    let app = crate::http::sweep_router(Arc::new(views));
+    let app = crate::http::sweep_router(views);
     let limits = crate::http::Limits::of(&config.http);
     let server = runtime.spawn(async move {
         let listener =
@@ -120,7 +125,8 @@ pub fn run(config: Config) -> Result<()> {
     tracing::info!("{}", config.cost_summary());
 
     let drain = config.shutdown_drain;
-    let (signalled, sinks) = shutdown::until_stopped(&runtime, stop, watcher, recorder, drain)?;
+    let (signalled, (sinks, locks)) =
+        shutdown::until_stopped(&runtime, stop, watcher, recorder, drain)?;
     let _ = executor.join();
     for sinks in sinks {
         sinks.close(&runtime);
@@ -133,4 +139,177 @@ pub fn run(config: Config) -> Result<()> {
         anyhow::bail!("the evaluator stopped unexpectedly");
     }
     Ok(())
+}
+
+/// One run's pipeline, opened (its state folder locked, its history replayed) but not started.
+struct Pipeline {
+    config: Config,
+    lock: StateLock,
+    recorder: Recorder,
+    published: Published,
+    view: RunView,
+    work: Sender<WorkItem>,
+    outcomes: Receiver<Outcome>,
+}
+
+impl Pipeline {
+    /// Opens `config`'s run, and its lane for the shared evaluator. `arm`: see [`super::open`].
+    fn open(
+        config: Config,
+        runtime: &tokio::runtime::Handle,
+        arm: bool,
+    ) -> Result<(Pipeline, Lane)> {
+        let run = config.run_name();
+        let opened = StateLock::acquire(&config.state_dir())
+            .map_err(anyhow::Error::from)
+            .and_then(|lock| Ok((lock, super::open(&config, runtime, arm)?)))
+            .with_context(|| format!("run `{run}` ({})", config.run.dir.display()))?;
+        let (lock, opened) = opened;
+        let (work_tx, work_rx) = work_channel();
+        let (outcome_tx, outcome_rx) = crossbeam_channel::bounded::<Outcome>(OUTCOMES_BOUND);
+        let lane = Lane {
+            config: config.clone(),
+            evaluated_before: opened.evaluated_before,
+            work: work_rx,
+            outcomes: outcome_tx,
+        };
+        let pipeline = Pipeline {
+            config,
+            lock,
+            recorder: opened.recorder,
+            published: opened.published,
+            view: opened.view,
+            work: work_tx,
+            outcomes: outcome_rx,
+        };
+        Ok((pipeline, lane))
+    }
+}
+
+/// The runs' threads and locks, as they are started.
+#[derive(Default)]
+struct Started {
+    locks: Vec<StateLock>,
+    watchers: Vec<JoinHandle<()>>,
+    recorders: Vec<JoinHandle<Sinks>>,
+}
+
+impl Started {
+    /// Starts a run's watcher and recorder, and lists it for the HTTP server.
+    fn start(
+        &mut self,
+        pipeline: Pipeline,
+        views: &RunList,
+        stopped: &Receiver<()>,
+    ) -> std::io::Result<()> {
+        let Pipeline {
+            config,
+            lock,
+            recorder,
+            mut published,
+            view,
+            work,
+            outcomes,
+        } = pipeline;
+        let done = recorder.entries().iter().map(|e| e.key().clone()).collect();
+        let watcher = Watcher::new(
+            &config.run.dir,
+            &config.checkpoints,
+            done,
+            view.metrics.clone(),
+        )
+        .with_excluded(config.named_files());
+        let stopped = stopped.clone();
+        self.watchers.push(
+            std::thread::Builder::new()
+                .name("diffmon-watch".into())
+                .spawn(move || watcher.run(work, stopped))?,
+        );
+        self.recorders.push(
+            std::thread::Builder::new()
+                .name("diffmon-record".into())
+                .spawn(move || {
+                    recorder.run(outcomes, |outcome, at| published.recorded(outcome, at));
+                    published.sinks
+                })?,
+        );
+        self.locks.push(lock);
+        views.push(view);
+        Ok(())
+    }
+}
+
+/// `runs_glob`'s thread: every `checkpoints.poll_secs` until the stop, adds the run folders
+/// that have appeared (docs/design.md §19).
+struct Finder {
+    config: Config,
+    runtime: tokio::runtime::Handle,
+    /// The runs of the sweep, by name.
+    known: HashSet<String>,
+    /// Runs that could not be opened (their state folder locked by another daemon, say), with
+    /// the error last logged: tried again at each scan, logged again when the error changes.
+    refused: HashMap<String, String>,
+    add: Sender<Lane>,
+    views: RunList,
+    stopped: Receiver<()>,
+}
+
+impl Finder {
+    fn run(mut self) -> Started {
+        let mut started = Started::default();
+        let mut problems_logged = None;
+        let poll = self.config.checkpoints.poll;
+        while let Err(crossbeam_channel::RecvTimeoutError::Timeout) =
+            self.stopped.recv_timeout(poll)
+        {
+            let runs = match self.config.discover_runs() {
+                Ok(runs) => runs,
+                Err(problems) => {
+                    let text = problems
+                        .iter()
+                        .map(|p| format!("{}: {}", p.key, p.message))
+                        .collect::<Vec<_>>()
+                        .join("; ");
+                    if problems_logged.as_ref() != Some(&text) {
+                        tracing::error!("cannot look for new runs: {text}");
+                        problems_logged = Some(text);
+                    }
+                    continue;
+                }
+            };
+            for config in runs {
+                let name = config.run_name();
+                if self.known.contains(&name) {
+                    continue;
+                }
+                match self.add(config, &mut started) {
+                    Ok(()) => {
+                        self.refused.remove(&name);
+                        self.known.insert(name);
+                    }
+                    Err(e) => {
+                        let text = format!("{e:#}");
+                        if self.refused.get(&name) != Some(&text) {
+                            tracing::error!("{text}; tried again at each scan");
+                            self.refused.insert(name, text);
+                        }
+                    }
+                }
+            }
+        }
+        started
+    }
+
+    /// Opens and starts a new run, and hands its lane to the evaluator.
+    fn add(&mut self, config: Config, started: &mut Started) -> Result<()> {
+        let name = config.run_name();
+        let dir = config.run.dir.clone();
+        let (pipeline, lane) = Pipeline::open(config, &self.runtime, false)?;
+        self.add
+            .send(lane)
+            .map_err(|_| anyhow::anyhow!("the evaluator has stopped"))?;
+        started.start(pipeline, &self.views, &self.stopped)?;
+        tracing::info!(run = %name, dir = %dir.display(), "a new run joins the sweep");
+        Ok(())
+    }
 }

@@ -167,3 +167,101 @@ fn one_daemon_on_three_runs_records_what_three_daemons_record() {
     }
     eprintln!("fired (small-a, small-b, rich): {fired:?}");
 }
+
+/// `runs_glob`: a daemon started on a folder with no run yet adds each run folder as it
+/// appears (moved in whole, as a sweep launcher creating folders would), evaluates all of its
+/// checkpoints once, and lists it on `/v1/early-stop`, `/metrics` and the front page; hidden
+/// folders, symbolic links and names that are not run names are not runs. A restart finds
+/// both runs at once and evaluates nothing again.
+#[test]
+fn runs_glob_picks_up_run_folders_as_they_appear() {
+    let dir = tempfile::tempdir().unwrap();
+    let at = dir.path();
+    let stage = at.join("stage");
+    fs::create_dir(&stage).unwrap();
+    train(&stage);
+    let sweep_dir = at.join("sweep");
+    fs::create_dir(&sweep_dir).unwrap();
+    fs::create_dir(sweep_dir.join(".hidden")).unwrap();
+    fs::create_dir(sweep_dir.join("not a run name")).unwrap();
+    std::os::unix::fs::symlink(stage.join("rich"), sweep_dir.join("lr-link")).unwrap();
+
+    let port = free_port();
+    let config = at.join("sweep.yaml");
+    fs::write(
+        &config,
+        format!(
+            "http: {{listen: \"127.0.0.1:{port}\"}}\n{SHARED}\
+             data: {{path: small-a/train.h5, heldout_path: small-a/heldout.h5}}\n\
+             runs_glob: sweep/lr-*\n"
+        ),
+    )
+    .unwrap();
+    // The shared files sit outside the runs' folders.
+    fs::rename(stage.join("small-a/model.ts"), at.join("model.ts")).unwrap();
+    fs::create_dir(at.join("small-a")).unwrap();
+    for f in ["train.h5", "heldout.h5"] {
+        fs::copy(stage.join("small-a").join(f), at.join("small-a").join(f)).unwrap();
+    }
+    let text = fs::read_to_string(&config)
+        .unwrap()
+        .replace("small-a/model.ts", "model.ts");
+    fs::write(&config, text).unwrap();
+
+    let mut d = Daemon::spawn(config, port);
+    let runs =
+        |d: &Daemon| -> Value { serde_json::from_str(&d.get("/v1/early-stop").unwrap()).unwrap() };
+    assert_eq!(runs(&d), serde_json::json!({}), "no run yet");
+    for (k, (name, run)) in [("small-a", "lr-a"), ("small-b", "lr-b")]
+        .into_iter()
+        .enumerate()
+    {
+        fs::rename(stage.join(name), sweep_dir.join(run)).unwrap();
+        d.wait_for(
+            Duration::from_secs(180),
+            &format!("every checkpoint of {run}"),
+            |d| evaluated(d, run) >= CHECKPOINTS,
+        );
+        let listed = runs(&d);
+        let names: Vec<&String> = listed.as_object().unwrap().keys().collect();
+        assert_eq!(names.len(), k + 1, "{listed}");
+    }
+    let page = d.get("/").unwrap();
+    for run in ["lr-a", "lr-b"] {
+        assert!(page.contains(&format!("href=\"runs/{run}\"")), "{page}");
+        assert_eq!(evaluated(&d, run), CHECKPOINTS, "{run} evaluated once each");
+        assert_eq!(
+            history(&sweep_dir.join(run).join(".diffmon")).len(),
+            CHECKPOINTS as usize,
+            "{run}"
+        );
+    }
+    let metrics = d.get("/metrics").unwrap();
+    assert!(
+        !metrics.contains("lr-link") && !metrics.contains("hidden"),
+        "{metrics}"
+    );
+    assert!(
+        !sweep_dir.join("lr-link/.diffmon").exists(),
+        "a linked folder is not a run"
+    );
+    assert!(d.log().contains("a new run joins the sweep"), "{}", d.log());
+    let a = history(&sweep_dir.join("lr-a/.diffmon"));
+    let b = history(&sweep_dir.join("lr-b/.diffmon"));
+    assert_ne!(a, b, "each run's own checkpoints");
+
+    // Restarted: both runs at once, nothing evaluated again.
+    d.restart();
+    d.wait_for(Duration::from_secs(60), "both runs listed", |d| {
+        runs(d).as_object().is_some_and(|o| o.len() == 2)
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    for run in ["lr-a", "lr-b"] {
+        assert_eq!(
+            history(&sweep_dir.join(run).join(".diffmon")).len(),
+            CHECKPOINTS as usize,
+            "{run}"
+        );
+    }
+    d.terminate();
+}
