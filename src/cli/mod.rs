@@ -379,12 +379,30 @@ pub fn run(command: Command) -> Result<()> {
             let file = config.or(file).expect("clap requires the file or --config");
             let mut config = Config::load(&file)?;
             config.imply_memorization();
-            println!(
-                "{}: ok (run `{}`, watching {})",
-                file.display(),
-                config.run_name(),
-                config.run.dir.display()
-            );
+            let runs = config.runs();
+            let what = if !config.is_sweep() {
+                format!(
+                    "run `{}`, watching {}",
+                    config.run_name(),
+                    config.run.dir.display()
+                )
+            } else {
+                let names: Vec<String> =
+                    runs.iter().map(|r| format!("`{}`", r.run_name())).collect();
+                let listed = if names.is_empty() {
+                    "none yet".to_string()
+                } else {
+                    names.join(", ")
+                };
+                match &config.runs_glob {
+                    Some(glob) => format!(
+                        "a sweep of the folders {} matches, joining as they appear; runs now: {listed}",
+                        glob.pattern.display()
+                    ),
+                    None => format!("a sweep of {} runs: {listed}", names.len()),
+                }
+            };
+            println!("{}: ok ({what})", file.display());
             println!("{}", config.cost_summary());
             println!("{}", config.early_stop_summary());
             Ok(())

@@ -111,6 +111,35 @@ fn usage_errors_exit_2_and_missing_config_file_is_named() {
     );
 }
 
+/// `check-config` names what a sweep watches: its runs, and for `runs_glob` the glob and the
+/// runs it matches now (none yet is valid).
+#[test]
+fn check_config_lists_a_sweeps_runs() {
+    let dir = run_dir();
+    let config = dir.path().join("diffmon.yaml");
+    let check = || {
+        let out = diffmon(&["check-config", config.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out).lines().next().unwrap_or_default().to_string()
+    };
+    let shared = "model: {architecture: model.ts}\ndata: {path: train.h5}\n";
+    fs::write(
+        &config,
+        format!("runs: [{{name: a, dir: ra}}, {{name: b, dir: rb}}]\n{shared}"),
+    )
+    .unwrap();
+    assert!(
+        check().ends_with("ok (a sweep of 2 runs: `a`, `b`)"),
+        "{}",
+        check()
+    );
+    fs::write(&config, format!("runs_glob: sweep/lr-*\n{shared}")).unwrap();
+    fs::create_dir(dir.path().join("sweep")).unwrap();
+    assert!(check().ends_with("runs now: none yet)"), "{}", check());
+    fs::create_dir(dir.path().join("sweep/lr-1")).unwrap();
+    assert!(check().ends_with("runs now: `lr-1`)"), "{}", check());
+}
+
 #[test]
 fn check_config_takes_config_like_the_bare_file() {
     let dir = run_dir();
