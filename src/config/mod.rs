@@ -2944,20 +2944,22 @@ data: {path: d.h5}
         assert_eq!(c.run_name(), "lr-a");
     }
 
+    /// The problems of a config whose model and data files exist (`m.ts`, `d.h5`).
+    fn problems(text: &str) -> Vec<String> {
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["m.ts", "d.h5"] {
+            std::fs::write(dir.path().join(f), b"").unwrap();
+        }
+        let mut file = ConfigFile::parse(text, "c.yaml").unwrap();
+        file.resolve_paths(dir.path());
+        let problems = file.settings(false).unwrap_err();
+        problems.iter().map(|p| p.to_string()).collect()
+    }
+
     /// `runs_glob` is exclusive with `run` and `runs`, takes wildcards in its last component
     /// only, and leaves each run's state in its own folder (no `state_dir`).
     #[test]
     fn runs_glob_problems() {
-        let problems = |text: &str| -> Vec<String> {
-            let dir = tempfile::tempdir().unwrap();
-            for f in ["m.ts", "d.h5"] {
-                std::fs::write(dir.path().join(f), b"").unwrap();
-            }
-            let mut file = ConfigFile::parse(text, "c.yaml").unwrap();
-            file.resolve_paths(dir.path());
-            let problems = file.settings(false).unwrap_err();
-            problems.iter().map(|p| p.to_string()).collect()
-        };
         let tail = "model: {architecture: m.ts}\ndata: {path: d.h5}\n";
         for (text, expected) in [
             (
@@ -2985,16 +2987,6 @@ data: {path: d.h5}
     /// keyed under it, a shared section's reported once.
     #[test]
     fn sweep_problems_are_keyed_by_entry() {
-        let problems = |text: &str| -> Vec<String> {
-            let dir = tempfile::tempdir().unwrap();
-            for f in ["m.ts", "d.h5"] {
-                std::fs::write(dir.path().join(f), b"").unwrap();
-            }
-            let mut file = ConfigFile::parse(text, "c.yaml").unwrap();
-            file.resolve_paths(dir.path());
-            let problems = file.settings(false).unwrap_err();
-            problems.iter().map(|p| p.to_string()).collect()
-        };
         let tail = "model: {architecture: m.ts}\ndata: {path: d.h5}\n";
         let both = problems(&format!(
             "run: {{dir: r}}\nruns: [{{name: a, dir: r}}]\n{tail}"
