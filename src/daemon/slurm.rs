@@ -28,10 +28,15 @@
 //! - **Caches.** Until one job has delivered a record (or the history has evaluations), one job
 //!   runs at a time: that first job computes the PFD caches in `<state_dir>/cache/`, and the
 //!   later ones read them instead of each computing them.
+//! - **Sweeps.** Each run of a sweep has its own runner ([`SlurmPool::start_lane`]): its own
+//!   journal, jobs folder and caches in its state folder, its own first job alone. The runs
+//!   share one `evaluation.max_in_flight` ([`SlurmPool`]): a run takes a slot per job in
+//!   flight, and runs waiting for one are served first come, first served, so a run with a
+//!   deep backlog cannot starve the others. Its jobs run `diffmon eval --run <name>`.
 //!
 //! No libtorch object lives in this executor: it only writes files and runs Slurm's commands.
 
-use super::executor::{ExecutorError, Outcome, unchanged};
+use super::executor::{ExecutorError, Lane, Outcome, unchanged};
 use crate::config::{Config, SlurmConfig};
 use crate::history::CheckpointKey;
 use crate::metrics::Metrics;
@@ -46,7 +51,7 @@ use std::io::{Read, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -187,6 +192,20 @@ struct Runner {
     index: usize,
     /// A record has come back (or the history has one): the caches exist.
     warm: bool,
+    /// The in-flight cap shared with the other runs of a sweep, this run's ticket in it and
+    /// the slots its jobs hold.
+    slots: Arc<Slots>,
+    ticket: u64,
+    held: usize,
+    /// The run's name in a sweep's config file (`diffmon eval --run`); `None` for one run.
+    sweep_run: Option<String>,
+}
+
+impl Drop for Runner {
+    fn drop(&mut self) {
+        self.slots.give_back(self.held);
+        self.slots.leave(self.ticket);
+    }
 }
 
 #[derive(Debug)]
@@ -207,6 +226,8 @@ struct Job {
     attempt: usize,
     folder: String,
     state: State,
+    /// Holds one of the shared slots (given back once the job is finished).
+    slot: bool,
 }
 
 impl Job {
@@ -221,12 +242,144 @@ impl super::executor::Executor for Slurm {
         work: Receiver<WorkItem>,
         outcomes: Sender<Outcome>,
     ) -> Result<JoinHandle<()>, ExecutorError> {
-        let mut runner = Runner::new(&self.config, self.metrics, self.evaluated_before)
-            .map_err(ExecutorError::Slurm)?;
-        std::thread::Builder::new()
-            .name("diffmon-slurm".into())
-            .spawn(move || runner.run(work, outcomes))
-            .map_err(ExecutorError::Spawn)
+        let pool = SlurmPool::new(self.config.evaluation.max_in_flight);
+        let runner = Runner::new(
+            &self.config,
+            self.metrics,
+            self.evaluated_before,
+            &pool,
+            None,
+        )
+        .map_err(ExecutorError::Slurm)?;
+        runner.spawn(work, outcomes)
+    }
+}
+
+/// The in-flight cap that the runs of a sweep share (`evaluation.max_in_flight`): one slot per
+/// job in flight, whichever run it belongs to. A run that wants a slot while none is free
+/// queues for one; the runs queued are served in the order they asked (see [`Slots::try_take`]).
+#[derive(Clone)]
+pub struct SlurmPool {
+    slots: Arc<Slots>,
+}
+
+impl SlurmPool {
+    /// A pool of `max_in_flight` slots.
+    pub fn new(max_in_flight: usize) -> SlurmPool {
+        SlurmPool {
+            slots: Arc::new(Slots::new(max_in_flight)),
+        }
+    }
+
+    /// Starts the runner of one run of a sweep on its own thread: its jobs run
+    /// `diffmon eval --run <name>` on the config file `lane.config.source`, and it takes its
+    /// slots from this pool. A lane may be started at any time, also while others run.
+    pub fn start_lane(
+        &self,
+        lane: Lane,
+        metrics: Arc<Metrics>,
+    ) -> Result<JoinHandle<()>, ExecutorError> {
+        let Lane {
+            config,
+            evaluated_before,
+            work,
+            outcomes,
+        } = lane;
+        let runner = Runner::new(
+            &config,
+            metrics,
+            evaluated_before,
+            self,
+            Some(config.run_name()),
+        )
+        .map_err(ExecutorError::Slurm)?;
+        runner.spawn(work, outcomes)
+    }
+}
+
+/// The shared slots: how many are taken, and the runs (by their ticket) waiting for one.
+struct Slots {
+    cap: usize,
+    state: Mutex<SlotState>,
+    freed: Condvar,
+}
+
+#[derive(Default)]
+struct SlotState {
+    used: usize,
+    /// Runs waiting for a slot, in the order they first asked.
+    waiting: VecDeque<u64>,
+    next_ticket: u64,
+}
+
+impl Slots {
+    fn new(cap: usize) -> Slots {
+        Slots {
+            cap: cap.max(1),
+            state: Mutex::new(SlotState::default()),
+            freed: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A ticket for a new run.
+    fn ticket(&self) -> u64 {
+        let mut s = self.lock();
+        s.next_ticket += 1;
+        s.next_ticket
+    }
+
+    /// Takes a slot for `ticket` if one is free for it: free slots go to the runs waiting
+    /// longest, so one is free for `ticket` when more are free than runs wait ahead of it.
+    /// Otherwise `ticket` waits (keeping its place) and this is false.
+    fn try_take(&self, ticket: u64) -> bool {
+        let mut s = self.lock();
+        let ahead = s
+            .waiting
+            .iter()
+            .position(|&t| t == ticket)
+            .unwrap_or(s.waiting.len());
+        if s.used + ahead < self.cap {
+            s.used += 1;
+            s.waiting.retain(|&t| t != ticket);
+            true
+        } else {
+            if !s.waiting.contains(&ticket) {
+                s.waiting.push_back(ticket);
+            }
+            false
+        }
+    }
+
+    /// Takes a slot even over the cap: a job adopted from an earlier start is in flight already.
+    fn take_anyway(&self) {
+        self.lock().used += 1;
+    }
+
+    /// Gives `n` slots back and wakes the runs waiting.
+    fn give_back(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let mut s = self.lock();
+        s.used = s.used.saturating_sub(n);
+        drop(s);
+        self.freed.notify_all();
+    }
+
+    /// `ticket` no longer waits (its run ended).
+    fn leave(&self, ticket: u64) {
+        self.lock().waiting.retain(|&t| t != ticket);
+        self.freed.notify_all();
+    }
+
+    /// Sleeps until a slot is given back, at most `timeout`.
+    fn wait(&self, timeout: Duration) {
+        let s = self.lock();
+        let _ = self.freed.wait_timeout(s, timeout);
     }
 }
 
@@ -252,13 +405,23 @@ fn job_name(run: &str, step: i64) -> String {
 }
 
 /// The script of one job.
-fn script(binary: &Path, config: &Path, folder: &Path, item: &WorkItem, index: usize) -> String {
+fn script(
+    binary: &Path,
+    config: &Path,
+    run: Option<&str>,
+    folder: &Path,
+    item: &WorkItem,
+    index: usize,
+) -> String {
     let dir = quoted(&folder.display().to_string());
+    let run = run
+        .map(|r| format!(" --run {}", quoted(r)))
+        .unwrap_or_default();
     format!(
         "#!/bin/sh\n\
          # diffmon watch: evaluation of step {step}\n\
          dir={dir}\n\
-         {bin} eval --json --failure-lines --evaluated-before {index} --config {config} -- {checkpoint} > \"$dir/record.json.tmp\"\n\
+         {bin} eval --json --failure-lines --evaluated-before {index} --config {config}{run} -- {checkpoint} > \"$dir/record.json.tmp\"\n\
          status=$?\n\
          mv -f \"$dir/record.json.tmp\" \"$dir/record.json\"\n\
          echo \"$status\" > \"$dir/status.tmp\" && mv -f \"$dir/status.tmp\" \"$dir/status\"\n\
@@ -392,6 +555,8 @@ impl Runner {
         config: &Config,
         metrics: Arc<Metrics>,
         evaluated_before: usize,
+        pool: &SlurmPool,
+        sweep_run: Option<String>,
     ) -> Result<Runner, SlurmError> {
         let state_dir = config.state_dir();
         let jobs_dir = state_dir.join(JOBS_DIR);
@@ -430,7 +595,22 @@ impl Runner {
             metrics,
             index: evaluated_before,
             warm: evaluated_before > 0,
+            slots: pool.slots.clone(),
+            ticket: pool.slots.ticket(),
+            held: 0,
+            sweep_run,
         })
+    }
+
+    fn spawn(
+        mut self,
+        work: Receiver<WorkItem>,
+        outcomes: Sender<Outcome>,
+    ) -> Result<JoinHandle<()>, ExecutorError> {
+        std::thread::Builder::new()
+            .name("diffmon-slurm".into())
+            .spawn(move || self.run(work, outcomes))
+            .map_err(ExecutorError::Spawn)
     }
 
     /// Appends a line to the journal and syncs it.
@@ -455,36 +635,73 @@ impl Runner {
         if self.warm { self.max_in_flight } else { 1 }
     }
 
+    /// This run's jobs in flight.
+    fn in_flight(jobs: &VecDeque<Job>) -> usize {
+        jobs.iter().filter(|j| j.queued()).count()
+    }
+
+    /// Gives back the slots of the jobs that are finished.
+    fn settle(&mut self, jobs: &mut VecDeque<Job>) {
+        for job in jobs.iter_mut().filter(|j| j.slot && !j.queued()) {
+            job.slot = false;
+            self.held -= 1;
+            self.slots.give_back(1);
+        }
+    }
+
     fn run(&mut self, work: Receiver<WorkItem>, outcomes: Sender<Outcome>) {
         let mut jobs: VecDeque<Job> = VecDeque::new();
+        // An item taken from the watcher that waits for a shared slot.
+        let mut pending: Option<WorkItem> = None;
         let mut open = true;
         loop {
-            // Take work while a slot is free.
-            while open
-                && jobs.iter().filter(|j| j.queued()).count() < self.limit()
+            // Take work while this run may have another job in flight and a slot is free.
+            while (open || pending.is_some())
+                && Self::in_flight(&jobs) < self.limit()
                 && jobs.len() < self.max_in_flight * 4 + 16
             {
-                let taken = if jobs.is_empty() {
-                    work.recv().map_err(|_| RecvTimeoutError::Disconnected)
-                } else {
-                    work.recv_timeout(Duration::from_millis(50))
-                };
-                match taken {
-                    Ok(item) => {
-                        let job = self.begin(item);
-                        jobs.push_back(job);
+                let item = match pending.take() {
+                    Some(item) => item,
+                    None => {
+                        let taken = if jobs.is_empty() {
+                            work.recv().map_err(|_| RecvTimeoutError::Disconnected)
+                        } else {
+                            work.recv_timeout(Duration::from_millis(50))
+                        };
+                        match taken {
+                            Ok(item) => item,
+                            Err(RecvTimeoutError::Disconnected) => {
+                                open = false;
+                                break;
+                            }
+                            Err(RecvTimeoutError::Timeout) => break,
+                        }
                     }
-                    Err(RecvTimeoutError::Disconnected) => open = false,
-                    Err(RecvTimeoutError::Timeout) => break,
+                };
+                if self.journaled.contains_key(&item.key) {
+                    // Adopted: in flight already, over the cap or not.
+                    self.slots.take_anyway();
+                } else if !self.slots.try_take(self.ticket) {
+                    pending = Some(item);
+                    break;
                 }
+                self.held += 1;
+                let job = self.begin(item);
+                jobs.push_back(job);
+                self.settle(&mut jobs);
             }
             if jobs.is_empty() {
+                if pending.is_some() {
+                    self.slots.wait(self.settings.poll);
+                    continue;
+                }
                 if open {
                     continue;
                 }
                 return;
             }
             self.poll(&mut jobs);
+            self.settle(&mut jobs);
             while let Some(State::Finished(_)) = jobs.front().map(|j| &j.state) {
                 let job = jobs.pop_front().expect("a front job");
                 let State::Finished(outcome) = job.state else {
@@ -495,16 +712,16 @@ impl Runner {
                 }
             }
             if jobs.iter().any(Job::queued) {
-                let free = jobs.iter().filter(|j| j.queued()).count() < self.limit();
-                if open && free {
+                let free = Self::in_flight(&jobs) < self.limit();
+                if open && free && pending.is_none() {
                     match work.recv_timeout(self.settings.poll) {
-                        Ok(item) => {
-                            let job = self.begin(item);
-                            jobs.push_back(job);
-                        }
+                        Ok(item) => pending = Some(item),
                         Err(RecvTimeoutError::Disconnected) => open = false,
                         Err(RecvTimeoutError::Timeout) => {}
                     }
+                } else if free && pending.is_some() {
+                    // Woken early when another run's job gives its slot back.
+                    self.slots.wait(self.settings.poll);
                 } else {
                     std::thread::sleep(self.settings.poll);
                 }
@@ -528,6 +745,7 @@ impl Runner {
                     since: Instant::now(),
                     running_since: None,
                 },
+                slot: true,
             };
             match &j.failed {
                 None => {
@@ -561,6 +779,7 @@ impl Runner {
                 since: Instant::now(),
                 running_since: None,
             },
+            slot: true,
         };
         self.submit(&mut job);
         job
@@ -611,6 +830,7 @@ impl Runner {
                     script(
                         &self.binary,
                         &self.config_file,
+                        self.sweep_run.as_deref(),
                         &folder,
                         &job.item,
                         job.index,
@@ -918,6 +1138,43 @@ mod tests {
                 .unwrap();
             assert_eq!(String::from_utf8_lossy(&out.stdout), text);
         }
+    }
+
+    /// The shared cap holds across runs; a slot given back goes to the run that has waited
+    /// longest, not to the one that asks again first (a deep backlog does not starve the
+    /// others); a run that leaves gives up its place.
+    #[test]
+    fn shared_slots_are_capped_and_served_first_come_first_served() {
+        let slots = Slots::new(2);
+        let (deep, a, b) = (slots.ticket(), slots.ticket(), slots.ticket());
+        assert!(slots.try_take(deep));
+        assert!(slots.try_take(deep));
+        assert!(!slots.try_take(deep), "over the cap");
+        assert!(!slots.try_take(a));
+        assert!(!slots.try_take(b));
+        slots.give_back(1);
+        // `deep` was refused before `a` and `b` were: its turn.
+        assert!(slots.try_take(deep), "deep queued first: its turn");
+        assert!(!slots.try_take(deep), "and now it waits behind a and b");
+        slots.give_back(1);
+        assert!(!slots.try_take(deep), "a waits longer");
+        assert!(!slots.try_take(b), "a waits longer");
+        assert!(slots.try_take(a));
+        slots.give_back(1);
+        assert!(!slots.try_take(deep), "b waits longer");
+        assert!(slots.try_take(b));
+        slots.give_back(2);
+        // Two free slots, `deep` alone waiting: it takes both.
+        assert!(slots.try_take(deep));
+        assert!(slots.try_take(deep));
+        // An adopted job counts over the cap; a run that leaves is no longer waited for.
+        slots.take_anyway();
+        assert!(!slots.try_take(a));
+        slots.leave(a);
+        slots.give_back(3);
+        assert!(slots.try_take(b), "a left: b is first");
+        assert!(slots.try_take(b));
+        assert!(!slots.try_take(b));
     }
 
     #[test]

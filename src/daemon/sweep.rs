@@ -1,13 +1,14 @@
 //! `diffmon watch` on a sweep (`runs` in the config; docs/design.md §19): per run, the pipeline
 //! of one daemon (its state lock, recorder, run state, sinks with its own alerter, stop file
 //! and webhooks, and watcher); shared, one evaluator thread fed round-robin
-//! ([`executor::start_shared`]), one HTTP server (every run's metrics under its `run` label)
+//! ([`executor::start_shared`]) or, on Slurm, one runner per run sharing the in-flight cap
+//! ([`super::slurm::SlurmPool`]), one HTTP server (every run's metrics under its `run` label)
 //! and one tokio runtime. A run's outcomes go to its own recorder only.
 
 use super::executor::{self, Lane, Outcome};
 use super::sinks::Sinks;
 use super::{OUTCOMES_BOUND, shutdown};
-use crate::config::Config;
+use crate::config::{Config, ExecutorKind};
 use crate::lock::StateLock;
 use crate::watcher::{Watcher, work_channel};
 use anyhow::{Context, Result};
@@ -34,6 +35,7 @@ pub fn run(config: Config) -> Result<()> {
     let mut lanes = Vec::new();
     let mut views = Vec::new();
     let mut pipelines = Vec::new();
+    let mut lane_metrics = Vec::new();
     for config in &runs {
         let run = config.run_name();
         let state_dir = config.state_dir();
@@ -51,6 +53,7 @@ pub fn run(config: Config) -> Result<()> {
             evaluated_before,
         } = opened;
         let metrics = view.metrics.clone();
+        lane_metrics.push(metrics.clone());
         views.push(view);
         let (work_tx, work_rx) = work_channel();
         let (outcome_tx, outcome_rx) = crossbeam_channel::bounded::<Outcome>(OUTCOMES_BOUND);
@@ -62,7 +65,25 @@ pub fn run(config: Config) -> Result<()> {
         });
         pipelines.push((config, recorder, published, metrics, work_tx, outcome_rx));
     }
-    let executor = executor::start_shared(lanes)?;
+    let executor = match config.evaluation.executor {
+        ExecutorKind::Local => executor::start_shared(lanes)?,
+        // A runner per run, sharing `evaluation.max_in_flight` (docs/design.md §18).
+        ExecutorKind::Slurm => {
+            let pool = super::slurm::SlurmPool::new(config.evaluation.max_in_flight);
+            let runners = lanes
+                .into_iter()
+                .zip(lane_metrics)
+                .map(|(lane, metrics)| pool.start_lane(lane, metrics))
+                .collect::<Result<Vec<_>, _>>()?;
+            std::thread::Builder::new()
+                .name("diffmon-slurm".into())
+                .spawn(move || {
+                    for r in runners {
+                        let _ = r.join();
+                    }
+                })?
+        }
+    };
 
     let (stop, stopped) = shutdown::stop_channel();
     let mut watchers = Vec::new();
