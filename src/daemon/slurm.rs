@@ -100,8 +100,11 @@ pub enum JournalLine {
         key: CheckpointKey,
         step: i64,
         attempt: usize,
-        /// The job's folder name under `jobs/` (also its Slurm comment).
+        /// The job's folder name under `jobs/` (also its Slurm comment, for a single job).
         folder: String,
+        /// A task of a job array: the array's Slurm comment and this task's index.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        array: Option<ArrayTask>,
     },
     /// `sbatch` answered with this id.
     Submitted { folder: String, job_id: String },
@@ -109,11 +112,20 @@ pub enum JournalLine {
     Failed { folder: String, reason: String },
 }
 
+/// A task of a job array: the array's comment (`array-<token>`) and the task's index
+/// (`$SLURM_ARRAY_TASK_ID`; its Slurm id is `<array id>_<index>`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArrayTask {
+    pub comment: String,
+    pub index: usize,
+}
+
 /// What the journal says about one checkpoint key: its latest attempt.
 #[derive(Debug, Clone, Default, PartialEq)]
 struct Journaled {
     attempt: usize,
     folder: String,
+    array: Option<ArrayTask>,
     job_id: Option<String>,
     failed: Option<String>,
 }
@@ -210,6 +222,9 @@ impl Drop for Runner {
 
 #[derive(Debug)]
 enum State {
+    /// Taken, holding a slot; submitted (alone or with others as an array) once the items
+    /// waiting now are taken.
+    Unsubmitted,
     /// Submitted as `job_id` (`None`: journaled, `sbatch`'s answer lost; looked up by comment).
     Queued {
         job_id: Option<String>,
@@ -228,11 +243,14 @@ struct Job {
     state: State,
     /// Holds one of the shared slots (given back once the job is finished).
     slot: bool,
+    /// The attempt is a task of a job array.
+    array: Option<ArrayTask>,
 }
 
 impl Job {
+    /// In flight: holds its slot.
     fn queued(&self) -> bool {
-        matches!(self.state, State::Queued { .. })
+        matches!(self.state, State::Queued { .. } | State::Unsubmitted)
     }
 }
 
@@ -496,6 +514,7 @@ fn read_journal(path: &Path) -> Result<HashMap<CheckpointKey, Journaled>, SlurmE
                 key,
                 attempt,
                 folder,
+                array,
                 ..
             } => {
                 by_folder.insert(folder.clone(), key.clone());
@@ -504,6 +523,7 @@ fn read_journal(path: &Path) -> Result<HashMap<CheckpointKey, Journaled>, SlurmE
                     Journaled {
                         attempt,
                         folder,
+                        array,
                         job_id: None,
                         failed: None,
                     },
@@ -548,6 +568,28 @@ pub fn submissions_per_step(state_dir: &Path) -> std::io::Result<HashMap<i64, us
         }
     }
     Ok(counts)
+}
+
+/// The Slurm ids journaled for each step, in order: what the tests look at (an array's tasks
+/// are `<id>_<index>`).
+pub fn job_ids_per_step(state_dir: &Path) -> std::io::Result<HashMap<i64, Vec<String>>> {
+    let text = read_bounded(&state_dir.join(JOURNAL))?;
+    let mut steps: HashMap<String, i64> = HashMap::new();
+    let mut ids: HashMap<i64, Vec<String>> = HashMap::new();
+    for line in text.lines() {
+        match serde_json::from_str(line) {
+            Ok(JournalLine::Submitting { step, folder, .. }) => {
+                steps.insert(folder, step);
+            }
+            Ok(JournalLine::Submitted { folder, job_id }) => {
+                if let Some(step) = steps.get(&folder) {
+                    ids.entry(*step).or_default().push(job_id);
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(ids)
 }
 
 impl Runner {
@@ -690,6 +732,8 @@ impl Runner {
                 jobs.push_back(job);
                 self.settle(&mut jobs);
             }
+            self.submit_taken(&mut jobs);
+            self.settle(&mut jobs);
             if jobs.is_empty() {
                 if pending.is_some() {
                     self.slots.wait(self.settings.poll);
@@ -746,6 +790,7 @@ impl Runner {
                     running_since: None,
                 },
                 slot: true,
+                array: j.array.clone(),
             };
             match &j.failed {
                 None => {
@@ -768,37 +813,52 @@ impl Runner {
             }
             return job;
         }
-        // `submit` sets the state.
-        let mut job = Job {
+        // Submitted by `submit_taken`, alone or in an array.
+        Job {
             item,
             index,
             attempt: 0,
             folder: String::new(),
-            state: State::Queued {
-                job_id: None,
-                since: Instant::now(),
-                running_since: None,
-            },
+            state: State::Unsubmitted,
             slot: true,
-        };
-        self.submit(&mut job);
-        job
+            array: None,
+        }
+    }
+
+    /// Submits the jobs taken since the last call: one alone as a job, several as one job
+    /// array.
+    fn submit_taken(&mut self, jobs: &mut VecDeque<Job>) {
+        let mut taken: Vec<&mut Job> = jobs
+            .iter_mut()
+            .filter(|j| matches!(j.state, State::Unsubmitted))
+            .collect();
+        match taken.len() {
+            0 => {}
+            1 => self.submit(taken[0]),
+            _ => self.submit_array(&mut taken),
+        }
     }
 
     /// An attempt journaled without its id: the queue's job whose comment is its folder, if
     /// any; else it was never submitted, and is now.
     fn find_by_comment(&mut self, job: &mut Job) {
         let out = Command::new("squeue")
-            .args(["-h", "--me", "-o", "%i|%k"])
+            .args(["-h", "--me", "-r", "-o", "%i|%k"])
             .output();
         let Some(out) = out.ok().filter(|o| o.status.success()) else {
             return; // Looked up again at the next poll (the job stays without an id).
         };
         let text = String::from_utf8_lossy(&out.stdout);
+        let comment = job.array.as_ref().map_or(&job.folder, |a| &a.comment);
         let found = text.lines().find_map(|l| {
-            let (id, comment) = l.split_once('|')?;
-            (comment.trim() == job.folder).then(|| id.trim().to_string())
+            let (id, c) = l.split_once('|')?;
+            (c.trim() == comment).then(|| id.trim().to_string())
         });
+        // Any task of the array gives the array's id; this task's is `<id>_<index>`.
+        let found = match (&job.array, found) {
+            (Some(a), Some(id)) => Some(format!("{}_{}", array_id(&id), a.index)),
+            (_, found) => found,
+        };
         match found {
             Some(id) => self.queued(job, id),
             None => {
@@ -808,17 +868,21 @@ impl Runner {
         }
     }
 
-    /// Writes the job's folder and script, journals the attempt and submits it. A submission
-    /// that fails is a job failure (retried like one).
-    fn submit(&mut self, job: &mut Job) {
-        let token = format!(
+    /// A fresh folder name's token: the time and this process.
+    fn token() -> String {
+        format!(
             "{:x}{:x}",
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_nanos())
                 .unwrap_or(0),
             std::process::id()
-        );
+        )
+    }
+
+    /// Creates the attempt's folder (named with `token`) and its script; on failure the job is
+    /// the checkpoint's failure and this is false.
+    fn prepare(&self, job: &mut Job, token: &str) -> bool {
         job.folder = format!("{}-{}-{token}", job.item.step, job.attempt);
         let folder = self.jobs_dir.join(&job.folder);
         let prepared = std::fs::DirBuilder::new()
@@ -844,21 +908,17 @@ impl Runner {
                 FailureReason::Error,
                 format!("cannot write the job's folder {}: {e}", folder.display()),
             ));
-            return;
+            return false;
         }
-        self.journal_surely(&JournalLine::Submitting {
-            key: job.item.key.clone(),
-            step: job.item.step,
-            attempt: job.attempt,
-            folder: job.folder.clone(),
-        });
+        true
+    }
+
+    /// Runs `sbatch` with this executor's options and `extra`, then `script`: the job's id,
+    /// or why there is none.
+    fn sbatch(&self, extra: &[String], script: &Path) -> Result<String, String> {
         let s = &self.settings;
         let mut cmd = Command::new("sbatch");
-        cmd.arg("--parsable")
-            .arg("--no-requeue")
-            .arg(format!("--job-name={}", job_name(&self.run, job.item.step)))
-            .arg(format!("--comment={}", job.folder))
-            .arg(format!("--output={}", folder.join("slurm.out").display()));
+        cmd.arg("--parsable").arg("--no-requeue").args(extra);
         for (flag, value) in [
             ("--partition", &s.partition),
             ("--account", &s.account),
@@ -869,9 +929,7 @@ impl Runner {
                 cmd.arg(format!("{flag}={v}"));
             }
         }
-        cmd.args(&s.sbatch_args)
-            .arg(folder.join("job.sh"))
-            .envs(&s.env);
+        cmd.args(&s.sbatch_args).arg(script).envs(&s.env);
         let answer = cmd.output();
         let id = match &answer {
             Ok(out) if out.status.success() => {
@@ -882,20 +940,124 @@ impl Runner {
             }
             _ => None,
         };
-        let Some(id) = id else {
-            let why = match answer {
-                Ok(out) => {
-                    crate::safe_fs::untrusted_text(String::from_utf8_lossy(&out.stderr).trim())
-                }
-                Err(e) => format!("cannot run sbatch: {e}"),
-            };
-            tracing::warn!(step = job.item.step, "sbatch failed: {why}");
-            self.ended(job, JobEnd::Failed, format!("sbatch failed: {why}"));
+        id.ok_or_else(|| match answer {
+            Ok(out) => crate::safe_fs::untrusted_text(String::from_utf8_lossy(&out.stderr).trim()),
+            Err(e) => format!("cannot run sbatch: {e}"),
+        })
+    }
+
+    /// Writes the job's folder and script, journals the attempt and submits it as a job of
+    /// its own. A submission that fails is a job failure (retried like one).
+    fn submit(&mut self, job: &mut Job) {
+        job.array = None;
+        if !self.prepare(job, &Self::token()) {
             return;
-        };
-        self.metrics.slurm_submitted();
-        tracing::info!(step = job.item.step, job = %id, attempt = job.attempt, "submitted to Slurm");
-        self.queued(job, id);
+        }
+        let folder = self.jobs_dir.join(&job.folder);
+        self.journal_surely(&JournalLine::Submitting {
+            key: job.item.key.clone(),
+            step: job.item.step,
+            attempt: job.attempt,
+            folder: job.folder.clone(),
+            array: None,
+        });
+        let extra = [
+            format!("--job-name={}", job_name(&self.run, job.item.step)),
+            format!("--comment={}", job.folder),
+            format!("--output={}", folder.join("slurm.out").display()),
+        ];
+        match self.sbatch(&extra, &folder.join("job.sh")) {
+            Ok(id) => {
+                self.metrics.slurm_submitted();
+                tracing::info!(step = job.item.step, job = %id, attempt = job.attempt, "submitted to Slurm");
+                self.queued(job, id);
+            }
+            Err(why) => {
+                tracing::warn!(step = job.item.step, "sbatch failed: {why}");
+                self.ended(job, JobEnd::Failed, format!("sbatch failed: {why}"));
+            }
+        }
+    }
+
+    /// Submits `jobs` as one job array (`--array=0-<k-1>`): task `i` runs the script in the
+    /// folder of `jobs[i]`, each journaled as a task of the array (comment `array-<token>`)
+    /// and then with its id `<array id>_<i>`. A submission that fails is each job's failure
+    /// (each retried alone).
+    fn submit_array(&mut self, jobs: &mut [&mut Job]) {
+        let token = Self::token();
+        let comment = format!("array-{token}");
+        let mut tasks: Vec<&mut Job> = Vec::new();
+        for job in jobs.iter_mut() {
+            if self.prepare(job, &token) {
+                tasks.push(job);
+            }
+        }
+        if tasks.is_empty() {
+            return;
+        }
+        // The driver, in the first task's folder: each task runs its own folder's script,
+        // its output in that folder's `slurm.out`.
+        let first = self.jobs_dir.join(&tasks[0].folder);
+        let mut driver = String::from(
+            "#!/bin/sh\n# diffmon watch: a job array\ncase \"$SLURM_ARRAY_TASK_ID\" in\n",
+        );
+        for (i, job) in tasks.iter().enumerate() {
+            let dir = self.jobs_dir.join(&job.folder);
+            driver += &format!(
+                "{i}) exec /bin/sh {} > {} 2>&1 ;;\n",
+                quoted(&dir.join("job.sh").display().to_string()),
+                quoted(&dir.join("slurm.out").display().to_string()),
+            );
+        }
+        driver += "*) echo \"no task $SLURM_ARRAY_TASK_ID\" >&2; exit 1 ;;\nesac\n";
+        if let Err(e) = crate::safe_fs::atomic_write(&first.join("array.sh"), driver.as_bytes()) {
+            for job in tasks {
+                job.state = State::Finished(Outcome::Failed(
+                    job.item.clone(),
+                    FailureReason::Error,
+                    format!(
+                        "cannot write the job array's script in {}: {e}",
+                        first.display()
+                    ),
+                ));
+            }
+            return;
+        }
+        for (index, job) in tasks.iter_mut().enumerate() {
+            job.array = Some(ArrayTask {
+                comment: comment.clone(),
+                index,
+            });
+            self.journal_surely(&JournalLine::Submitting {
+                key: job.item.key.clone(),
+                step: job.item.step,
+                attempt: job.attempt,
+                folder: job.folder.clone(),
+                array: job.array.clone(),
+            });
+        }
+        let (low, high) = (tasks[0].item.step, tasks[tasks.len() - 1].item.step);
+        let extra = [
+            format!("--array=0-{}", tasks.len() - 1),
+            format!("--job-name={}-{high}", job_name(&self.run, low)),
+            format!("--comment={comment}"),
+            format!("--output={}", first.join("array-%a.out").display()),
+        ];
+        match self.sbatch(&extra, &first.join("array.sh")) {
+            Ok(id) => {
+                tracing::info!(steps = %format!("{low}..{high}"), job = %id, tasks = tasks.len(), "submitted to Slurm as a job array");
+                for (index, job) in tasks.into_iter().enumerate() {
+                    self.metrics.slurm_submitted();
+                    self.queued(job, format!("{id}_{index}"));
+                }
+            }
+            Err(why) => {
+                tracing::warn!(steps = %format!("{low}..{high}"), "sbatch of a job array failed: {why}");
+                for job in tasks {
+                    self.ended(job, JobEnd::Failed, format!("sbatch failed: {why}"));
+                }
+            }
+        }
     }
 
     /// The job has Slurm id `id` (from `sbatch`, or found in the queue): journaled, then queued.
@@ -950,7 +1112,7 @@ impl Runner {
         }
         // The queue first, then the files: a job gone from the queue wrote its status before.
         let queue: Option<HashMap<String, String>> = Command::new("squeue")
-            .args(["-h", "--me", "-o", "%i|%T"])
+            .args(["-h", "--me", "-r", "-o", "%i|%T"])
             .output()
             .ok()
             .filter(|o| o.status.success())
@@ -958,7 +1120,11 @@ impl Runner {
                 String::from_utf8_lossy(&o.stdout)
                     .lines()
                     .filter_map(|l| l.split_once('|'))
-                    .map(|(i, s)| (i.trim().to_string(), s.trim().to_string()))
+                    .flat_map(|(i, s)| {
+                        queue_ids(i.trim())
+                            .into_iter()
+                            .map(move |i| (i, s.trim().to_string()))
+                    })
                     .collect()
             });
         if queue.is_none() {
@@ -1097,6 +1263,40 @@ impl Runner {
     }
 }
 
+/// Bound on the tasks read from one line of `squeue` (`<id>_[0-99999]`).
+const MAX_QUEUE_TASKS: usize = 100_000;
+
+/// The job ids one `squeue` id stands for: itself, or for the pending tasks of an array that
+/// `squeue` shows as one line, `<id>_[0-3,7%2]`, each task's `<id>_<index>` (the `%` limit
+/// dropped).
+fn queue_ids(id: &str) -> Vec<String> {
+    let Some((base, rest)) = id.split_once("_[") else {
+        return vec![id.to_string()];
+    };
+    let ranges = rest.trim_end_matches(']');
+    let ranges = ranges.split('%').next().unwrap_or("");
+    let mut ids = Vec::new();
+    for part in ranges.split(',') {
+        let (low, high) = part.split_once('-').unwrap_or((part, part));
+        let (Ok(low), Ok(high)) = (low.trim().parse::<usize>(), high.trim().parse::<usize>())
+        else {
+            continue;
+        };
+        for index in low..=high.min(low.saturating_add(MAX_QUEUE_TASKS)) {
+            if ids.len() >= MAX_QUEUE_TASKS {
+                return ids;
+            }
+            ids.push(format!("{base}_{index}"));
+        }
+    }
+    ids
+}
+
+/// The array's own id in a task's id (`<id>_<index>`, `<id>_[0-3]`), or the job's id.
+fn array_id(id: &str) -> &str {
+    id.split('_').next().unwrap_or(id)
+}
+
 /// The reason and message of `diffmon eval --failure-lines`'s failure line in `text`.
 fn failure_line(text: &str) -> Option<(FailureReason, String)> {
     let v: serde_json::Value = serde_json::from_str(text.lines().next()?).ok()?;
@@ -1177,6 +1377,21 @@ mod tests {
         assert!(!slots.try_take(b));
     }
 
+    /// `squeue`'s ids: a job, a running task, and pending tasks folded into one line (with a
+    /// limit of tasks at once), each task as `<id>_<index>`; the array's id of a task.
+    #[test]
+    fn queue_ids_expand_an_arrays_pending_tasks() {
+        assert_eq!(queue_ids("41"), ["41"]);
+        assert_eq!(queue_ids("42_3"), ["42_3"]);
+        assert_eq!(queue_ids("42_[0-3]"), ["42_0", "42_1", "42_2", "42_3"]);
+        assert_eq!(queue_ids("42_[1,4-5%2]"), ["42_1", "42_4", "42_5"]);
+        assert_eq!(queue_ids("42_[x-y]"), Vec::<String>::new());
+        assert_eq!(queue_ids("42_[0-99999999999]").len(), MAX_QUEUE_TASKS);
+        assert_eq!(array_id("42_3"), "42");
+        assert_eq!(array_id("42_[0-3]"), "42");
+        assert_eq!(array_id("41"), "41");
+    }
+
     #[test]
     fn job_names_keep_to_safe_characters() {
         assert_eq!(job_name("run 1/x", 300), "diffmon-run_1_x-300");
@@ -1199,6 +1414,7 @@ mod tests {
                 step: 1,
                 attempt: 0,
                 folder: "1-0-a".into(),
+                array: None,
             },
             JournalLine::Submitted {
                 folder: "1-0-a".into(),
@@ -1213,6 +1429,7 @@ mod tests {
                 step: 1,
                 attempt: 1,
                 folder: "1-1-b".into(),
+                array: None,
             },
             JournalLine::Submitted {
                 folder: "1-1-b".into(),
@@ -1223,6 +1440,10 @@ mod tests {
                 step: 2,
                 attempt: 0,
                 folder: "2-0-c".into(),
+                array: Some(ArrayTask {
+                    comment: "array-c".into(),
+                    index: 1,
+                }),
             },
         ];
         let mut text: String = lines
@@ -1237,11 +1458,19 @@ mod tests {
             Journaled {
                 attempt: 1,
                 folder: "1-1-b".into(),
+                array: None,
                 job_id: Some("8".into()),
                 failed: None
             }
         );
         assert_eq!(map[&key(2)].job_id, None);
+        assert_eq!(
+            map[&key(2)].array,
+            Some(ArrayTask {
+                comment: "array-c".into(),
+                index: 1
+            })
+        );
         let counts = submissions_per_step(dir.path()).unwrap();
         assert_eq!((counts[&1], counts[&2]), (2, 1));
         std::fs::write(&path, format!("garbage\n{text}")).unwrap();

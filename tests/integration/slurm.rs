@@ -283,6 +283,13 @@ fn cancelled_timed_out_and_orphaned_jobs_lose_nothing_and_duplicate_nothing() {
         journal(dir).0 == [1, 3, 4]
     });
     assert!(d.log().contains("adopting the Slurm job"), "{}", d.log());
+    // Taken together, steps 3 and 4 went as the two tasks of one array, adopted as such.
+    let ids = diffmon::daemon::slurm::job_ids_per_step(&dir.join(".diffmon")).unwrap();
+    let (three, four) = (&ids[&3], &ids[&4]);
+    assert_eq!((three.len(), four.len()), (1, 1), "{ids:?}");
+    let array = |id: &str| id.split_once('_').map(|x| x.0.to_string());
+    assert!(array(&three[0]).is_some(), "{ids:?}");
+    assert_eq!(array(&three[0]), array(&four[0]), "{ids:?}");
 
     // slurmd stopped and started again under a running job.
     fs::write(&gate, "").unwrap();
@@ -378,7 +385,8 @@ fn write_sweep(at: &Path, port: u16, executor: &str) -> PathBuf {
 /// evaluates every checkpoint of each run exactly once, by jobs of that run (its journal, its
 /// jobs folder, `diffmon eval --run`), and each run's records equal (1e-12 relative) those the
 /// local executor gives for it; the runs' data differ, so a job evaluating the wrong run would
-/// show.
+/// show. The checkpoints wait from the start: once a run's first job has filled its caches,
+/// the next ones go as one job array (task ids `<id>_<index>`).
 #[test]
 fn a_sweep_on_slurm_evaluates_each_run_once_as_the_local_executor_would() {
     let Some(cluster) = Cluster::start() else {
@@ -389,12 +397,13 @@ fn a_sweep_on_slurm_evaluates_each_run_once_as_the_local_executor_would() {
     for (at, executor) in [
         (
             slurm.path(),
-            "evaluation: {executor: slurm, max_in_flight: 2, slurm: {poll_secs: 0.5}}\n",
+            "evaluation: {executor: slurm, max_in_flight: 4, slurm: {poll_secs: 0.5}}\n",
         ),
         (local.path(), ""),
     ] {
         let port = free_port();
         let config = write_sweep(at, port, executor);
+        let mut array_tasks = 0;
         let d = daemon(&cluster, config, port);
         d.wait_for(Duration::from_secs(300), "four outcomes per run", |_| {
             ["ra", "rb"]
@@ -424,6 +433,13 @@ fn a_sweep_on_slurm_evaluates_each_run_once_as_the_local_executor_would() {
                     Some(4.0),
                     "{run}"
                 );
+                let ids = diffmon::daemon::slurm::job_ids_per_step(&dir.join(".diffmon")).unwrap();
+                assert_eq!(ids[&1].len(), 1);
+                assert!(
+                    !ids[&1][0].contains('_'),
+                    "the first job runs alone: {ids:?}"
+                );
+                array_tasks += ids.values().flatten().filter(|i| i.contains('_')).count();
                 let scripts: Vec<String> = fs::read_dir(dir.join(".diffmon/jobs"))
                     .unwrap()
                     .map(|e| fs::read_to_string(e.unwrap().path().join("job.sh")).unwrap())
@@ -433,6 +449,9 @@ fn a_sweep_on_slurm_evaluates_each_run_once_as_the_local_executor_would() {
                     assert!(s.contains(&format!("--run '{run}'")), "{s}");
                 }
             }
+        }
+        if !executor.is_empty() {
+            assert!(array_tasks >= 2, "no job array was submitted");
         }
         records.push(per_run);
     }
