@@ -15,6 +15,11 @@
 //!   offered the unrecorded checkpoints again and adopts their journaled jobs instead of
 //!   submitting new ones; an attempt journaled without an id (the daemon died during `sbatch`)
 //!   is looked up in the queue by the folder name, which every job carries as its comment.
+//! - **Arrays.** Items taken together (several waiting, as many slots free) go as one job
+//!   array (`sbatch --array=0-<k-1>`, at most [`MAX_ARRAY_TASKS`] tasks): each task has its
+//!   attempt folder and journal lines as a single job does (`submitting` names the array's
+//!   comment and the task's index, `submitted` the task's id `<id>_<index>`); the driver
+//!   `array.sh` in the first task's folder runs the task's `job.sh`. A retry is a job alone.
 //! - **Order.** Outcomes are handed on in the order the items were taken (the watcher's order,
 //!   the lowest step first): a finished job waits for the earlier ones, so the detector sees
 //!   the sequence the local executor gives.
@@ -61,6 +66,8 @@ pub const JOURNAL: &str = "jobs.jsonl";
 pub const JOBS_DIR: &str = "jobs";
 /// Bound on what is read of a job's record or status file.
 const MAX_RESULT_BYTES: u64 = 16 << 20;
+/// Most tasks in one job array (Slurm's default `MaxArraySize` is 1001).
+const MAX_ARRAY_TASKS: usize = 1000;
 /// Bound on the journal read at start.
 const MAX_JOURNAL_BYTES: u64 = 256 << 20;
 
@@ -832,10 +839,12 @@ impl Runner {
             .iter_mut()
             .filter(|j| matches!(j.state, State::Unsubmitted))
             .collect();
-        match taken.len() {
-            0 => {}
-            1 => self.submit(taken[0]),
-            _ => self.submit_array(&mut taken),
+        for chunk in taken.chunks_mut(MAX_ARRAY_TASKS) {
+            match chunk.len() {
+                0 => {}
+                1 => self.submit(chunk[0]),
+                _ => self.submit_array(chunk),
+            }
         }
     }
 
