@@ -10,12 +10,16 @@ use std::path::{Path, PathBuf};
 /// `diffmon eval`.
 pub fn eval(
     config_path: &Path,
+    run: Option<&str>,
     checkpoints: &[PathBuf],
     json: bool,
     evaluated_before: usize,
     failure_lines: bool,
 ) -> Result<()> {
-    let mut config = Config::load_without_secrets(config_path)?;
+    let config = Config::load_without_secrets(config_path)?;
+    let mut config = select_run(config, run).map_err(|message| {
+        anyhow::anyhow!("{message} (--run, config {})", config_path.display())
+    })?;
     config.imply_memorization();
     let steps = checkpoints
         .iter()
@@ -81,6 +85,36 @@ pub fn eval(
     Ok(())
 }
 
+/// The settings of the run named `run`: of a sweep, the entry of `runs` with that name
+/// (required when it lists several); of a single run, its own, if `run` names it.
+fn select_run(config: Config, run: Option<&str>) -> Result<Config, String> {
+    let runs = config.runs();
+    let names = || {
+        runs.iter()
+            .map(|c| format!("`{}`", c.run_name()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let Some(name) = run else {
+        if runs.len() > 1 {
+            return Err(format!(
+                "the config is a sweep of {} runs: name the one to evaluate with ({})",
+                runs.len(),
+                names()
+            ));
+        }
+        return Ok(runs.into_iter().next().unwrap_or(config));
+    };
+    match runs.iter().position(|c| c.run_name() == name) {
+        Some(i) => Ok(runs.into_iter().nth(i).expect("found above")),
+        None => Err(format!(
+            "no run is named `{}`; the config's runs: {}",
+            name.escape_debug(),
+            names()
+        )),
+    }
+}
+
 /// The noise-level sweep as a table, the sigma of lowest ICR (the semantic window) marked.
 pub fn sweep_table(sweep: &[crate::record::SweepPoint]) -> String {
     let best = sweep.iter().map(|p| p.icr).fold(f64::INFINITY, f64::min);
@@ -91,4 +125,58 @@ pub fn sweep_table(sweep: &[crate::record::SweepPoint]) -> String {
         table += &format!("  {:>7.4}  {:>9.5}  {se:>8}{mark}\n", p.sigma, p.icr);
     }
     table
+}
+
+#[cfg(test)]
+mod select_tests {
+    use super::*;
+
+    /// A sweep's run is chosen by name (required with several runs, an unknown one is an error
+    /// listing the names); a single run's config takes its own name or none.
+    #[test]
+    fn the_run_is_selected_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["m.ts", "a.h5", "b.h5"] {
+            std::fs::write(dir.path().join(f), b"").unwrap();
+        }
+        let d = dir.path().display();
+        let sweep = format!(
+            "model: {{architecture: {d}/m.ts}}\ndevice: cpu\ndata: {{path: {d}/a.h5}}\n\
+             runs:\n  - {{name: ra, dir: {d}/ra}}\n  - {{name: rb, dir: {d}/rb, data: {{path: {d}/b.h5}}}}\n"
+        );
+        let config = crate::config::ConfigFile::parse(&sweep, "s.yaml")
+            .unwrap()
+            .settings(false)
+            .unwrap();
+        let rb = select_run(config.clone(), Some("rb")).unwrap();
+        assert_eq!(rb.run_name(), "rb");
+        assert_eq!(rb.data.path, dir.path().join("b.h5"));
+        assert_eq!(
+            select_run(config.clone(), Some("ra")).unwrap().data.path,
+            dir.path().join("a.h5")
+        );
+        let e = select_run(config.clone(), Some("rc")).unwrap_err();
+        assert!(e.contains("`rc`") && e.contains("`ra`, `rb`"), "{e}");
+        let e = select_run(config, None).unwrap_err();
+        assert!(
+            e.contains("sweep of 2 runs") && e.contains("`ra`, `rb`"),
+            "{e}"
+        );
+
+        let single = format!(
+            "run: {{dir: {d}/ra, name: one}}\nmodel: {{architecture: {d}/m.ts}}\ndevice: cpu\n\
+             data: {{path: {d}/a.h5}}\n"
+        );
+        let config = crate::config::ConfigFile::parse(&single, "s.yaml")
+            .unwrap()
+            .settings(false)
+            .unwrap();
+        assert_eq!(select_run(config.clone(), None).unwrap().run_name(), "one");
+        assert_eq!(
+            select_run(config.clone(), Some("one")).unwrap().run_name(),
+            "one"
+        );
+        let e = select_run(config, Some("two")).unwrap_err();
+        assert!(e.contains("`two`") && e.contains("`one`"), "{e}");
+    }
 }

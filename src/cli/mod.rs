@@ -87,6 +87,10 @@ pub enum Command {
         /// One JSON object per line instead of a table.
         #[arg(long)]
         json: bool,
+        /// The run of a sweep config (`runs`) whose settings evaluate the checkpoints, by its
+        /// name (needed for a sweep of several runs); for a single-run config, its run's name.
+        #[arg(long, value_name = "NAME")]
+        run: Option<String>,
         /// Checkpoints of the run evaluated before these (for `pfd.every`'s rhythm; the Slurm
         /// executor's jobs pass it).
         #[arg(long, default_value_t = 0, hide = true)]
@@ -433,10 +437,12 @@ pub fn run(command: Command) -> Result<()> {
             config,
             checkpoints,
             json,
+            run,
             evaluated_before,
             failure_lines,
         } => eval(
             &config,
+            run.as_deref(),
             &checkpoints,
             json,
             evaluated_before,

@@ -1350,7 +1350,14 @@ impl Config {
         if self.sweep.is_empty() && self.runs_glob.is_none() {
             vec![self.clone()]
         } else {
-            self.sweep.clone()
+            // Each from the one config file (the Slurm executor's jobs read it).
+            self.sweep
+                .iter()
+                .map(|c| Config {
+                    source: self.source.clone(),
+                    ..c.clone()
+                })
+                .collect()
         }
     }
 }
@@ -1464,13 +1471,6 @@ impl ConfigFile {
             entries.len() <= MAX_RUNS,
             "runs",
             format!("lists {} runs; at most {MAX_RUNS}", entries.len()),
-        );
-        // The Slurm executor serves one run: its jobs read the daemon's config file, which
-        // holds the whole sweep, and it takes one stream of work, not one per run.
-        v.check(
-            self.evaluation.executor != ExecutorKind::Slurm,
-            "evaluation.executor",
-            "`slurm` cannot run a sweep yet (`runs`): use `local`, or one daemon per run",
         );
         let mut configs = Vec::new();
         for (i, entry) in entries.iter().enumerate().take(MAX_RUNS) {

@@ -15,6 +15,11 @@
 //!   offered the unrecorded checkpoints again and adopts their journaled jobs instead of
 //!   submitting new ones; an attempt journaled without an id (the daemon died during `sbatch`)
 //!   is looked up in the queue by the folder name, which every job carries as its comment.
+//! - **Arrays.** Items taken together (several waiting, as many slots free) go as one job
+//!   array (`sbatch --array=0-<k-1>`, at most [`MAX_ARRAY_TASKS`] tasks): each task has its
+//!   attempt folder and journal lines as a single job does (`submitting` names the array's
+//!   comment and the task's index, `submitted` the task's id `<id>_<index>`); the driver
+//!   `array.sh` in the first task's folder runs the task's `job.sh`. A retry is a job alone.
 //! - **Order.** Outcomes are handed on in the order the items were taken (the watcher's order,
 //!   the lowest step first): a finished job waits for the earlier ones, so the detector sees
 //!   the sequence the local executor gives.
@@ -28,10 +33,15 @@
 //! - **Caches.** Until one job has delivered a record (or the history has evaluations), one job
 //!   runs at a time: that first job computes the PFD caches in `<state_dir>/cache/`, and the
 //!   later ones read them instead of each computing them.
+//! - **Sweeps.** Each run of a sweep has its own runner ([`SlurmPool::start_lane`]): its own
+//!   journal, jobs folder and caches in its state folder, its own first job alone. The runs
+//!   share one `evaluation.max_in_flight` ([`SlurmPool`]): a run takes a slot per job in
+//!   flight, and runs waiting for one are served first come, first served, so a run with a
+//!   deep backlog cannot starve the others. Its jobs run `diffmon eval --run <name>`.
 //!
 //! No libtorch object lives in this executor: it only writes files and runs Slurm's commands.
 
-use super::executor::{ExecutorError, Outcome, unchanged};
+use super::executor::{ExecutorError, Lane, Outcome, unchanged};
 use crate::config::{Config, SlurmConfig};
 use crate::history::CheckpointKey;
 use crate::metrics::Metrics;
@@ -46,7 +56,7 @@ use std::io::{Read, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -56,6 +66,8 @@ pub const JOURNAL: &str = "jobs.jsonl";
 pub const JOBS_DIR: &str = "jobs";
 /// Bound on what is read of a job's record or status file.
 const MAX_RESULT_BYTES: u64 = 16 << 20;
+/// Most tasks in one job array (Slurm's default `MaxArraySize` is 1001).
+const MAX_ARRAY_TASKS: usize = 1000;
 /// Bound on the journal read at start.
 const MAX_JOURNAL_BYTES: u64 = 256 << 20;
 
@@ -95,8 +107,11 @@ pub enum JournalLine {
         key: CheckpointKey,
         step: i64,
         attempt: usize,
-        /// The job's folder name under `jobs/` (also its Slurm comment).
+        /// The job's folder name under `jobs/` (also its Slurm comment, for a single job).
         folder: String,
+        /// A task of a job array: the array's Slurm comment and this task's index.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        array: Option<ArrayTask>,
     },
     /// `sbatch` answered with this id.
     Submitted { folder: String, job_id: String },
@@ -104,11 +119,20 @@ pub enum JournalLine {
     Failed { folder: String, reason: String },
 }
 
+/// A task of a job array: the array's comment (`array-<token>`) and the task's index
+/// (`$SLURM_ARRAY_TASK_ID`; its Slurm id is `<array id>_<index>`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArrayTask {
+    pub comment: String,
+    pub index: usize,
+}
+
 /// What the journal says about one checkpoint key: its latest attempt.
 #[derive(Debug, Clone, Default, PartialEq)]
 struct Journaled {
     attempt: usize,
     folder: String,
+    array: Option<ArrayTask>,
     job_id: Option<String>,
     failed: Option<String>,
 }
@@ -187,10 +211,27 @@ struct Runner {
     index: usize,
     /// A record has come back (or the history has one): the caches exist.
     warm: bool,
+    /// The in-flight cap shared with the other runs of a sweep, this run's ticket in it and
+    /// the slots its jobs hold.
+    slots: Arc<Slots>,
+    ticket: u64,
+    held: usize,
+    /// The run's name in a sweep's config file (`diffmon eval --run`); `None` for one run.
+    sweep_run: Option<String>,
+}
+
+impl Drop for Runner {
+    fn drop(&mut self) {
+        self.slots.give_back(self.held);
+        self.slots.leave(self.ticket);
+    }
 }
 
 #[derive(Debug)]
 enum State {
+    /// Taken, holding a slot; submitted (alone or with others as an array) once the items
+    /// waiting now are taken.
+    Unsubmitted,
     /// Submitted as `job_id` (`None`: journaled, `sbatch`'s answer lost; looked up by comment).
     Queued {
         job_id: Option<String>,
@@ -207,11 +248,16 @@ struct Job {
     attempt: usize,
     folder: String,
     state: State,
+    /// Holds one of the shared slots (given back once the job is finished).
+    slot: bool,
+    /// The attempt is a task of a job array.
+    array: Option<ArrayTask>,
 }
 
 impl Job {
+    /// In flight: holds its slot.
     fn queued(&self) -> bool {
-        matches!(self.state, State::Queued { .. })
+        matches!(self.state, State::Queued { .. } | State::Unsubmitted)
     }
 }
 
@@ -221,12 +267,144 @@ impl super::executor::Executor for Slurm {
         work: Receiver<WorkItem>,
         outcomes: Sender<Outcome>,
     ) -> Result<JoinHandle<()>, ExecutorError> {
-        let mut runner = Runner::new(&self.config, self.metrics, self.evaluated_before)
-            .map_err(ExecutorError::Slurm)?;
-        std::thread::Builder::new()
-            .name("diffmon-slurm".into())
-            .spawn(move || runner.run(work, outcomes))
-            .map_err(ExecutorError::Spawn)
+        let pool = SlurmPool::new(self.config.evaluation.max_in_flight);
+        let runner = Runner::new(
+            &self.config,
+            self.metrics,
+            self.evaluated_before,
+            &pool,
+            None,
+        )
+        .map_err(ExecutorError::Slurm)?;
+        runner.spawn(work, outcomes)
+    }
+}
+
+/// The in-flight cap that the runs of a sweep share (`evaluation.max_in_flight`): one slot per
+/// job in flight, whichever run it belongs to. A run that wants a slot while none is free
+/// queues for one; the runs queued are served in the order they asked (see [`Slots::try_take`]).
+#[derive(Clone)]
+pub struct SlurmPool {
+    slots: Arc<Slots>,
+}
+
+impl SlurmPool {
+    /// A pool of `max_in_flight` slots.
+    pub fn new(max_in_flight: usize) -> SlurmPool {
+        SlurmPool {
+            slots: Arc::new(Slots::new(max_in_flight)),
+        }
+    }
+
+    /// Starts the runner of one run of a sweep on its own thread: its jobs run
+    /// `diffmon eval --run <name>` on the config file `lane.config.source`, and it takes its
+    /// slots from this pool. A lane may be started at any time, also while others run.
+    pub fn start_lane(
+        &self,
+        lane: Lane,
+        metrics: Arc<Metrics>,
+    ) -> Result<JoinHandle<()>, ExecutorError> {
+        let Lane {
+            config,
+            evaluated_before,
+            work,
+            outcomes,
+        } = lane;
+        let runner = Runner::new(
+            &config,
+            metrics,
+            evaluated_before,
+            self,
+            Some(config.run_name()),
+        )
+        .map_err(ExecutorError::Slurm)?;
+        runner.spawn(work, outcomes)
+    }
+}
+
+/// The shared slots: how many are taken, and the runs (by their ticket) waiting for one.
+struct Slots {
+    cap: usize,
+    state: Mutex<SlotState>,
+    freed: Condvar,
+}
+
+#[derive(Default)]
+struct SlotState {
+    used: usize,
+    /// Runs waiting for a slot, in the order they first asked.
+    waiting: VecDeque<u64>,
+    next_ticket: u64,
+}
+
+impl Slots {
+    fn new(cap: usize) -> Slots {
+        Slots {
+            cap: cap.max(1),
+            state: Mutex::new(SlotState::default()),
+            freed: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A ticket for a new run.
+    fn ticket(&self) -> u64 {
+        let mut s = self.lock();
+        s.next_ticket += 1;
+        s.next_ticket
+    }
+
+    /// Takes a slot for `ticket` if one is free for it: free slots go to the runs waiting
+    /// longest, so one is free for `ticket` when more are free than runs wait ahead of it.
+    /// Otherwise `ticket` waits (keeping its place) and this is false.
+    fn try_take(&self, ticket: u64) -> bool {
+        let mut s = self.lock();
+        let ahead = s
+            .waiting
+            .iter()
+            .position(|&t| t == ticket)
+            .unwrap_or(s.waiting.len());
+        if s.used + ahead < self.cap {
+            s.used += 1;
+            s.waiting.retain(|&t| t != ticket);
+            true
+        } else {
+            if !s.waiting.contains(&ticket) {
+                s.waiting.push_back(ticket);
+            }
+            false
+        }
+    }
+
+    /// Takes a slot even over the cap: a job adopted from an earlier start is in flight already.
+    fn take_anyway(&self) {
+        self.lock().used += 1;
+    }
+
+    /// Gives `n` slots back and wakes the runs waiting.
+    fn give_back(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let mut s = self.lock();
+        s.used = s.used.saturating_sub(n);
+        drop(s);
+        self.freed.notify_all();
+    }
+
+    /// `ticket` no longer waits (its run ended).
+    fn leave(&self, ticket: u64) {
+        self.lock().waiting.retain(|&t| t != ticket);
+        self.freed.notify_all();
+    }
+
+    /// Sleeps until a slot is given back, at most `timeout`.
+    fn wait(&self, timeout: Duration) {
+        let s = self.lock();
+        let _ = self.freed.wait_timeout(s, timeout);
     }
 }
 
@@ -252,13 +430,23 @@ fn job_name(run: &str, step: i64) -> String {
 }
 
 /// The script of one job.
-fn script(binary: &Path, config: &Path, folder: &Path, item: &WorkItem, index: usize) -> String {
+fn script(
+    binary: &Path,
+    config: &Path,
+    run: Option<&str>,
+    folder: &Path,
+    item: &WorkItem,
+    index: usize,
+) -> String {
     let dir = quoted(&folder.display().to_string());
+    let run = run
+        .map(|r| format!(" --run {}", quoted(r)))
+        .unwrap_or_default();
     format!(
         "#!/bin/sh\n\
          # diffmon watch: evaluation of step {step}\n\
          dir={dir}\n\
-         {bin} eval --json --failure-lines --evaluated-before {index} --config {config} -- {checkpoint} > \"$dir/record.json.tmp\"\n\
+         {bin} eval --json --failure-lines --evaluated-before {index} --config {config}{run} -- {checkpoint} > \"$dir/record.json.tmp\"\n\
          status=$?\n\
          mv -f \"$dir/record.json.tmp\" \"$dir/record.json\"\n\
          echo \"$status\" > \"$dir/status.tmp\" && mv -f \"$dir/status.tmp\" \"$dir/status\"\n\
@@ -333,6 +521,7 @@ fn read_journal(path: &Path) -> Result<HashMap<CheckpointKey, Journaled>, SlurmE
                 key,
                 attempt,
                 folder,
+                array,
                 ..
             } => {
                 by_folder.insert(folder.clone(), key.clone());
@@ -341,6 +530,7 @@ fn read_journal(path: &Path) -> Result<HashMap<CheckpointKey, Journaled>, SlurmE
                     Journaled {
                         attempt,
                         folder,
+                        array,
                         job_id: None,
                         failed: None,
                     },
@@ -387,11 +577,35 @@ pub fn submissions_per_step(state_dir: &Path) -> std::io::Result<HashMap<i64, us
     Ok(counts)
 }
 
+/// The Slurm ids journaled for each step, in order: what the tests look at (an array's tasks
+/// are `<id>_<index>`).
+pub fn job_ids_per_step(state_dir: &Path) -> std::io::Result<HashMap<i64, Vec<String>>> {
+    let text = read_bounded(&state_dir.join(JOURNAL))?;
+    let mut steps: HashMap<String, i64> = HashMap::new();
+    let mut ids: HashMap<i64, Vec<String>> = HashMap::new();
+    for line in text.lines() {
+        match serde_json::from_str(line) {
+            Ok(JournalLine::Submitting { step, folder, .. }) => {
+                steps.insert(folder, step);
+            }
+            Ok(JournalLine::Submitted { folder, job_id }) => {
+                if let Some(step) = steps.get(&folder) {
+                    ids.entry(*step).or_default().push(job_id);
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(ids)
+}
+
 impl Runner {
     fn new(
         config: &Config,
         metrics: Arc<Metrics>,
         evaluated_before: usize,
+        pool: &SlurmPool,
+        sweep_run: Option<String>,
     ) -> Result<Runner, SlurmError> {
         let state_dir = config.state_dir();
         let jobs_dir = state_dir.join(JOBS_DIR);
@@ -430,7 +644,22 @@ impl Runner {
             metrics,
             index: evaluated_before,
             warm: evaluated_before > 0,
+            slots: pool.slots.clone(),
+            ticket: pool.slots.ticket(),
+            held: 0,
+            sweep_run,
         })
+    }
+
+    fn spawn(
+        mut self,
+        work: Receiver<WorkItem>,
+        outcomes: Sender<Outcome>,
+    ) -> Result<JoinHandle<()>, ExecutorError> {
+        std::thread::Builder::new()
+            .name("diffmon-slurm".into())
+            .spawn(move || self.run(work, outcomes))
+            .map_err(ExecutorError::Spawn)
     }
 
     /// Appends a line to the journal and syncs it.
@@ -455,36 +684,75 @@ impl Runner {
         if self.warm { self.max_in_flight } else { 1 }
     }
 
+    /// This run's jobs in flight.
+    fn in_flight(jobs: &VecDeque<Job>) -> usize {
+        jobs.iter().filter(|j| j.queued()).count()
+    }
+
+    /// Gives back the slots of the jobs that are finished.
+    fn settle(&mut self, jobs: &mut VecDeque<Job>) {
+        for job in jobs.iter_mut().filter(|j| j.slot && !j.queued()) {
+            job.slot = false;
+            self.held -= 1;
+            self.slots.give_back(1);
+        }
+    }
+
     fn run(&mut self, work: Receiver<WorkItem>, outcomes: Sender<Outcome>) {
         let mut jobs: VecDeque<Job> = VecDeque::new();
+        // An item taken from the watcher that waits for a shared slot.
+        let mut pending: Option<WorkItem> = None;
         let mut open = true;
         loop {
-            // Take work while a slot is free.
-            while open
-                && jobs.iter().filter(|j| j.queued()).count() < self.limit()
+            // Take work while this run may have another job in flight and a slot is free.
+            while (open || pending.is_some())
+                && Self::in_flight(&jobs) < self.limit()
                 && jobs.len() < self.max_in_flight * 4 + 16
             {
-                let taken = if jobs.is_empty() {
-                    work.recv().map_err(|_| RecvTimeoutError::Disconnected)
-                } else {
-                    work.recv_timeout(Duration::from_millis(50))
-                };
-                match taken {
-                    Ok(item) => {
-                        let job = self.begin(item);
-                        jobs.push_back(job);
+                let item = match pending.take() {
+                    Some(item) => item,
+                    None => {
+                        let taken = if jobs.is_empty() {
+                            work.recv().map_err(|_| RecvTimeoutError::Disconnected)
+                        } else {
+                            work.recv_timeout(Duration::from_millis(50))
+                        };
+                        match taken {
+                            Ok(item) => item,
+                            Err(RecvTimeoutError::Disconnected) => {
+                                open = false;
+                                break;
+                            }
+                            Err(RecvTimeoutError::Timeout) => break,
+                        }
                     }
-                    Err(RecvTimeoutError::Disconnected) => open = false,
-                    Err(RecvTimeoutError::Timeout) => break,
+                };
+                if self.journaled.contains_key(&item.key) {
+                    // Adopted: in flight already, over the cap or not.
+                    self.slots.take_anyway();
+                } else if !self.slots.try_take(self.ticket) {
+                    pending = Some(item);
+                    break;
                 }
+                self.held += 1;
+                let job = self.begin(item);
+                jobs.push_back(job);
+                self.settle(&mut jobs);
             }
+            self.submit_taken(&mut jobs);
+            self.settle(&mut jobs);
             if jobs.is_empty() {
+                if pending.is_some() {
+                    self.slots.wait(self.settings.poll);
+                    continue;
+                }
                 if open {
                     continue;
                 }
                 return;
             }
             self.poll(&mut jobs);
+            self.settle(&mut jobs);
             while let Some(State::Finished(_)) = jobs.front().map(|j| &j.state) {
                 let job = jobs.pop_front().expect("a front job");
                 let State::Finished(outcome) = job.state else {
@@ -495,16 +763,16 @@ impl Runner {
                 }
             }
             if jobs.iter().any(Job::queued) {
-                let free = jobs.iter().filter(|j| j.queued()).count() < self.limit();
-                if open && free {
+                let free = Self::in_flight(&jobs) < self.limit();
+                if open && free && pending.is_none() {
                     match work.recv_timeout(self.settings.poll) {
-                        Ok(item) => {
-                            let job = self.begin(item);
-                            jobs.push_back(job);
-                        }
+                        Ok(item) => pending = Some(item),
                         Err(RecvTimeoutError::Disconnected) => open = false,
                         Err(RecvTimeoutError::Timeout) => {}
                     }
+                } else if free && pending.is_some() {
+                    // Woken early when another run's job gives its slot back.
+                    self.slots.wait(self.settings.poll);
                 } else {
                     std::thread::sleep(self.settings.poll);
                 }
@@ -528,6 +796,8 @@ impl Runner {
                     since: Instant::now(),
                     running_since: None,
                 },
+                slot: true,
+                array: j.array.clone(),
             };
             match &j.failed {
                 None => {
@@ -550,36 +820,54 @@ impl Runner {
             }
             return job;
         }
-        // `submit` sets the state.
-        let mut job = Job {
+        // Submitted by `submit_taken`, alone or in an array.
+        Job {
             item,
             index,
             attempt: 0,
             folder: String::new(),
-            state: State::Queued {
-                job_id: None,
-                since: Instant::now(),
-                running_since: None,
-            },
-        };
-        self.submit(&mut job);
-        job
+            state: State::Unsubmitted,
+            slot: true,
+            array: None,
+        }
+    }
+
+    /// Submits the jobs taken since the last call: one alone as a job, several as one job
+    /// array.
+    fn submit_taken(&mut self, jobs: &mut VecDeque<Job>) {
+        let mut taken: Vec<&mut Job> = jobs
+            .iter_mut()
+            .filter(|j| matches!(j.state, State::Unsubmitted))
+            .collect();
+        for chunk in taken.chunks_mut(MAX_ARRAY_TASKS) {
+            match chunk.len() {
+                0 => {}
+                1 => self.submit(chunk[0]),
+                _ => self.submit_array(chunk),
+            }
+        }
     }
 
     /// An attempt journaled without its id: the queue's job whose comment is its folder, if
     /// any; else it was never submitted, and is now.
     fn find_by_comment(&mut self, job: &mut Job) {
         let out = Command::new("squeue")
-            .args(["-h", "--me", "-o", "%i|%k"])
+            .args(["-h", "--me", "-r", "-o", "%i|%k"])
             .output();
         let Some(out) = out.ok().filter(|o| o.status.success()) else {
             return; // Looked up again at the next poll (the job stays without an id).
         };
         let text = String::from_utf8_lossy(&out.stdout);
+        let comment = job.array.as_ref().map_or(&job.folder, |a| &a.comment);
         let found = text.lines().find_map(|l| {
-            let (id, comment) = l.split_once('|')?;
-            (comment.trim() == job.folder).then(|| id.trim().to_string())
+            let (id, c) = l.split_once('|')?;
+            (c.trim() == comment).then(|| id.trim().to_string())
         });
+        // Any task of the array gives the array's id; this task's is `<id>_<index>`.
+        let found = match (&job.array, found) {
+            (Some(a), Some(id)) => Some(format!("{}_{}", array_id(&id), a.index)),
+            (_, found) => found,
+        };
         match found {
             Some(id) => self.queued(job, id),
             None => {
@@ -589,17 +877,21 @@ impl Runner {
         }
     }
 
-    /// Writes the job's folder and script, journals the attempt and submits it. A submission
-    /// that fails is a job failure (retried like one).
-    fn submit(&mut self, job: &mut Job) {
-        let token = format!(
+    /// A fresh folder name's token: the time and this process.
+    fn token() -> String {
+        format!(
             "{:x}{:x}",
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_nanos())
                 .unwrap_or(0),
             std::process::id()
-        );
+        )
+    }
+
+    /// Creates the attempt's folder (named with `token`) and its script; on failure the job is
+    /// the checkpoint's failure and this is false.
+    fn prepare(&self, job: &mut Job, token: &str) -> bool {
         job.folder = format!("{}-{}-{token}", job.item.step, job.attempt);
         let folder = self.jobs_dir.join(&job.folder);
         let prepared = std::fs::DirBuilder::new()
@@ -611,6 +903,7 @@ impl Runner {
                     script(
                         &self.binary,
                         &self.config_file,
+                        self.sweep_run.as_deref(),
                         &folder,
                         &job.item,
                         job.index,
@@ -624,21 +917,17 @@ impl Runner {
                 FailureReason::Error,
                 format!("cannot write the job's folder {}: {e}", folder.display()),
             ));
-            return;
+            return false;
         }
-        self.journal_surely(&JournalLine::Submitting {
-            key: job.item.key.clone(),
-            step: job.item.step,
-            attempt: job.attempt,
-            folder: job.folder.clone(),
-        });
+        true
+    }
+
+    /// Runs `sbatch` with this executor's options and `extra`, then `script`: the job's id,
+    /// or why there is none.
+    fn sbatch(&self, extra: &[String], script: &Path) -> Result<String, String> {
         let s = &self.settings;
         let mut cmd = Command::new("sbatch");
-        cmd.arg("--parsable")
-            .arg("--no-requeue")
-            .arg(format!("--job-name={}", job_name(&self.run, job.item.step)))
-            .arg(format!("--comment={}", job.folder))
-            .arg(format!("--output={}", folder.join("slurm.out").display()));
+        cmd.arg("--parsable").arg("--no-requeue").args(extra);
         for (flag, value) in [
             ("--partition", &s.partition),
             ("--account", &s.account),
@@ -649,9 +938,7 @@ impl Runner {
                 cmd.arg(format!("{flag}={v}"));
             }
         }
-        cmd.args(&s.sbatch_args)
-            .arg(folder.join("job.sh"))
-            .envs(&s.env);
+        cmd.args(&s.sbatch_args).arg(script).envs(&s.env);
         let answer = cmd.output();
         let id = match &answer {
             Ok(out) if out.status.success() => {
@@ -662,20 +949,124 @@ impl Runner {
             }
             _ => None,
         };
-        let Some(id) = id else {
-            let why = match answer {
-                Ok(out) => {
-                    crate::safe_fs::untrusted_text(String::from_utf8_lossy(&out.stderr).trim())
-                }
-                Err(e) => format!("cannot run sbatch: {e}"),
-            };
-            tracing::warn!(step = job.item.step, "sbatch failed: {why}");
-            self.ended(job, JobEnd::Failed, format!("sbatch failed: {why}"));
+        id.ok_or_else(|| match answer {
+            Ok(out) => crate::safe_fs::untrusted_text(String::from_utf8_lossy(&out.stderr).trim()),
+            Err(e) => format!("cannot run sbatch: {e}"),
+        })
+    }
+
+    /// Writes the job's folder and script, journals the attempt and submits it as a job of
+    /// its own. A submission that fails is a job failure (retried like one).
+    fn submit(&mut self, job: &mut Job) {
+        job.array = None;
+        if !self.prepare(job, &Self::token()) {
             return;
-        };
-        self.metrics.slurm_submitted();
-        tracing::info!(step = job.item.step, job = %id, attempt = job.attempt, "submitted to Slurm");
-        self.queued(job, id);
+        }
+        let folder = self.jobs_dir.join(&job.folder);
+        self.journal_surely(&JournalLine::Submitting {
+            key: job.item.key.clone(),
+            step: job.item.step,
+            attempt: job.attempt,
+            folder: job.folder.clone(),
+            array: None,
+        });
+        let extra = [
+            format!("--job-name={}", job_name(&self.run, job.item.step)),
+            format!("--comment={}", job.folder),
+            format!("--output={}", folder.join("slurm.out").display()),
+        ];
+        match self.sbatch(&extra, &folder.join("job.sh")) {
+            Ok(id) => {
+                self.metrics.slurm_submitted();
+                tracing::info!(step = job.item.step, job = %id, attempt = job.attempt, "submitted to Slurm");
+                self.queued(job, id);
+            }
+            Err(why) => {
+                tracing::warn!(step = job.item.step, "sbatch failed: {why}");
+                self.ended(job, JobEnd::Failed, format!("sbatch failed: {why}"));
+            }
+        }
+    }
+
+    /// Submits `jobs` as one job array (`--array=0-<k-1>`): task `i` runs the script in the
+    /// folder of `jobs[i]`, each journaled as a task of the array (comment `array-<token>`)
+    /// and then with its id `<array id>_<i>`. A submission that fails is each job's failure
+    /// (each retried alone).
+    fn submit_array(&mut self, jobs: &mut [&mut Job]) {
+        let token = Self::token();
+        let comment = format!("array-{token}");
+        let mut tasks: Vec<&mut Job> = Vec::new();
+        for job in jobs.iter_mut() {
+            if self.prepare(job, &token) {
+                tasks.push(job);
+            }
+        }
+        if tasks.is_empty() {
+            return;
+        }
+        // The driver, in the first task's folder: each task runs its own folder's script,
+        // its output in that folder's `slurm.out`.
+        let first = self.jobs_dir.join(&tasks[0].folder);
+        let mut driver = String::from(
+            "#!/bin/sh\n# diffmon watch: a job array\ncase \"$SLURM_ARRAY_TASK_ID\" in\n",
+        );
+        for (i, job) in tasks.iter().enumerate() {
+            let dir = self.jobs_dir.join(&job.folder);
+            driver += &format!(
+                "{i}) exec /bin/sh {} > {} 2>&1 ;;\n",
+                quoted(&dir.join("job.sh").display().to_string()),
+                quoted(&dir.join("slurm.out").display().to_string()),
+            );
+        }
+        driver += "*) echo \"no task $SLURM_ARRAY_TASK_ID\" >&2; exit 1 ;;\nesac\n";
+        if let Err(e) = crate::safe_fs::atomic_write(&first.join("array.sh"), driver.as_bytes()) {
+            for job in tasks {
+                job.state = State::Finished(Outcome::Failed(
+                    job.item.clone(),
+                    FailureReason::Error,
+                    format!(
+                        "cannot write the job array's script in {}: {e}",
+                        first.display()
+                    ),
+                ));
+            }
+            return;
+        }
+        for (index, job) in tasks.iter_mut().enumerate() {
+            job.array = Some(ArrayTask {
+                comment: comment.clone(),
+                index,
+            });
+            self.journal_surely(&JournalLine::Submitting {
+                key: job.item.key.clone(),
+                step: job.item.step,
+                attempt: job.attempt,
+                folder: job.folder.clone(),
+                array: job.array.clone(),
+            });
+        }
+        let (low, high) = (tasks[0].item.step, tasks[tasks.len() - 1].item.step);
+        let extra = [
+            format!("--array=0-{}", tasks.len() - 1),
+            format!("--job-name={}-{high}", job_name(&self.run, low)),
+            format!("--comment={comment}"),
+            format!("--output={}", first.join("array-%a.out").display()),
+        ];
+        match self.sbatch(&extra, &first.join("array.sh")) {
+            Ok(id) => {
+                tracing::info!(steps = %format!("{low}..{high}"), job = %id, tasks = tasks.len(), "submitted to Slurm as a job array");
+                for (index, job) in tasks.into_iter().enumerate() {
+                    self.metrics.slurm_submitted();
+                    self.queued(job, format!("{id}_{index}"));
+                }
+            }
+            Err(why) => {
+                tracing::warn!(steps = %format!("{low}..{high}"), "sbatch of a job array failed: {why}");
+                for job in tasks {
+                    self.ended(job, JobEnd::Failed, format!("sbatch failed: {why}"));
+                }
+            }
+        }
     }
 
     /// The job has Slurm id `id` (from `sbatch`, or found in the queue): journaled, then queued.
@@ -730,7 +1121,7 @@ impl Runner {
         }
         // The queue first, then the files: a job gone from the queue wrote its status before.
         let queue: Option<HashMap<String, String>> = Command::new("squeue")
-            .args(["-h", "--me", "-o", "%i|%T"])
+            .args(["-h", "--me", "-r", "-o", "%i|%T"])
             .output()
             .ok()
             .filter(|o| o.status.success())
@@ -738,7 +1129,11 @@ impl Runner {
                 String::from_utf8_lossy(&o.stdout)
                     .lines()
                     .filter_map(|l| l.split_once('|'))
-                    .map(|(i, s)| (i.trim().to_string(), s.trim().to_string()))
+                    .flat_map(|(i, s)| {
+                        queue_ids(i.trim())
+                            .into_iter()
+                            .map(move |i| (i, s.trim().to_string()))
+                    })
                     .collect()
             });
         if queue.is_none() {
@@ -877,6 +1272,40 @@ impl Runner {
     }
 }
 
+/// Bound on the tasks read from one line of `squeue` (`<id>_[0-99999]`).
+const MAX_QUEUE_TASKS: usize = 100_000;
+
+/// The job ids one `squeue` id stands for: itself, or for the pending tasks of an array that
+/// `squeue` shows as one line, `<id>_[0-3,7%2]`, each task's `<id>_<index>` (the `%` limit
+/// dropped).
+fn queue_ids(id: &str) -> Vec<String> {
+    let Some((base, rest)) = id.split_once("_[") else {
+        return vec![id.to_string()];
+    };
+    let ranges = rest.trim_end_matches(']');
+    let ranges = ranges.split('%').next().unwrap_or("");
+    let mut ids = Vec::new();
+    for part in ranges.split(',') {
+        let (low, high) = part.split_once('-').unwrap_or((part, part));
+        let (Ok(low), Ok(high)) = (low.trim().parse::<usize>(), high.trim().parse::<usize>())
+        else {
+            continue;
+        };
+        for index in low..=high.min(low.saturating_add(MAX_QUEUE_TASKS)) {
+            if ids.len() >= MAX_QUEUE_TASKS {
+                return ids;
+            }
+            ids.push(format!("{base}_{index}"));
+        }
+    }
+    ids
+}
+
+/// The array's own id in a task's id (`<id>_<index>`, `<id>_[0-3]`), or the job's id.
+fn array_id(id: &str) -> &str {
+    id.split('_').next().unwrap_or(id)
+}
+
 /// The reason and message of `diffmon eval --failure-lines`'s failure line in `text`.
 fn failure_line(text: &str) -> Option<(FailureReason, String)> {
     let v: serde_json::Value = serde_json::from_str(text.lines().next()?).ok()?;
@@ -920,6 +1349,58 @@ mod tests {
         }
     }
 
+    /// The shared cap holds across runs; a slot given back goes to the run that has waited
+    /// longest, not to the one that asks again first (a deep backlog does not starve the
+    /// others); a run that leaves gives up its place.
+    #[test]
+    fn shared_slots_are_capped_and_served_first_come_first_served() {
+        let slots = Slots::new(2);
+        let (deep, a, b) = (slots.ticket(), slots.ticket(), slots.ticket());
+        assert!(slots.try_take(deep));
+        assert!(slots.try_take(deep));
+        assert!(!slots.try_take(deep), "over the cap");
+        assert!(!slots.try_take(a));
+        assert!(!slots.try_take(b));
+        slots.give_back(1);
+        // `deep` was refused before `a` and `b` were: its turn.
+        assert!(slots.try_take(deep), "deep queued first: its turn");
+        assert!(!slots.try_take(deep), "and now it waits behind a and b");
+        slots.give_back(1);
+        assert!(!slots.try_take(deep), "a waits longer");
+        assert!(!slots.try_take(b), "a waits longer");
+        assert!(slots.try_take(a));
+        slots.give_back(1);
+        assert!(!slots.try_take(deep), "b waits longer");
+        assert!(slots.try_take(b));
+        slots.give_back(2);
+        // Two free slots, `deep` alone waiting: it takes both.
+        assert!(slots.try_take(deep));
+        assert!(slots.try_take(deep));
+        // An adopted job counts over the cap; a run that leaves is no longer waited for.
+        slots.take_anyway();
+        assert!(!slots.try_take(a));
+        slots.leave(a);
+        slots.give_back(3);
+        assert!(slots.try_take(b), "a left: b is first");
+        assert!(slots.try_take(b));
+        assert!(!slots.try_take(b));
+    }
+
+    /// `squeue`'s ids: a job, a running task, and pending tasks folded into one line (with a
+    /// limit of tasks at once), each task as `<id>_<index>`; the array's id of a task.
+    #[test]
+    fn queue_ids_expand_an_arrays_pending_tasks() {
+        assert_eq!(queue_ids("41"), ["41"]);
+        assert_eq!(queue_ids("42_3"), ["42_3"]);
+        assert_eq!(queue_ids("42_[0-3]"), ["42_0", "42_1", "42_2", "42_3"]);
+        assert_eq!(queue_ids("42_[1,4-5%2]"), ["42_1", "42_4", "42_5"]);
+        assert_eq!(queue_ids("42_[x-y]"), Vec::<String>::new());
+        assert_eq!(queue_ids("42_[0-99999999999]").len(), MAX_QUEUE_TASKS);
+        assert_eq!(array_id("42_3"), "42");
+        assert_eq!(array_id("42_[0-3]"), "42");
+        assert_eq!(array_id("41"), "41");
+    }
+
     #[test]
     fn job_names_keep_to_safe_characters() {
         assert_eq!(job_name("run 1/x", 300), "diffmon-run_1_x-300");
@@ -942,6 +1423,7 @@ mod tests {
                 step: 1,
                 attempt: 0,
                 folder: "1-0-a".into(),
+                array: None,
             },
             JournalLine::Submitted {
                 folder: "1-0-a".into(),
@@ -956,6 +1438,7 @@ mod tests {
                 step: 1,
                 attempt: 1,
                 folder: "1-1-b".into(),
+                array: None,
             },
             JournalLine::Submitted {
                 folder: "1-1-b".into(),
@@ -966,6 +1449,10 @@ mod tests {
                 step: 2,
                 attempt: 0,
                 folder: "2-0-c".into(),
+                array: Some(ArrayTask {
+                    comment: "array-c".into(),
+                    index: 1,
+                }),
             },
         ];
         let mut text: String = lines
@@ -980,11 +1467,19 @@ mod tests {
             Journaled {
                 attempt: 1,
                 folder: "1-1-b".into(),
+                array: None,
                 job_id: Some("8".into()),
                 failed: None
             }
         );
         assert_eq!(map[&key(2)].job_id, None);
+        assert_eq!(
+            map[&key(2)].array,
+            Some(ArrayTask {
+                comment: "array-c".into(),
+                index: 1
+            })
+        );
         let counts = submissions_per_step(dir.path()).unwrap();
         assert_eq!((counts[&1], counts[&2]), (2, 1));
         std::fs::write(&path, format!("garbage\n{text}")).unwrap();

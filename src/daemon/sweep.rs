@@ -1,22 +1,26 @@
 //! `diffmon watch` on a sweep (`runs` or `runs_glob` in the config; docs/design.md §19): per
 //! run, the pipeline of one daemon (its state lock, recorder, run state, sinks with its own
 //! alerter, stop file and webhooks, and watcher); shared, one evaluator thread fed round-robin
-//! ([`executor::start_shared`]), one HTTP server (every run's metrics under its `run` label)
-//! and one tokio runtime. A run's outcomes go to its own recorder only. With `runs_glob`, a
+//! ([`executor::start_shared`]) or, on Slurm, one runner per run sharing the in-flight cap
+//! ([`SlurmPool`]), one HTTP server (every run's metrics under its `run` label) and one tokio
+//! runtime. A run's outcomes go to its own recorder only. With `runs_glob`, a
 //! thread looks for new run folders every `checkpoints.poll_secs` and adds each as a run.
 
 use super::executor::{self, Lane, Outcome};
 use super::recorder::Recorder;
 use super::sinks::Sinks;
+use super::slurm::SlurmPool;
 use super::{OUTCOMES_BOUND, Published, shutdown};
-use crate::config::Config;
+use crate::config::{Config, ExecutorKind};
 use crate::http::{RunList, RunView};
 use crate::lock::StateLock;
+use crate::metrics::Metrics;
 use crate::watcher::{Watcher, WorkItem, work_channel};
 use anyhow::{Context, Result};
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -39,11 +43,10 @@ pub fn run(config: Config) -> Result<()> {
     let mut lanes = Vec::new();
     for config in config.runs() {
         let (pipeline, lane) = Pipeline::open(config, runtime.handle(), true)?;
+        lanes.push((lane, pipeline.view.metrics.clone()));
         pipelines.push(pipeline);
-        lanes.push(lane);
     }
-    let (add, added) = crossbeam_channel::unbounded::<Lane>();
-    let executor = executor::start_shared(lanes, added)?;
+    let (shared, executor) = Shared::start(&config, lanes)?;
 
     let (stop, stopped) = shutdown::stop_channel();
     let views = RunList::default();
@@ -62,7 +65,7 @@ pub fn run(config: Config) -> Result<()> {
                 runtime: runtime.handle().clone(),
                 known: names.iter().cloned().collect(),
                 refused: HashMap::new(),
-                add,
+                shared,
                 views: views.clone(),
                 stopped: stopped.clone(),
             };
@@ -73,7 +76,7 @@ pub fn run(config: Config) -> Result<()> {
             )
         }
         None => {
-            drop(add);
+            drop(shared);
             None
         }
     };
@@ -82,6 +85,7 @@ pub fn run(config: Config) -> Result<()> {
         locks,
         watchers,
         recorders,
+        runners: _,
     } = started;
     let (more_watchers, found_watchers) = crossbeam_channel::bounded::<Vec<JoinHandle<()>>>(1);
     // The shutdown waits on one recorder thread and one watcher thread: these join every run's.
@@ -90,16 +94,21 @@ pub fn run(config: Config) -> Result<()> {
         .spawn(move || {
             let mut recorders = recorders;
             let mut locks = locks;
+            let mut runners = Vec::new();
             if let Some(found) = finder.and_then(|f| f.join().ok()) {
                 let _ = more_watchers.send(found.watchers);
                 recorders.extend(found.recorders);
                 locks.extend(found.locks);
+                runners = found.runners;
             }
             drop(more_watchers);
             let sinks: Vec<Sinks> = recorders
                 .into_iter()
                 .filter_map(|r| r.join().ok())
                 .collect();
+            for r in runners {
+                let _ = r.join();
+            }
             (sinks, locks)
         })?;
     let watcher = std::thread::Builder::new()
@@ -192,6 +201,61 @@ struct Started {
     locks: Vec<StateLock>,
     watchers: Vec<JoinHandle<()>>,
     recorders: Vec<JoinHandle<Sinks>>,
+    /// The Slurm runners of runs added while the daemon runs (those of the runs at start are
+    /// the executor's).
+    runners: Vec<JoinHandle<()>>,
+}
+
+/// The sweep's one executor, which every run's lane joins.
+enum Shared {
+    /// The evaluator thread: runs added later come to it over this channel.
+    Local(Sender<Lane>),
+    /// A runner per run, sharing `evaluation.max_in_flight` (docs/design.md §18).
+    Slurm(SlurmPool),
+}
+
+impl Shared {
+    /// Starts the executor on the runs at start, with the thread the shutdown joins (the
+    /// evaluator, or one joining the runs' Slurm runners).
+    fn start(
+        config: &Config,
+        lanes: Vec<(Lane, Arc<Metrics>)>,
+    ) -> Result<(Shared, JoinHandle<()>)> {
+        Ok(match config.evaluation.executor {
+            ExecutorKind::Local => {
+                let (add, added) = crossbeam_channel::unbounded::<Lane>();
+                let lanes = lanes.into_iter().map(|(lane, _)| lane).collect();
+                (Shared::Local(add), executor::start_shared(lanes, added)?)
+            }
+            ExecutorKind::Slurm => {
+                let pool = SlurmPool::new(config.evaluation.max_in_flight);
+                let runners = lanes
+                    .into_iter()
+                    .map(|(lane, metrics)| pool.start_lane(lane, metrics))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let joined = std::thread::Builder::new()
+                    .name("diffmon-slurm".into())
+                    .spawn(move || {
+                        for r in runners {
+                            let _ = r.join();
+                        }
+                    })?;
+                (Shared::Slurm(pool), joined)
+            }
+        })
+    }
+
+    /// Adds a run's lane; on Slurm, returns its runner's thread.
+    fn add(&self, lane: Lane, metrics: Arc<Metrics>) -> Result<Option<JoinHandle<()>>> {
+        match self {
+            Shared::Local(add) => {
+                add.send(lane)
+                    .map_err(|_| anyhow::anyhow!("the evaluator has stopped"))?;
+                Ok(None)
+            }
+            Shared::Slurm(pool) => Ok(Some(pool.start_lane(lane, metrics)?)),
+        }
+    }
 }
 
 impl Started {
@@ -249,7 +313,7 @@ struct Finder {
     /// Runs that could not be opened (their state folder locked by another daemon, say), with
     /// the error last logged: tried again at each scan, logged again when the error changes.
     refused: HashMap<String, String>,
-    add: Sender<Lane>,
+    shared: Shared,
     views: RunList,
     stopped: Receiver<()>,
 }
@@ -305,9 +369,8 @@ impl Finder {
         let name = config.run_name();
         let dir = config.run.dir.clone();
         let (pipeline, lane) = Pipeline::open(config, &self.runtime, false)?;
-        self.add
-            .send(lane)
-            .map_err(|_| anyhow::anyhow!("the evaluator has stopped"))?;
+        let runner = self.shared.add(lane, pipeline.view.metrics.clone())?;
+        started.runners.extend(runner);
         started.start(pipeline, &self.views, &self.stopped)?;
         tracing::info!(run = %name, dir = %dir.display(), "a new run joins the sweep");
         Ok(())

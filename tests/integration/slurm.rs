@@ -76,8 +76,10 @@ fn submissions(dir: &Path) -> HashMap<i64, usize> {
     diffmon::daemon::slurm::submissions_per_step(&dir.join(".diffmon")).unwrap_or_default()
 }
 
+type Numbers = Vec<(String, f64)>;
+
 /// The records' numbers, without the timings (`seconds`, `stages`) and the path.
-fn numbers(record: &Value) -> Vec<(String, f64)> {
+fn numbers(record: &Value) -> Numbers {
     let mut out: Vec<(String, f64)> = record
         .as_object()
         .unwrap()
@@ -281,6 +283,13 @@ fn cancelled_timed_out_and_orphaned_jobs_lose_nothing_and_duplicate_nothing() {
         journal(dir).0 == [1, 3, 4]
     });
     assert!(d.log().contains("adopting the Slurm job"), "{}", d.log());
+    // Taken together, steps 3 and 4 went as the two tasks of one array, adopted as such.
+    let ids = diffmon::daemon::slurm::job_ids_per_step(&dir.join(".diffmon")).unwrap();
+    let (three, four) = (&ids[&3], &ids[&4]);
+    assert_eq!((three.len(), four.len()), (1, 1), "{ids:?}");
+    let array = |id: &str| id.split_once('_').map(|x| x.0.to_string());
+    assert!(array(&three[0]).is_some(), "{ids:?}");
+    assert_eq!(array(&three[0]), array(&four[0]), "{ids:?}");
 
     // slurmd stopped and started again under a running job.
     fs::write(&gate, "").unwrap();
@@ -338,4 +347,130 @@ fn cancelled_timed_out_and_orphaned_jobs_lose_nothing_and_duplicate_nothing() {
     assert_eq!(failed_jobs(&d, "lost"), 0.0);
     assert_eq!(failed_jobs(&d, "failed"), 1.0);
     d.terminate();
+}
+
+/// The sweep of `sweep_on_slurm`: runs `ra` (trained on `train.h5`) and `rb` (the same
+/// checkpoints judged against swapped data: other numbers) under `at`, with `executor`.
+fn write_sweep(at: &Path, port: u16, executor: &str) -> PathBuf {
+    let ckpts = [30, 60, 30, 60].map(|s| toy_run().join(format!("ckpt_{s:06}.pt")));
+    for name in ["ra", "rb"] {
+        let dir = at.join(name);
+        fs::create_dir_all(&dir).unwrap();
+        for f in ["model.ts", "train.h5", "heldout.h5"] {
+            fs::copy(toy_run().join(f), dir.join(f)).unwrap();
+        }
+        for (step, src) in (1..).zip(&ckpts) {
+            place(&dir, src, step);
+        }
+    }
+    let config = at.join("sweep.yaml");
+    fs::write(
+        &config,
+        format!(
+            "model: {{architecture: ra/model.ts}}\ndevice: cpu\n\
+             data: {{path: ra/train.h5, heldout_path: ra/heldout.h5}}\n\
+             icr: {{samples: 256, batch_size: 256}}\n\
+             http: {{listen: \"127.0.0.1:{port}\"}}\n\
+             checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n\
+             runs:\n  - {{name: ra, dir: ra}}\n\
+             \x20 - {{name: rb, dir: rb, data: {{path: rb/heldout.h5, heldout_path: rb/train.h5}}}}\n\
+             {executor}"
+        ),
+    )
+    .unwrap();
+    config
+}
+
+/// Acceptance (#19): a sweep of two runs on the Slurm executor, sharing `max_in_flight`,
+/// evaluates every checkpoint of each run exactly once, by jobs of that run (its journal, its
+/// jobs folder, `diffmon eval --run`), and each run's records equal (1e-12 relative) those the
+/// local executor gives for it; the runs' data differ, so a job evaluating the wrong run would
+/// show. The checkpoints wait from the start: once a run's first job has filled its caches,
+/// the next ones go as one job array (task ids `<id>_<index>`).
+#[test]
+fn a_sweep_on_slurm_evaluates_each_run_once_as_the_local_executor_would() {
+    let Some(cluster) = Cluster::start() else {
+        return;
+    };
+    let (slurm, local) = (empty_run(), empty_run());
+    let mut records = Vec::new();
+    for (at, executor) in [
+        (
+            slurm.path(),
+            "evaluation: {executor: slurm, max_in_flight: 4, slurm: {poll_secs: 0.5}}\n",
+        ),
+        (local.path(), ""),
+    ] {
+        let port = free_port();
+        let config = write_sweep(at, port, executor);
+        let mut array_tasks = 0;
+        let d = daemon(&cluster, config, port);
+        d.wait_for(Duration::from_secs(300), "four outcomes per run", |_| {
+            ["ra", "rb"]
+                .iter()
+                .all(|r| journal_entries(&at.join(r)).len() >= 4)
+        });
+        let mut per_run: Vec<Vec<Numbers>> = Vec::new();
+        for run in ["ra", "rb"] {
+            let dir = at.join(run);
+            assert_eq!(journal(&dir), (vec![1, 2, 3, 4], vec![]), "{run}");
+            per_run.push(
+                journal_entries(&dir)
+                    .iter()
+                    .map(|e| numbers(&e["record"]))
+                    .collect::<Vec<_>>(),
+            );
+            if !executor.is_empty() {
+                assert_eq!(
+                    submissions(&dir),
+                    (1..=4).map(|s| (s, 1)).collect::<HashMap<i64, usize>>(),
+                    "{run}: one job per checkpoint, in the run's own journal"
+                );
+                assert_eq!(
+                    d.metric(&format!(
+                        "diffmon_slurm_jobs_submitted_total{{run=\"{run}\"}}"
+                    )),
+                    Some(4.0),
+                    "{run}"
+                );
+                let ids = diffmon::daemon::slurm::job_ids_per_step(&dir.join(".diffmon")).unwrap();
+                assert_eq!(ids[&1].len(), 1);
+                assert!(
+                    !ids[&1][0].contains('_'),
+                    "the first job runs alone: {ids:?}"
+                );
+                array_tasks += ids.values().flatten().filter(|i| i.contains('_')).count();
+                let scripts: Vec<String> = fs::read_dir(dir.join(".diffmon/jobs"))
+                    .unwrap()
+                    .map(|e| fs::read_to_string(e.unwrap().path().join("job.sh")).unwrap())
+                    .collect();
+                assert_eq!(scripts.len(), 4, "{run}");
+                for s in scripts {
+                    assert!(s.contains(&format!("--run '{run}'")), "{s}");
+                }
+            }
+        }
+        if !executor.is_empty() {
+            assert!(array_tasks >= 2, "no job array was submitted");
+        }
+        records.push(per_run);
+    }
+    let (via_slurm, via_local) = (&records[0], &records[1]);
+    for (run, (a_run, b_run)) in ["ra", "rb"].iter().zip(via_slurm.iter().zip(via_local)) {
+        for (a, b) in a_run.iter().zip(b_run) {
+            assert_eq!(
+                a.iter().map(|x| &x.0).collect::<Vec<_>>(),
+                b.iter().map(|x| &x.0).collect::<Vec<_>>()
+            );
+            for ((key, x), (_, y)) in a.iter().zip(b) {
+                let tolerance = 1e-12 * x.abs().max(y.abs());
+                assert!(
+                    (x - y).abs() <= tolerance,
+                    "{run} {key}: {x} via Slurm, {y} locally"
+                );
+            }
+        }
+    }
+    // The runs differ: each job evaluated its own run.
+    assert_ne!(via_slurm[0], via_slurm[1]);
 }
