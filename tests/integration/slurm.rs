@@ -307,17 +307,25 @@ fn cancelled_timed_out_and_orphaned_jobs_lose_nothing_and_duplicate_nothing() {
     fs::write(&gate, "").unwrap();
     place(dir, &ckpt, 6);
     let ids = wait_running(&cluster, &d, 1);
-    let pids = cluster.command("scontrol", &["listpids", &ids[0]]);
-    let pids: Vec<i32> = String::from_utf8_lossy(&pids.stdout)
-        .lines()
-        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
-        .collect();
-    assert!(!pids.is_empty(), "no processes listed for job {}", ids[0]);
-    for pid in pids {
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-    }
-    d.wait_for(Duration::from_secs(60), "the failed job to count", |d| {
-        failed_jobs(d, "failed") == 1.0
+    // The job's processes as Slurm lists them, killed; again at each poll until the failure
+    // counts, in case the first listing came before the job had started all of them.
+    let kill_job = || {
+        let pids = cluster.command("scontrol", &["listpids", &ids[0]]);
+        let pids: Vec<i32> = String::from_utf8_lossy(&pids.stdout)
+            .lines()
+            .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+            .collect();
+        for &pid in &pids {
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        pids.len()
+    };
+    assert!(kill_job() > 0, "no processes listed for job {}", ids[0]);
+    d.wait_for(Duration::from_secs(120), "the failed job to count", |d| {
+        failed_jobs(d, "failed") == 1.0 || {
+            kill_job();
+            false
+        }
     });
     fs::remove_file(&gate).unwrap();
     d.wait_for(Duration::from_secs(180), "step 6", |_| {
@@ -473,4 +481,54 @@ fn a_sweep_on_slurm_evaluates_each_run_once_as_the_local_executor_would() {
     }
     // The runs differ: each job evaluated its own run.
     assert_ne!(via_slurm[0], via_slurm[1]);
+}
+
+/// `runs_glob` on Slurm: a run folder moved into the watched folder while the daemon runs gets
+/// its own runner in the pool, and its jobs find the run through the glob (`eval --run`).
+#[test]
+fn a_run_folder_that_appears_is_evaluated_through_slurm() {
+    let Some(cluster) = Cluster::start() else {
+        return;
+    };
+    let at = empty_run();
+    let at = at.path();
+    let stage = at.join("stage");
+    fs::create_dir_all(&stage).unwrap();
+    fs::create_dir_all(at.join("sweep")).unwrap();
+    for f in ["model.ts", "train.h5", "heldout.h5"] {
+        fs::copy(toy_run().join(f), at.join(f)).unwrap();
+    }
+    for (step, s) in [(1, 30), (2, 60)] {
+        place(&stage, &toy_run().join(format!("ckpt_{s:06}.pt")), step);
+    }
+    let port = free_port();
+    let config = at.join("sweep.yaml");
+    fs::write(
+        &config,
+        format!(
+            "model: {{architecture: model.ts}}\ndevice: cpu\n\
+             data: {{path: train.h5, heldout_path: heldout.h5}}\n\
+             icr: {{samples: 256, batch_size: 256}}\n\
+             http: {{listen: \"127.0.0.1:{port}\"}}\n\
+             checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n\
+             runs_glob: sweep/run-*\n\
+             evaluation: {{executor: slurm, max_in_flight: 2, slurm: {{poll_secs: 0.5}}}}\n"
+        ),
+    )
+    .unwrap();
+    let d = daemon(&cluster, config, port);
+    let run = at.join("sweep/run-1");
+    fs::rename(&stage, &run).unwrap();
+    d.wait_for(
+        Duration::from_secs(240),
+        "both checkpoints of run-1",
+        |_| journal_entries(&run).len() >= 2,
+    );
+    assert_eq!(journal(&run), (vec![1, 2], vec![]));
+    assert_eq!(submissions(&run), HashMap::from([(1, 1), (2, 1)]));
+    for e in fs::read_dir(run.join(".diffmon/jobs")).unwrap() {
+        let script = fs::read_to_string(e.unwrap().path().join("job.sh")).unwrap();
+        assert!(script.contains("--run 'run-1'"), "{script}");
+    }
+    assert!(d.log().contains("a new run joins the sweep"), "{}", d.log());
 }
