@@ -62,6 +62,10 @@ use std::time::{Duration, Instant};
 
 /// The journal of submitted jobs, in the state folder.
 pub const JOURNAL: &str = "jobs.jsonl";
+/// How long the runner waits for the watcher's next item before it submits what it has taken:
+/// the items taken within it go as one job array. Short against Slurm's seconds of scheduling,
+/// long enough for a watcher thread on a busy machine to offer the next waiting checkpoint.
+const GATHER: Duration = Duration::from_millis(250);
 /// The folder of the jobs' scripts, outputs and results, in the state folder.
 pub const JOBS_DIR: &str = "jobs";
 /// Bound on what is read of a job's record or status file.
@@ -715,7 +719,7 @@ impl Runner {
                         let taken = if jobs.is_empty() {
                             work.recv().map_err(|_| RecvTimeoutError::Disconnected)
                         } else {
-                            work.recv_timeout(Duration::from_millis(50))
+                            work.recv_timeout(GATHER)
                         };
                         match taken {
                             Ok(item) => item,
