@@ -78,6 +78,26 @@ fn submissions(dir: &Path) -> HashMap<i64, usize> {
 
 type Numbers = Vec<(String, f64)>;
 
+/// Records via Slurm (`a`) and locally (`b`): as many, with the same fields, each number within
+/// 1e-12 relative (the same computation, in another process).
+fn assert_same_records(a: &[Numbers], b: &[Numbers], label: &str) {
+    assert_eq!(a.len(), b.len(), "{label}: record counts");
+    for (a, b) in a.iter().zip(b) {
+        assert_eq!(
+            a.iter().map(|x| &x.0).collect::<Vec<_>>(),
+            b.iter().map(|x| &x.0).collect::<Vec<_>>(),
+            "{label}"
+        );
+        for ((key, x), (_, y)) in a.iter().zip(b) {
+            let tolerance = 1e-12 * x.abs().max(y.abs());
+            assert!(
+                (x - y).abs() <= tolerance,
+                "{label} {key}: {x} via Slurm, {y} locally"
+            );
+        }
+    }
+}
+
 /// The records' numbers, without the timings (`seconds`, `stages`) and the path.
 fn numbers(record: &Value) -> Numbers {
     let mut out: Vec<(String, f64)> = record
@@ -154,20 +174,7 @@ fn every_checkpoint_is_evaluated_once_through_slurm_as_the_local_executor_would(
             assert_eq!(folders, 6);
         }
     }
-    let (via_slurm, via_local) = (&records[0], &records[1]);
-    for (a, b) in via_slurm.iter().zip(via_local) {
-        assert_eq!(
-            a.iter().map(|x| &x.0).collect::<Vec<_>>(),
-            b.iter().map(|x| &x.0).collect::<Vec<_>>()
-        );
-        for ((key, x), (_, y)) in a.iter().zip(b) {
-            let tolerance = 1e-12 * x.abs().max(y.abs());
-            assert!(
-                (x - y).abs() <= tolerance,
-                "{key}: {x} via Slurm, {y} locally"
-            );
-        }
-    }
+    assert_same_records(&records[0], &records[1], "");
     assert_eq!(statuses[0], statuses[1], "the same early-stop decision");
     assert_eq!(statuses[0], (Value::Bool(true), Value::from(2)));
 }
@@ -465,19 +472,7 @@ fn a_sweep_on_slurm_evaluates_each_run_once_as_the_local_executor_would() {
     }
     let (via_slurm, via_local) = (&records[0], &records[1]);
     for (run, (a_run, b_run)) in ["ra", "rb"].iter().zip(via_slurm.iter().zip(via_local)) {
-        for (a, b) in a_run.iter().zip(b_run) {
-            assert_eq!(
-                a.iter().map(|x| &x.0).collect::<Vec<_>>(),
-                b.iter().map(|x| &x.0).collect::<Vec<_>>()
-            );
-            for ((key, x), (_, y)) in a.iter().zip(b) {
-                let tolerance = 1e-12 * x.abs().max(y.abs());
-                assert!(
-                    (x - y).abs() <= tolerance,
-                    "{run} {key}: {x} via Slurm, {y} locally"
-                );
-            }
-        }
+        assert_same_records(a_run, b_run, run);
     }
     // The runs differ: each job evaluated its own run.
     assert_ne!(via_slurm[0], via_slurm[1]);
