@@ -24,11 +24,12 @@ const SHARED: &str = "model: {architecture: small-a/model.ts}\ndevice: cpu\ncpu_
     icr: {samples: 256, batch_size: 256}\n\
     early_stop: {window: 1, warmup: 1, patience: 1, noise_multiple: 0, confirm: none}\n";
 
-/// Trains the three runs (in parallel) into `at/<name>`, `steps` steps each.
-fn train(at: &Path, steps: usize) {
+/// Trains the three runs (in parallel) into `at/<name>`, for `steps[i]` steps run `i`.
+fn train(at: &Path, steps: [usize; 3]) {
     let children: Vec<_> = RUNS
         .iter()
-        .map(|(name, size, seed)| {
+        .zip(steps)
+        .map(|((name, size, seed), steps)| {
             Command::new(root().join(".venv/bin/python"))
                 .arg(root().join("python/train_toy.py"))
                 .args(["--run-dir", at.join(name).to_str().unwrap()])
@@ -94,8 +95,9 @@ fn evaluated(d: &Daemon, run: &str) -> f64 {
 fn one_daemon_on_three_runs_records_what_three_daemons_record() {
     let dir = tempfile::tempdir().unwrap();
     let at = dir.path();
-    // Long enough for a data-limited run's ICR to turn (on 64 images it does by step 750).
-    train(at, 900);
+    // small-a long enough for its ICR to turn (on 64 images it does by step 750); the others
+    // short, as the test's time goes.
+    train(at, [900, 90, 90]);
 
     // The sweep: each run its own data and state folder.
     let port = free_port();
@@ -193,7 +195,7 @@ fn runs_glob_picks_up_run_folders_as_they_appear() {
     let at = dir.path();
     let stage = at.join("stage");
     fs::create_dir(&stage).unwrap();
-    train(&stage, 90);
+    train(&stage, [90; 3]);
     let sweep_dir = at.join("sweep");
     fs::create_dir(&sweep_dir).unwrap();
     fs::create_dir(sweep_dir.join(".hidden")).unwrap();
