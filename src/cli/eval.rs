@@ -95,6 +95,11 @@ fn select_run(config: Config, run: Option<&str>) -> Result<Config, String> {
             .collect::<Vec<_>>()
             .join(", ")
     };
+    if runs.is_empty() {
+        return Err(
+            "the config's runs_glob matches no run folder yet: there is no run to evaluate".into(),
+        );
+    }
     let Some(name) = run else {
         if runs.len() > 1 {
             return Err(format!(
@@ -178,5 +183,17 @@ mod select_tests {
         );
         let e = select_run(config, Some("two")).unwrap_err();
         assert!(e.contains("`two`") && e.contains("`one`"), "{e}");
+
+        // A glob of run folders with no match yet has no run to evaluate.
+        let glob = format!(
+            "runs_glob: {d}/sweep/lr-*\nmodel: {{architecture: {d}/m.ts}}\ndevice: cpu\n\
+             data: {{path: {d}/a.h5}}\n"
+        );
+        let config = crate::config::ConfigFile::parse(&glob, "s.yaml")
+            .unwrap()
+            .settings(false)
+            .unwrap();
+        let e = select_run(config, None).unwrap_err();
+        assert!(e.contains("matches no run folder yet"), "{e}");
     }
 }
