@@ -155,6 +155,38 @@ fn open(config: &Config, runtime: &tokio::runtime::Handle, arm: bool) -> Result<
     })
 }
 
+/// The daemon's HTTP port, bound at start (a port in use is a start-up error), and its tokio
+/// runtime (alerter deliveries, the HTTP server, signals).
+fn bind(config: &Config) -> Result<(std::net::TcpListener, tokio::runtime::Runtime)> {
+    let listen: SocketAddr = config.http.listen;
+    let listener = std::net::TcpListener::bind(listen).with_context(|| {
+        format!("cannot listen on {listen} (http.listen): is another process using the port?")
+    })?;
+    listener.set_nonblocking(true)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("diffmon-io")
+        .enable_all()
+        .build()?;
+    Ok((listener, runtime))
+}
+
+/// Serves `app` on the port [`bind`] bound, with the limits of `config.http`, until the task
+/// is aborted.
+fn serve(
+    runtime: &tokio::runtime::Runtime,
+    listener: std::net::TcpListener,
+    app: axum::Router,
+    config: &Config,
+) -> tokio::task::JoinHandle<()> {
+    let limits = crate::http::Limits::of(&config.http);
+    runtime.spawn(async move {
+        let listener =
+            tokio::net::TcpListener::from_std(listener).expect("a non-blocking std listener");
+        crate::http::serve(listener, app, limits).await;
+    })
+}
+
 /// Runs the daemon until a signal: on one run, or on every run of a sweep ([`sweep`]).
 pub fn run(config: Config) -> Result<()> {
     if config.is_sweep() {
@@ -165,17 +197,8 @@ pub fn run(config: Config) -> Result<()> {
     // Held until the process ends (the kernel releases it, however the process ends).
     let _lock = StateLock::acquire(&state_dir)?;
 
-    let listen: SocketAddr = config.http.listen;
-    let listener = std::net::TcpListener::bind(listen).with_context(|| {
-        format!("cannot listen on {listen} (http.listen): is another process using the port?")
-    })?;
-    listener.set_nonblocking(true)?;
-
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("diffmon-io")
-        .enable_all()
-        .build()?;
+    let listen = config.http.listen;
+    let (listener, runtime) = bind(&config)?;
     let Opened {
         recorder,
         mut published,
@@ -215,12 +238,7 @@ pub fn run(config: Config) -> Result<()> {
         })?;
 
     let app = crate::http::router(metrics.clone(), view.status, view.snapshot);
-    let limits = crate::http::Limits::of(&config.http);
-    let server = runtime.spawn(async move {
-        let listener =
-            tokio::net::TcpListener::from_std(listener).expect("a non-blocking std listener");
-        crate::http::serve(listener, app, limits).await;
-    });
+    let server = serve(&runtime, listener, app, &config);
     tracing::info!(
         run = %run,
         dir = %config.run.dir.display(),

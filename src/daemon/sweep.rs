@@ -19,7 +19,6 @@ use crate::watcher::{Watcher, WorkItem, work_channel};
 use anyhow::{Context, Result};
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::{HashMap, HashSet};
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -28,16 +27,8 @@ use std::time::Duration;
 /// appears) until a signal.
 pub fn run(config: Config) -> Result<()> {
     shutdown::exit_on_panic();
-    let listen: SocketAddr = config.http.listen;
-    let listener = std::net::TcpListener::bind(listen).with_context(|| {
-        format!("cannot listen on {listen} (http.listen): is another process using the port?")
-    })?;
-    listener.set_nonblocking(true)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("diffmon-io")
-        .enable_all()
-        .build()?;
+    let listen = config.http.listen;
+    let (listener, runtime) = super::bind(&config)?;
 
     let mut pipelines = Vec::new();
     let mut lanes = Vec::new();
@@ -120,12 +111,7 @@ pub fn run(config: Config) -> Result<()> {
         })?;
 
     let app = crate::http::sweep_router(views);
-    let limits = crate::http::Limits::of(&config.http);
-    let server = runtime.spawn(async move {
-        let listener =
-            tokio::net::TcpListener::from_std(listener).expect("a non-blocking std listener");
-        crate::http::serve(listener, app, limits).await;
-    });
+    let server = super::serve(&runtime, listener, app, &config);
     tracing::info!(
         runs = %names.join(", "),
         metrics = %format!("http://{listen}/metrics"),
