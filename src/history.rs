@@ -124,10 +124,18 @@ impl History {
         let journal = OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
             .map_err(|e| io(&path, e))?;
         journal.set_len(good_len).map_err(|e| io(&path, e))?;
+        if journal.metadata().is_ok_and(|m| m.mode() & 0o077 != 0) {
+            // Made 0644 by versions before 0.9.
+            use std::os::unix::fs::PermissionsExt;
+            journal
+                .set_permissions(std::fs::Permissions::from_mode(0o600))
+                .map_err(|e| io(&path, e))?;
+        }
         let keys = entries.iter().map(|e| e.key().clone()).collect();
         let mut history = History {
             dir: state_dir.to_path_buf(),

@@ -25,6 +25,7 @@ pub mod report;
 pub mod safe_fs;
 pub mod sampler;
 pub mod sign;
+pub mod state_dir;
 pub mod tail;
 pub mod unit;
 pub mod watcher;

@@ -8,12 +8,18 @@
 //! byte-range locks through the server (mounted with `nolock` it is local to one machine), and
 //! Lustre refuses it unless mounted with `flock`; a file system that refuses locks stops the start
 //! with a message that names it (point `state_dir` at a local disk).
+//!
+//! Taking the lock opens the state folder ([`crate::state_dir::StateDir`]: no link followed, the
+//! daemon's own, used through its handle); the lock holds it for the daemon.
 
 use std::fs::File;
 use std::io::{Read, Seek, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::state_dir::{StateDir, StateDirError};
 
 /// The lock file's name inside the state folder.
 pub const LOCK_FILE: &str = "lock";
@@ -41,6 +47,8 @@ pub enum LockError {
         #[source]
         source: std::io::Error,
     },
+    #[error(transparent)]
+    State(#[from] StateDirError),
     #[error("{path}: cannot lock the state folder: {message}")]
     NotAFile {
         path: PathBuf,
@@ -53,29 +61,28 @@ pub enum LockError {
 pub struct StateLock {
     file: File,
     path: PathBuf,
+    state: Arc<StateDir>,
 }
 
 impl StateLock {
-    /// Takes the state folder's lock (creating the folder), or says who holds it.
-    pub fn acquire(state_dir: &Path) -> Result<StateLock, LockError> {
-        let path = state_dir.join(LOCK_FILE);
+    /// Opens the state folder `state_dir` of the run in `run_dir` (creating it) and takes its
+    /// lock, or says who holds it.
+    pub fn acquire(state_dir: &Path, run_dir: &Path) -> Result<StateLock, LockError> {
+        let state = Arc::new(StateDir::open(state_dir, run_dir)?);
+        let path = state.shown().join(LOCK_FILE);
         let io = |source: std::io::Error| LockError::Io {
             path: path.clone(),
             source,
         };
-        std::fs::create_dir_all(state_dir).map_err(|source| LockError::Io {
-            path: state_dir.to_path_buf(),
-            source,
-        })?;
         // O_CLOEXEC is std's default: no child process inherits (and holds) the lock.
         let mut file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
-            .mode(0o644)
+            .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&path)
+            .open(state.path().join(LOCK_FILE))
             .map_err(|e| match e.raw_os_error() {
                 Some(libc::ELOOP) => LockError::NotAFile {
                     path: path.clone(),
@@ -83,11 +90,18 @@ impl StateLock {
                 },
                 _ => io(e),
             })?;
-        if !file.metadata().map_err(io)?.is_file() {
+        let meta = file.metadata().map_err(io)?;
+        if !meta.is_file() {
             return Err(LockError::NotAFile {
                 path,
                 message: "is not a regular file",
             });
+        }
+        if meta.mode() & 0o077 != 0 {
+            // Made 0644 by versions before 0.9.
+            use std::os::unix::fs::PermissionsExt;
+            file.set_permissions(std::fs::Permissions::from_mode(0o600))
+                .map_err(io)?;
         }
         // SAFETY: flock on a file descriptor this function owns.
         if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
@@ -113,11 +127,16 @@ impl StateLock {
             .and_then(|_| file.rewind())
             .and_then(|_| file.write_all(holder.as_bytes()))
             .map_err(io)?;
-        Ok(StateLock { file, path })
+        Ok(StateLock { file, path, state })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The state folder the lock holds.
+    pub fn state(&self) -> &Arc<StateDir> {
+        &self.state
     }
 }
 
@@ -162,10 +181,12 @@ mod tests {
     fn a_second_lock_is_refused_naming_the_holder_and_free_once_dropped() {
         let dir = tempfile::tempdir().unwrap();
         let state = dir.path().join("state");
-        let first = StateLock::acquire(&state).unwrap();
+        let first = StateLock::acquire(&state, dir.path()).unwrap();
         // flock locks belong to the open file description: a second open in the same process
         // conflicts like another process would.
-        let e = StateLock::acquire(&state).unwrap_err().to_string();
+        let e = StateLock::acquire(&state, dir.path())
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains(&state.join(LOCK_FILE).display().to_string()),
             "{e}"
@@ -175,8 +196,14 @@ mod tests {
             "{e}"
         );
         assert!(e.contains(" since "), "{e}");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(state.join(LOCK_FILE))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "the lock file is private");
         drop(first);
-        StateLock::acquire(&state).unwrap();
+        StateLock::acquire(&state, dir.path()).unwrap();
     }
 
     #[test]
@@ -185,7 +212,9 @@ mod tests {
         let target = dir.path().join("precious");
         std::fs::write(&target, "keep me").unwrap();
         std::os::unix::fs::symlink(&target, dir.path().join(LOCK_FILE)).unwrap();
-        let e = StateLock::acquire(dir.path()).unwrap_err().to_string();
+        let e = StateLock::acquire(dir.path(), dir.path())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("symbolic link"), "{e}");
         assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep me");
     }
@@ -193,13 +222,15 @@ mod tests {
     #[test]
     fn a_hostile_lock_file_is_named_bounded_and_escaped() {
         let dir = tempfile::tempdir().unwrap();
-        let mut held = StateLock::acquire(dir.path()).unwrap();
+        let mut held = StateLock::acquire(dir.path(), dir.path()).unwrap();
         held.file.set_len(0).unwrap();
         held.file.rewind().unwrap();
         held.file
             .write_all(&[b"\x1b[31mevil\nline".as_slice(), &[b'x'; 100_000]].concat())
             .unwrap();
-        let e = StateLock::acquire(dir.path()).unwrap_err().to_string();
+        let e = StateLock::acquire(dir.path(), dir.path())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("\\u{1b}[31mevil\\nline"), "{e}");
         assert!(e.len() < 2 * MAX_HOLDER as usize, "{} bytes", e.len());
     }

@@ -68,6 +68,19 @@ impl Secret {
     }
 }
 
+impl Secret {
+    /// A key for another use, derived from this secret: HMAC-SHA256(secret, `context`). The
+    /// outbox authenticates its entries for a signed destination with it, so that an entry that
+    /// gets delivered with a valid signature cannot be made without the secret.
+    pub fn derive(&self, context: &[u8]) -> [u8; 32] {
+        let Ok(mut mac) = Hmac::<Sha256>::new_from_slice(&self.0) else {
+            unreachable!("HMAC accepts keys of any length")
+        };
+        mac.update(context);
+        mac.finalize().into_bytes().into()
+    }
+}
+
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("***")

@@ -74,6 +74,8 @@ pub struct Watcher {
     /// When the warning about `ignored` entries was last logged.
     warned_ignored_at: Option<Instant>,
     metrics: Arc<Metrics>,
+    /// The daemon's state folder, when it runs in `run.dir` (see [`Watcher::following`]).
+    state: Option<Arc<crate::state_dir::StateDir>>,
 }
 
 /// Extensions of files that look like checkpoints (for the warning about skipped entries).
@@ -177,6 +179,7 @@ impl Watcher {
             ignored: Vec::new(),
             warned_ignored_at: None,
             metrics,
+            state: None,
         }
     }
 
@@ -186,6 +189,13 @@ impl Watcher {
             .into_iter()
             .map(|p| crate::config::normalize(&p))
             .collect();
+        self
+    }
+
+    /// Puts the daemon's state folder back at each scan when the run folder was replaced
+    /// (`crate::state_dir::StateDir::follow`), so the next start finds its history.
+    pub fn following(mut self, state: Arc<crate::state_dir::StateDir>) -> Watcher {
+        self.state = Some(state);
         self
     }
 
@@ -207,6 +217,9 @@ impl Watcher {
                     self.rewatch = true;
                 }
                 self.dir_present = Some(true);
+                if let Some(state) = &self.state {
+                    state.follow();
+                }
                 e
             }
             Err(e) => {

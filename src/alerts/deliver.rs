@@ -254,6 +254,9 @@ async fn read_snippet(resp: &mut reqwest::Response) -> String {
 /// What the workers and `Alerter::send` share.
 pub struct Shared {
     pub outbox: Outbox,
+    /// The state folder's key file and key (`store::state_key`), to write again into a
+    /// re-made state folder.
+    pub key: (std::path::PathBuf, [u8; 32]),
     pub book: Mutex<Book>,
     pub on_outcome: OutcomeHook,
     pub client: reqwest::Client,
@@ -527,13 +530,14 @@ impl Worker {
 /// ledger: it becomes the worker's active alert after a restart.
 pub fn restored_active(
     stop_event: Option<&Event>,
+    instance: &str,
     dest: &Destination,
     ledger: &Ledger,
 ) -> Option<Event> {
     let e = stop_event?;
     (dest.kind == DestKind::Alertmanager
         && e.event == EventKind::EarlyStop
-        && e.id == event_id(&e.run, e.event, e.best_step, e.current_step)
+        && e.id == event_id(&e.run, instance, e.event, e.best_step, e.current_step)
         && ledger.contains(&delivery_key(&e.id, &dest.key)))
     .then(|| e.clone())
 }

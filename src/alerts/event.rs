@@ -53,7 +53,8 @@ pub struct Event {
 }
 
 impl Event {
-    /// An event with its stable id, `fired_at` = now and no kept copy.
+    /// An event with its stable id (for no particular run folder: see [`run_instance`]),
+    /// `fired_at` = now and no kept copy.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         kind: EventKind,
@@ -66,7 +67,7 @@ impl Event {
         current_value: f64,
     ) -> Event {
         Event {
-            id: event_id(run, kind, best_step, current_step),
+            id: event_id(run, "", kind, best_step, current_step),
             event: kind,
             run: run.to_string(),
             metric: metric.to_string(),
@@ -82,14 +83,36 @@ impl Event {
 }
 
 /// The event's stable id: lowercase hex of
-/// `sha256("diffmon-event-v1\n{run}\n{kind}\n{best_step}\n{current_step}")`.
+/// `sha256("diffmon-event-v2\n{run}\n{instance}\n{kind}\n{best_step}\n{current_step}")`, where
+/// `instance` tells apart runs of the same name ([`run_instance`]: the run folder and the state
+/// folder).
 ///
 /// A restart that re-derives the same event (same run, kind, best and current step) gets the same
-/// id, so the delivered-ledger and receivers (`webhook-id`) can deduplicate it. The preimage format
-/// is part of the on-disk contract: changing it re-delivers events after an upgrade.
-pub fn event_id(run: &str, kind: EventKind, best_step: i64, current_step: i64) -> String {
-    let preimage = format!("diffmon-event-v1\n{run}\n{kind}\n{best_step}\n{current_step}");
+/// id, so the delivered-ledger and receivers (`webhook-id`) can deduplicate it; two runs that
+/// share a name do not. The preimage format is part of the on-disk contract: changing it
+/// re-delivers events after an upgrade (v1, without the instance, was changed for that reason).
+pub fn event_id(
+    run: &str,
+    instance: &str,
+    kind: EventKind,
+    best_step: i64,
+    current_step: i64,
+) -> String {
+    let preimage =
+        format!("diffmon-event-v2\n{run}\n{instance}\n{kind}\n{best_step}\n{current_step}");
     hex(&Sha256::digest(preimage.as_bytes()))
+}
+
+/// What makes a run unique beside its name, for [`event_id`]: its folder and its state folder,
+/// as absolute paths (made so without looking at the file system).
+pub fn run_instance(run_dir: &std::path::Path, state_dir: &std::path::Path) -> String {
+    let abs = |p: &std::path::Path| {
+        std::path::absolute(p)
+            .unwrap_or_else(|_| p.to_path_buf())
+            .display()
+            .to_string()
+    };
+    format!("{}\n{}", abs(run_dir), abs(state_dir))
 }
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
@@ -135,24 +158,45 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn id_is_stable_and_matches_an_independent_vector() {
         // Expected values computed once with Python:
-        //   hashlib.sha256(b"diffmon-event-v1\nrun-a\nearly_stop\n1000\n3000").hexdigest()
-        let a = event_id("run-a", EventKind::EarlyStop, 1000, 3000);
+        //   hashlib.sha256(b"diffmon-event-v2\nrun-a\n/r/a\n/r/a/.diffmon\nearly_stop\n1000\n3000").hexdigest()
+        let instance = run_instance(Path::new("/r/a"), Path::new("/r/a/.diffmon"));
+        let a = event_id("run-a", &instance, EventKind::EarlyStop, 1000, 3000);
         assert_eq!(
             a,
-            "10b28226e610ed78dab382d8e35a6d2bc3ebe0db9ca787f3287770c2f9f828a0"
+            "c8b671b773ed02c43eba722d87e8a2e70f933df748985e897759addf66037687"
         );
-        assert_eq!(a, event_id("run-a", EventKind::EarlyStop, 1000, 3000));
         assert_eq!(
-            event_id("run-a", EventKind::Resolved, 1000, 3000),
-            "65eaeb8f0e4ec672e434b36635b2e8f621558ce92f0ed04641bd5fd6ea52ef67"
+            a,
+            event_id("run-a", &instance, EventKind::EarlyStop, 1000, 3000)
         );
-        assert_ne!(a, event_id("run-b", EventKind::EarlyStop, 1000, 3000));
-        assert_ne!(a, event_id("run-a", EventKind::EarlyStop, 1001, 3000));
-        assert_ne!(a, event_id("run-a", EventKind::EarlyStop, 1000, 3001));
+        assert_eq!(
+            event_id("run-a", &instance, EventKind::Resolved, 1000, 3000),
+            "7d784852fbed5bc4736e323ac5f9b5688f4b0b85c7a71b553c01bf96b22d33ea"
+        );
+        let id = |run, kind, best, current| event_id(run, &instance, kind, best, current);
+        assert_ne!(a, id("run-b", EventKind::EarlyStop, 1000, 3000));
+        assert_ne!(a, id("run-a", EventKind::EarlyStop, 1001, 3000));
+        assert_ne!(a, id("run-a", EventKind::EarlyStop, 1000, 3001));
+        // Two runs of the same name in other folders (issue #29, item 10).
+        for other in [
+            run_instance(Path::new("/r/b"), Path::new("/r/a/.diffmon")),
+            run_instance(Path::new("/r/a"), Path::new("/s/.diffmon")),
+        ] {
+            assert_ne!(
+                a,
+                event_id("run-a", &other, EventKind::EarlyStop, 1000, 3000)
+            );
+        }
+        let a = event_id("run-a", "", EventKind::EarlyStop, 1000, 3000);
+        assert_eq!(
+            a,
+            "abe7b0e1db3c597cff0e643274d58fad55431d1008da1d15a5c0986f9feca78d"
+        );
         // Events built at different times keep the id, and so does naming a kept copy.
         let e1 = Event::new(
             EventKind::EarlyStop,

@@ -18,7 +18,11 @@
 //!   `<state_dir>/outbox/<event id>.<destination key>.json` (tmp + fsync + rename) before it is
 //!   sent, and removed once the receiver accepted it. Entries left by a previous run are
 //!   delivered right after [`Alerter::start`]. A half-written or unreadable entry is logged and
-//!   renamed to `*.corrupt`; it never stops start-up.
+//!   renamed to `*.corrupt`; it never stops start-up. Each entry carries an HMAC-SHA256 under a
+//!   key only the daemon holds (derived from the state folder's random `alerts.key` and, for a
+//!   signed destination, its secret): an entry that does not verify (planted in the state
+//!   folder, or from an earlier version) is never delivered: renamed `*.unauthenticated`, logged
+//!   and counted ([`DeliveryOutcome::Unauthenticated`]).
 //! - **At most one accepted delivery per (event id, destination)** as far as diffmon can tell:
 //!   accepted deliveries are recorded in `<state_dir>/alerts_delivered.json` (the last 1000), and
 //!   sending an event whose id is recorded or still pending is a no-op for that destination. The
@@ -68,7 +72,7 @@ mod store;
 mod tests;
 
 pub use deliver::DeliveryPolicy;
-pub use event::{Event, EventKind, event_id, rfc3339_utc};
+pub use event::{Event, EventKind, event_id, rfc3339_utc, run_instance};
 pub use format::{ALERT_NAME, summary};
 
 use crate::config::{AlertsConfig, SecretEnv, WebhookFormat};
@@ -126,14 +130,18 @@ pub enum DeliveryOutcome {
     /// The receiver answered with a non-retryable status (4xx other than 408/429, 3xx): given
     /// up, removed from the outbox.
     Rejected,
+    /// An outbox entry found at start whose MAC does not verify under the daemon's key (planted
+    /// in the state folder, or written by an earlier version): not delivered, set aside.
+    Unauthenticated,
 }
 
 impl DeliveryOutcome {
     /// Every outcome, for pre-creating the metric's series at 0.
-    pub const ALL: [DeliveryOutcome; 3] = [
+    pub const ALL: [DeliveryOutcome; 4] = [
         DeliveryOutcome::Delivered,
         DeliveryOutcome::Retried,
         DeliveryOutcome::Rejected,
+        DeliveryOutcome::Unauthenticated,
     ];
 
     /// The label value.
@@ -142,6 +150,7 @@ impl DeliveryOutcome {
             DeliveryOutcome::Delivered => "delivered",
             DeliveryOutcome::Retried => "retried",
             DeliveryOutcome::Rejected => "rejected",
+            DeliveryOutcome::Unauthenticated => "unauthenticated",
         }
     }
 }
@@ -156,6 +165,8 @@ impl fmt::Display for DeliveryOutcome {
 pub const LEDGER_FILE: &str = "alerts_delivered.json";
 /// Folder of pending deliveries inside `state_dir`.
 pub const OUTBOX_DIR: &str = "outbox";
+/// File name of the state folder's own key, which authenticates outbox entries.
+pub const KEY_FILE: &str = "alerts.key";
 
 #[derive(Debug, thiserror::Error)]
 pub enum AlertError {
@@ -202,16 +213,20 @@ impl Alerter {
     /// variables `secret_env` names: a config loaded without them is refused), loads the outbox
     /// from `<state_dir>/outbox/`, and spawns delivery on the current tokio runtime;
     /// deliveries left pending by a previous run are retried at once.
+    ///
+    /// `instance` is the run's [`run_instance`], with which its event ids were made.
     pub fn start(
         config: &AlertsConfig,
         run_dir: &Path,
         state_dir: &Path,
+        instance: &str,
         on_outcome: OutcomeHook,
     ) -> Result<Alerter, AlertError> {
         Self::start_with(
             config,
             run_dir,
             state_dir,
+            instance,
             on_outcome,
             DeliveryPolicy::default(),
         )
@@ -222,25 +237,48 @@ impl Alerter {
         config: &AlertsConfig,
         run_dir: &Path,
         state_dir: &Path,
+        instance: &str,
         on_outcome: OutcomeHook,
         policy: DeliveryPolicy,
     ) -> Result<Alerter, AlertError> {
         let handle = tokio::runtime::Handle::try_current().map_err(|_| AlertError::NoRuntime)?;
         let dests = destinations(config)?;
 
+        let key_path = state_dir.join(KEY_FILE);
+        crate::safe_fs::remove_leftover_temps(state_dir, KEY_FILE);
+        let state_key = store::state_key(&key_path).map_err(|source| AlertError::Io {
+            path: key_path.clone(),
+            action: "make the outbox key",
+            source,
+        })?;
+        let keys = dests
+            .iter()
+            .map(|d| {
+                let key = store::entry_key(&state_key, &d.key, d.secret.as_ref());
+                (d.key.clone(), key)
+            })
+            .collect();
         let outbox_dir = state_dir.join(OUTBOX_DIR);
-        let outbox = Outbox::open(outbox_dir.clone()).map_err(|source| AlertError::Io {
+        let outbox = Outbox::open(outbox_dir.clone(), keys).map_err(|source| AlertError::Io {
             path: outbox_dir.clone(),
             action: "create the outbox folder",
             source,
         })?;
         crate::safe_fs::remove_leftover_temps(state_dir, LEDGER_FILE);
         let ledger = Ledger::load(state_dir.join(LEDGER_FILE));
-        let loaded = outbox.load().map_err(|source| AlertError::Io {
+        let store::Loaded {
+            entries: loaded,
+            refused,
+        } = outbox.load().map_err(|source| AlertError::Io {
             path: outbox_dir.clone(),
             action: "read the outbox folder",
             source,
         })?;
+        for dest in refused {
+            if let Some(d) = dests.iter().find(|d| d.key == dest) {
+                on_outcome(d.kind.receiver(), DeliveryOutcome::Unauthenticated);
+            }
+        }
 
         // Sort loaded entries to their destinations; drop those already delivered.
         let mut queues: HashMap<String, VecDeque<Entry>> = HashMap::new();
@@ -287,11 +325,12 @@ impl Alerter {
             .and_then(|b| serde_json::from_slice::<Event>(&b).ok());
         let actives: Vec<Option<Event>> = dests
             .iter()
-            .map(|d| restored_active(stop_event.as_ref(), d, &ledger))
+            .map(|d| restored_active(stop_event.as_ref(), instance, d, &ledger))
             .collect();
 
         let shared = Arc::new(Shared {
             outbox,
+            key: (key_path, state_key),
             book: Mutex::new(Book { ledger, pending }),
             on_outcome,
             client,
@@ -393,6 +432,23 @@ impl Alerter {
         match first_error {
             Some(e) => Err(e),
             None => Ok(()),
+        }
+    }
+
+    /// What to do when the state folder was deleted under the daemon and made anew
+    /// (`crate::state_dir::StateDir::on_remade`): write the outbox key and the delivered-ledger
+    /// there again from memory, so that entries written from now on verify after a restart and
+    /// delivered events are not delivered again.
+    pub fn on_state_remade(&self) -> impl Fn() + Send + Sync + 'static {
+        let shared = self.shared.clone();
+        move || {
+            let (path, key) = &shared.key;
+            let written = crate::safe_fs::create_private_dir(shared.outbox.dir())
+                .and_then(|()| atomic_write(path, key))
+                .and_then(|()| shared.book().ledger.write());
+            if let Err(e) = written {
+                tracing::warn!(error = %e, "cannot write the outbox key and the delivered-ledger into the re-made state folder");
+            }
         }
     }
 

@@ -297,7 +297,7 @@ async fn signed_deliveries_are_retried_on_5xx_and_429_and_accepted_once() {
     );
     let outcomes = Outcomes::default();
     let alerter =
-        Alerter::start_with(&cfg, &d.run, &d.state, outcomes.hook(), fast_policy()).unwrap();
+        Alerter::start_with(&cfg, &d.run, &d.state, "", outcomes.hook(), fast_policy()).unwrap();
     let (e, r) = (early("run-1"), resolved("run-1"));
     alerter.send(&e).unwrap();
     alerter.send(&r).unwrap();
@@ -380,7 +380,7 @@ async fn signed_deliveries_are_retried_on_5xx_and_429_and_accepted_once() {
     assert_eq!(alerter.pending(), 0);
     alerter.shutdown(Duration::from_secs(2)).await;
     let again = Outcomes::default();
-    let b = Alerter::start_with(&cfg, &d.run, &d.state, again.hook(), fast_policy()).unwrap();
+    let b = Alerter::start_with(&cfg, &d.run, &d.state, "", again.hook(), fast_policy()).unwrap();
     b.send(&e).unwrap();
     b.send(&r).unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -437,6 +437,7 @@ async fn every_secret_form_the_official_library_accepts_verifies_there() {
             &cfg,
             &d.run,
             &state,
+            "",
             Outcomes::default().hook(),
             fast_policy(),
         )
@@ -473,7 +474,7 @@ async fn pending_delivery_survives_a_restart_while_the_receiver_is_down() {
 
     // A: nobody listens; the event stays pending and is kept on disk.
     let a_out = Outcomes::default();
-    let a = Alerter::start_with(&cfg, &d.run, &d.state, a_out.hook(), fast_policy()).unwrap();
+    let a = Alerter::start_with(&cfg, &d.run, &d.state, "", a_out.hook(), fast_policy()).unwrap();
     let e = early("run-2");
     // Sent from a plain thread, as the evaluator thread would.
     std::thread::scope(|s| s.spawn(|| a.send(&e)).join().unwrap()).unwrap();
@@ -506,7 +507,7 @@ async fn pending_delivery_survives_a_restart_while_the_receiver_is_down() {
     let rx = Receiver::start(&d.work, port, None, "", 200, "").await;
     assert_eq!(rx.port, port);
     let b_out = Outcomes::default();
-    let b = Alerter::start_with(&cfg, &d.run, &d.state, b_out.hook(), fast_policy()).unwrap();
+    let b = Alerter::start_with(&cfg, &d.run, &d.state, "", b_out.hook(), fast_policy()).unwrap();
     wait_until(
         "the delivery after restart",
         Duration::from_secs(10),
@@ -541,7 +542,7 @@ async fn client_errors_other_than_429_are_not_retried() {
         None,
     );
     let out = Outcomes::default();
-    let a = Alerter::start_with(&cfg, &d.run, &d.state, out.hook(), fast_policy()).unwrap();
+    let a = Alerter::start_with(&cfg, &d.run, &d.state, "", out.hook(), fast_policy()).unwrap();
     a.send(&early("run-3")).unwrap();
     wait_until("the rejection", Duration::from_secs(10), || {
         out.count(DeliveryOutcome::Rejected) == 1
@@ -652,7 +653,8 @@ async fn real_alertmanager_fires_stays_active_and_resolves() {
 
     let cfg = config(vec![], Some(format!("{base}/")));
     let out = Outcomes::default();
-    let alerter = Alerter::start_with(&cfg, &d.run, &d.state, out.hook(), fast_policy()).unwrap();
+    let alerter =
+        Alerter::start_with(&cfg, &d.run, &d.state, "", out.hook(), fast_policy()).unwrap();
     let run = "run-am";
     let e = early(run);
     alerter.send(&e).unwrap();
@@ -685,7 +687,8 @@ async fn real_alertmanager_fires_stays_active_and_resolves() {
     // file without being sent anything.
     alerter.shutdown(Duration::from_secs(2)).await;
     let seen = am_alerts(&client, &base, run).await[0]["updatedAt"].clone();
-    let alerter = Alerter::start_with(&cfg, &d.run, &d.state, out.hook(), fast_policy()).unwrap();
+    let alerter =
+        Alerter::start_with(&cfg, &d.run, &d.state, "", out.hook(), fast_policy()).unwrap();
     wait_for_repost(&client, &base, run, &seen).await;
 
     alerter.send(&resolved(run)).unwrap();
@@ -733,6 +736,7 @@ async fn stop_file_is_atomic_and_secrets_stay_hidden() {
         &cfg,
         &d.run,
         &d.state,
+        "",
         Outcomes::default().hook(),
         fast_policy(),
     )
@@ -764,6 +768,7 @@ async fn stop_file_is_atomic_and_secrets_stay_hidden() {
         &cfg,
         &not_a_dir,
         &d.state,
+        "",
         Outcomes::default().hook(),
         fast_policy(),
     )
@@ -781,7 +786,7 @@ async fn stop_file_is_atomic_and_secrets_stay_hidden() {
     // deliveries: the error names the key and the variable.
     let mut unread = cfg.clone();
     unread.webhooks[0].secret.as_mut().unwrap().secret = None;
-    let err = Alerter::start(&unread, &d.run, &d.state, Outcomes::default().hook())
+    let err = Alerter::start(&unread, &d.run, &d.state, "", Outcomes::default().hook())
         .unwrap_err()
         .to_string();
     assert!(
@@ -806,6 +811,7 @@ fn start_outside_a_runtime_is_an_error() {
         &AlertsConfig::default(),
         &d.run,
         &d.state,
+        "",
         Outcomes::default().hook(),
     )
     .unwrap_err();
@@ -820,6 +826,7 @@ async fn a_stop_file_that_cannot_be_written_is_retried_and_a_newer_event_superse
         &cfg,
         &d.run,
         &d.state,
+        "",
         Outcomes::default().hook(),
         fast_policy(),
     )

@@ -601,10 +601,10 @@ mod tests {
         once(pfd.into(), format!("{}: ", missing.display()));
         // A state folder under a file: neither the lock nor the crash marker can be made.
         let state = plain.join("state");
-        let lock = crate::lock::StateLock::acquire(&state).unwrap_err();
+        let lock = crate::lock::StateLock::acquire(&state, dir.path()).unwrap_err();
         once(
             lock.into(),
-            format!("{}: cannot lock the state folder: ", state.display()),
+            format!("{}: cannot open the state folder: ", plain.display()),
         );
         let crash = crate::crash::read_marker(&state).unwrap_err();
         once(

@@ -1326,6 +1326,15 @@ impl Config {
             .unwrap_or_else(|| self.run.dir.join(".diffmon"))
     }
 
+    /// This config with its state folder reached through `path` (the daemon's held handle,
+    /// `crate::state_dir`), for the evaluator, which writes caches and the crash marker there.
+    pub fn writing_state_through(&self, path: &Path) -> Config {
+        Config {
+            state_dir: Some(path.to_path_buf()),
+            ..self.clone()
+        }
+    }
+
     /// Is this a sweep (`runs` or `runs_glob`), even one with no run yet?
     pub fn is_sweep(&self) -> bool {
         !self.sweep.is_empty() || self.runs_glob.is_some()

@@ -90,10 +90,20 @@ struct Opened {
 /// left, and (with `arm`) arms a fresh crash marker: not for a run joining a sweep while another
 /// run's checkpoint may be evaluated, whose marker the evaluator holds; the evaluator arms the
 /// run's own before its first item. The one set-up of a single run and of each run of a sweep.
-fn open(config: &Config, runtime: &tokio::runtime::Handle, arm: bool) -> Result<Opened> {
+///
+/// Everything it writes goes through `lock`'s state folder handle (`crate::state_dir`).
+fn open(
+    config: &Config,
+    lock: &StateLock,
+    runtime: &tokio::runtime::Handle,
+    arm: bool,
+) -> Result<Opened> {
     let run = config.run_name();
-    let state_dir = config.state_dir();
-    let mut recorder = Recorder::open(&state_dir).context("cannot open the history")?;
+    let state = lock.state();
+    let state_dir = state.path().to_path_buf();
+    let mut recorder = Recorder::open(&state_dir)
+        .context("cannot open the history")?
+        .following(state.clone());
     let crash = match crate::crash::read_marker(&state_dir) {
         Ok(crash) => crash,
         Err(e) => {
@@ -103,8 +113,10 @@ fn open(config: &Config, runtime: &tokio::runtime::Handle, arm: bool) -> Result<
     };
     let metrics = Arc::new(Metrics::new(&run));
     recorder.write_hdf5();
-    let (state, replayed) = RunState::replay(
+    let instance = crate::alerts::run_instance(&config.run.dir, state.shown());
+    let (run_state, replayed) = RunState::replay(
         &run,
+        &instance,
         config.early_stop_resolved(),
         recorder.entries(),
         metrics.clone(),
@@ -114,7 +126,7 @@ fn open(config: &Config, runtime: &tokio::runtime::Handle, arm: bool) -> Result<
             .then(|| crate::keep_best::Keeper::new(&state_dir)),
     );
     if replayed.evaluations > 0 {
-        tracing::info!(run = %run, evaluations = replayed.evaluations, state = %state_dir.display(), "history restored");
+        tracing::info!(run = %run, evaluations = replayed.evaluations, state = %state.shown().display(), "history restored");
     }
     let alerter = {
         // The alerter's delivery tasks run on this runtime.
@@ -124,9 +136,13 @@ fn open(config: &Config, runtime: &tokio::runtime::Handle, arm: bool) -> Result<
             &config.alerts,
             &config.run.dir,
             &state_dir,
+            &instance,
             Arc::new(move |receiver, outcome| outcome_metrics.delivery(receiver, outcome)),
         )?
     };
+    // A state folder deleted under the daemon is made again empty: the alerter writes its key and
+    // ledger there again, so a restart does not deliver what was delivered.
+    state.on_remade(Box::new(alerter.on_state_remade()));
     let mut sinks = Sinks::new(vec![
         Box::new(Console::default()),
         Box::new(Alerts(alerter)),
@@ -137,10 +153,13 @@ fn open(config: &Config, runtime: &tokio::runtime::Handle, arm: bool) -> Result<
     let view = RunView {
         name: run,
         metrics,
-        status: state.status(),
-        snapshot: state.snapshot(),
+        status: run_state.status(),
+        snapshot: run_state.snapshot(),
     };
-    let mut published = Published { state, sinks };
+    let mut published = Published {
+        state: run_state,
+        sinks,
+    };
     if let Some(crash) = crash {
         recorder.record_crash(crash, &mut |outcome, at| published.recorded(outcome, at));
     }
@@ -192,10 +211,9 @@ pub fn run(config: Config) -> Result<()> {
     if config.is_sweep() {
         return sweep::run(config);
     }
-    let state_dir = config.state_dir();
     shutdown::exit_on_panic();
     // Held until the process ends (the kernel releases it, however the process ends).
-    let _lock = StateLock::acquire(&state_dir)?;
+    let lock = StateLock::acquire(&config.state_dir(), &config.run.dir)?;
 
     let listen = config.http.listen;
     let (listener, runtime) = bind(&config)?;
@@ -204,14 +222,14 @@ pub fn run(config: Config) -> Result<()> {
         mut published,
         view,
         evaluated_before,
-    } = open(&config, runtime.handle(), true)?;
+    } = open(&config, &lock, runtime.handle(), true)?;
     let (run, metrics) = (view.name, view.metrics);
 
     let (work_tx, work_rx) = work_channel();
     let (outcome_tx, outcome_rx) = crossbeam_channel::bounded::<Outcome>(OUTCOMES_BOUND);
     let executor = match config.evaluation.executor {
         ExecutorKind::Local => Local {
-            config: config.clone(),
+            config: config.writing_state_through(lock.state().path()),
             evaluated_before,
         }
         .start(work_rx, outcome_tx)?,
@@ -226,7 +244,8 @@ pub fn run(config: Config) -> Result<()> {
     let (stop, stopped) = shutdown::stop_channel();
     let done = recorder.entries().iter().map(|e| e.key().clone()).collect();
     let watcher = Watcher::new(&config.run.dir, &config.checkpoints, done, metrics.clone())
-        .with_excluded(config.named_files());
+        .with_excluded(config.named_files())
+        .following(lock.state().clone());
     let watcher = std::thread::Builder::new()
         .name("diffmon-watch".into())
         .spawn(move || watcher.run(work_tx, stopped))?;
@@ -299,7 +318,8 @@ pub(super) mod tests {
             confirm: Confirmation::None,
             confirm_rise: 0.5,
         };
-        let (state, _) = RunState::replay("r", early_stop, &[], Arc::new(Metrics::new("r")), None);
+        let (state, _) =
+            RunState::replay("r", "", early_stop, &[], Arc::new(Metrics::new("r")), None);
         let lines = Arc::new(Mutex::new(Vec::new()));
         let log = sinks::tests::Log {
             name: "log",

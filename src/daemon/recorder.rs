@@ -10,10 +10,12 @@ use crate::crash::{Crash, InFlight};
 use crate::history::{Entry, History, HistoryError};
 use crate::record::FailureReason;
 use crate::safe_fs::{untrusted, untrusted_text};
+use crate::state_dir::StateDir;
 use crate::watcher::WorkItem;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use std::collections::VecDeque;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// How often the recorder tries again to write outcomes it could not record.
@@ -29,6 +31,8 @@ pub struct Recorder {
     stalled: bool,
     /// Rewriting `history.h5` failed, and that was logged.
     hdf5_failing: bool,
+    /// The daemon's state folder, put back in place before each write (`crate::state_dir`).
+    state: Option<Arc<StateDir>>,
 }
 
 fn now_rfc3339() -> String {
@@ -43,7 +47,14 @@ impl Recorder {
             unrecorded: VecDeque::new(),
             stalled: false,
             hdf5_failing: false,
+            state: None,
         })
+    }
+
+    /// Follows the held state folder `state` (moved back or made again) before each write.
+    pub fn following(mut self, state: Arc<StateDir>) -> Recorder {
+        self.state = Some(state);
+        self
     }
 
     /// The journal's entries, in order (what replay and the watcher's "done" set start from).
@@ -125,6 +136,9 @@ impl Recorder {
     /// at the first that cannot be written (a full disk): it and the later ones stay in memory,
     /// and nothing acts on them until they are recorded, by the next call.
     fn flush(&mut self, recorded: &mut impl FnMut(Outcome, &str)) {
+        if let Some(state) = &self.state {
+            state.follow();
+        }
         while let Some((outcome, at)) = self.unrecorded.front() {
             let (item, entry) = match outcome {
                 Outcome::Done(item, record) => (

@@ -28,6 +28,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// The detector, status, live snapshot and metrics of one run.
 pub struct RunState {
     run: String,
+    /// What tells the run apart from another of the same name, for event ids
+    /// (`alerts::run_instance`).
+    instance: String,
     detector: Detector,
     metrics: Arc<Metrics>,
     status: Arc<Mutex<EarlyStopStatus>>,
@@ -55,6 +58,7 @@ impl RunState {
     /// kept (again: a restart finds what is kept already), and every later best.
     pub fn replay(
         run: &str,
+        instance: &str,
         early_stop: EarlyStopSettings,
         entries: &[Entry],
         metrics: Arc<Metrics>,
@@ -63,6 +67,7 @@ impl RunState {
         let metric = early_stop.metric;
         let mut state = RunState {
             run: run.to_string(),
+            instance: instance.to_string(),
             detector: Detector::new(early_stop.clone(), DetectorState::default()),
             metrics,
             status: Arc::new(Mutex::new(EarlyStopStatus::default())),
@@ -174,7 +179,7 @@ impl RunState {
             Signal::Resolved => (EventKind::Resolved, s.best.as_ref().expect("a best")),
         };
         let event = Event {
-            id: event_id(&self.run, kind, best.step, r.step),
+            id: event_id(&self.run, &self.instance, kind, best.step, r.step),
             event: kind,
             run: self.run.clone(),
             metric: self.detector.config().metric.as_str().to_string(),
@@ -279,7 +284,7 @@ mod tests {
     }
 
     fn fresh() -> RunState {
-        RunState::replay("r", settings(), &[], Arc::new(Metrics::new("r")), None).0
+        RunState::replay("r", "", settings(), &[], Arc::new(Metrics::new("r")), None).0
     }
 
     /// The value of the first series of `metrics` named `series` whose labels hold `label`.
@@ -319,8 +324,14 @@ mod tests {
         ];
         for k in 0..=outcomes.len() {
             let entries: Vec<Entry> = outcomes[..k].iter().map(entry).collect();
-            let (mut state, replayed) =
-                RunState::replay("r", settings(), &entries, Arc::new(Metrics::new("r")), None);
+            let (mut state, replayed) = RunState::replay(
+                "r",
+                "",
+                settings(),
+                &entries,
+                Arc::new(Metrics::new("r")),
+                None,
+            );
             let evaluations = outcomes[..k]
                 .iter()
                 .filter(|o| matches!(o, Outcome::Done(..)))
@@ -376,8 +387,14 @@ mod tests {
         assert_eq!(sample(&state, &failures, "reason=\"vanished\""), Some(0.0));
         // A replayed failure is in the snapshot, not in this process's counter.
         let entries = vec![entry(&failed(200))];
-        let (replayed, _) =
-            RunState::replay("r", settings(), &entries, Arc::new(Metrics::new("r")), None);
+        let (replayed, _) = RunState::replay(
+            "r",
+            "",
+            settings(),
+            &entries,
+            Arc::new(Metrics::new("r")),
+            None,
+        );
         assert_eq!(lock(&replayed.snapshot).failures, 1);
         assert_eq!(
             sample(&replayed, &failures, "reason=\"mismatch\""),
@@ -405,7 +422,7 @@ mod tests {
             panic!("one event, not {events:?}")
         };
         let expected = Event {
-            id: event_id("r", EventKind::EarlyStop, 400, 600),
+            id: event_id("r", "", EventKind::EarlyStop, 400, 600),
             event: EventKind::EarlyStop,
             run: "r".into(),
             metric: "icr".into(),
@@ -447,7 +464,10 @@ mod tests {
         assert_eq!(state.observe(&failed(700), &at(700)), None);
         let resolved = state.observe(&done(800, 1.0), &at(800)).expect("resolved");
         assert_eq!(resolved.event, EventKind::Resolved);
-        assert_eq!(resolved.id, event_id("r", EventKind::Resolved, 800, 800));
+        assert_eq!(
+            resolved.id,
+            event_id("r", "", EventKind::Resolved, 800, 800)
+        );
         assert_eq!((resolved.best_step, resolved.best_value), (800, 1.0));
         let s = status(&state);
         assert_eq!(s["fired"], false);
@@ -463,8 +483,14 @@ mod tests {
     #[test]
     fn the_replayed_snapshot_is_the_reports() {
         let entries: Vec<Entry> = run_outcomes().iter().map(entry).collect();
-        let (state, _) =
-            RunState::replay("r", settings(), &entries, Arc::new(Metrics::new("r")), None);
+        let (state, _) = RunState::replay(
+            "r",
+            "",
+            settings(),
+            &entries,
+            Arc::new(Metrics::new("r")),
+            None,
+        );
         let report = Snapshot::replay("r", EarlyStopMetric::Icr, settings(), &entries);
         assert_eq!(*lock(&state.snapshot), report);
     }

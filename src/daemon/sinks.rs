@@ -172,7 +172,7 @@ pub(super) mod tests {
 
     pub fn event(kind: EventKind, step: i64) -> Event {
         Event {
-            id: event_id("r", kind, 1, step),
+            id: event_id("r", "", kind, 1, step),
             event: kind,
             run: "r".into(),
             metric: "icr".into(),

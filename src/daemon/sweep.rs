@@ -155,15 +155,22 @@ impl Pipeline {
         arm: bool,
     ) -> Result<(Pipeline, Lane)> {
         let run = config.run_name();
-        let opened = StateLock::acquire(&config.state_dir())
+        let opened = StateLock::acquire(&config.state_dir(), &config.run.dir)
             .map_err(anyhow::Error::from)
-            .and_then(|lock| Ok((lock, super::open(&config, runtime, arm)?)))
+            .and_then(|lock| {
+                let opened = super::open(&config, &lock, runtime, arm)?;
+                Ok((lock, opened))
+            })
             .with_context(|| format!("run `{run}` ({})", config.run.dir.display()))?;
         let (lock, opened) = opened;
         let (work_tx, work_rx) = work_channel();
         let (outcome_tx, outcome_rx) = crossbeam_channel::bounded::<Outcome>(OUTCOMES_BOUND);
         let lane = Lane {
-            config: config.clone(),
+            // Slurm's jobs are other processes: they are given the configured path.
+            config: match config.evaluation.executor {
+                ExecutorKind::Local => config.writing_state_through(lock.state().path()),
+                ExecutorKind::Slurm => config.clone(),
+            },
             evaluated_before: opened.evaluated_before,
             work: work_rx,
             outcomes: outcome_tx,
@@ -268,7 +275,8 @@ impl Started {
             done,
             view.metrics.clone(),
         )
-        .with_excluded(config.named_files());
+        .with_excluded(config.named_files())
+        .following(lock.state().clone());
         let stopped = stopped.clone();
         self.watchers.push(
             std::thread::Builder::new()
