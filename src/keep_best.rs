@@ -12,8 +12,13 @@
 //!   deep, as the watcher walks it. The disk use is one checkpoint: nothing while the training
 //!   job still has the original (links share its blocks), its size once rotation deletes it, and
 //!   twice that for a moment when the next best is copied across file systems.
+//! - **What was evaluated.** With the unit's key at its evaluation, a copy that differs (a file
+//!   of another size or time; a folder holding a newer file) is refused and the one kept before
+//!   stays: the training job rewrote it since.
 //! - **No links followed.** A checkpoint that is a symbolic link is not kept; links inside a
-//!   checkpoint folder are skipped, as are FIFOs, sockets and devices. A source file is opened
+//!   checkpoint folder are skipped, as are FIFOs, sockets and devices. Folders are opened with
+//!   `O_NOFOLLOW` and read through their descriptors, so one swapped for a link while it is
+//!   copied is not walked into. A source file is opened
 //!   with `O_NOFOLLOW`, and everything in `best/` is created exclusively (`O_CREAT|O_EXCL`,
 //!   `mkdir`), in a folder of mode 0700 under a temporary name, then renamed into place.
 //! - **Restarts.** What is kept is read from the folder, never remembered: a copy cut short by a
@@ -25,6 +30,7 @@
 //! checkpoint, and the recorder thread, which journals every outcome before anything acts on it,
 //! must not wait for it.
 
+use crate::history::CheckpointKey;
 use crate::safe_fs::{TEMP_SUFFIX, is_temp_name, sync_dir, untrusted};
 use crate::unit::{MAX_DEPTH, MAX_ENTRIES};
 use std::ffi::OsStr;
@@ -61,6 +67,10 @@ pub enum KeepBestError {
     NoName { path: PathBuf },
     #[error("{path}: exists and is not a folder (or is a link): the best checkpoint is not kept")]
     BadFolder { path: PathBuf },
+    #[error(
+        "{path}: changed since it was evaluated (not the files that were measured): not kept; the checkpoint kept before stays"
+    )]
+    Changed { path: PathBuf },
 }
 
 fn io_error(path: &Path) -> impl FnOnce(io::Error) -> KeepBestError + '_ {
@@ -82,9 +92,16 @@ pub struct Kept {
 }
 
 /// Makes `<state_dir>/best/<name of checkpoint>` a complete copy of the checkpoint unit and
-/// removes every other kept checkpoint (module docs).
-pub fn keep(state_dir: &Path, checkpoint: &Path) -> Result<Kept, KeepBestError> {
-    keep_with(state_dir, checkpoint, &|from, to| fs::hard_link(from, to))
+/// removes every other kept checkpoint (module docs). With `evaluated` (the unit's key when it
+/// was evaluated), a checkpoint that changed since is refused, and the one kept before stays.
+pub fn keep(
+    state_dir: &Path,
+    checkpoint: &Path,
+    evaluated: Option<&CheckpointKey>,
+) -> Result<Kept, KeepBestError> {
+    keep_with(state_dir, checkpoint, evaluated, &|from, to| {
+        fs::hard_link(from, to)
+    })
 }
 
 /// The kept copy of `checkpoint`, if `<state_dir>/best/` holds a complete one: the same files,
@@ -110,6 +127,7 @@ fn is_kept(path: &Path) -> bool {
 fn keep_with(
     state_dir: &Path,
     checkpoint: &Path,
+    evaluated: Option<&CheckpointKey>,
     link: &dyn Fn(&Path, &Path) -> io::Result<()>,
 ) -> Result<Kept, KeepBestError> {
     let dir = state_dir.join(KEPT_DIR);
@@ -133,14 +151,20 @@ fn keep_with(
                 path: checkpoint.to_path_buf(),
             })
         } else if meta.is_dir() {
-            copy_tree(checkpoint, &tmp, link, &mut kept)
+            copy_tree(checkpoint, &meta, &tmp, link, &mut kept)
         } else if meta.is_file() {
             link_or_copy(checkpoint, &tmp, link, &mut kept)
         } else {
             Err(KeepBestError::NotRegular {
                 path: checkpoint.to_path_buf(),
             })
-        };
+        }
+        .and_then(|()| match evaluated {
+            Some(key) if !is_what_was_evaluated(&tmp, key) => Err(KeepBestError::Changed {
+                path: checkpoint.to_path_buf(),
+            }),
+            _ => Ok(()),
+        });
         if let Err(e) = built {
             remove_entry(&tmp);
             return Err(e);
@@ -300,10 +324,14 @@ fn copy_file(from: &Path, to: &Path) -> Result<(), KeepBestError> {
     dst.sync_all().map_err(io_error(to))
 }
 
-/// Copies the folder `from` to the new folder `to`: its folders made, its regular files linked
-/// or copied, links and special files skipped; bounded like the watcher's walk.
+/// Copies the folder `from` (looked at as `meta`) to the new folder `to`: its folders made, its
+/// regular files linked or copied, links and special files skipped; bounded like the watcher's
+/// walk. Each folder is opened without following a link and read through its descriptor
+/// (`/proc/self/fd/<n>/<name>`), so a folder swapped for a link while it is copied is never
+/// walked into: the link is skipped, or the whole copy refused when it is `from` itself.
 fn copy_tree(
     from: &Path,
+    meta: &fs::Metadata,
     to: &Path,
     link: &dyn Fn(&Path, &Path) -> io::Result<()>,
     kept: &mut Kept,
@@ -315,28 +343,60 @@ fn copy_tree(
             .create(p)
             .map_err(io_error(p))
     };
+    let top = open_dir(from).map_err(|e| link_or_io(from, e))?;
+    let now = top.metadata().map_err(io_error(from))?;
+    if (now.dev(), now.ino()) != (meta.dev(), meta.ino()) {
+        // Swapped between the look and the open.
+        return Err(KeepBestError::Link {
+            path: from.to_path_buf(),
+        });
+    }
     mkdir(to)?;
     let too_large = || KeepBestError::TooLarge {
         folder: from.to_path_buf(),
     };
     let mut entries = 0usize;
     let mut skipped = 0usize;
-    let mut stack = vec![(from.to_path_buf(), to.to_path_buf(), 0usize)];
-    while let Some((src, dst, depth)) = stack.pop() {
-        for entry in fs::read_dir(&src).map_err(io_error(&src))? {
-            let entry = entry.map_err(io_error(&src))?;
+    // Folders to copy: opened when their turn comes, through their parent's descriptor. Pending
+    // entries belong to the folders on the current path, so few descriptors are open at once.
+    let mut stack: Vec<(
+        std::rc::Rc<fs::File>,
+        Option<std::ffi::OsString>,
+        PathBuf,
+        usize,
+    )> = vec![(std::rc::Rc::new(top), None, to.to_path_buf(), 0)];
+    while let Some((parent, name, dst, depth)) = stack.pop() {
+        let dir = match name {
+            None => parent,
+            Some(name) => {
+                let at = under(&parent, &name);
+                match open_dir(&at) {
+                    Ok(d) => std::rc::Rc::new(d),
+                    // A link now: not walked into.
+                    Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
+                        let _ = fs::remove_dir(&dst);
+                        skipped += 1;
+                        continue;
+                    }
+                    Err(e) => return Err(io_error(&from.join(&name))(e)),
+                }
+            }
+        };
+        let listing = fd_path(&dir);
+        for entry in fs::read_dir(&listing).map_err(io_error(from))? {
+            let entry = entry.map_err(io_error(from))?;
             entries += 1;
             if entries > MAX_ENTRIES {
                 return Err(too_large());
             }
-            let (s, d) = (entry.path(), dst.join(entry.file_name()));
+            let (s, d) = (under(&dir, &entry.file_name()), dst.join(entry.file_name()));
             let ft = entry.file_type().map_err(io_error(&s))?;
             if ft.is_dir() {
                 if depth + 1 >= MAX_DEPTH {
                     return Err(too_large());
                 }
                 mkdir(&d)?;
-                stack.push((s, d, depth + 1));
+                stack.push((dir.clone(), Some(entry.file_name()), d, depth + 1));
             } else if ft.is_file() {
                 link_or_copy(&s, &d, link, kept)?;
             } else {
@@ -352,6 +412,52 @@ fn copy_tree(
         );
     }
     Ok(())
+}
+
+/// Opens the folder `path` without following a link at its last component.
+fn open_dir(path: &Path) -> io::Result<fs::File> {
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+}
+
+/// The path through which the kernel reaches the open folder `dir`.
+fn fd_path(dir: &fs::File) -> PathBuf {
+    use std::os::fd::AsRawFd;
+    PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()))
+}
+
+/// `name` inside the open folder `dir`, resolved through its descriptor.
+fn under(dir: &fs::File, name: &OsStr) -> PathBuf {
+    fd_path(dir).join(name)
+}
+
+/// An error opening the folder `path` without following links: a link (Linux says ENOTDIR for
+/// a link opened with `O_DIRECTORY|O_NOFOLLOW`), or another I/O error.
+fn link_or_io(path: &Path, e: io::Error) -> KeepBestError {
+    match e.raw_os_error() {
+        Some(libc::ELOOP | libc::ENOTDIR) => KeepBestError::Link {
+            path: path.to_path_buf(),
+        },
+        _ => io_error(path)(e),
+    }
+}
+
+/// Is the kept copy `copy` what was evaluated (`evaluated`, the unit's key then)? A file: the
+/// same size and modification time (links and copies keep both). A folder: no file in it newer
+/// than the newest time the key saw.
+fn is_what_was_evaluated(copy: &Path, evaluated: &CheckpointKey) -> bool {
+    let Some(files) = summary(copy) else {
+        return false;
+    };
+    let newest = i128::from(evaluated.mtime_ns);
+    if fs::symlink_metadata(copy).is_ok_and(|m| m.is_file()) {
+        return files
+            .iter()
+            .all(|(_, size, mtime)| *size == evaluated.size && *mtime == newest);
+    }
+    files.iter().all(|(_, _, mtime)| *mtime <= newest)
 }
 
 /// The regular files of a tree (links not followed): (relative path, size, mtime in ns), or
@@ -406,7 +512,7 @@ fn same(kept: &Path, checkpoint: &Path) -> bool {
 #[derive(Default)]
 struct Slot {
     /// The newest checkpoint asked for, not started yet.
-    wanted: Option<PathBuf>,
+    wanted: Option<(PathBuf, Option<CheckpointKey>)>,
     /// The one being kept now.
     busy: Option<PathBuf>,
     /// The last one kept, and where.
@@ -431,12 +537,13 @@ impl Keeper {
         }
     }
 
-    /// Asks for `checkpoint` to be kept; a request not started yet is replaced.
-    pub fn keep(&self, checkpoint: &Path) {
+    /// Asks for `checkpoint` to be kept, when it is still what was evaluated (`evaluated`, its
+    /// key then: see [`keep`]); a request not started yet is replaced.
+    pub fn keep(&self, checkpoint: &Path, evaluated: Option<CheckpointKey>) {
         self.start();
         let (slot, changed) = &*self.shared;
         let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
-        s.wanted = Some(checkpoint.to_path_buf());
+        s.wanted = Some((checkpoint.to_path_buf(), evaluated));
         changed.notify_all();
     }
 
@@ -446,7 +553,8 @@ impl Keeper {
     pub fn kept(&self, checkpoint: &Path) -> Option<PathBuf> {
         let (slot, changed) = &*self.shared;
         let pending = |s: &Slot| {
-            s.wanted.as_deref() == Some(checkpoint) || s.busy.as_deref() == Some(checkpoint)
+            s.wanted.as_ref().is_some_and(|(w, _)| w == checkpoint)
+                || s.busy.as_deref() == Some(checkpoint)
         };
         let s = slot.lock().unwrap_or_else(|e| e.into_inner());
         let (s, _) = changed
@@ -490,7 +598,7 @@ impl Drop for Keeper {
 fn run(state_dir: &Path, shared: &(Mutex<Slot>, Condvar)) {
     let (slot, changed) = shared;
     loop {
-        let checkpoint = {
+        let (checkpoint, evaluated) = {
             let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
             while s.wanted.is_none() && !s.stop {
                 s = changed.wait(s).unwrap_or_else(|e| e.into_inner());
@@ -498,12 +606,12 @@ fn run(state_dir: &Path, shared: &(Mutex<Slot>, Condvar)) {
             if s.stop {
                 return;
             }
-            let c = s.wanted.take().expect("waited for it");
+            let (c, evaluated) = s.wanted.take().expect("waited for it");
             s.busy = Some(c.clone());
-            c
+            (c, evaluated)
         };
         let started = std::time::Instant::now();
-        let result = keep(state_dir, &checkpoint);
+        let result = keep(state_dir, &checkpoint, evaluated.as_ref());
         let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
         s.busy = None;
         match result {
@@ -569,7 +677,7 @@ mod tests {
         let b = run.path().join("ckpt_200.pt");
         write(&a, b"weights of 100");
         write(&b, b"weights of 200");
-        let kept = keep(&state, &a).unwrap();
+        let kept = keep(&state, &a, None).unwrap();
         assert_eq!(kept.path, state.join("best/ckpt_100.pt"));
         assert_eq!((kept.linked, kept.copied), (1, 0));
         assert_eq!(
@@ -586,9 +694,9 @@ mod tests {
         assert_eq!(fs::read(&kept.path).unwrap(), b"weights of 100");
         // Asking again for the same checkpoint (a restart) changes nothing.
         write(&b, b"weights of 200");
-        let again = keep(&state, &b).unwrap();
+        let again = keep(&state, &b, None).unwrap();
         assert_eq!(kept_names(&state), ["ckpt_200.pt"]);
-        let same = keep(&state, &b).unwrap();
+        let same = keep(&state, &b, None).unwrap();
         assert_eq!((same.linked, same.copied), (0, 0));
         assert_eq!(same.path, again.path);
         assert_eq!(lookup(&state, &b), Some(again.path));
@@ -613,7 +721,7 @@ mod tests {
         );
         std::os::unix::fs::symlink(&secret, ck.join("linked_file")).unwrap();
         std::os::unix::fs::symlink(outside.path(), ck.join("linked_dir")).unwrap();
-        let kept = keep(&state, &ck).unwrap();
+        let kept = keep(&state, &ck, None).unwrap();
         assert_eq!(kept.linked, 2);
         let k = state.join("best/checkpoint-300");
         assert_eq!(fs::read(k.join("model.safetensors")).unwrap(), b"model");
@@ -627,7 +735,7 @@ mod tests {
         // Rotation deletes the whole folder; asked again (a restart), the kept copy stands.
         fs::remove_dir_all(&ck).unwrap();
         assert_eq!(fs::read(k.join("model.safetensors")).unwrap(), b"model");
-        let again = keep(&state, &ck).unwrap();
+        let again = keep(&state, &ck, None).unwrap();
         assert_eq!(
             (again.path.clone(), again.linked, again.copied),
             (k.clone(), 0, 0)
@@ -635,12 +743,12 @@ mod tests {
         assert_eq!(lookup(&state, &ck), Some(k.clone()));
         // A checkpoint deleted before it was ever kept is an error, and changes nothing.
         let never = run.path().join("checkpoint-350");
-        assert!(keep(&state, &never).is_err());
+        assert!(keep(&state, &never, None).is_err());
         assert_eq!(lookup(&state, &never), None);
         // A best that is a link to a file elsewhere is not followed.
         let link = run.path().join("ckpt_400.pt");
         std::os::unix::fs::symlink(&secret, &link).unwrap();
-        let e = keep(&state, &link).unwrap_err();
+        let e = keep(&state, &link, None).unwrap_err();
         assert!(matches!(e, KeepBestError::Link { .. }), "{e}");
         assert_eq!(kept_names(&state), ["checkpoint-300"]);
         assert_eq!(fs::read(&secret).unwrap(), b"not yours");
@@ -656,7 +764,7 @@ mod tests {
         write(&ck.join("a/b/weights.bin"), &vec![7u8; 100_000]);
         write(&ck.join("optimizer.bin"), b"opt");
         let exdev = |_: &Path, _: &Path| Err(io::Error::from_raw_os_error(libc::EXDEV));
-        let kept = keep_with(&state, &ck, &exdev).unwrap();
+        let kept = keep_with(&state, &ck, None, &exdev).unwrap();
         assert_eq!((kept.linked, kept.copied), (0, 2));
         let copy = state.join("best/checkpoint-500/a/b/weights.bin");
         assert_eq!(fs::read(&copy).unwrap(), vec![7u8; 100_000]);
@@ -669,13 +777,13 @@ mod tests {
             0o600
         );
         // Recognized as complete: a second call copies nothing.
-        let again = keep_with(&state, &ck, &exdev).unwrap();
+        let again = keep_with(&state, &ck, None, &exdev).unwrap();
         assert_eq!((again.linked, again.copied), (0, 0));
         // Any other error of the link is an error, and leaves nothing behind.
         let denied = |_: &Path, _: &Path| Err(io::Error::from_raw_os_error(libc::EIO));
         let other = run.path().join("ckpt_600.pt");
         write(&other, b"x");
-        assert!(keep_with(&state, &other, &denied).is_err());
+        assert!(keep_with(&state, &other, None, &denied).is_err());
         assert_eq!(kept_names(&state), ["checkpoint-500"]);
     }
 
@@ -696,7 +804,7 @@ mod tests {
         );
         fs::create_dir(state.join("best/.checkpoint-9.qwertyuiopas.tmp")).unwrap();
         std::os::unix::fs::symlink(&victim, state.join("best/ckpt_700.pt")).unwrap();
-        let kept = keep(&state, &ck).unwrap();
+        let kept = keep(&state, &ck, None).unwrap();
         assert_eq!(kept_names(&state), ["ckpt_700.pt"]);
         assert_eq!(fs::read(&kept.path).unwrap(), b"seven hundred");
         assert!(
@@ -708,14 +816,14 @@ mod tests {
         assert_eq!(fs::read(&victim).unwrap(), b"precious");
         // A state folder that is gone is not re-created here (the daemon notices, and says so).
         fs::remove_dir_all(&state).unwrap();
-        assert!(keep(&state, &ck).is_err());
+        assert!(keep(&state, &ck, None).is_err());
         assert!(!state.exists());
         // The kept folder itself a link: refused.
         let other = tempfile::tempdir().unwrap();
         let state2 = other.path().join("state");
         fs::create_dir(&state2).unwrap();
         std::os::unix::fs::symlink(run.path(), state2.join(KEPT_DIR)).unwrap();
-        let e = keep(&state2, &ck).unwrap_err();
+        let e = keep(&state2, &ck, None).unwrap_err();
         assert!(matches!(e, KeepBestError::BadFolder { .. }), "{e}");
     }
 
@@ -734,7 +842,7 @@ mod tests {
         let keeper = Keeper::new(&state);
         assert_eq!(keeper.kept(&paths[0]), None);
         for p in &paths {
-            keeper.keep(p);
+            keeper.keep(p, None);
         }
         let kept = keeper.kept(&paths[4]).unwrap();
         assert_eq!(kept, state.join("best/ckpt_500.pt"));
@@ -743,5 +851,73 @@ mod tests {
         // A new keeper (a restart) finds it in the folder.
         drop(keeper);
         assert_eq!(Keeper::new(&state).kept(&paths[4]), Some(kept));
+    }
+
+    #[test]
+    fn a_checkpoint_changed_since_its_evaluation_is_not_kept_and_the_old_copy_stays() {
+        let run = tempfile::tempdir().unwrap();
+        let state = state_in(run.path());
+        let a = run.path().join("ckpt_100.pt");
+        write(&a, b"evaluated weights");
+        let key_a = crate::history::CheckpointKey::of(&a).unwrap();
+        keep(&state, &a, Some(&key_a)).unwrap();
+        // ckpt_200.pt was evaluated, then rewritten before the keeper got to it.
+        let b = run.path().join("ckpt_200.pt");
+        write(&b, b"evaluated");
+        let key_b = crate::history::CheckpointKey::of(&b).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        write(&b, b"something else entirely");
+        let e = keep(&state, &b, Some(&key_b)).unwrap_err();
+        assert!(matches!(e, KeepBestError::Changed { .. }), "{e}");
+        assert_eq!(kept_names(&state), ["ckpt_100.pt"]);
+        // A folder with a file newer than its key.
+        let f = run.path().join("checkpoint-300");
+        write(&f.join("model.safetensors"), b"w");
+        let key_f = crate::unit::key(&f).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        write(&f.join("model.safetensors"), b"replaced");
+        assert!(matches!(
+            keep(&state, &f, Some(&key_f)),
+            Err(KeepBestError::Changed { .. })
+        ));
+        assert_eq!(kept_names(&state), ["ckpt_100.pt"]);
+        // Unchanged: kept.
+        let key_f = crate::unit::key(&f).unwrap();
+        keep(&state, &f, Some(&key_f)).unwrap();
+        assert_eq!(kept_names(&state), ["checkpoint-300"]);
+    }
+
+    #[test]
+    fn a_folder_swapped_for_a_link_is_never_walked_into() {
+        let run = tempfile::tempdir().unwrap();
+        let state = state_in(run.path());
+        let secret = run.path().join("secret");
+        write(&secret.join("id_rsa"), b"private key");
+        let ck = run.path().join("checkpoint-100");
+        write(&ck.join("model.safetensors"), b"w");
+        // Looked at as a folder, then swapped for a link before the walk opens it.
+        let meta = fs::symlink_metadata(&ck).unwrap();
+        fs::rename(&ck, run.path().join("aside")).unwrap();
+        std::os::unix::fs::symlink(&secret, &ck).unwrap();
+        let mut kept = Kept {
+            path: PathBuf::new(),
+            linked: 0,
+            copied: 0,
+        };
+        let to = state.join("copy");
+        let e = copy_tree(&ck, &meta, &to, &|f, t| fs::hard_link(f, t), &mut kept).unwrap_err();
+        assert!(matches!(e, KeepBestError::Link { .. }), "{e}");
+        assert!(!to.join("id_rsa").exists());
+        // A subfolder that is a link is skipped, not walked into.
+        fs::remove_file(&ck).unwrap();
+        fs::rename(run.path().join("aside"), &ck).unwrap();
+        fs::create_dir(ck.join("sub")).unwrap();
+        let meta = fs::symlink_metadata(&ck).unwrap();
+        fs::remove_dir(ck.join("sub")).unwrap();
+        std::os::unix::fs::symlink(&secret, ck.join("sub")).unwrap();
+        let to = state.join("copy2");
+        copy_tree(&ck, &meta, &to, &|f, t| fs::hard_link(f, t), &mut kept).unwrap();
+        assert!(to.join("model.safetensors").is_file());
+        assert!(!to.join("sub").exists(), "the linked folder was copied");
     }
 }

@@ -11,12 +11,13 @@ use super::executor::Outcome;
 use crate::alerts::{Event, EventKind, event_id};
 use crate::config::EarlyStopSettings;
 use crate::detector::{Best, Decision, Detector, DetectorState, Observation, Signal};
-use crate::history::Entry;
+use crate::history::{CheckpointKey, Entry};
 use crate::http::EarlyStopStatus;
 use crate::keep_best::Keeper;
 use crate::metrics::Metrics;
 use crate::record::Evaluation;
 use crate::report::Snapshot;
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -38,6 +39,9 @@ pub struct RunState {
     snapshot: Arc<Mutex<Snapshot>>,
     /// Keeps the best checkpoint safe from rotation (`early_stop.keep_best`).
     keeper: Option<Keeper>,
+    /// With a keeper: each evaluated checkpoint's key when it was evaluated, so that what is
+    /// kept is what was measured (`keep_best::keep`).
+    evaluated: HashMap<String, CheckpointKey>,
 }
 
 /// What a replay found besides the state.
@@ -72,8 +76,18 @@ impl RunState {
             metrics,
             status: Arc::new(Mutex::new(EarlyStopStatus::default())),
             snapshot: Arc::new(Mutex::new(Snapshot::new(run, metric))),
+            evaluated: HashMap::new(),
             keeper,
         };
+        if state.keeper.is_some() {
+            for entry in entries {
+                if let Entry::Evaluation { key, record, .. } = entry {
+                    state
+                        .evaluated
+                        .insert(record.checkpoint.clone(), key.clone());
+                }
+            }
+        }
         let mut replayed = Replayed::default();
         let mut detector = Detector::new(early_stop, DetectorState::default());
         let failures =
@@ -86,9 +100,7 @@ impl RunState {
             });
         state.detector = detector;
         lock(&state.snapshot).failures = failures;
-        if let (Some(keeper), Some(best)) = (&state.keeper, &state.detector.state.best) {
-            keeper.keep(Path::new(&best.checkpoint));
-        }
+        state.keep_best();
         (state, replayed)
     }
 
@@ -96,7 +108,11 @@ impl RunState {
     /// snapshot and the status follow it. Returns the event it decided, if any.
     pub fn observe(&mut self, outcome: &Outcome, at: &str) -> Option<Event> {
         match outcome {
-            Outcome::Done(_, record) => {
+            Outcome::Done(item, record) => {
+                if self.keeper.is_some() {
+                    self.evaluated
+                        .insert(record.checkpoint.clone(), item.key.clone());
+                }
                 self.metrics.record(record);
                 self.metrics.evaluated(record);
                 self.decide(record, at)
@@ -106,6 +122,14 @@ impl RunState {
                 lock(&self.snapshot).failures += 1;
                 None
             }
+        }
+    }
+
+    /// Asks the keeper (if any) to keep the best checkpoint, as it was evaluated.
+    fn keep_best(&self) {
+        if let (Some(keeper), Some(best)) = (&self.keeper, &self.detector.state.best) {
+            let evaluated = self.evaluated.get(&best.checkpoint).cloned();
+            keeper.keep(Path::new(&best.checkpoint), evaluated);
         }
     }
 
@@ -130,10 +154,8 @@ impl RunState {
         let before = self.detector.state.best.as_ref().map(|b| b.step);
         let decision = self.detector.observe(&Observation::of(r, metric));
         // A new best is kept before the training job's rotation can delete it.
-        if let (Some(keeper), Some(best)) = (&self.keeper, &self.detector.state.best)
-            && before != Some(best.step)
-        {
-            keeper.keep(Path::new(&best.checkpoint));
+        if self.detector.state.best.as_ref().map(|b| b.step) != before {
+            self.keep_best();
         }
         if decision.unconfirmed {
             let confirm = self.detector.config().confirm.as_str();
