@@ -130,7 +130,7 @@ impl History {
             .map_err(|e| io(&path, e))?;
         journal.set_len(good_len).map_err(|e| io(&path, e))?;
         if journal.metadata().is_ok_and(|m| m.mode() & 0o077 != 0) {
-            // Made 0644 by versions before 0.9.
+            // Made 0644 by earlier versions.
             use std::os::unix::fs::PermissionsExt;
             journal
                 .set_permissions(std::fs::Permissions::from_mode(0o600))

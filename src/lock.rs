@@ -17,7 +17,7 @@ use std::io::{Read, Seek, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::state_dir::{StateDir, StateDirError};
 
@@ -62,72 +62,30 @@ pub struct StateLock {
     file: File,
     path: PathBuf,
     state: Arc<StateDir>,
+    /// The lock of the state folder made again after it was deleted, if it was.
+    relocked: Arc<Mutex<Option<File>>>,
 }
 
 impl StateLock {
     /// Opens the state folder `state_dir` of the run in `run_dir` (creating it) and takes its
-    /// lock, or says who holds it.
+    /// lock, or says who holds it. A state folder made again after it was deleted under the
+    /// daemon (`StateDir::follow`) is locked again.
     pub fn acquire(state_dir: &Path, run_dir: &Path) -> Result<StateLock, LockError> {
         let state = Arc::new(StateDir::open(state_dir, run_dir)?);
         let path = state.shown().join(LOCK_FILE);
-        let io = |source: std::io::Error| LockError::Io {
-            path: path.clone(),
-            source,
-        };
-        // O_CLOEXEC is std's default: no child process inherits (and holds) the lock.
-        let mut file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(state.path().join(LOCK_FILE))
-            .map_err(|e| match e.raw_os_error() {
-                Some(libc::ELOOP) => LockError::NotAFile {
-                    path: path.clone(),
-                    message: "is a symbolic link; refusing to follow it",
-                },
-                _ => io(e),
-            })?;
-        let meta = file.metadata().map_err(io)?;
-        if !meta.is_file() {
-            return Err(LockError::NotAFile {
-                path,
-                message: "is not a regular file",
-            });
-        }
-        if meta.mode() & 0o077 != 0 {
-            // Made 0644 by versions before 0.9.
-            use std::os::unix::fs::PermissionsExt;
-            file.set_permissions(std::fs::Permissions::from_mode(0o600))
-                .map_err(io)?;
-        }
-        // SAFETY: flock on a file descriptor this function owns.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let e = std::io::Error::last_os_error();
-            return Err(match e.raw_os_error() {
-                Some(libc::EWOULDBLOCK) => LockError::Held {
-                    holder: holder_of(&mut file),
-                    path,
-                },
-                Some(libc::ENOLCK | libc::ENOSYS | libc::EOPNOTSUPP | libc::EINVAL) => {
-                    LockError::NoLocks { path, source: e }
-                }
-                _ => io(e),
-            });
-        }
-        let holder = format!(
-            "pid {} on host {} since {}\n",
-            std::process::id(),
-            hostname(),
-            crate::alerts::rfc3339_utc(std::time::SystemTime::now())
-        );
-        file.set_len(0)
-            .and_then(|_| file.rewind())
-            .and_then(|_| file.write_all(holder.as_bytes()))
-            .map_err(io)?;
-        Ok(StateLock { file, path, state })
+        let file = lock_in(state.path(), &path)?;
+        let relocked = Arc::new(Mutex::new(None));
+        let (at, shown, held) = (state.path().to_path_buf(), path.clone(), relocked.clone());
+        state.on_remade(Box::new(move || match lock_in(&at, &shown) {
+            Ok(f) => *held.lock().unwrap_or_else(|e| e.into_inner()) = Some(f),
+            Err(e) => tracing::warn!("{e}; the re-made state folder is not locked"),
+        }));
+        Ok(StateLock {
+            file,
+            path,
+            state,
+            relocked,
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -144,7 +102,76 @@ impl Drop for StateLock {
     fn drop(&mut self) {
         // The lock goes with the descriptor; emptying the file says nobody holds it.
         let _ = self.file.set_len(0);
+        if let Some(f) = &*self.relocked.lock().unwrap_or_else(|e| e.into_inner()) {
+            let _ = f.set_len(0);
+        }
     }
+}
+
+/// Opens (creating) and locks the lock file in the folder `dir` (shown as `path`), and writes
+/// the holder into it.
+fn lock_in(dir: &Path, path: &Path) -> Result<File, LockError> {
+    let io = |source: std::io::Error| LockError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    // O_CLOEXEC is std's default: no child process inherits (and holds) the lock.
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(dir.join(LOCK_FILE))
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => LockError::NotAFile {
+                path: path.to_path_buf(),
+                message: "is a symbolic link; refusing to follow it",
+            },
+            _ => io(e),
+        })?;
+    let meta = file.metadata().map_err(io)?;
+    if !meta.is_file() {
+        return Err(LockError::NotAFile {
+            path: path.to_path_buf(),
+            message: "is not a regular file",
+        });
+    }
+    if meta.mode() & 0o077 != 0 {
+        // Made 0644 by earlier versions.
+        use std::os::unix::fs::PermissionsExt;
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))
+            .map_err(io)?;
+    }
+    // SAFETY: flock on a file descriptor this function owns.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::EWOULDBLOCK) => LockError::Held {
+                holder: holder_of(&mut file),
+                path: path.to_path_buf(),
+            },
+            Some(libc::ENOLCK | libc::ENOSYS | libc::EOPNOTSUPP | libc::EINVAL) => {
+                LockError::NoLocks {
+                    path: path.to_path_buf(),
+                    source: e,
+                }
+            }
+            _ => io(e),
+        });
+    }
+    let holder = format!(
+        "pid {} on host {} since {}\n",
+        std::process::id(),
+        hostname(),
+        crate::alerts::rfc3339_utc(std::time::SystemTime::now())
+    );
+    file.set_len(0)
+        .and_then(|_| file.rewind())
+        .and_then(|_| file.write_all(holder.as_bytes()))
+        .map_err(io)?;
+    Ok(file)
 }
 
 /// Who holds the lock, from the lock file (bounded, control characters escaped).

@@ -9,7 +9,7 @@
 //!   refused at start, naming it;
 //! - **refuses a folder that is not its own**: not owned by the daemon's user, or writable by
 //!   group or others (someone else could plant files in it), with the reason and the fix; a
-//!   folder of its own with other bits (0755, as versions before 0.9 made it) is tightened to
+//!   folder of its own with other bits (0755, as earlier versions made it) is tightened to
 //!   0700;
 //! - **uses it through the handle**: every path the daemon writes is under [`StateDir::path`],
 //!   `/proc/self/fd/<n>`, which the kernel resolves to the folder that was opened, wherever it is

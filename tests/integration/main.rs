@@ -23,6 +23,7 @@ mod report;
 mod slurm;
 mod slurm_cluster;
 mod stacks;
+mod state_folder;
 mod sweep;
 mod tail;
 mod toy_training;

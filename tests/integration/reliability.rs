@@ -601,7 +601,13 @@ impl Tmpfs {
     fn mount(at: &Path, size: &str) -> Tmpfs {
         fs::create_dir_all(at).unwrap();
         let out = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0700"),
+                "tmpfs",
+            ])
             .arg(at)
             .output()
             .unwrap();
