@@ -523,6 +523,8 @@ struct Slot {
 /// Runs [`keep`] on its own thread, `diffmon-keep` (module docs): [`Keeper::keep`] never waits.
 pub struct Keeper {
     state_dir: PathBuf,
+    /// See [`Keeper::showing`].
+    shown: Option<PathBuf>,
     shared: Arc<(Mutex<Slot>, Condvar)>,
     started: Mutex<bool>,
 }
@@ -532,6 +534,7 @@ impl Keeper {
     pub fn new(state_dir: &Path) -> Keeper {
         Keeper {
             state_dir: state_dir.to_path_buf(),
+            shown: None,
             shared: Arc::new((Mutex::new(Slot::default()), Condvar::new())),
             started: Mutex::new(false),
         }
@@ -560,11 +563,24 @@ impl Keeper {
         let (s, _) = changed
             .wait_timeout_while(s, WAIT_FOR_KEEP, |s| pending(s))
             .unwrap_or_else(|e| e.into_inner());
-        match &s.done {
+        let kept = match &s.done {
             Some((c, kept)) if c == checkpoint => Some(kept.clone()),
             _ if pending(&s) => None,
             _ => lookup(&self.state_dir, checkpoint),
-        }
+        }?;
+        // Named for people and other programs: under the configured state folder, not the
+        // daemon's handle on it.
+        Some(match (&self.shown, kept.strip_prefix(&self.state_dir)) {
+            (Some(shown), Ok(rest)) => shown.join(rest),
+            _ => kept,
+        })
+    }
+
+    /// Names the kept copies under `shown` (the configured state folder) when the keeper writes
+    /// through another path to it (the daemon's handle, `crate::state_dir`).
+    pub fn showing(mut self, shown: &Path) -> Keeper {
+        self.shown = Some(shown.to_path_buf());
+        self
     }
 
     fn start(&self) {

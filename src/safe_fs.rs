@@ -134,11 +134,40 @@ pub fn remove_leftover_temps(dir: &Path, target: &str) -> usize {
     removed
 }
 
+/// `text` with each `/proc/self/fd/<n>` (the daemon's held state folder, `crate::state_dir`)
+/// replaced by where that folder is now, so messages name a path a person can use.
+pub fn unproc(text: &str) -> String {
+    const PREFIX: &str = "/proc/self/fd/";
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find(PREFIX) {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + PREFIX.len()..];
+        let digits = after.len() - after.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+        let held = &rest[i..i + PREFIX.len() + digits];
+        match fs::read_link(held) {
+            Ok(real) if digits > 0 && real.is_absolute() => out.push_str(&real.to_string_lossy()),
+            _ => out.push_str(held),
+        }
+        rest = &after[digits..];
+    }
+    out.push_str(rest);
+    out
+}
+
 /// `path` for logs, with control characters (newline, escape, ...) escaped as `\n`, `\u{1b}`,
 /// and bytes that are not UTF-8 shown as `\xNN`: names in `run.dir` are chosen by whoever
-/// writes there.
+/// writes there. A path in the held state folder is shown where the folder is ([`unproc`]).
 pub fn untrusted(path: &Path) -> String {
     use std::os::unix::ffi::OsStrExt;
+    let shown;
+    let path = match path.to_str() {
+        Some(p) if p.starts_with("/proc/self/fd/") => {
+            shown = PathBuf::from(unproc(p));
+            &shown
+        }
+        _ => path,
+    };
     let bytes = path.as_os_str().as_bytes();
     let mut out = String::with_capacity(bytes.len());
     for chunk in bytes.utf8_chunks() {
@@ -158,7 +187,8 @@ pub fn untrusted(path: &Path) -> String {
 
 /// [`untrusted`] for a message that may quote such names (an error naming the file).
 pub fn untrusted_text(text: &str) -> String {
-    text.chars()
+    unproc(text)
+        .chars()
         .flat_map(|c| {
             let escaped: Vec<char> = if c.is_control() {
                 c.escape_default().collect()
@@ -237,6 +267,27 @@ mod tests {
         let state = dir.path().join("a/.diffmon");
         create_private_dir(&state).unwrap();
         assert_eq!(fs::metadata(&state).unwrap().mode() & 0o777, 0o700);
+    }
+
+    #[test]
+    fn paths_in_a_held_folder_are_shown_where_the_folder_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = File::open(dir.path()).unwrap();
+        use std::os::fd::AsRawFd;
+        let at = format!("/proc/self/fd/{}", held.as_raw_fd());
+        let real = dir.path().canonicalize().unwrap();
+        assert_eq!(
+            unproc(&format!("{at}/history.jsonl: no space")),
+            format!("{}/history.jsonl: no space", real.display())
+        );
+        assert_eq!(
+            untrusted(&Path::new(&at).join("lock")),
+            real.join("lock").display().to_string()
+        );
+        assert_eq!(
+            unproc("/proc/self/fd/x and /proc/self/fd/"),
+            "/proc/self/fd/x and /proc/self/fd/"
+        );
     }
 
     #[test]

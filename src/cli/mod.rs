@@ -257,7 +257,7 @@ pub fn main() -> ExitCode {
     match run(cli.command) {
         Ok(()) => Exit::Success.into(),
         Err(e) => {
-            eprintln!("error: {}", error_text(&e));
+            eprintln!("error: {}", crate::safe_fs::unproc(&error_text(&e)));
             Exit::of_error(&e).into()
         }
     }
@@ -371,10 +371,30 @@ fn init_logging() {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(|| Unproc(std::io::stderr()))
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
         .try_init();
+}
+
+/// A log writer that shows paths in the daemon's held state folder (`/proc/self/fd/<n>/...`)
+/// where the folder is ([`crate::safe_fs::unproc`]). The formatter writes each line at once.
+struct Unproc<W>(W);
+
+impl<W: std::io::Write> std::io::Write for Unproc<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match std::str::from_utf8(buf) {
+            Ok(text) if text.contains("/proc/self/fd/") => {
+                self.0.write_all(crate::safe_fs::unproc(text).as_bytes())?;
+                Ok(buf.len())
+            }
+            _ => self.0.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
 }
 
 pub fn run(command: Command) -> Result<()> {

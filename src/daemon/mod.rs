@@ -123,7 +123,7 @@ fn open(
         config
             .early_stop
             .keep_best
-            .then(|| crate::keep_best::Keeper::new(&state_dir)),
+            .then(|| crate::keep_best::Keeper::new(&state_dir).showing(state.shown())),
     );
     if replayed.evaluations > 0 {
         tracing::info!(run = %run, evaluations = replayed.evaluations, state = %state.shown().display(), "history restored");

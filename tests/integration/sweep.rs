@@ -65,12 +65,14 @@ fn history(state: &Path) -> Vec<Value> {
         .collect()
 }
 
-/// `/v1/early-stop` without the time of firing, and with the kept best checkpoint by its name
-/// (the copy sits in the run's state folder, which differs between the sweep and the daemons).
+/// `/v1/early-stop` without the time of firing and the event id, and with the kept best
+/// checkpoint by its name (the copy sits in the run's state folder, which differs between the
+/// sweep and the daemons, and the id hashes the state folder too).
 fn decision(status: &Value) -> Value {
     let mut s = status.clone();
     if s["event"].is_object() {
         s["event"]["fired_at"] = Value::Null;
+        s["event"]["id"] = Value::Null;
         if let Some(kept) = s["event"]["best_checkpoint_kept"].as_str() {
             let name = Path::new(kept)
                 .file_name()
