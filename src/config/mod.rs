@@ -1036,7 +1036,10 @@ impl Config {
 
 impl ConfigFile {
     /// Parses YAML text; `file` names the source in errors. No validation, no path resolution.
+    /// A UTF-8 byte-order mark (which some Windows editors write) is dropped first; it is
+    /// invisible, so columns are counted without it.
     pub fn parse(text: &str, file: &str) -> Result<ConfigFile, ConfigError> {
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         if let Some((line, column)) = too_deep(text) {
             return Err(ConfigError::Parse {
                 file: file.to_string(),
@@ -2537,6 +2540,28 @@ mod tests {
         let ok = format!("# {open}\nrun: {{dir: '{open}'}}\n", open = "[".repeat(40));
         assert_eq!(too_deep(&ok), None);
         assert_eq!(too_deep(&format!("a: {}", "[".repeat(32))), None);
+    }
+
+    /// A file starting with a UTF-8 byte-order mark failed with "missing field `model`"; it
+    /// reads as the same text without it, and errors keep their line and column.
+    #[test]
+    fn a_byte_order_mark_is_ignored() {
+        let with_bom = format!("\u{feff}{MINIMAL}");
+        let c = settings(&with_bom);
+        assert_eq!(c.run.dir.file_name().unwrap(), "r");
+        let bad = "\u{feff}icr: {samples: many}\n";
+        match ConfigFile::parse(bad, "c.yaml") {
+            Err(ConfigError::Parse { location, key, .. }) => {
+                let plain = match ConfigFile::parse(&bad['\u{feff}'.len_utf8()..], "c.yaml") {
+                    Err(ConfigError::Parse { location, .. }) => location,
+                    other => panic!("{other:?}"),
+                };
+                assert_eq!(location, plain);
+                assert!(location.starts_with("line 1, column "), "{location}");
+                assert_eq!(key, "icr.samples");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
