@@ -60,6 +60,8 @@ pub struct Watcher {
     /// Files that could not be read (permission denied, EIO), warned about once: retried on
     /// later scans, not recorded as failures.
     unreadable: HashSet<PathBuf>,
+    /// Entries whose name is not UTF-8 (no pattern can match it), warned about once each.
+    warned_not_utf8: HashSet<std::ffi::OsString>,
     /// The run folder could be listed at the last scan (`None`: not listed yet).
     dir_present: Option<bool>,
     /// The run folder came back after it disappeared: its notifications must be set up again.
@@ -170,6 +172,7 @@ impl Watcher {
             warned_no_step: HashSet::new(),
             warned_not_regular: HashSet::new(),
             unreadable: HashSet::new(),
+            warned_not_utf8: HashSet::new(),
             dir_present: None,
             rewatch: false,
             structure_checks: 0,
@@ -225,9 +228,13 @@ impl Watcher {
         let mut present = HashSet::new();
         let mut matching = HashSet::new();
         let mut ignored = Vec::new();
+        let mut not_utf8 = HashSet::new();
         for entry in entries.flatten() {
             let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
+            let Some(name) = name.to_str() else {
+                self.not_utf8(&name, &mut ignored, &mut not_utf8);
+                continue;
+            };
             if is_temporary(name) {
                 continue;
             }
@@ -336,6 +343,7 @@ impl Watcher {
         self.warned_no_step.retain(|p| matching.contains(p));
         self.warned_not_regular.retain(|p| matching.contains(p));
         self.unreadable.retain(|p| present.contains(p));
+        self.warned_not_utf8.retain(|n| not_utf8.contains(n));
 
         let settle = self.settle();
         let give_up = (settle * 5).max(Duration::from_secs(30));
@@ -392,6 +400,29 @@ impl Watcher {
                 .insert((step, path.clone()), WorkItem { path, step, key });
         }
         self.metrics.set_pending(self.ready.len());
+    }
+
+    /// An entry whose name is not UTF-8: never a checkpoint (no pattern matches it, no record
+    /// could name it), but counted in `diffmon_checkpoints_ignored` and warned about once, its
+    /// name escaped; hidden and temporary names are skipped as others are.
+    fn not_utf8(
+        &mut self,
+        name: &std::ffi::OsStr,
+        ignored: &mut Vec<(String, &'static str)>,
+        seen: &mut HashSet<std::ffi::OsString>,
+    ) {
+        if is_temporary(&name.to_string_lossy()) || seen.len() >= 1000 {
+            return;
+        }
+        seen.insert(name.to_os_string());
+        let escaped = crate::safe_fs::untrusted(Path::new(name));
+        if ignored.len() < 1000 {
+            ignored.push((escaped.clone(), "has a name that is not UTF-8"));
+        }
+        if self.warned_not_utf8.insert(name.to_os_string()) {
+            tracing::warn!(dir = %shown(&self.dir), entry = %escaped,
+                "an entry's name is not UTF-8, so it is never a checkpoint; skipping it");
+        }
     }
 
     /// Nothing found yet: no checkpoint seen, pending, handed over or in the history.
@@ -932,6 +963,49 @@ mod tests {
         assert_eq!(take_all(&mut w), vec![3]);
         assert_eq!(w.warned_not_regular.len(), 2);
         assert_eq!(w.structure_checks, 1);
+    }
+
+    /// A name that is not UTF-8 was skipped silently: now warned about once and counted in
+    /// `diffmon_checkpoints_ignored` (0 before), while the other checkpoints go on.
+    #[test]
+    fn a_name_that_is_not_utf8_is_counted_and_warned_about_once() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let odd = std::ffi::OsStr::from_bytes(b"ckpt_\xff\x1b[31m.pt");
+        write_checkpoint(&dir.path().join(odd));
+        // Hidden ones are skipped as any hidden file is.
+        write_checkpoint(
+            &dir.path()
+                .join(std::ffi::OsStr::from_bytes(b".ckpt_\xff.pt")),
+        );
+        write_checkpoint(&dir.path().join("ckpt_3.pt"));
+        let metrics = Arc::new(Metrics::new("t"));
+        let mut w = Watcher::new(
+            dir.path(),
+            &config(Backlog::All),
+            HashSet::new(),
+            metrics.clone(),
+        );
+        for _ in 0..3 {
+            w.scan();
+        }
+        assert_eq!(take_all(&mut w), vec![3]);
+        assert_eq!(w.warned_not_utf8.len(), 1);
+        assert_eq!(
+            w.ignored,
+            [(
+                "ckpt_\\xff\\u{1b}[31m.pt".to_string(),
+                "has a name that is not UTF-8"
+            )]
+        );
+        let text = metrics.encode();
+        assert!(
+            text.contains("diffmon_checkpoints_ignored{run=\"t\"} 1"),
+            "{text}"
+        );
+        std::fs::remove_file(dir.path().join(odd)).unwrap();
+        w.scan();
+        assert!(w.warned_not_utf8.is_empty(), "a gone entry is forgotten");
     }
 
     #[test]
