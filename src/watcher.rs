@@ -614,9 +614,7 @@ impl Watcher {
         let mut watcher = match watcher {
             Ok(w) => w,
             Err(e) => {
-                tracing::warn!(
-                    "filesystem notifications unavailable ({e}); relying on the periodic rescan"
-                );
+                self.polling_instead(&e);
                 return None;
             }
         };
@@ -626,10 +624,34 @@ impl Watcher {
         match watcher.watch(&self.dir, notify::RecursiveMode::NonRecursive) {
             Ok(()) => Some(watcher),
             Err(e) => {
-                tracing::warn!(dir = %self.dir.display(), "cannot watch the run folder ({e}); relying on the periodic rescan");
+                self.polling_instead(&e);
                 None
             }
         }
+    }
+
+    /// The one WARN of a run whose folder cannot be watched with notifications: it is polled
+    /// every `checkpoints.poll_secs` instead. Naming the limit when one is the cause: each run
+    /// takes one inotify instance and one watch (a sweep of many runs meets the defaults).
+    fn polling_instead(&self, e: &notify::Error) {
+        let cause = notifications_failure(e);
+        tracing::warn!(run = %self.metrics.run(), dir = %shown(&self.dir),
+            "no filesystem notifications for this run ({cause}); polling its folder every {:?} (checkpoints.poll_secs) instead", self.config.poll);
+    }
+}
+
+/// Why notifications failed, naming the kernel limit when one is the cause.
+fn notifications_failure(e: &notify::Error) -> String {
+    let limit = match &e.kind {
+        notify::ErrorKind::MaxFilesWatch => Some("fs.inotify.max_user_watches"),
+        notify::ErrorKind::Io(io) if io.raw_os_error() == Some(libc::EMFILE) => {
+            Some("fs.inotify.max_user_instances (or the open files limit)")
+        }
+        _ => None,
+    };
+    match limit {
+        Some(limit) => format!("{e}: the limit {limit} is reached"),
+        None => e.to_string(),
     }
 }
 
@@ -1006,6 +1028,18 @@ mod tests {
         std::fs::remove_file(dir.path().join(odd)).unwrap();
         w.scan();
         assert!(w.warned_not_utf8.is_empty(), "a gone entry is forgotten");
+    }
+
+    /// Out of inotify watches (ENOSPC) or instances (EMFILE), the warning names the limit to
+    /// raise.
+    #[test]
+    fn running_out_of_notifications_names_the_limit() {
+        let watches = notify::Error::new(notify::ErrorKind::MaxFilesWatch);
+        assert!(notifications_failure(&watches).contains("fs.inotify.max_user_watches"));
+        let instances = notify::Error::io(std::io::Error::from_raw_os_error(libc::EMFILE));
+        assert!(notifications_failure(&instances).contains("fs.inotify.max_user_instances"));
+        let other = notify::Error::generic("boom");
+        assert!(!notifications_failure(&other).contains("fs.inotify"));
     }
 
     #[test]

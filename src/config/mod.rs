@@ -30,8 +30,12 @@ pub const EXAMPLE: &str = include_str!("../../config/diffmon.example.yaml");
 const MAX_SIGMA: f64 = 1_000.0;
 const MAX_SAMPLES: usize = 1 << 20;
 const MAX_BATCH: usize = 1 << 16;
-/// Most runs one daemon watches (`runs`): each holds its own evaluation context.
-pub const MAX_RUNS: usize = 256;
+/// `max_runs` by default: the most runs one daemon watches. Each run costs two threads (its
+/// watcher and recorder; a third, and an inotify instance and watch, with notifications), its
+/// own evaluation context, state lock and alerter.
+pub const DEFAULT_MAX_RUNS: usize = 256;
+/// The largest `max_runs` accepted.
+pub const MAX_RUNS: usize = 4096;
 
 /// A number as a person writes it in YAML: `1e20` rather than twenty-one digits.
 fn num(x: f64) -> String {
@@ -138,6 +142,8 @@ pub struct Config {
     /// `sweep` is empty and the fields above are the shared settings, checked as those of a run
     /// in the glob's folder.
     pub runs_glob: Option<RunsGlob>,
+    /// `max_runs`: the most runs of a sweep (1 to [`MAX_RUNS`]).
+    pub max_runs: usize,
 }
 
 /// `runs_glob`, compiled: the folder whose entries are matched, and the matcher of their names.
@@ -187,8 +193,8 @@ impl RunsGlob {
     }
 
     /// The runs now: the folder's entries that match, are folders (not links), are not hidden
-    /// and have a run's name, as (name, folder), sorted by name, at most [`MAX_RUNS`]. A folder
-    /// that cannot be read has none.
+    /// and have a run's name, as (name, folder), sorted by name; all of them, of which the sweep
+    /// watches at most `max_runs`. A folder that cannot be read has none.
     pub fn matches(&self) -> Vec<(String, PathBuf)> {
         let Ok(entries) = std::fs::read_dir(&self.parent) else {
             return Vec::new();
@@ -207,7 +213,6 @@ impl RunsGlob {
             })
             .collect();
         found.sort();
-        found.truncate(MAX_RUNS);
         found
     }
 }
@@ -1436,7 +1441,9 @@ impl ConfigFile {
         }
         let mut shared = self.clone();
         shared.runs_glob = None;
-        let found = glob.matches();
+        let mut found = glob.matches();
+        // The first by name; the daemon warns about the others (`daemon/sweep.rs`).
+        found.truncate(self.max_runs);
         let mut config = if found.is_empty() {
             let run = RunConfig {
                 name: Some("runs_glob".into()),
@@ -1470,13 +1477,18 @@ impl ConfigFile {
     ) -> Result<Config, Vec<Problem>> {
         let mut v = Validator::default();
         v.check(!entries.is_empty(), "runs", "must list at least one run");
+        v.count("max_runs", self.max_runs, 1..=MAX_RUNS);
         v.check(
-            entries.len() <= MAX_RUNS,
+            entries.len() <= self.max_runs,
             "runs",
-            format!("lists {} runs; at most {MAX_RUNS}", entries.len()),
+            format!(
+                "lists {} runs; at most {} (max_runs)",
+                entries.len(),
+                self.max_runs
+            ),
         );
         let mut configs = Vec::new();
-        for (i, entry) in entries.iter().enumerate().take(MAX_RUNS) {
+        for (i, entry) in entries.iter().enumerate().take(self.max_runs.min(MAX_RUNS)) {
             let at = format!("runs[{i}]");
             v.check(
                 valid_run_name(&entry.name),
@@ -1570,6 +1582,7 @@ impl ConfigFile {
         if let Some(n) = self.cpu_threads {
             v.count("cpu_threads", n, 1..=1024);
         }
+        v.count("max_runs", self.max_runs, 1..=MAX_RUNS);
         let shutdown_drain = v.secs(
             "shutdown_drain_secs",
             self.shutdown_drain_secs,
@@ -1761,6 +1774,7 @@ impl ConfigFile {
                 implied_pf_ode: false,
                 sweep: Vec::new(),
                 runs_glob: None,
+                max_runs: self.max_runs,
             }),
             _ => Err(v.problems),
         }

@@ -56,6 +56,8 @@ pub fn run(config: Config) -> Result<()> {
                 runtime: runtime.handle().clone(),
                 known: names.iter().cloned().collect(),
                 refused: HashMap::new(),
+                left_out: Vec::new(),
+                left_out_warned: None,
                 shared,
                 views: views.clone(),
                 stopped: stopped.clone(),
@@ -289,6 +291,9 @@ impl Started {
     }
 }
 
+/// How often, at most, the run folders left out at `max_runs` are logged again as they change.
+const LEFT_OUT_WARNING_EVERY: Duration = Duration::from_secs(60);
+
 /// `runs_glob`'s thread: every `checkpoints.poll_secs` until the stop, adds the run folders
 /// that have appeared (docs/design.md §19).
 struct Finder {
@@ -299,6 +304,11 @@ struct Finder {
     /// Runs that could not be opened (their state folder locked by another daemon, say), with
     /// the error last logged: tried again at each scan, logged again when the error changes.
     refused: HashMap<String, String>,
+    /// The run folders the glob matches that are not runs because the sweep is at `max_runs`,
+    /// as last logged.
+    left_out: Vec<String>,
+    /// When `left_out` was last logged.
+    left_out_warned: Option<std::time::Instant>,
     shared: Shared,
     views: RunList,
     stopped: Receiver<()>,
@@ -309,6 +319,7 @@ impl Finder {
         let mut started = Started::default();
         let mut problems_logged = None;
         let poll = self.config.checkpoints.poll;
+        self.note_left_out();
         while let Err(crossbeam_channel::RecvTimeoutError::Timeout) =
             self.stopped.recv_timeout(poll)
         {
@@ -329,7 +340,8 @@ impl Finder {
             };
             for config in runs {
                 let name = config.run_name();
-                if self.known.contains(&name) {
+                // At `max_runs`, no run is added (the glob's others are noted below).
+                if self.known.contains(&name) || self.known.len() >= self.config.max_runs {
                     continue;
                 }
                 match self.add(config, &mut started) {
@@ -346,8 +358,54 @@ impl Finder {
                     }
                 }
             }
+            self.note_left_out();
         }
         started
+    }
+
+    /// At `max_runs`: exports how many of the glob's run folders are left out, and warns,
+    /// naming the first few, when they change (at most once a minute, but at once the first
+    /// time).
+    fn note_left_out(&mut self) {
+        let Some(glob) = &self.config.runs_glob else {
+            return;
+        };
+        let max = self.config.max_runs;
+        let left_out: Vec<String> = if self.known.len() >= max {
+            glob.matches()
+                .into_iter()
+                .map(|(name, _)| name)
+                .filter(|name| !self.known.contains(name))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        self.views.sweep_metrics().set_runs_ignored(left_out.len());
+        let due = self
+            .left_out_warned
+            .is_none_or(|t| t.elapsed() >= LEFT_OUT_WARNING_EVERY);
+        if left_out.is_empty() || left_out == self.left_out || !due {
+            if left_out.is_empty() {
+                self.left_out.clear();
+            }
+            return;
+        }
+        let named: Vec<&str> = left_out.iter().take(5).map(String::as_str).collect();
+        let more = left_out.len().saturating_sub(named.len());
+        let more = if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        };
+        tracing::warn!(
+            glob = %glob.pattern.display(),
+            "the sweep is at max_runs ({max} runs): {} run folder{} left out, not watched: {}{more}. Raise max_runs to watch them (each run costs threads and an inotify watch: README, \"Sweeps\")",
+            left_out.len(),
+            if left_out.len() == 1 { " is" } else { "s are" },
+            named.join(", ")
+        );
+        self.left_out = left_out;
+        self.left_out_warned = Some(std::time::Instant::now());
     }
 
     /// Opens and starts a new run, and hands its lane to the evaluator.
