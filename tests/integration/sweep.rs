@@ -312,6 +312,14 @@ fn runs_glob_stops_at_max_runs_and_says_so() {
         v.as_object().unwrap().keys().cloned().collect()
     };
     assert_eq!(runs(&d), ["lr-1", "lr-2"]);
+    // The runs name one architecture file: it is loaded once, the second run shares it.
+    let log = d.log();
+    assert_eq!(log.matches("model loaded").count(), 1, "{log}");
+    assert_eq!(
+        log.matches("model shared with an earlier run").count(),
+        1,
+        "{log}"
+    );
     d.wait_for(Duration::from_secs(30), "the count of left-out runs", |d| {
         d.metric("diffmon_runs_ignored") == Some(1.0)
     });
