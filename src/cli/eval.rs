@@ -52,7 +52,7 @@ pub fn eval(
             }
             Err(e) => {
                 failures += 1;
-                tracing::warn!(checkpoint = %path.display(), "{e}");
+                tracing::warn!(checkpoint = %crate::safe_fs::untrusted(path), "{}", crate::safe_fs::untrusted_text(&e.to_string()));
                 if failure_lines {
                     let reason = match &key {
                         Some(key) => crate::daemon::failure_reason(
