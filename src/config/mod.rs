@@ -1352,6 +1352,30 @@ impl Config {
         Ok(runs)
     }
 
+    /// `runs_glob`: the settings of the run folder `name` the glob matches now, whether or not
+    /// it is among the first `max_runs` by name ([`Config::runs`]): a daemon keeps the runs it
+    /// holds when a folder that sorts first appears, and a Slurm job of such a run
+    /// (`diffmon eval --run`) must find it. `None` when no such folder matches (or no glob).
+    /// The webhooks' secrets are not looked up.
+    pub fn glob_run(&self, name: &str) -> Option<Result<Config, Vec<Problem>>> {
+        let glob = self.runs_glob.as_ref()?;
+        let (name, dir) = glob.matches().into_iter().find(|(n, _)| n == name)?;
+        let mut file = (*glob.file).clone();
+        file.runs_glob = None;
+        let entry = file::RunEntry {
+            name,
+            dir,
+            state_dir: None,
+            data: None,
+            alerts: None,
+        };
+        Some(file.sweep_settings(&[entry], None).map(|run| Config {
+            source: self.source.clone(),
+            sweep: Vec::new(),
+            ..run
+        }))
+    }
+
     /// Each watched run's complete settings: this config for a single run, one per entry of
     /// `runs` (or folder `runs_glob` matched) for a sweep (docs/design.md §19).
     pub fn runs(&self) -> Vec<Config> {
@@ -2981,6 +3005,25 @@ data: {path: d.h5}
         assert!(runs[1].state_dir().ends_with("sweep/lr-b/.diffmon"));
         assert!(runs.iter().all(|r| r.data.path.ends_with("d.h5")));
         assert_eq!(c.run_name(), "lr-a");
+
+        // At `max_runs`, the first by name are the runs; the others are still found by name
+        // (the Slurm job of a run the daemon holds, after a folder sorting first appeared).
+        let text = "runs_glob: sweep/lr-*\nmax_runs: 1\nmodel: {architecture: m.ts}\n\
+                    data: {path: d.h5}\n";
+        let mut file = ConfigFile::parse(text, "c.yaml").unwrap();
+        file.resolve_paths(at);
+        let capped = file.settings(false).unwrap();
+        assert_eq!(names(&capped.runs()), ["lr-a"]);
+        assert_eq!(names(&capped.discover_runs().unwrap()), ["lr-a"]);
+        let b = capped.glob_run("lr-b").unwrap().unwrap();
+        assert_eq!(b.run_name(), "lr-b");
+        assert!(b.state_dir().ends_with("sweep/lr-b/.diffmon"));
+        assert!(b.sweep.is_empty() && b.runs_glob.is_none());
+        assert!(capped.glob_run("lr-x").is_none());
+        assert!(
+            capped.glob_run("other").is_none(),
+            "not matched by the glob"
+        );
     }
 
     /// The problems of a config whose model and data files exist (`m.ts`, `d.h5`).
