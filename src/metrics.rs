@@ -1002,6 +1002,25 @@ mod tests {
     use super::*;
 
     /// A sweep's exposition: each family once (its metadata once), with every run's samples,
+    /// A sweep's exposition: its runs' families, then its own gauge without a `run` label, one
+    /// `# EOF`, in both formats.
+    #[test]
+    fn a_sweep_exposition_ends_with_its_own_gauge() {
+        let runs = vec![std::sync::Arc::new(Metrics::new("a"))];
+        let sweep = SweepMetrics::default();
+        sweep.set_runs_ignored(44);
+        let open = Metrics::encode_sweep_as(&runs, &sweep, Format::OpenMetrics);
+        assert!(open.contains("diffmon_build_info{run=\"a\""), "{open}");
+        assert!(
+            open.ends_with("# TYPE diffmon_runs_ignored gauge\ndiffmon_runs_ignored 44\n# EOF\n"),
+            "{open}"
+        );
+        assert_eq!(open.matches("# EOF").count(), 1, "{open}");
+        let text = Metrics::encode_sweep_as(&runs, &sweep, Format::Text);
+        assert!(text.contains("\ndiffmon_runs_ignored 44\n"), "{text}");
+        assert!(!text.contains("# EOF"), "{text}");
+    }
+
     /// each under its own label; one `# EOF`; a run's lines as its own exposition has them.
     #[test]
     fn several_runs_encode_as_one_exposition() {
