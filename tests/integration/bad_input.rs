@@ -2,7 +2,8 @@
 //! what `diffmon check-config` must say about it, and in `# env: NAME=VALUE` lines the
 //! environment it runs in. Every case must exit 2 with an error that names the file and
 //! contains each expected text (a key path, the bad value, the reason); no `# env:` value may
-//! appear in the error (they are secrets).
+//! appear in the error (they are secrets). And a history whose checkpoint names are hostile
+//! (an escape sequence, a newline) replayed to the terminal.
 
 use crate::common::{diffmon, root, stderr, stdout};
 use std::fs;

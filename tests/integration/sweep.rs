@@ -2,7 +2,7 @@
 //! with its own training data) records, for each run, the history and the early-stop decision
 //! that a daemon of its own records (a data-limited run's early stop fires); every run's series
 //! are on the one `/metrics` under its `run` label, and the live page lists the runs. With
-//! `runs_glob`, run folders join the running daemon as they appear.
+//! `runs_glob`, run folders join the running daemon as they appear, up to `max_runs`.
 
 use crate::common::root;
 use crate::daemon::{Daemon, free_port};
