@@ -76,6 +76,110 @@ pub struct Watcher {
     /// When the warning about `ignored` entries was last logged.
     warned_ignored_at: Option<Instant>,
     metrics: Arc<Metrics>,
+    /// A sweep's one inotify instance, which this run's folder joins (`None`: its own).
+    shared_notifications: Option<SharedNotifications>,
+}
+
+/// Events of filesystem notifications, as a watcher receives them.
+type Events = Sender<notify::Result<notify::Event>>;
+
+/// One inotify instance (and one event-loop thread) for the run folders of a sweep, instead of
+/// one per run: the kernel allows 128 instances per user by default, and a sweep of more runs
+/// polled the others. Each folder is one watch; an event goes to the watcher of the folder its
+/// path is in (or is). Clones share the instance.
+#[derive(Clone)]
+pub struct SharedNotifications {
+    routes: Arc<std::sync::Mutex<HashMap<PathBuf, Events>>>,
+    watcher: Arc<std::sync::Mutex<notify::RecommendedWatcher>>,
+}
+
+impl SharedNotifications {
+    pub fn new() -> notify::Result<SharedNotifications> {
+        let routes: Arc<std::sync::Mutex<HashMap<PathBuf, Events>>> = Arc::default();
+        let to = routes.clone();
+        let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            let routes = to.lock().unwrap_or_else(|e| e.into_inner());
+            match event {
+                Ok(e) => {
+                    let run = e.paths.iter().find_map(|p| {
+                        routes
+                            .get(p)
+                            .or_else(|| p.parent().and_then(|d| routes.get(d)))
+                    });
+                    if let Some(tx) = run {
+                        let _ = tx.send(Ok(e));
+                    }
+                }
+                // An error concerns every folder (each rescans).
+                Err(e) => {
+                    for tx in routes.values() {
+                        let _ = tx.send(Err(notify::Error::generic(&e.to_string())));
+                    }
+                }
+            }
+        })?;
+        Ok(SharedNotifications {
+            routes,
+            watcher: Arc::new(std::sync::Mutex::new(watcher)),
+        })
+    }
+
+    /// Watches `dir` until the returned guard is dropped, its events sent on `tx`.
+    fn watch(&self, dir: &Path, tx: Events) -> notify::Result<SharedWatch> {
+        use notify::Watcher as _;
+        self.routes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(dir.to_path_buf(), tx);
+        let watched = self
+            .watcher
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .watch(dir, notify::RecursiveMode::NonRecursive);
+        match watched {
+            Ok(()) => Ok(SharedWatch {
+                dir: dir.to_path_buf(),
+                shared: self.clone(),
+            }),
+            Err(e) => {
+                self.routes
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(dir);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// A run folder's watch in a [`SharedNotifications`]; removed when dropped.
+struct SharedWatch {
+    dir: PathBuf,
+    shared: SharedNotifications,
+}
+
+impl Drop for SharedWatch {
+    fn drop(&mut self) {
+        use notify::Watcher as _;
+        // The watch is gone already if the folder was deleted.
+        let _ = self
+            .shared
+            .watcher
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .unwatch(&self.dir);
+        self.shared
+            .routes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.dir);
+    }
+}
+
+/// A run folder's notifications: an inotify instance of its own, or a watch in a sweep's.
+enum Notifications {
+    Own(#[allow(dead_code)] notify::RecommendedWatcher),
+    Shared(#[allow(dead_code)] SharedWatch),
 }
 
 /// Extensions of files that look like checkpoints (for the warning about skipped entries).
@@ -180,7 +284,14 @@ impl Watcher {
             ignored: Vec::new(),
             warned_ignored_at: None,
             metrics,
+            shared_notifications: None,
         }
+    }
+
+    /// Notifications through a sweep's one inotify instance instead of one of its own.
+    pub fn with_notifications(mut self, shared: Option<SharedNotifications>) -> Watcher {
+        self.shared_notifications = shared;
+        self
     }
 
     /// Files that are never checkpoints, whatever their name (those the config names).
@@ -537,7 +648,9 @@ impl Watcher {
                 next_poll = now + poll;
             }
             if std::mem::take(&mut self.rewatch) && self.config.inotify {
-                // The old watch went with the deleted folder.
+                // The old watch went with the deleted folder; a shared one is removed first,
+                // so that its removal does not take the new one with it.
+                _notifier = None;
                 _notifier = self.start_notifications(events_tx.clone());
             }
             let mut wait = next_poll.saturating_duration_since(Instant::now());
@@ -603,11 +716,20 @@ impl Watcher {
         }
     }
 
-    fn start_notifications(
-        &self,
-        tx: Sender<notify::Result<notify::Event>>,
-    ) -> Option<notify::RecommendedWatcher> {
+    fn start_notifications(&self, tx: Events) -> Option<Notifications> {
         use notify::Watcher as _;
+        if let Some(shared) = &self.shared_notifications {
+            if let Err(e) = std::fs::create_dir_all(&self.dir) {
+                tracing::warn!(dir = %self.dir.display(), "cannot create the run folder: {e}");
+            }
+            return match shared.watch(&self.dir, tx) {
+                Ok(watch) => Some(Notifications::Shared(watch)),
+                Err(e) => {
+                    self.polling_instead(&e);
+                    None
+                }
+            };
+        }
         let watcher = notify::recommended_watcher(move |event| {
             let _ = tx.send(event);
         });
@@ -622,7 +744,7 @@ impl Watcher {
             tracing::warn!(dir = %self.dir.display(), "cannot create the run folder: {e}");
         }
         match watcher.watch(&self.dir, notify::RecursiveMode::NonRecursive) {
-            Ok(()) => Some(watcher),
+            Ok(()) => Some(Notifications::Own(watcher)),
             Err(e) => {
                 self.polling_instead(&e);
                 None
@@ -829,6 +951,53 @@ mod tests {
                 .encode()
                 .contains("diffmon_checkpoints_skipped_total{run=\"t\"} 2")
         );
+    }
+
+    /// A sweep's runs share one inotify instance: each folder's events reach its own watcher
+    /// only, and a watcher that stops takes its folder's watch with it, not the others'.
+    #[test]
+    fn runs_share_one_inotify_instance_and_get_their_own_events() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let shared = SharedNotifications::new().expect("inotify");
+        let watcher = |dir: &Path| {
+            Watcher::new(
+                dir,
+                &config(Backlog::All),
+                HashSet::new(),
+                Arc::new(Metrics::new("t")),
+            )
+            .with_notifications(Some(shared.clone()))
+        };
+        let (wa, wb) = (watcher(a.path()), watcher(b.path()));
+        let (tx_a, rx_a) = crossbeam_channel::unbounded();
+        let (tx_b, rx_b) = crossbeam_channel::unbounded();
+        let na = wa.start_notifications(tx_a).expect("a watch");
+        let _nb = wb.start_notifications(tx_b).expect("b watch");
+        assert!(matches!(na, Notifications::Shared(_)));
+        let paths = |rx: &Receiver<notify::Result<notify::Event>>| -> Vec<PathBuf> {
+            std::thread::sleep(Duration::from_millis(300));
+            rx.try_iter()
+                .flat_map(|e| e.unwrap().paths)
+                .collect::<Vec<_>>()
+        };
+        write_checkpoint(&a.path().join("ckpt_1.pt"));
+        let got = paths(&rx_a);
+        assert!(
+            !got.is_empty() && got.iter().all(|p| p.starts_with(a.path())),
+            "{got:?}"
+        );
+        assert!(paths(&rx_b).is_empty(), "b got a's events");
+        write_checkpoint(&b.path().join("ckpt_1.pt"));
+        assert!(!paths(&rx_b).is_empty());
+        assert!(paths(&rx_a).is_empty(), "a got b's events");
+        drop(na);
+        write_checkpoint(&a.path().join("ckpt_2.pt"));
+        write_checkpoint(&b.path().join("ckpt_2.pt"));
+        assert!(
+            paths(&rx_a).is_empty(),
+            "a stopped watcher still gets events"
+        );
+        assert!(!paths(&rx_b).is_empty(), "b lost its watch with a's");
     }
 
     #[test]

@@ -15,7 +15,7 @@ use crate::config::{Config, ExecutorKind};
 use crate::http::{RunList, RunView};
 use crate::lock::StateLock;
 use crate::metrics::Metrics;
-use crate::watcher::{Watcher, WorkItem, work_channel};
+use crate::watcher::{SharedNotifications, Watcher, WorkItem, work_channel};
 use anyhow::{Context, Result};
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::{HashMap, HashSet};
@@ -41,7 +41,10 @@ pub fn run(config: Config) -> Result<()> {
 
     let (stop, stopped) = shutdown::stop_channel();
     let views = RunList::default();
-    let mut started = Started::default();
+    let mut started = Started {
+        notifications: shared_notifications(&config),
+        ..Started::default()
+    };
     for pipeline in pipelines {
         started.start(pipeline, &views, &stopped)?;
     }
@@ -52,6 +55,7 @@ pub fn run(config: Config) -> Result<()> {
         Some(glob) => {
             tracing::info!(glob = %glob.pattern.display(), "new run folders join the sweep as they appear");
             let finder = Finder {
+                notifications: started.notifications.clone(),
                 config: config.clone(),
                 runtime: runtime.handle().clone(),
                 known: names.iter().cloned().collect(),
@@ -79,6 +83,7 @@ pub fn run(config: Config) -> Result<()> {
         watchers,
         recorders,
         runners: _,
+        notifications: _,
     } = started;
     let (more_watchers, found_watchers) = crossbeam_channel::bounded::<Vec<JoinHandle<()>>>(1);
     // The shutdown waits on one recorder thread and one watcher thread: these join every run's.
@@ -192,6 +197,23 @@ struct Started {
     /// The Slurm runners of runs added while the daemon runs (those of the runs at start are
     /// the executor's).
     runners: Vec<JoinHandle<()>>,
+    /// The sweep's one inotify instance, which every run's watcher joins.
+    notifications: Option<SharedNotifications>,
+}
+
+/// With `checkpoints.inotify`, one inotify instance for all the runs' folders (one watch each);
+/// if it cannot be made, each run tries one of its own (and polls when that fails too).
+fn shared_notifications(config: &Config) -> Option<SharedNotifications> {
+    if !config.checkpoints.inotify {
+        return None;
+    }
+    SharedNotifications::new()
+        .map_err(|e| {
+            tracing::warn!(
+                "cannot start the sweep's filesystem notifications ({e}); each run tries its own"
+            )
+        })
+        .ok()
 }
 
 /// The sweep's one executor, which every run's lane joins.
@@ -270,7 +292,8 @@ impl Started {
             done,
             view.metrics.clone(),
         )
-        .with_excluded(config.named_files());
+        .with_excluded(config.named_files())
+        .with_notifications(self.notifications.clone());
         let stopped = stopped.clone();
         self.watchers.push(
             std::thread::Builder::new()
@@ -312,11 +335,16 @@ struct Finder {
     shared: Shared,
     views: RunList,
     stopped: Receiver<()>,
+    /// The sweep's one inotify instance.
+    notifications: Option<SharedNotifications>,
 }
 
 impl Finder {
     fn run(mut self) -> Started {
-        let mut started = Started::default();
+        let mut started = Started {
+            notifications: self.notifications.clone(),
+            ..Started::default()
+        };
         let mut problems_logged = None;
         let poll = self.config.checkpoints.poll;
         self.note_left_out();
