@@ -10,7 +10,10 @@ use crate::model::{ContractInfo, Model, ModelError};
 use crate::pfd::{PfdError, PfdProbe};
 use crate::record::{Evaluation, SweepPoint};
 use crate::weights::ReadOptions;
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
@@ -128,10 +131,46 @@ fn seeded_subset(len: usize, n: usize, seed: u64) -> Vec<usize> {
     idx
 }
 
+/// The architectures loaded on one thread, each once per file and device, for the evaluators
+/// that name it (a sweep's runs): their evaluations take turns on that thread, and each loads
+/// all of its checkpoint's weights into the module before it uses it. A file is the same while
+/// its device, inode, size and modification time are.
+#[derive(Default)]
+pub struct Architectures(HashMap<(String, [i64; 5]), Rc<RefCell<Model>>>);
+
+impl Architectures {
+    /// The architecture at `path` on `device`, loaded now or shared with an earlier evaluator;
+    /// whether it was shared.
+    fn get(
+        &mut self,
+        path: &Path,
+        device: Device,
+    ) -> Result<(Rc<RefCell<Model>>, bool), ModelError> {
+        use std::os::unix::fs::MetadataExt;
+        let key = std::fs::metadata(path).ok().map(|m| {
+            let id = [m.dev(), m.ino(), m.size()].map(|v| v as i64);
+            (
+                format!("{device:?}"),
+                [id[0], id[1], id[2], m.mtime(), m.mtime_nsec()],
+            )
+        });
+        if let Some(model) = key.as_ref().and_then(|k| self.0.get(k)) {
+            return Ok((model.clone(), true));
+        }
+        let model = Rc::new(RefCell::new(Model::load(path, device)?));
+        if let Some(key) = key {
+            self.0.insert(key, model.clone());
+        }
+        Ok((model, false))
+    }
+}
+
 /// Evaluates checkpoints against one architecture and data set.
 pub struct Evaluator {
     config: Config,
-    model: Model,
+    /// Shared with the other evaluators of this thread that load the same file
+    /// ([`Architectures`]).
+    model: Rc<RefCell<Model>>,
     contract: ContractInfo,
     views: Option<ViewProbe>,
     train_probe: Option<LossProbe>,
@@ -145,21 +184,31 @@ impl Evaluator {
     /// Loads the architecture on the configured device, checks it against the data's image
     /// shape, and prepares the fixed inputs of every metric.
     pub fn new(config: &Config) -> Result<Evaluator, EvalError> {
+        Evaluator::sharing(config, &mut Architectures::default())
+    }
+
+    /// [`Evaluator::new`], with the architecture taken from `architectures` when an evaluator
+    /// of this thread loaded the same file before (a sweep's runs), else loaded and kept there.
+    pub fn sharing(
+        config: &Config,
+        architectures: &mut Architectures,
+    ) -> Result<Evaluator, EvalError> {
         if let Some(n) = config.cpu_threads {
             tch::set_num_threads(n as i32);
         }
         let device = crate::model::select_device(config.device)?;
         let train = ImageSet::open(&config.data.path, &config.data.dataset)?;
-        let model = Model::load(&config.model.architecture, device)?;
+        let (model, shared) = architectures.get(&config.model.architecture, device)?;
         let shape: Vec<i64> = train.image_shape().iter().map(|&d| d as i64).collect();
-        let contract = model.check_contract(&shape)?;
+        let contract = model.borrow().check_contract(&shape)?;
         tracing::info!(
             architecture = %config.model.architecture.display(),
             ?device,
             images = train.len(),
             image_shape = ?train.image_shape(),
             feature_shape = ?contract.feature_shape,
-            "model loaded"
+            "{}",
+            if shared { "model shared with an earlier run" } else { "model loaded" }
         );
         let views = if config.icr.enabled {
             let n = config.icr.samples;
@@ -243,7 +292,9 @@ impl Evaluator {
         let started = Instant::now();
         let opts = read_options(&self.config.checkpoints);
         let weights = crate::unit::weights_path(checkpoint, &self.config.checkpoints)?;
-        self.model.load_weights(&weights, &opts)?;
+        let mut model = self.model.borrow_mut();
+        model.load_weights(&weights, &opts)?;
+        let model = &*model;
         let mut record = Evaluation {
             step,
             checkpoint: checkpoint.display().to_string(),
@@ -256,7 +307,7 @@ impl Evaluator {
         if let Some(views) = &self.views {
             let what = checkpoint.display().to_string();
             let icr = &self.config.icr;
-            let r = views.run(&self.model, icr.sigma, icr.ridge, &what)?;
+            let r = views.run(model, icr.sigma, icr.ridge, &what)?;
             record.icr = Some(reported(&r, icr.bias_correction, checkpoint)?);
             record.icr_stderr = r.stderr;
             record.icr_samples = Some(r.samples as i64);
@@ -268,7 +319,7 @@ impl Evaluator {
             if let Some(sigmas) = &icr.sigmas {
                 let mut sweep = Vec::with_capacity(sigmas.len());
                 for &sigma in sigmas {
-                    let r = views.run(&self.model, sigma, icr.ridge, &what)?;
+                    let r = views.run(model, sigma, icr.ridge, &what)?;
                     sweep.push(SweepPoint {
                         sigma,
                         icr: reported(&r, icr.bias_correction, checkpoint)?,
@@ -285,8 +336,8 @@ impl Evaluator {
         if let (Some(train), Some(heldout)) = (&self.train_probe, &self.heldout_probe) {
             let sigma = self.config.icr.sigma;
             let batch = self.config.icr.batch_size;
-            let (lt, se_t) = train.loss(&self.model, sigma, batch)?;
-            let (lh, se_h) = heldout.loss(&self.model, sigma, batch)?;
+            let (lt, se_t) = train.loss(model, sigma, batch)?;
+            let (lh, se_h) = heldout.loss(model, sigma, batch)?;
             for (what, v) in [("training loss", lt), ("held-out loss", lh)] {
                 if !v.is_finite() {
                     return Err(EvalError::Invalid {
@@ -307,7 +358,7 @@ impl Evaluator {
         }
         let pfd_due = self.evaluated.is_multiple_of(self.config.pfd.every.max(1));
         if let Some(probe) = self.pfd.as_ref().filter(|_| pfd_due) {
-            let r = probe.run(&self.model, &checkpoint.display().to_string())?;
+            let r = probe.run(model, &checkpoint.display().to_string())?;
             record.pfd_generalization = r.generalization;
             record.pfd_memorization = r.memorization;
             record.memorization_ratio = r.memorization_ratio;

@@ -24,12 +24,6 @@ use std::path::{Path, PathBuf};
 pub enum HistoryError {
     #[error("{path}: {message}")]
     Io { path: PathBuf, message: String },
-    #[error("{path}: line {line}: {message}")]
-    Corrupt {
-        path: PathBuf,
-        line: usize,
-        message: String,
-    },
 }
 
 /// Identifies one version of a checkpoint file: the same path rewritten is a new checkpoint.
@@ -101,6 +95,9 @@ pub struct History {
 }
 
 pub const JOURNAL: &str = "history.jsonl";
+/// Where journal lines that are not entries are kept, appended, when they are removed from the
+/// journal (in the state folder).
+pub const JOURNAL_CORRUPT: &str = "history.jsonl.corrupt";
 pub const HDF5: &str = "history.h5";
 
 impl History {
@@ -121,6 +118,8 @@ impl History {
             (Vec::new(), 0, Repairs::default())
         };
         repairs.log(&path);
+        // Lines that are not entries leave the journal only once they are kept aside.
+        let repaired = repairs.changed() && repairs.set_aside(state_dir);
         let journal = OpenOptions::new()
             .create(true)
             .append(true)
@@ -146,7 +145,7 @@ impl History {
             torn: false,
             hdf5_stale: true,
         };
-        if repairs.changed() {
+        if repaired {
             // Written back without the dropped lines, so the next start has nothing to repair.
             history.rewrite_journal()?;
         }
@@ -212,7 +211,12 @@ impl History {
     /// line, from a kill or from a daemon writing it right now, is left out). For readers beside
     /// a running daemon, such as `diffmon report`.
     pub fn read(state_dir: &Path) -> Result<Vec<Entry>, HistoryError> {
-        Ok(read_journal(&state_dir.join(JOURNAL))?.0)
+        let path = state_dir.join(JOURNAL);
+        let (entries, _, repairs) = read_journal(&path)?;
+        if !repairs.corrupt.is_empty() {
+            tracing::warn!(journal = %crate::safe_fs::untrusted(&path), lines = %corrupt_lines(&repairs.corrupt), "journal lines that are not entries skipped");
+        }
+        Ok(entries)
     }
 
     pub fn entries(&self) -> &[Entry] {
@@ -314,15 +318,53 @@ struct Repairs {
     /// Evaluations with a lower step than an evaluation before them: kept (a checkpoint that
     /// arrived late is evaluated after newer ones).
     out_of_order: Vec<usize>,
+    /// (line, why, the line's bytes): lines that are not entries (garbage, a line cut short
+    /// and followed by others), skipped; set aside in [`JOURNAL_CORRUPT`] and removed.
+    corrupt: Vec<(usize, String, Vec<u8>)>,
 }
 
 impl Repairs {
     fn changed(&self) -> bool {
-        !self.blank.is_empty() || !self.duplicates.is_empty()
+        !self.blank.is_empty() || !self.duplicates.is_empty() || !self.corrupt.is_empty()
+    }
+
+    /// Appends the corrupt lines to [`JOURNAL_CORRUPT`] in `state_dir` (never through a link)
+    /// and syncs it; whether the journal may now drop them. When they cannot be kept there they
+    /// stay in the journal, skipped again at the next start, and nothing is rewritten.
+    fn set_aside(&self, state_dir: &Path) -> bool {
+        if self.corrupt.is_empty() {
+            return true;
+        }
+        let path = state_dir.join(JOURNAL_CORRUPT);
+        let written = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .and_then(|mut f| {
+                for (_, _, bytes) in &self.corrupt {
+                    f.write_all(bytes)?;
+                    if !bytes.ends_with(b"\n") {
+                        f.write_all(b"\n")?;
+                    }
+                }
+                f.sync_all()
+            });
+        match written {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::error!(file = %crate::safe_fs::untrusted(&path), "cannot keep the unreadable journal lines aside ({e}); they stay in the journal and are skipped at each start");
+                false
+            }
+        }
     }
 
     fn log(&self, path: &Path) {
         let journal = crate::safe_fs::untrusted(path);
+        if let Some((first, why, _)) = self.corrupt.first() {
+            tracing::warn!(%journal, lines = %corrupt_lines(&self.corrupt), "journal lines that are not entries skipped (line {first}: {}); kept in {JOURNAL_CORRUPT} and removed from the journal", crate::safe_fs::untrusted_text(why));
+        }
         if !self.blank.is_empty() {
             tracing::warn!(%journal, lines = ?self.blank, "blank journal lines skipped (and removed from the journal)");
         }
@@ -340,9 +382,22 @@ impl Repairs {
     }
 }
 
+/// The line numbers of corrupt lines, for a log: the first 20, then how many more.
+fn corrupt_lines(corrupt: &[(usize, String, Vec<u8>)]) -> String {
+    let mut text: Vec<String> = corrupt
+        .iter()
+        .take(20)
+        .map(|(l, _, _)| l.to_string())
+        .collect();
+    if corrupt.len() > 20 {
+        text.push(format!("and {} more", corrupt.len() - 20));
+    }
+    text.join(", ")
+}
+
 /// The complete lines of a journal, their length in bytes (a torn last line is dropped), and
-/// what was repaired: blank lines are skipped and a second entry for the same checkpoint version
-/// is dropped (the first is kept).
+/// what was repaired: blank lines and lines that are not entries are skipped, and a second entry
+/// for the same checkpoint version is dropped (the first is kept).
 fn read_journal(path: &Path) -> Result<(Vec<Entry>, u64, Repairs), HistoryError> {
     let io = |e: std::io::Error| HistoryError::Io {
         path: path.to_path_buf(),
@@ -355,30 +410,32 @@ fn read_journal(path: &Path) -> Result<(Vec<Entry>, u64, Repairs), HistoryError>
     let mut first_line: std::collections::HashMap<CheckpointKey, usize> = Default::default();
     let mut max_step: Option<i64> = None;
     let mut good_len = 0u64;
-    let mut line = String::new();
+    let mut line = Vec::new();
     let mut number = 0;
     loop {
         line.clear();
-        let n = reader.read_line(&mut line).map_err(io)?;
+        let n = reader.read_until(b'\n', &mut line).map_err(io)?;
         if n == 0 {
             break;
         }
         number += 1;
-        if !line.ends_with('\n') {
+        if !line.ends_with(b"\n") {
             // A torn last line from a kill mid-write.
             tracing::warn!(journal = %path.display(), line = number, "dropping an incomplete last journal line");
             break;
         }
         good_len += n as u64;
-        if line.trim().is_empty() {
+        if line.trim_ascii().is_empty() {
             repairs.blank.push(number);
             continue;
         }
-        let entry: Entry = serde_json::from_str(&line).map_err(|e| HistoryError::Corrupt {
-            path: path.to_path_buf(),
-            line: number,
-            message: e.to_string(),
-        })?;
+        let entry: Entry = match serde_json::from_slice(&line) {
+            Ok(entry) => entry,
+            Err(e) => {
+                repairs.corrupt.push((number, e.to_string(), line.clone()));
+                continue;
+            }
+        };
         if let Some(&first) = first_line.get(entry.key()) {
             repairs.duplicates.push((number, first));
             continue;
@@ -649,6 +706,60 @@ mod tests {
         h.append(entry(150, None)).unwrap();
         drop(h);
         assert_eq!(History::open(dir.path()).unwrap().entries().len(), 3);
+    }
+
+    /// A line in the middle that is not an entry (here garbage with bytes that are not UTF-8,
+    /// and a line cut short) no longer stops every start: skipped, kept aside, removed.
+    #[test]
+    fn a_garbage_journal_line_is_skipped_kept_aside_and_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = dir.path().join(JOURNAL);
+        let mut bytes = format!("{}\n", line(&entry(50, Some(0.5)))).into_bytes();
+        bytes.extend_from_slice(b"garbage \xff\x1b[31m\n");
+        bytes.extend_from_slice(b"{\"kind\":\"evaluation\",\"key\n");
+        bytes.extend_from_slice(format!("{}\n", line(&entry(100, None))).as_bytes());
+        std::fs::write(&journal, &bytes).unwrap();
+        let (_, _, repairs) = read_journal(&journal).unwrap();
+        let lines: Vec<usize> = repairs.corrupt.iter().map(|(l, _, _)| *l).collect();
+        assert_eq!(lines, vec![2, 3]);
+        // A reader beside the daemon skips them without changing the journal.
+        assert_eq!(History::read(dir.path()).unwrap().len(), 2);
+        assert_eq!(std::fs::read(&journal).unwrap(), bytes);
+        let mut h = History::open(dir.path()).expect("a start with a garbage line");
+        let steps: Vec<i64> = h.evaluations().map(|r| r.step).collect();
+        assert_eq!(steps, vec![50, 100]);
+        assert_eq!(
+            journal_lines(dir.path()),
+            vec![line(&entry(50, Some(0.5))), line(&entry(100, None))],
+            "the journal was not repaired"
+        );
+        assert_eq!(
+            std::fs::read(dir.path().join(JOURNAL_CORRUPT)).unwrap(),
+            b"garbage \xff\x1b[31m\n{\"kind\":\"evaluation\",\"key\n",
+            "the lines were not kept aside"
+        );
+        h.append(entry(150, None)).unwrap();
+        drop(h);
+        assert_eq!(History::open(dir.path()).unwrap().entries().len(), 3);
+    }
+
+    /// When the lines cannot be kept aside (a link planted at its name, never followed), they
+    /// stay in the journal, skipped at each start.
+    #[test]
+    fn garbage_journal_lines_stay_when_they_cannot_be_kept_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.path().join(JOURNAL_CORRUPT)).unwrap();
+        let text = format!("garbage\n{}\n", line(&entry(50, None)));
+        std::fs::write(dir.path().join(JOURNAL), &text).unwrap();
+        let h = History::open(dir.path()).unwrap();
+        assert_eq!(h.entries().len(), 1);
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join(JOURNAL)).unwrap(),
+            text
+        );
     }
 
     #[test]

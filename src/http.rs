@@ -92,11 +92,16 @@ pub struct RunView {
 }
 
 /// The runs of a sweep as the HTTP endpoints see them: a list that grows while the daemon runs
-/// (`runs_glob`). Each request works on a snapshot of it.
+/// (`runs_glob`), and the sweep's own metrics. Each request works on a snapshot of it.
 #[derive(Clone, Default)]
-pub struct RunList(Arc<std::sync::RwLock<Vec<RunView>>>);
+pub struct RunList(Arc<std::sync::RwLock<Vec<RunView>>>, metrics::SweepMetrics);
 
 impl RunList {
+    /// The sweep's own metrics (shared with every clone of the list).
+    pub fn sweep_metrics(&self) -> &metrics::SweepMetrics {
+        &self.1
+    }
+
     pub fn push(&self, run: RunView) {
         self.0.write().unwrap_or_else(|e| e.into_inner()).push(run);
     }
@@ -161,12 +166,13 @@ pub fn sweep_router(runs: RunList) -> Router {
             get(move |headers: HeaderMap| {
                 let metrics: Vec<Arc<Metrics>> =
                     r3.snapshot().iter().map(|r| r.metrics.clone()).collect();
+                let sweep = r3.sweep_metrics().clone();
                 async move {
                     let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
                     let format = metrics::Format::negotiate(accept);
                     (
                         [(header::CONTENT_TYPE, format.content_type())],
-                        Metrics::encode_runs_as(&metrics, format),
+                        Metrics::encode_sweep_as(&metrics, &sweep, format),
                     )
                 }
             }),

@@ -49,6 +49,8 @@ pub const SLURM_JOBS_RUNNING: &str = "diffmon_slurm_jobs_running";
 pub const SLURM_JOBS_FAILED: &str = "diffmon_slurm_jobs_failed";
 pub const SLURM_QUEUE_WAIT: &str = "diffmon_slurm_queue_wait_seconds";
 pub const SLURM_RUN: &str = "diffmon_slurm_run_seconds";
+// A sweep's own (no `run` label: it concerns no one run; [`SweepMetrics`]).
+pub const RUNS_IGNORED: &str = "diffmon_runs_ignored";
 
 /// `reason` label values of `diffmon_slurm_jobs_failed_total`: how a job ended without a result.
 pub const SLURM_JOB_FAILURES: [&str; 5] = ["failed", "timeout", "cancelled", "preempted", "lost"];
@@ -151,6 +153,34 @@ type FGauge = Gauge<f64, AtomicU64>;
 
 /// The labels of a record field's gauge: `run`, then the field's own (`split`).
 type FieldLabels = Vec<(&'static str, String)>;
+
+/// The metrics of a sweep as a whole, beside its runs' [`Metrics`]; without a `run` label, since
+/// they concern no one run. Clones share the values.
+#[derive(Clone, Debug, Default)]
+pub struct SweepMetrics {
+    /// Run folders `runs_glob` matches that are not watched: the sweep is at `max_runs`.
+    runs_ignored: Gauge,
+}
+
+impl SweepMetrics {
+    pub fn set_runs_ignored(&self, n: usize) {
+        self.runs_ignored.set(n as i64);
+    }
+
+    /// The OpenMetrics families, without the closing `# EOF`.
+    fn encode(&self) -> String {
+        let mut registry = Registry::default();
+        registry.register(
+            RUNS_IGNORED,
+            "Run folders runs_glob matches that are not watched because the sweep is at max_runs",
+            self.runs_ignored.clone(),
+        );
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry)
+            .expect("writing to a String");
+        out.strip_suffix("# EOF\n").unwrap_or(&out).to_string()
+    }
+}
 
 /// The daemon's metrics; cheap to share (`Arc`) between the evaluation and HTTP threads.
 pub struct Metrics {
@@ -507,6 +537,11 @@ impl Collector for ProcessCollector {
 }
 
 impl Metrics {
+    /// The label `run` of these metrics.
+    pub fn run(&self) -> &str {
+        &self.run
+    }
+
     pub fn new(run: &str) -> Metrics {
         let mut registry = Registry::default();
         let m = Metrics {
@@ -805,6 +840,25 @@ impl Metrics {
         }
     }
 
+    /// A sweep's exposition: its runs' ([`Metrics::encode_runs`]), then its own
+    /// ([`SweepMetrics`]), in the given format.
+    pub fn encode_sweep_as(
+        runs: &[std::sync::Arc<Metrics>],
+        sweep: &SweepMetrics,
+        format: Format,
+    ) -> String {
+        let runs = Metrics::encode_runs(runs);
+        let text = format!(
+            "{}{}# EOF\n",
+            runs.strip_suffix("# EOF\n").unwrap_or(&runs),
+            sweep.encode()
+        );
+        match format {
+            Format::OpenMetrics => text,
+            Format::Text => openmetrics_to_text(&text),
+        }
+    }
+
     /// Publishes one evaluation's values (gauges only: a restart republishes the last one). A
     /// field the record does not have leaves its gauge as it was.
     pub fn record(&self, e: &Evaluation) {
@@ -948,6 +1002,25 @@ mod tests {
     use super::*;
 
     /// A sweep's exposition: each family once (its metadata once), with every run's samples,
+    /// A sweep's exposition: its runs' families, then its own gauge without a `run` label, one
+    /// `# EOF`, in both formats.
+    #[test]
+    fn a_sweep_exposition_ends_with_its_own_gauge() {
+        let runs = vec![std::sync::Arc::new(Metrics::new("a"))];
+        let sweep = SweepMetrics::default();
+        sweep.set_runs_ignored(44);
+        let open = Metrics::encode_sweep_as(&runs, &sweep, Format::OpenMetrics);
+        assert!(open.contains("diffmon_build_info{run=\"a\""), "{open}");
+        assert!(
+            open.ends_with("# TYPE diffmon_runs_ignored gauge\ndiffmon_runs_ignored 44\n# EOF\n"),
+            "{open}"
+        );
+        assert_eq!(open.matches("# EOF").count(), 1, "{open}");
+        let text = Metrics::encode_sweep_as(&runs, &sweep, Format::Text);
+        assert!(text.contains("\ndiffmon_runs_ignored 44\n"), "{text}");
+        assert!(!text.contains("# EOF"), "{text}");
+    }
+
     /// each under its own label; one `# EOF`; a run's lines as its own exposition has them.
     #[test]
     fn several_runs_encode_as_one_exposition() {

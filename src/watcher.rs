@@ -60,6 +60,8 @@ pub struct Watcher {
     /// Files that could not be read (permission denied, EIO), warned about once: retried on
     /// later scans, not recorded as failures.
     unreadable: HashSet<PathBuf>,
+    /// Entries whose name is not UTF-8 (no pattern can match it), warned about once each.
+    warned_not_utf8: HashSet<std::ffi::OsString>,
     /// The run folder could be listed at the last scan (`None`: not listed yet).
     dir_present: Option<bool>,
     /// The run folder came back after it disappeared: its notifications must be set up again.
@@ -76,6 +78,110 @@ pub struct Watcher {
     metrics: Arc<Metrics>,
     /// The daemon's state folder, when it runs in `run.dir` (see [`Watcher::following`]).
     state: Option<Arc<crate::state_dir::StateDir>>,
+    /// A sweep's one inotify instance, which this run's folder joins (`None`: its own).
+    shared_notifications: Option<SharedNotifications>,
+}
+
+/// Events of filesystem notifications, as a watcher receives them.
+type Events = Sender<notify::Result<notify::Event>>;
+
+/// One inotify instance (and one event-loop thread) for the run folders of a sweep, instead of
+/// one per run: the kernel allows 128 instances per user by default, and a sweep of more runs
+/// polled the others. Each folder is one watch; an event goes to the watcher of the folder its
+/// path is in (or is). Clones share the instance.
+#[derive(Clone)]
+pub struct SharedNotifications {
+    routes: Arc<std::sync::Mutex<HashMap<PathBuf, Events>>>,
+    watcher: Arc<std::sync::Mutex<notify::RecommendedWatcher>>,
+}
+
+impl SharedNotifications {
+    pub fn new() -> notify::Result<SharedNotifications> {
+        let routes: Arc<std::sync::Mutex<HashMap<PathBuf, Events>>> = Arc::default();
+        let to = routes.clone();
+        let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            let routes = to.lock().unwrap_or_else(|e| e.into_inner());
+            match event {
+                Ok(e) => {
+                    let run = e.paths.iter().find_map(|p| {
+                        routes
+                            .get(p)
+                            .or_else(|| p.parent().and_then(|d| routes.get(d)))
+                    });
+                    if let Some(tx) = run {
+                        let _ = tx.send(Ok(e));
+                    }
+                }
+                // An error concerns every folder (each rescans).
+                Err(e) => {
+                    for tx in routes.values() {
+                        let _ = tx.send(Err(notify::Error::generic(&e.to_string())));
+                    }
+                }
+            }
+        })?;
+        Ok(SharedNotifications {
+            routes,
+            watcher: Arc::new(std::sync::Mutex::new(watcher)),
+        })
+    }
+
+    /// Watches `dir` until the returned guard is dropped, its events sent on `tx`.
+    fn watch(&self, dir: &Path, tx: Events) -> notify::Result<SharedWatch> {
+        use notify::Watcher as _;
+        self.routes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(dir.to_path_buf(), tx);
+        let watched = self
+            .watcher
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .watch(dir, notify::RecursiveMode::NonRecursive);
+        match watched {
+            Ok(()) => Ok(SharedWatch {
+                dir: dir.to_path_buf(),
+                shared: self.clone(),
+            }),
+            Err(e) => {
+                self.routes
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(dir);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// A run folder's watch in a [`SharedNotifications`]; removed when dropped.
+struct SharedWatch {
+    dir: PathBuf,
+    shared: SharedNotifications,
+}
+
+impl Drop for SharedWatch {
+    fn drop(&mut self) {
+        use notify::Watcher as _;
+        // The watch is gone already if the folder was deleted.
+        let _ = self
+            .shared
+            .watcher
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .unwatch(&self.dir);
+        self.shared
+            .routes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.dir);
+    }
+}
+
+/// A run folder's notifications: an inotify instance of its own, or a watch in a sweep's.
+enum Notifications {
+    Own(#[allow(dead_code)] notify::RecommendedWatcher),
+    Shared(#[allow(dead_code)] SharedWatch),
 }
 
 /// Extensions of files that look like checkpoints (for the warning about skipped entries).
@@ -172,6 +278,7 @@ impl Watcher {
             warned_no_step: HashSet::new(),
             warned_not_regular: HashSet::new(),
             unreadable: HashSet::new(),
+            warned_not_utf8: HashSet::new(),
             dir_present: None,
             rewatch: false,
             structure_checks: 0,
@@ -180,7 +287,14 @@ impl Watcher {
             warned_ignored_at: None,
             metrics,
             state: None,
+            shared_notifications: None,
         }
+    }
+
+    /// Notifications through a sweep's one inotify instance instead of one of its own.
+    pub fn with_notifications(mut self, shared: Option<SharedNotifications>) -> Watcher {
+        self.shared_notifications = shared;
+        self
     }
 
     /// Files that are never checkpoints, whatever their name (those the config names).
@@ -238,9 +352,13 @@ impl Watcher {
         let mut present = HashSet::new();
         let mut matching = HashSet::new();
         let mut ignored = Vec::new();
+        let mut not_utf8 = HashSet::new();
         for entry in entries.flatten() {
             let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
+            let Some(name) = name.to_str() else {
+                self.not_utf8(&name, &mut ignored, &mut not_utf8);
+                continue;
+            };
             if is_temporary(name) {
                 continue;
             }
@@ -349,6 +467,7 @@ impl Watcher {
         self.warned_no_step.retain(|p| matching.contains(p));
         self.warned_not_regular.retain(|p| matching.contains(p));
         self.unreadable.retain(|p| present.contains(p));
+        self.warned_not_utf8.retain(|n| not_utf8.contains(n));
 
         let settle = self.settle();
         let give_up = (settle * 5).max(Duration::from_secs(30));
@@ -405,6 +524,29 @@ impl Watcher {
                 .insert((step, path.clone()), WorkItem { path, step, key });
         }
         self.metrics.set_pending(self.ready.len());
+    }
+
+    /// An entry whose name is not UTF-8: never a checkpoint (no pattern matches it, no record
+    /// could name it), but counted in `diffmon_checkpoints_ignored` and warned about once, its
+    /// name escaped; hidden and temporary names are skipped as others are.
+    fn not_utf8(
+        &mut self,
+        name: &std::ffi::OsStr,
+        ignored: &mut Vec<(String, &'static str)>,
+        seen: &mut HashSet<std::ffi::OsString>,
+    ) {
+        if is_temporary(&name.to_string_lossy()) || seen.len() >= 1000 {
+            return;
+        }
+        seen.insert(name.to_os_string());
+        let escaped = crate::safe_fs::untrusted(Path::new(name));
+        if ignored.len() < 1000 {
+            ignored.push((escaped.clone(), "has a name that is not UTF-8"));
+        }
+        if self.warned_not_utf8.insert(name.to_os_string()) {
+            tracing::warn!(dir = %shown(&self.dir), entry = %escaped,
+                "an entry's name is not UTF-8, so it is never a checkpoint; skipping it");
+        }
     }
 
     /// Nothing found yet: no checkpoint seen, pending, handed over or in the history.
@@ -519,7 +661,9 @@ impl Watcher {
                 next_poll = now + poll;
             }
             if std::mem::take(&mut self.rewatch) && self.config.inotify {
-                // The old watch went with the deleted folder.
+                // The old watch went with the deleted folder; a shared one is removed first,
+                // so that its removal does not take the new one with it.
+                _notifier = None;
                 _notifier = self.start_notifications(events_tx.clone());
             }
             let mut wait = next_poll.saturating_duration_since(Instant::now());
@@ -585,20 +729,27 @@ impl Watcher {
         }
     }
 
-    fn start_notifications(
-        &self,
-        tx: Sender<notify::Result<notify::Event>>,
-    ) -> Option<notify::RecommendedWatcher> {
+    fn start_notifications(&self, tx: Events) -> Option<Notifications> {
         use notify::Watcher as _;
+        if let Some(shared) = &self.shared_notifications {
+            if let Err(e) = std::fs::create_dir_all(&self.dir) {
+                tracing::warn!(dir = %self.dir.display(), "cannot create the run folder: {e}");
+            }
+            return match shared.watch(&self.dir, tx) {
+                Ok(watch) => Some(Notifications::Shared(watch)),
+                Err(e) => {
+                    self.polling_instead(&e);
+                    None
+                }
+            };
+        }
         let watcher = notify::recommended_watcher(move |event| {
             let _ = tx.send(event);
         });
         let mut watcher = match watcher {
             Ok(w) => w,
             Err(e) => {
-                tracing::warn!(
-                    "filesystem notifications unavailable ({e}); relying on the periodic rescan"
-                );
+                self.polling_instead(&e);
                 return None;
             }
         };
@@ -606,12 +757,36 @@ impl Watcher {
             tracing::warn!(dir = %self.dir.display(), "cannot create the run folder: {e}");
         }
         match watcher.watch(&self.dir, notify::RecursiveMode::NonRecursive) {
-            Ok(()) => Some(watcher),
+            Ok(()) => Some(Notifications::Own(watcher)),
             Err(e) => {
-                tracing::warn!(dir = %self.dir.display(), "cannot watch the run folder ({e}); relying on the periodic rescan");
+                self.polling_instead(&e);
                 None
             }
         }
+    }
+
+    /// The one WARN of a run whose folder cannot be watched with notifications: it is polled
+    /// every `checkpoints.poll_secs` instead. Naming the limit when one is the cause: each run
+    /// takes one inotify instance and one watch (a sweep of many runs meets the defaults).
+    fn polling_instead(&self, e: &notify::Error) {
+        let cause = notifications_failure(e);
+        tracing::warn!(run = %self.metrics.run(), dir = %shown(&self.dir),
+            "no filesystem notifications for this run ({cause}); polling its folder every {:?} (checkpoints.poll_secs) instead", self.config.poll);
+    }
+}
+
+/// Why notifications failed, naming the kernel limit when one is the cause.
+fn notifications_failure(e: &notify::Error) -> String {
+    let limit = match &e.kind {
+        notify::ErrorKind::MaxFilesWatch => Some("fs.inotify.max_user_watches"),
+        notify::ErrorKind::Io(io) if io.raw_os_error() == Some(libc::EMFILE) => {
+            Some("fs.inotify.max_user_instances (or the open files limit)")
+        }
+        _ => None,
+    };
+    match limit {
+        Some(limit) => format!("{e}: the limit {limit} is reached"),
+        None => e.to_string(),
     }
 }
 
@@ -791,6 +966,53 @@ mod tests {
         );
     }
 
+    /// A sweep's runs share one inotify instance: each folder's events reach its own watcher
+    /// only, and a watcher that stops takes its folder's watch with it, not the others'.
+    #[test]
+    fn runs_share_one_inotify_instance_and_get_their_own_events() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let shared = SharedNotifications::new().expect("inotify");
+        let watcher = |dir: &Path| {
+            Watcher::new(
+                dir,
+                &config(Backlog::All),
+                HashSet::new(),
+                Arc::new(Metrics::new("t")),
+            )
+            .with_notifications(Some(shared.clone()))
+        };
+        let (wa, wb) = (watcher(a.path()), watcher(b.path()));
+        let (tx_a, rx_a) = crossbeam_channel::unbounded();
+        let (tx_b, rx_b) = crossbeam_channel::unbounded();
+        let na = wa.start_notifications(tx_a).expect("a watch");
+        let _nb = wb.start_notifications(tx_b).expect("b watch");
+        assert!(matches!(na, Notifications::Shared(_)));
+        let paths = |rx: &Receiver<notify::Result<notify::Event>>| -> Vec<PathBuf> {
+            std::thread::sleep(Duration::from_millis(300));
+            rx.try_iter()
+                .flat_map(|e| e.unwrap().paths)
+                .collect::<Vec<_>>()
+        };
+        write_checkpoint(&a.path().join("ckpt_1.pt"));
+        let got = paths(&rx_a);
+        assert!(
+            !got.is_empty() && got.iter().all(|p| p.starts_with(a.path())),
+            "{got:?}"
+        );
+        assert!(paths(&rx_b).is_empty(), "b got a's events");
+        write_checkpoint(&b.path().join("ckpt_1.pt"));
+        assert!(!paths(&rx_b).is_empty());
+        assert!(paths(&rx_a).is_empty(), "a got b's events");
+        drop(na);
+        write_checkpoint(&a.path().join("ckpt_2.pt"));
+        write_checkpoint(&b.path().join("ckpt_2.pt"));
+        assert!(
+            paths(&rx_a).is_empty(),
+            "a stopped watcher still gets events"
+        );
+        assert!(!paths(&rx_b).is_empty(), "b lost its watch with a's");
+    }
+
     #[test]
     fn its_own_scans_do_not_wake_it_but_a_renamed_checkpoint_does() {
         // Real inotify: a scan opens the folder, which notifies an access. Were that taken as a
@@ -945,6 +1167,61 @@ mod tests {
         assert_eq!(take_all(&mut w), vec![3]);
         assert_eq!(w.warned_not_regular.len(), 2);
         assert_eq!(w.structure_checks, 1);
+    }
+
+    /// A name that is not UTF-8 was skipped silently: now warned about once and counted in
+    /// `diffmon_checkpoints_ignored` (0 before), while the other checkpoints go on.
+    #[test]
+    fn a_name_that_is_not_utf8_is_counted_and_warned_about_once() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let odd = std::ffi::OsStr::from_bytes(b"ckpt_\xff\x1b[31m.pt");
+        write_checkpoint(&dir.path().join(odd));
+        // Hidden ones are skipped as any hidden file is.
+        write_checkpoint(
+            &dir.path()
+                .join(std::ffi::OsStr::from_bytes(b".ckpt_\xff.pt")),
+        );
+        write_checkpoint(&dir.path().join("ckpt_3.pt"));
+        let metrics = Arc::new(Metrics::new("t"));
+        let mut w = Watcher::new(
+            dir.path(),
+            &config(Backlog::All),
+            HashSet::new(),
+            metrics.clone(),
+        );
+        for _ in 0..3 {
+            w.scan();
+        }
+        assert_eq!(take_all(&mut w), vec![3]);
+        assert_eq!(w.warned_not_utf8.len(), 1);
+        assert_eq!(
+            w.ignored,
+            [(
+                "ckpt_\\xff\\u{1b}[31m.pt".to_string(),
+                "has a name that is not UTF-8"
+            )]
+        );
+        let text = metrics.encode();
+        assert!(
+            text.contains("diffmon_checkpoints_ignored{run=\"t\"} 1"),
+            "{text}"
+        );
+        std::fs::remove_file(dir.path().join(odd)).unwrap();
+        w.scan();
+        assert!(w.warned_not_utf8.is_empty(), "a gone entry is forgotten");
+    }
+
+    /// Out of inotify watches (ENOSPC) or instances (EMFILE), the warning names the limit to
+    /// raise.
+    #[test]
+    fn running_out_of_notifications_names_the_limit() {
+        let watches = notify::Error::new(notify::ErrorKind::MaxFilesWatch);
+        assert!(notifications_failure(&watches).contains("fs.inotify.max_user_watches"));
+        let instances = notify::Error::io(std::io::Error::from_raw_os_error(libc::EMFILE));
+        assert!(notifications_failure(&instances).contains("fs.inotify.max_user_instances"));
+        let other = notify::Error::generic("boom");
+        assert!(!notifications_failure(&other).contains("fs.inotify"));
     }
 
     #[test]

@@ -52,7 +52,7 @@ pub fn eval(
             }
             Err(e) => {
                 failures += 1;
-                tracing::warn!(checkpoint = %path.display(), "{e}");
+                tracing::warn!(checkpoint = %crate::safe_fs::untrusted(path), "{}", crate::safe_fs::untrusted_text(&e.to_string()));
                 if failure_lines {
                     let reason = match &key {
                         Some(key) => crate::daemon::failure_reason(
@@ -112,6 +112,11 @@ fn select_run(config: Config, run: Option<&str>) -> Result<Config, String> {
     };
     match runs.iter().position(|c| c.run_name() == name) {
         Some(i) => Ok(runs.into_iter().nth(i).expect("found above")),
+        // A run of the glob beyond the first `max_runs` by name, which the daemon holds.
+        None if let Some(found) = config.glob_run(name) => found.map_err(|problems| {
+            let problems: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
+            format!("run `{name}`: {}", problems.join("; "))
+        }),
         None => Err(format!(
             "no run is named `{}`; the config's runs: {}",
             name.escape_debug(),

@@ -435,8 +435,9 @@ pub fn run(command: Command) -> Result<()> {
             let text = match run_dir {
                 Some(dir) => match crate::init::survey(&dir) {
                     Ok(survey) => {
+                        // They name entries of the run folder: escaped as in the logs.
                         for line in crate::init::describe(&dir, &survey) {
-                            eprintln!("{line}");
+                            eprintln!("{}", crate::safe_fs::untrusted_text(&line));
                         }
                         crate::init::config_for(&dir, &survey)
                     }

@@ -293,7 +293,11 @@ pub fn replay(config_path: &Path, set: &[String], json: bool) -> Result<()> {
 /// The summary's lines, for people.
 fn summary_text(s: &Summary, confirm_seen: bool) -> String {
     let best = match (s.best_step, &s.best_checkpoint, s.best_value) {
-        (Some(step), Some(c), Some(v)) => format!("best step {step} ({c}, smoothed {v:.6})"),
+        // The name is escaped as in the logs: whoever writes `run.dir` chooses it.
+        (Some(step), Some(c), Some(v)) => format!(
+            "best step {step} ({}, smoothed {v:.6})",
+            crate::safe_fs::untrusted_text(c)
+        ),
         _ => "no best: no evaluation has a value".to_string(),
     };
     let mut lines = vec![match s.fired_at_step {

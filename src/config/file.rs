@@ -29,6 +29,10 @@ pub struct ConfigFile {
     /// later join while the daemon runs. Exclusive with `run` and `runs`.
     #[serde(default)]
     pub(super) runs_glob: Option<PathBuf>,
+    /// The most runs of a sweep: a longer `runs` list is an error; of the folders `runs_glob`
+    /// matches, the first by name are watched and the others left out, with a warning.
+    #[serde(default = "default_max_runs")]
+    pub(super) max_runs: usize,
     /// Where diffmon keeps its history, alert outbox, caches, lock and crash marker.
     /// Default: `<run.dir>/.diffmon`.
     #[serde(default)]
@@ -77,6 +81,10 @@ pub(super) struct Evaluation {
     pub(super) retries: usize,
     #[serde(default)]
     pub(super) slurm: Slurm,
+}
+
+fn default_max_runs() -> usize {
+    super::DEFAULT_MAX_RUNS
 }
 
 fn default_max_in_flight() -> usize {

@@ -30,8 +30,12 @@ pub const EXAMPLE: &str = include_str!("../../config/diffmon.example.yaml");
 const MAX_SIGMA: f64 = 1_000.0;
 const MAX_SAMPLES: usize = 1 << 20;
 const MAX_BATCH: usize = 1 << 16;
-/// Most runs one daemon watches (`runs`): each holds its own evaluation context.
-pub const MAX_RUNS: usize = 256;
+/// `max_runs` by default: the most runs one daemon watches. Each run costs two threads (its
+/// watcher and recorder; a third, and an inotify instance and watch, with notifications), its
+/// own evaluation context, state lock and alerter.
+pub const DEFAULT_MAX_RUNS: usize = 256;
+/// The largest `max_runs` accepted.
+pub const MAX_RUNS: usize = 4096;
 
 /// A number as a person writes it in YAML: `1e20` rather than twenty-one digits.
 fn num(x: f64) -> String {
@@ -138,6 +142,8 @@ pub struct Config {
     /// `sweep` is empty and the fields above are the shared settings, checked as those of a run
     /// in the glob's folder.
     pub runs_glob: Option<RunsGlob>,
+    /// `max_runs`: the most runs of a sweep (1 to [`MAX_RUNS`]).
+    pub max_runs: usize,
 }
 
 /// `runs_glob`, compiled: the folder whose entries are matched, and the matcher of their names.
@@ -187,8 +193,8 @@ impl RunsGlob {
     }
 
     /// The runs now: the folder's entries that match, are folders (not links), are not hidden
-    /// and have a run's name, as (name, folder), sorted by name, at most [`MAX_RUNS`]. A folder
-    /// that cannot be read has none.
+    /// and have a run's name, as (name, folder), sorted by name; all of them, of which the sweep
+    /// watches at most `max_runs`. A folder that cannot be read has none.
     pub fn matches(&self) -> Vec<(String, PathBuf)> {
         let Ok(entries) = std::fs::read_dir(&self.parent) else {
             return Vec::new();
@@ -207,7 +213,6 @@ impl RunsGlob {
             })
             .collect();
         found.sort();
-        found.truncate(MAX_RUNS);
         found
     }
 }
@@ -1036,7 +1041,10 @@ impl Config {
 
 impl ConfigFile {
     /// Parses YAML text; `file` names the source in errors. No validation, no path resolution.
+    /// A UTF-8 byte-order mark (which some Windows editors write) is dropped first; it is
+    /// invisible, so columns are counted without it.
     pub fn parse(text: &str, file: &str) -> Result<ConfigFile, ConfigError> {
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         if let Some((line, column)) = too_deep(text) {
             return Err(ConfigError::Parse {
                 file: file.to_string(),
@@ -1353,6 +1361,30 @@ impl Config {
         Ok(runs)
     }
 
+    /// `runs_glob`: the settings of the run folder `name` the glob matches now, whether or not
+    /// it is among the first `max_runs` by name ([`Config::runs`]): a daemon keeps the runs it
+    /// holds when a folder that sorts first appears, and a Slurm job of such a run
+    /// (`diffmon eval --run`) must find it. `None` when no such folder matches (or no glob).
+    /// The webhooks' secrets are not looked up.
+    pub fn glob_run(&self, name: &str) -> Option<Result<Config, Vec<Problem>>> {
+        let glob = self.runs_glob.as_ref()?;
+        let (name, dir) = glob.matches().into_iter().find(|(n, _)| n == name)?;
+        let mut file = (*glob.file).clone();
+        file.runs_glob = None;
+        let entry = file::RunEntry {
+            name,
+            dir,
+            state_dir: None,
+            data: None,
+            alerts: None,
+        };
+        Some(file.sweep_settings(&[entry], None).map(|run| Config {
+            source: self.source.clone(),
+            sweep: Vec::new(),
+            ..run
+        }))
+    }
+
     /// Each watched run's complete settings: this config for a single run, one per entry of
     /// `runs` (or folder `runs_glob` matched) for a sweep (docs/design.md §19).
     pub fn runs(&self) -> Vec<Config> {
@@ -1442,7 +1474,9 @@ impl ConfigFile {
         }
         let mut shared = self.clone();
         shared.runs_glob = None;
-        let found = glob.matches();
+        let mut found = glob.matches();
+        // The first by name; the daemon warns about the others (`daemon/sweep.rs`).
+        found.truncate(self.max_runs);
         let mut config = if found.is_empty() {
             let run = RunConfig {
                 name: Some("runs_glob".into()),
@@ -1476,13 +1510,18 @@ impl ConfigFile {
     ) -> Result<Config, Vec<Problem>> {
         let mut v = Validator::default();
         v.check(!entries.is_empty(), "runs", "must list at least one run");
+        v.count("max_runs", self.max_runs, 1..=MAX_RUNS);
         v.check(
-            entries.len() <= MAX_RUNS,
+            entries.len() <= self.max_runs,
             "runs",
-            format!("lists {} runs; at most {MAX_RUNS}", entries.len()),
+            format!(
+                "lists {} runs; at most {} (max_runs)",
+                entries.len(),
+                self.max_runs
+            ),
         );
         let mut configs = Vec::new();
-        for (i, entry) in entries.iter().enumerate().take(MAX_RUNS) {
+        for (i, entry) in entries.iter().enumerate().take(self.max_runs.min(MAX_RUNS)) {
             let at = format!("runs[{i}]");
             v.check(
                 valid_run_name(&entry.name),
@@ -1576,6 +1615,7 @@ impl ConfigFile {
         if let Some(n) = self.cpu_threads {
             v.count("cpu_threads", n, 1..=1024);
         }
+        v.count("max_runs", self.max_runs, 1..=MAX_RUNS);
         let shutdown_drain = v.secs(
             "shutdown_drain_secs",
             self.shutdown_drain_secs,
@@ -1767,6 +1807,7 @@ impl ConfigFile {
                 implied_pf_ode: false,
                 sweep: Vec::new(),
                 runs_glob: None,
+                max_runs: self.max_runs,
             }),
             _ => Err(v.problems),
         }
@@ -2548,6 +2589,28 @@ mod tests {
         assert_eq!(too_deep(&format!("a: {}", "[".repeat(32))), None);
     }
 
+    /// A file starting with a UTF-8 byte-order mark failed with "missing field `model`"; it
+    /// reads as the same text without it, and errors keep their line and column.
+    #[test]
+    fn a_byte_order_mark_is_ignored() {
+        let with_bom = format!("\u{feff}{MINIMAL}");
+        let c = settings(&with_bom);
+        assert_eq!(c.run.dir.file_name().unwrap(), "r");
+        let bad = "\u{feff}icr: {samples: many}\n";
+        match ConfigFile::parse(bad, "c.yaml") {
+            Err(ConfigError::Parse { location, key, .. }) => {
+                let plain = match ConfigFile::parse(&bad['\u{feff}'.len_utf8()..], "c.yaml") {
+                    Err(ConfigError::Parse { location, .. }) => location,
+                    other => panic!("{other:?}"),
+                };
+                assert_eq!(location, plain);
+                assert!(location.starts_with("line 1, column "), "{location}");
+                assert_eq!(key, "icr.samples");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn paths_are_normalized_lexically() {
         for (path, want) in [
@@ -2951,6 +3014,25 @@ data: {path: d.h5}
         assert!(runs[1].state_dir().ends_with("sweep/lr-b/.diffmon"));
         assert!(runs.iter().all(|r| r.data.path.ends_with("d.h5")));
         assert_eq!(c.run_name(), "lr-a");
+
+        // At `max_runs`, the first by name are the runs; the others are still found by name
+        // (the Slurm job of a run the daemon holds, after a folder sorting first appeared).
+        let text = "runs_glob: sweep/lr-*\nmax_runs: 1\nmodel: {architecture: m.ts}\n\
+                    data: {path: d.h5}\n";
+        let mut file = ConfigFile::parse(text, "c.yaml").unwrap();
+        file.resolve_paths(at);
+        let capped = file.settings(false).unwrap();
+        assert_eq!(names(&capped.runs()), ["lr-a"]);
+        assert_eq!(names(&capped.discover_runs().unwrap()), ["lr-a"]);
+        let b = capped.glob_run("lr-b").unwrap().unwrap();
+        assert_eq!(b.run_name(), "lr-b");
+        assert!(b.state_dir().ends_with("sweep/lr-b/.diffmon"));
+        assert!(b.sweep.is_empty() && b.runs_glob.is_none());
+        assert!(capped.glob_run("lr-x").is_none());
+        assert!(
+            capped.glob_run("other").is_none(),
+            "not matched by the glob"
+        );
     }
 
     /// The problems of a config whose model and data files exist (`m.ts`, `d.h5`).

@@ -5,7 +5,7 @@
 
 use crate::config::Config;
 use crate::crash::InFlight;
-use crate::eval::{EvalError, Evaluator};
+use crate::eval::{Architectures, EvalError, Evaluator};
 use crate::model::ModelError;
 use crate::pfd::PfdError;
 use crate::record::{Evaluation, FailureReason};
@@ -120,8 +120,10 @@ pub fn start_shared(
         .name(crate::crash::EVALUATOR_THREAD.into())
         .spawn(move || {
             let mut runs = Vec::with_capacity(lanes.len());
+            // Each architecture file is loaded once for the runs that name it.
+            let mut architectures = Architectures::default();
             for lane in lanes {
-                match Evaluator::new(&lane.config) {
+                match Evaluator::sharing(&lane.config, &mut architectures) {
                     Ok(mut e) => {
                         e.set_evaluated(lane.evaluated_before);
                         runs.push((lane, e));
@@ -155,7 +157,7 @@ pub fn start_shared(
                         match added.try_recv() {
                             Ok(lane) => {
                                 let run = lane.config.run_name();
-                                match Evaluator::new(&lane.config) {
+                                match Evaluator::sharing(&lane.config, &mut architectures) {
                                     Ok(mut e) => {
                                         e.set_evaluated(lane.evaluated_before);
                                         runs.push((lane, e));

@@ -87,20 +87,7 @@ impl Sink for Console {
     fn event(&mut self, e: &Event) {
         match e.event {
             EventKind::EarlyStop => {
-                println!(
-                    "EARLY STOP: {} turned at step {} (smoothed {:.4} > best {:.4} + {:.4}); best checkpoint: {} (step {}){}",
-                    e.metric,
-                    e.current_step,
-                    e.current_value,
-                    e.best_value,
-                    self.threshold.unwrap_or(f64::NAN),
-                    e.best_checkpoint,
-                    e.best_step,
-                    match &e.best_checkpoint_kept {
-                        Some(kept) => format!(", kept as {kept}"),
-                        None => String::new(),
-                    }
-                );
+                println!("{}", early_stop_line(e, self.threshold));
                 tracing::warn!(run = %e.run, best_step = e.best_step, best_checkpoint = %e.best_checkpoint, "early stop fired");
             }
             EventKind::Resolved => {
@@ -112,6 +99,27 @@ impl Sink for Console {
             }
         }
     }
+}
+
+/// The console's announcement of the early stop (`threshold`: the rise the last evaluation had
+/// to exceed). The checkpoint's name is escaped as in the logs: it is chosen by whoever writes
+/// `run.dir`, and a terminal would act on its escape sequences and newlines.
+fn early_stop_line(e: &Event, threshold: Option<f64>) -> String {
+    let escaped = crate::safe_fs::untrusted_text;
+    format!(
+        "EARLY STOP: {} turned at step {} (smoothed {:.4} > best {:.4} + {:.4}); best checkpoint: {} (step {}){}",
+        e.metric,
+        e.current_step,
+        e.current_value,
+        e.best_value,
+        threshold.unwrap_or(f64::NAN),
+        escaped(&e.best_checkpoint),
+        e.best_step,
+        match &e.best_checkpoint_kept {
+            Some(kept) => format!(", kept as {}", escaped(kept)),
+            None => String::new(),
+        }
+    )
 }
 
 /// The console's line for one evaluation (`s`: the detector's state after it).
@@ -211,6 +219,23 @@ pub(super) mod tests {
                 "a early_stop 5",
                 "b early_stop 5"
             ]
+        );
+    }
+
+    /// A checkpoint name with an escape sequence and a newline reached the terminal raw in the
+    /// EARLY STOP line; it is escaped as in the logs.
+    #[test]
+    fn the_early_stop_line_escapes_the_checkpoint_name() {
+        let mut e = event(EventKind::EarlyStop, 9);
+        e.best_checkpoint = "/r/ckpt_\x1b[31m\nforged_1.pt".into();
+        e.best_checkpoint_kept = Some("/r/best/ckpt_\x1b[31m\nforged_1.pt".into());
+        let line = early_stop_line(&e, Some(0.01));
+        assert!(!line.contains(['\x1b', '\n']), "{line:?}");
+        assert_eq!(
+            line,
+            "EARLY STOP: icr turned at step 9 (smoothed 0.5000 > best 0.2500 + 0.0100); best \
+             checkpoint: /r/ckpt_\\u{1b}[31m\\nforged_1.pt (step 1), kept as \
+             /r/best/ckpt_\\u{1b}[31m\\nforged_1.pt"
         );
     }
 

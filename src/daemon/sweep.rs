@@ -15,7 +15,7 @@ use crate::config::{Config, ExecutorKind};
 use crate::http::{RunList, RunView};
 use crate::lock::StateLock;
 use crate::metrics::Metrics;
-use crate::watcher::{Watcher, WorkItem, work_channel};
+use crate::watcher::{SharedNotifications, Watcher, WorkItem, work_channel};
 use anyhow::{Context, Result};
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::{HashMap, HashSet};
@@ -41,7 +41,10 @@ pub fn run(config: Config) -> Result<()> {
 
     let (stop, stopped) = shutdown::stop_channel();
     let views = RunList::default();
-    let mut started = Started::default();
+    let mut started = Started {
+        notifications: shared_notifications(&config),
+        ..Started::default()
+    };
     for pipeline in pipelines {
         started.start(pipeline, &views, &stopped)?;
     }
@@ -52,10 +55,13 @@ pub fn run(config: Config) -> Result<()> {
         Some(glob) => {
             tracing::info!(glob = %glob.pattern.display(), "new run folders join the sweep as they appear");
             let finder = Finder {
+                notifications: started.notifications.clone(),
                 config: config.clone(),
                 runtime: runtime.handle().clone(),
                 known: names.iter().cloned().collect(),
                 refused: HashMap::new(),
+                left_out: Vec::new(),
+                left_out_warned: None,
                 shared,
                 views: views.clone(),
                 stopped: stopped.clone(),
@@ -77,6 +83,7 @@ pub fn run(config: Config) -> Result<()> {
         watchers,
         recorders,
         runners: _,
+        notifications: _,
     } = started;
     let (more_watchers, found_watchers) = crossbeam_channel::bounded::<Vec<JoinHandle<()>>>(1);
     // The shutdown waits on one recorder thread and one watcher thread: these join every run's.
@@ -197,6 +204,23 @@ struct Started {
     /// The Slurm runners of runs added while the daemon runs (those of the runs at start are
     /// the executor's).
     runners: Vec<JoinHandle<()>>,
+    /// The sweep's one inotify instance, which every run's watcher joins.
+    notifications: Option<SharedNotifications>,
+}
+
+/// With `checkpoints.inotify`, one inotify instance for all the runs' folders (one watch each);
+/// if it cannot be made, each run tries one of its own (and polls when that fails too).
+fn shared_notifications(config: &Config) -> Option<SharedNotifications> {
+    if !config.checkpoints.inotify {
+        return None;
+    }
+    SharedNotifications::new()
+        .map_err(|e| {
+            tracing::warn!(
+                "cannot start the sweep's filesystem notifications ({e}); each run tries its own"
+            )
+        })
+        .ok()
 }
 
 /// The sweep's one executor, which every run's lane joins.
@@ -276,6 +300,7 @@ impl Started {
             view.metrics.clone(),
         )
         .with_excluded(config.named_files())
+        .with_notifications(self.notifications.clone())
         .following(lock.state().clone());
         let stopped = stopped.clone();
         self.watchers.push(
@@ -297,6 +322,9 @@ impl Started {
     }
 }
 
+/// How often, at most, the run folders left out at `max_runs` are logged again as they change.
+const LEFT_OUT_WARNING_EVERY: Duration = Duration::from_secs(60);
+
 /// `runs_glob`'s thread: every `checkpoints.poll_secs` until the stop, adds the run folders
 /// that have appeared (docs/design.md §19).
 struct Finder {
@@ -307,16 +335,27 @@ struct Finder {
     /// Runs that could not be opened (their state folder locked by another daemon, say), with
     /// the error last logged: tried again at each scan, logged again when the error changes.
     refused: HashMap<String, String>,
+    /// The run folders the glob matches that are not runs because the sweep is at `max_runs`,
+    /// as last logged.
+    left_out: Vec<String>,
+    /// When `left_out` was last logged.
+    left_out_warned: Option<std::time::Instant>,
     shared: Shared,
     views: RunList,
     stopped: Receiver<()>,
+    /// The sweep's one inotify instance.
+    notifications: Option<SharedNotifications>,
 }
 
 impl Finder {
     fn run(mut self) -> Started {
-        let mut started = Started::default();
+        let mut started = Started {
+            notifications: self.notifications.clone(),
+            ..Started::default()
+        };
         let mut problems_logged = None;
         let poll = self.config.checkpoints.poll;
+        self.note_left_out();
         while let Err(crossbeam_channel::RecvTimeoutError::Timeout) =
             self.stopped.recv_timeout(poll)
         {
@@ -337,7 +376,8 @@ impl Finder {
             };
             for config in runs {
                 let name = config.run_name();
-                if self.known.contains(&name) {
+                // At `max_runs`, no run is added (the glob's others are noted below).
+                if self.known.contains(&name) || self.known.len() >= self.config.max_runs {
                     continue;
                 }
                 match self.add(config, &mut started) {
@@ -354,8 +394,54 @@ impl Finder {
                     }
                 }
             }
+            self.note_left_out();
         }
         started
+    }
+
+    /// At `max_runs`: exports how many of the glob's run folders are left out, and warns,
+    /// naming the first few, when they change (at most once a minute, but at once the first
+    /// time).
+    fn note_left_out(&mut self) {
+        let Some(glob) = &self.config.runs_glob else {
+            return;
+        };
+        let max = self.config.max_runs;
+        let left_out: Vec<String> = if self.known.len() >= max {
+            glob.matches()
+                .into_iter()
+                .map(|(name, _)| name)
+                .filter(|name| !self.known.contains(name))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        self.views.sweep_metrics().set_runs_ignored(left_out.len());
+        let due = self
+            .left_out_warned
+            .is_none_or(|t| t.elapsed() >= LEFT_OUT_WARNING_EVERY);
+        if left_out.is_empty() || left_out == self.left_out || !due {
+            if left_out.is_empty() {
+                self.left_out.clear();
+            }
+            return;
+        }
+        let named: Vec<&str> = left_out.iter().take(5).map(String::as_str).collect();
+        let more = left_out.len().saturating_sub(named.len());
+        let more = if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        };
+        tracing::warn!(
+            glob = %glob.pattern.display(),
+            "the sweep is at max_runs ({max} runs): {} run folder{} left out, not watched: {}{more}. Raise max_runs to watch them (each run costs threads and an inotify watch: README, \"Sweeps\")",
+            left_out.len(),
+            if left_out.len() == 1 { " is" } else { "s are" },
+            named.join(", ")
+        );
+        self.left_out = left_out;
+        self.left_out_warned = Some(std::time::Instant::now());
     }
 
     /// Opens and starts a new run, and hands its lane to the evaluator.

@@ -2,9 +2,10 @@
 //! what `diffmon check-config` must say about it, and in `# env: NAME=VALUE` lines the
 //! environment it runs in. Every case must exit 2 with an error that names the file and
 //! contains each expected text (a key path, the bad value, the reason); no `# env:` value may
-//! appear in the error (they are secrets).
+//! appear in the error (they are secrets). And a history whose checkpoint names are hostile
+//! (an escape sequence, a newline) replayed to the terminal.
 
-use crate::common::{root, stderr};
+use crate::common::{diffmon, root, stderr, stdout};
 use std::fs;
 use std::path::PathBuf;
 use std::process::Command;
@@ -93,4 +94,63 @@ fn every_invalid_config_is_refused_with_the_expected_message() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// `diffmon replay` printed the best checkpoint's name raw: an escape sequence and a newline in
+/// a name chosen by whoever writes `run.dir` reached the operator's terminal. It is escaped as in
+/// the logs; `--json` keeps the real name (JSON escapes it).
+#[test]
+fn replay_prints_a_hostile_checkpoint_name_escaped() {
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["model.ts", "train.h5"] {
+        fs::write(dir.path().join(f), b"").unwrap();
+    }
+    let config = dir.path().join("diffmon.yaml");
+    fs::write(
+        &config,
+        "run: {dir: .}\nmodel: {architecture: model.ts}\ndata: {path: train.h5}\n\
+         early_stop: {confirm: none}\n",
+    )
+    .unwrap();
+    let state = dir.path().join(".diffmon");
+    fs::create_dir_all(&state).unwrap();
+    let name = "ckpt_\x1b[31m\nFORGED line.pt";
+    let lines: String = (0..12i64)
+        .map(|i| {
+            let step = 50 * (i + 1);
+            let icr = 0.8 + 0.0004 * ((i - 5) * (i - 5)) as f64;
+            let line = serde_json::json!({
+                "kind": "evaluation",
+                "key": {"path": format!("{name}{step}"), "size": 1, "mtime_ns": step},
+                "at": "2026-01-01T00:00:00.000Z",
+                "record": {"step": step, "checkpoint": format!("{name}{step}"), "icr": icr,
+                           "seconds": 1.0},
+            });
+            format!("{line}\n")
+        })
+        .collect();
+    fs::write(state.join("history.jsonl"), lines).unwrap();
+    let out = diffmon(&["replay", "--config", config.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("best step"), "{text}");
+    assert!(
+        !text.contains('\x1b'),
+        "an escape sequence reached stdout:\n{text}"
+    );
+    assert!(
+        !text.lines().any(|l| l.starts_with("FORGED")),
+        "a newline reached stdout:\n{text}"
+    );
+    assert!(text.contains("ckpt_\\u{1b}[31m\\nFORGED line.pt"), "{text}");
+    let out = diffmon(&["replay", "--config", config.to_str().unwrap(), "--json"]);
+    let last = stdout(&out).lines().last().unwrap().to_string();
+    let summary: serde_json::Value = serde_json::from_str(&last).unwrap();
+    assert!(
+        summary["best_checkpoint"]
+            .as_str()
+            .unwrap()
+            .starts_with(name),
+        "{summary}"
+    );
 }

@@ -2,7 +2,7 @@
 //! with its own training data) records, for each run, the history and the early-stop decision
 //! that a daemon of its own records (a data-limited run's early stop fires); every run's series
 //! are on the one `/metrics` under its `run` label, and the live page lists the runs. With
-//! `runs_glob`, run folders join the running daemon as they appear.
+//! `runs_glob`, run folders join the running daemon as they appear, up to `max_runs`.
 
 use crate::common::root;
 use crate::daemon::{Daemon, free_port};
@@ -281,5 +281,73 @@ fn runs_glob_picks_up_run_folders_as_they_appear() {
             "{run}"
         );
     }
+    d.terminate();
+}
+
+/// `max_runs`: of the folders `runs_glob` matches, the first by name are the runs; the others
+/// are left out with a WARN naming them and counted in `diffmon_runs_ignored` (before: dropped
+/// silently), and a folder that appears later is not added beyond the cap (before: a new `lr-0`
+/// made one run more than the cap).
+#[test]
+fn runs_glob_stops_at_max_runs_and_says_so() {
+    let dir = crate::daemon::empty_run();
+    let at = dir.path();
+    let sweep_dir = at.join("sweep");
+    for run in ["lr-1", "lr-2", "lr-3"] {
+        fs::create_dir_all(sweep_dir.join(run)).unwrap();
+    }
+    let port = free_port();
+    let config = at.join("sweep.yaml");
+    fs::write(
+        &config,
+        format!(
+            "http: {{listen: \"127.0.0.1:{port}\"}}\nmodel: {{architecture: model.ts}}\n\
+             device: cpu\ncpu_threads: 1\ndata: {{path: train.h5}}\n\
+             checkpoints: {{poll_secs: 0.3}}\nicr: {{samples: 256, batch_size: 256}}\n\
+             runs_glob: sweep/lr-*\nmax_runs: 2\n"
+        ),
+    )
+    .unwrap();
+    let mut d = Daemon::spawn(config, port);
+    let runs = |d: &Daemon| -> Vec<String> {
+        let v: Value = serde_json::from_str(&d.get("/v1/early-stop").unwrap()).unwrap();
+        v.as_object().unwrap().keys().cloned().collect()
+    };
+    assert_eq!(runs(&d), ["lr-1", "lr-2"]);
+    // The runs name one architecture file: it is loaded once, the second run shares it.
+    let log = d.log();
+    assert_eq!(log.matches("model loaded").count(), 1, "{log}");
+    assert_eq!(
+        log.matches("model shared with an earlier run").count(),
+        1,
+        "{log}"
+    );
+    d.wait_for(Duration::from_secs(30), "the count of left-out runs", |d| {
+        d.metric("diffmon_runs_ignored") == Some(1.0)
+    });
+    let log = d.log();
+    assert!(
+        log.lines().any(|l| l.contains("WARN")
+            && l.contains("max_runs (2 runs): 1 run folder is left out")
+            && l.contains("lr-3")),
+        "{log}"
+    );
+    // A folder that sorts first appears: still two runs, two left out.
+    fs::create_dir(sweep_dir.join("lr-0")).unwrap();
+    d.wait_for(Duration::from_secs(30), "two left-out runs", |d| {
+        d.metric("diffmon_runs_ignored") == Some(2.0)
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        runs(&d),
+        ["lr-1", "lr-2"],
+        "a run beyond max_runs was added"
+    );
+    assert!(!sweep_dir.join("lr-0/.diffmon").exists());
+    assert!(
+        !d.log().contains("a new run joins the sweep"),
+        "{}",
+        d.log()
+    );
     d.terminate();
 }
