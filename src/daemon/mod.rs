@@ -226,7 +226,8 @@ pub fn run(config: Config) -> Result<()> {
     let (stop, stopped) = shutdown::stop_channel();
     let done = recorder.entries().iter().map(|e| e.key().clone()).collect();
     let watcher = Watcher::new(&config.run.dir, &config.checkpoints, done, metrics.clone())
-        .with_excluded(config.named_files());
+        .with_excluded(config.named_files())
+        .with_crash_marker(&state_dir);
     let watcher = std::thread::Builder::new()
         .name("diffmon-watch".into())
         .spawn(move || watcher.run(work_tx, stopped))?;

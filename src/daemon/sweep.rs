@@ -268,7 +268,8 @@ impl Started {
             done,
             view.metrics.clone(),
         )
-        .with_excluded(config.named_files());
+        .with_excluded(config.named_files())
+        .with_crash_marker(&config.state_dir());
         let stopped = stopped.clone();
         self.watchers.push(
             std::thread::Builder::new()
