@@ -325,13 +325,16 @@ impl Evaluator {
 }
 
 /// How the checkpoint readers pick and bound the weights (`checkpoints.weights_key`,
-/// `strip_prefix` and `max_entry_mib`).
+/// `strip_prefix`, `max_entry_mib` and `max_total_mib`; without the last, the bound comes from
+/// the architecture in `Model::load_weights`).
 pub fn read_options(c: &crate::config::CheckpointsConfig) -> ReadOptions {
     ReadOptions {
         weights_key: c.weights_key.clone(),
         strip_prefix: c.strip_prefix.clone(),
         max_entry_bytes: c.max_entry_mib.saturating_mul(1 << 20),
         prefer_ema: c.prefer_ema,
+        max_total_bytes: c.max_total_mib.map(|m| m.saturating_mul(1 << 20)),
+        expected: None,
     }
 }
 
