@@ -339,7 +339,7 @@ pub fn arm(state_dir: &Path) -> Result<(), CrashError> {
         unsafe { libc::close(old) };
     }
     let path = state_dir.join(IN_FLIGHT_FILE);
-    let in_flight = std::fs::OpenOptions::new()
+    let opened = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
@@ -358,7 +358,24 @@ pub fn arm(state_dir: &Path) -> Result<(), CrashError> {
             path: path.clone(),
             action: "create",
             source,
-        })?;
+        });
+    // Not fatal: without it, deaths without a marker are retried as before.
+    let in_flight = match opened {
+        Ok(f) => f,
+        Err(e) => {
+            tracing::warn!(
+                "{e}; a checkpoint that gets the process killed (out of memory) would be retried at every start"
+            );
+            let old = IN_FLIGHT_FD.swap(-1, Ordering::AcqRel);
+            if old >= 0 {
+                // SAFETY: the descriptor was this module's own, no longer published.
+                unsafe { libc::close(old) };
+            }
+            WRITTEN.store(false, Ordering::Release);
+            install_handlers();
+            return Ok(());
+        }
+    };
     let last = read_in_flight(&in_flight);
     if last
         .as_ref()

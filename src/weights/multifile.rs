@@ -116,7 +116,7 @@ pub(crate) fn stays_in_folder(index: &Path, file: &Path) -> bool {
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    std::fs::canonicalize(folder).is_ok_and(|f| target.parent() == Some(f.as_path()))
+    std::fs::canonicalize(folder).is_ok_and(|f| target.starts_with(f))
 }
 
 /// The shards of a sharded safetensors index, in order of first appearance, each with the

@@ -407,14 +407,15 @@ pub(crate) fn legacy_storage(b: &[u8]) -> Result<(StorageKind, u64, Vec<u8>), St
         .checked_mul(elem)
         .filter(|&n| n <= data.len() as u64)
         .ok_or_else(|| {
+            // The count is raw bytes of the stream: judged, never quoted.
             format!(
-                "the storage declares {count} elements of {elem} bytes but {} bytes follow",
+                "the storage declares more elements of {elem} bytes than the {} bytes that follow",
                 data.len()
             )
         })?;
     if count != storage.numel {
         return Err(format!(
-            "the storage holds {count} elements but its pickle declares {}",
+            "the storage's element count differs from the {} its pickle declares",
             storage.numel
         ));
     }
