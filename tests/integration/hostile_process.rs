@@ -117,6 +117,51 @@ fn a_sigkilled_evaluation_is_retried_not_recorded_as_crashed() {
     assert!(failures.is_empty(), "{failures:?}");
 }
 
+#[test]
+fn a_checkpoint_in_flight_at_three_sigkills_is_recorded_as_crashed() {
+    // What the out-of-memory killer does to a checkpoint that takes too much memory: a SIGKILL,
+    // no marker. One is an interrupted evaluation (above); at the third the checkpoint is
+    // recorded as crashed instead of being retried forever.
+    let run = empty_run();
+    let dir = run.path();
+    let mut d = Daemon::start(dir, SLOW);
+    place(dir, 100);
+    for death in 1..=3 {
+        d.wait_for_evaluation_of("ckpt_000100.pt");
+        d.child.kill().unwrap();
+        assert_eq!(d.child.wait().unwrap().signal(), Some(libc::SIGKILL));
+        assert!(journal_entries(dir).is_empty(), "death {death}");
+        if death < 3 {
+            d.restart();
+        }
+    }
+    let config = fs::read_to_string(&d.config).unwrap();
+    fs::write(
+        &d.config,
+        config.replace("samples: 1048576", "samples: 256"),
+    )
+    .unwrap();
+    d.restart();
+    d.wait_for(Duration::from_secs(60), "the crash to be counted", |d| {
+        d.metric("diffmon_checkpoint_failures_total{run=\"test\",reason=\"crashed\"}") == Some(1.0)
+    });
+    place(dir, 200);
+    d.wait_for(Duration::from_secs(180), "the next checkpoint", |d| {
+        d.evaluated() >= 1.0
+    });
+    let (evals, failures) = journal(dir);
+    assert_eq!(evals, vec![200], "{}", d.log());
+    assert_eq!(failures, vec![(100, "crashed".to_string())], "{}", d.log());
+    let message = journal_entries(dir)[0]["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        message.contains("in flight at 3 process deaths without a crash marker"),
+        "{message}"
+    );
+}
+
 /// The config of `d` with another HTTP port: a second daemon on the same state folder.
 fn second_config(d: &Daemon) -> (std::path::PathBuf, u16) {
     let text = fs::read_to_string(&d.config).unwrap();
