@@ -17,14 +17,18 @@
 //!   unit to its marker, which [`read_marker`] reads like the evaluator's. The handler blames the
 //!   checkpoint of the thread that died; a signal on a thread with nothing in flight (a libtorch
 //!   worker, a `kill`) blames the evaluator's checkpoint, as before.
-//! - **Deaths without a marker are counted.** A SIGKILL (the kernel's out-of-memory killer, a
-//!   service manager's timeout) runs no handler. The evaluator's checkpoint in flight is also
-//!   kept in `<state_dir>/crash-in-flight` with the number of process starts that began it
-//!   ([`evaluating`]; emptied when it is done, and by [`disarm`] on a shutdown that leaves it
-//!   behind). One such death is an interrupted evaluation, evaluated again; after
-//!   [`MAX_DEATHS_IN_FLIGHT`] deaths with the same checkpoint in flight, [`read_marker`] reports it
-//!   as a crash, so a checkpoint that gets the process killed for memory is recorded as a
-//!   `crashed` failure instead of being retried forever.
+//! - **Deaths without a marker while a checkpoint is read are counted.** A SIGKILL (the kernel's
+//!   out-of-memory killer, a service manager's timeout) runs no handler. While the evaluator
+//!   reads a checkpoint's weights (the one phase whose memory the checkpoint decides: after
+//!   it, what an evaluation takes depends on the architecture and the config only), that
+//!   checkpoint is also kept in `<state_dir>/crash-in-flight` with the number of process starts
+//!   that began reading it ([`evaluating`]; emptied by [`weights_read`] once the read ends, when
+//!   the evaluation is done, and by [`disarm`] on a shutdown that leaves it behind). One such
+//!   death is an interrupted evaluation, evaluated again; after [`MAX_DEATHS_IN_FLIGHT`] deaths
+//!   with the same checkpoint being read, [`read_marker`] reports it as a crash, so a checkpoint
+//!   that gets the process killed for memory is recorded as a `crashed` failure instead of being
+//!   retried forever. A kill during the rest of an evaluation (an operator, a crash-loop test)
+//!   is not counted.
 //! - **Supervision.** [`on_panic`] makes a panic in any thread of the process (watcher,
 //!   evaluator, recorder, tokio tasks) fatal: logged with the thread's name, then the process
 //!   exits with status 1 ([`exit_now`]), so a service manager's `Restart=on-failure` restarts it.
@@ -44,8 +48,8 @@ pub const SCAN_MARKER_FILE: &str = "crash-scan";
 /// The evaluator's checkpoint in flight and how many process starts began it.
 pub const IN_FLIGHT_FILE: &str = "crash-in-flight";
 
-/// Process deaths without a marker (SIGKILL: out of memory, ...) while the same checkpoint was
-/// in flight after which it is recorded as `crashed` instead of evaluated again.
+/// Process deaths without a marker (SIGKILL: out of memory, ...) while the same checkpoint's
+/// weights were being read, after which it is recorded as `crashed` instead of evaluated again.
 pub const MAX_DEATHS_IN_FLIGHT: u64 = 3;
 
 const HEADER: &[u8] = b"diffmon crash marker v1\n";
@@ -233,6 +237,27 @@ fn read_in_flight(file: &std::fs::File) -> Option<(InFlight, u64)> {
     Some((what, starts))
 }
 
+/// The evaluator is done reading the weights of the checkpoint in flight (successfully or
+/// not): a death from now on is not counted against it, and the deaths counted so far are
+/// forgotten (see the module docs).
+pub fn weights_read() {
+    let fd = IN_FLIGHT_FD.load(Ordering::Acquire);
+    if fd < 0 {
+        return;
+    }
+    // SAFETY: the descriptor is this module's own; the File is never closed here.
+    let file = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) });
+    if let Some((what, _)) = read_in_flight(&file) {
+        let mut suspects = SUSPECTS.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(entry) = suspects.get_mut(&*current_dir())
+            && entry.as_ref().is_some_and(|(key, _)| *key == what.key)
+        {
+            *entry = None;
+        }
+    }
+    let _ = file.set_len(0);
+}
+
 /// Opens `<state_dir>/<name>` as a fresh, empty marker (removing the last one: read it first).
 fn fresh_marker(state_dir: &Path, name: &str) -> Result<std::fs::File, CrashError> {
     let path = state_dir.join(name);
@@ -415,7 +440,7 @@ pub fn disarm() {
 }
 
 /// Reads what a process that died left in `state_dir`: the evaluator's marker, else the
-/// watcher's ([`ThreadMarker`]), else a checkpoint that was in flight at
+/// watcher's ([`ThreadMarker`]), else a checkpoint whose weights were being read at
 /// [`MAX_DEATHS_IN_FLIGHT`] deaths without a marker. `None` when there is none (or they are
 /// empty: the last process did not crash). Markers are bounded and parsed as data.
 pub fn read_marker(state_dir: &Path) -> Result<Option<Crash>, CrashError> {
@@ -434,8 +459,8 @@ pub fn read_marker(state_dir: &Path) -> Result<Option<Crash>, CrashError> {
         .filter(|(_, n)| *n >= MAX_DEATHS_IN_FLIGHT)
         .map(|(what, n)| Crash {
             cause: format!(
-                "it was in flight at {n} process deaths without a crash marker: killed \
-                 (SIGKILL), e.g. for memory"
+                "its weights were being read at {n} process deaths without a crash marker: \
+                 killed (SIGKILL), e.g. for memory"
             ),
             checkpoint: Some(what),
         }))
@@ -784,13 +809,24 @@ mod tests {
         assert!(
             crash
                 .cause
-                .contains("in flight at 3 process deaths without a crash marker"),
+                .contains("being read at 3 process deaths without a crash marker"),
             "{}",
             crash.cause
         );
-        assert_eq!(crash.checkpoint, Some(killer));
+        assert_eq!(crash.checkpoint, Some(killer.clone()));
         arm(dir.path()).unwrap();
         assert_eq!(read_marker(dir.path()).unwrap(), None, "reported once");
+        // Once its weights are read, a death is not counted against it, and the count is gone.
+        new_process();
+        arm(dir.path()).unwrap();
+        evaluating(Some(&killer));
+        weights_read();
+        assert_eq!(read_marker(dir.path()).unwrap(), None);
+        new_process();
+        arm(dir.path()).unwrap();
+        evaluating(Some(&killer));
+        let count = std::fs::read_to_string(dir.path().join(IN_FLIGHT_FILE)).unwrap();
+        assert!(count.ends_with("\n1\n"), "{count}");
         // A shutdown that leaves an evaluation behind is not the checkpoint's doing.
         evaluating(Some(&evaluated));
         disarm();

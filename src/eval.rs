@@ -243,7 +243,11 @@ impl Evaluator {
         let started = Instant::now();
         let opts = read_options(&self.config.checkpoints);
         let weights = crate::unit::weights_path(checkpoint, &self.config.checkpoints)?;
-        self.model.load_weights(&weights, &opts)?;
+        let loaded = self.model.load_weights(&weights, &opts);
+        // What the checkpoint itself makes the process take is spent: a death from here on is
+        // not counted against it (`crash`, deaths without a marker).
+        crate::crash::weights_read();
+        loaded?;
         let mut record = Evaluation {
             step,
             checkpoint: checkpoint.display().to_string(),

@@ -362,16 +362,17 @@ fn a_self_naming_index_is_a_recorded_failure_and_the_daemon_goes_on() {
     assert_eq!(journal(dir).1.len(), 1);
 }
 
-/// Writes two hostile `torch.save` archives whose storage entries are 1 GiB of zeros each,
-/// deflated (about 1 MB per entry), with storages that declare the whole GiB:
-/// - argv[1]: three tensors the architecture does not have (`a`, `b`, `c`), 3 MB in all;
-/// - argv[2]: one tensor named and shaped like the architecture's first parameter, viewing a
-///   storage that declares 1 GiB.
+/// Writes two hostile `torch.save` archives whose storage entries are `argv[4]` GiB of zeros
+/// each, deflated (about 1 MB per GiB), with storages that declare the whole size:
+/// - argv[1] (unless `-`): three tensors the architecture does not have (`a`, `b`, `c`), 3 MB
+///   in all;
+/// - argv[2]: one tensor named and shaped like the architecture's first parameter (argv[3]),
+///   viewing that storage.
 const DECLARED_GIB: &str = r#"
 import sys, io, pickle, zipfile, collections, torch
-multi, bomb, arch = sys.argv[1:4]
+multi, bomb, arch, gib = sys.argv[1:5]
 name, t = next(iter(torch.jit.load(arch).state_dict().items()))
-GIB = 1 << 28  # float32 elements
+GIB = int(gib) << 28  # float32 elements
 class Storage:
     def __init__(self, key, numel):
         self.key, self.numel = key, numel
@@ -402,12 +403,25 @@ def write(path, tensors):
         z.writestr('archive/byteorder', 'little')
         for i in range(len(tensors)):
             with z.open(f'archive/data/{i}', 'w', force_zip64=True) as f:
-                for _ in range(1024):
+                for _ in range(GIB >> 18):
                     f.write(zeros)
         z.writestr('archive/version', '3\n')
-write(multi, [('a', [GIB]), ('b', [GIB]), ('c', [GIB])])
+if multi != '-':
+    write(multi, [('a', [GIB]), ('b', [GIB]), ('c', [GIB])])
 write(bomb, [(name, list(t.shape))])
 "#;
+
+/// [`DECLARED_GIB`]'s two files for the architecture of `run` (`model.ts`), `gib` GiB each.
+pub(crate) fn declared_gib(multi: &Path, bomb: &Path, run: &Path, gib: u32) {
+    let out = Command::new(python())
+        .arg("-c")
+        .arg(DECLARED_GIB)
+        .args([multi, bomb, &run.join("model.ts")])
+        .arg(gib.to_string())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+}
 
 /// Peak resident memory (KiB) of a `diffmon watch` over `dir` until the journal holds
 /// `records` entries, from `wait4` on that child after a SIGTERM.
@@ -436,7 +450,7 @@ fn memory_for_a_checkpoint_is_bounded_by_the_architecture_in_eval_and_watch() {
     let dir = run.path();
     let multi = dir.join("ckpt_000100.pt");
     let bomb = dir.join("ckpt_000200.pt");
-    py(DECLARED_GIB, &[&multi, &bomb, &dir.join("model.ts")]);
+    declared_gib(&multi, &bomb, dir, 1);
     assert!(fs::metadata(&multi).unwrap().len() < 4 << 20);
     assert!(fs::metadata(&bomb).unwrap().len() < 2 << 20);
     // Baseline: `diffmon eval` of a good checkpoint of the same toy model.
