@@ -325,7 +325,8 @@ pub struct ReadOptions {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Expected {
     shapes: std::collections::HashMap<String, Vec<u64>>,
-    params: Vec<Vec<u64>>,
+    /// The parameters in order: name and shape.
+    params: Vec<(String, Vec<u64>)>,
     bytes: u64,
 }
 
@@ -338,7 +339,7 @@ impl Expected {
             let numel = shape.iter().fold(1u64, |a, &d| a.saturating_mul(d));
             e.bytes = e.bytes.saturating_add(numel.saturating_mul(elem));
             if i < params {
-                e.params.push(shape.clone());
+                e.params.push((name.clone(), shape.clone()));
             }
             e.shapes.insert(name, shape);
         }
@@ -754,11 +755,18 @@ pub(crate) fn check_selected(
                     ),
                 });
             }
-            for (i, ((_, got), want)) in tensors.iter().zip(&exp.params).enumerate() {
+            // Worded as `Model::load_weights` words it, for the first that differs.
+            for (i, ((_, got), (name, want))) in tensors.iter().zip(&exp.params).enumerate() {
                 if *got != want.as_slice() {
-                    mismatched.push(format!(
-                        "tensor {i} of the ordered list: checkpoint {got:?}, architecture {want:?}"
-                    ));
+                    return Err(WeightsError::Mismatch {
+                        path: path.to_path_buf(),
+                        details: format!(
+                            "tensor {i} of the ordered list has shape {got:?}, but parameter {i} \
+                             ({}) of the architecture has shape {want:?} (found before reading \
+                             them)",
+                            quote(name)
+                        ),
+                    });
                 }
             }
         }
