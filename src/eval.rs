@@ -293,7 +293,11 @@ impl Evaluator {
         let opts = read_options(&self.config.checkpoints);
         let weights = crate::unit::weights_path(checkpoint, &self.config.checkpoints)?;
         let mut model = self.model.borrow_mut();
-        model.load_weights(&weights, &opts)?;
+        let loaded = model.load_weights(&weights, &opts);
+        // What the checkpoint itself makes the process take is spent: a death from here on is
+        // not counted against it (`crash`, deaths without a marker).
+        crate::crash::weights_read();
+        loaded?;
         let model = &*model;
         let mut record = Evaluation {
             step,
@@ -376,13 +380,16 @@ impl Evaluator {
 }
 
 /// How the checkpoint readers pick and bound the weights (`checkpoints.weights_key`,
-/// `strip_prefix` and `max_entry_mib`).
+/// `strip_prefix`, `max_entry_mib` and `max_total_mib`; without the last, the bound comes from
+/// the architecture in `Model::load_weights`).
 pub fn read_options(c: &crate::config::CheckpointsConfig) -> ReadOptions {
     ReadOptions {
         weights_key: c.weights_key.clone(),
         strip_prefix: c.strip_prefix.clone(),
         max_entry_bytes: c.max_entry_mib.saturating_mul(1 << 20),
         prefer_ema: c.prefer_ema,
+        max_total_bytes: c.max_total_mib.map(|m| m.saturating_mul(1 << 20)),
+        expected: None,
     }
 }
 

@@ -216,6 +216,8 @@ pub struct Model {
     /// Indices of `tensors` that checkpoints do not hold: the non-persistent buffers the
     /// exporter lists in the architecture (they keep the architecture's values).
     optional: std::collections::HashSet<usize>,
+    /// Names and shapes of `tensors`, for the readers' checks before reading a checkpoint.
+    expected: std::sync::Arc<weights::Expected>,
 }
 
 /// The exporter's note inside the architecture archive (`extra/diffmon.json`).
@@ -260,6 +262,13 @@ impl Model {
             .filter_map(|n| index.get(n).copied())
             .filter(|&i| i >= params)
             .collect();
+        let expected = std::sync::Arc::new(weights::Expected::new(
+            tensors.iter().map(|(n, t)| {
+                let shape = t.size().iter().map(|&d| d.max(0) as u64).collect();
+                (n.clone(), shape, t.kind().elt_size_in_bytes() as u64)
+            }),
+            params,
+        ));
         Ok(Model {
             module,
             device,
@@ -267,6 +276,7 @@ impl Model {
             params,
             index,
             optional,
+            expected,
         })
     }
 
@@ -366,12 +376,36 @@ impl Model {
     ///   order; the count and every shape must match (a mismatch names the index, the parameter
     ///   and both shapes). The architecture's buffers keep their current values: such a
     ///   checkpoint holds none.
+    ///
+    /// Memory is bounded by the architecture: the readers get its names and shapes
+    /// ([`ReadOptions::expected`]) and check the selected tensors against them before reading a
+    /// byte of them (a mismatch found there is [`ModelError::Mismatch`]), and the selected
+    /// tensors may take at most `opts.max_total_bytes` in all, by default
+    /// [`weights::default_max_total_bytes`] of this architecture.
     pub fn load_weights(
         &mut self,
         checkpoint: &Path,
         opts: &ReadOptions,
     ) -> Result<(), ModelError> {
-        let read = weights::read_weights(checkpoint, opts)?;
+        let opts = ReadOptions {
+            expected: Some(self.expected.clone()),
+            max_total_bytes: Some(
+                opts.max_total_bytes
+                    .unwrap_or_else(|| weights::default_max_total_bytes(&self.expected)),
+            ),
+            ..opts.clone()
+        };
+        let read = match weights::read_weights(checkpoint, &opts) {
+            Ok(read) => read,
+            Err(weights::WeightsError::Mismatch { path, details }) => {
+                return Err(ModelError::Mismatch {
+                    checkpoint: path,
+                    architecture: self.module.path.clone(),
+                    details,
+                });
+            }
+            Err(e) => return Err(e.into()),
+        };
         let targets: Vec<(usize, &RawTensor)> = match read.naming {
             Naming::Ordered => self.check_ordered(checkpoint, &read.state.tensors)?,
             Naming::AttributePaths => {

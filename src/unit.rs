@@ -52,6 +52,10 @@ pub enum UnitError {
         "{folder}: more than {MAX_ENTRIES} entries, or deeper than {MAX_DEPTH} levels: not read as a checkpoint folder"
     )]
     TooLarge { folder: PathBuf },
+    #[error(
+        "{folder}: weights file `{entry}` is a link to a file outside the checkpoint folder; not read"
+    )]
+    LinkOutside { folder: PathBuf, entry: String },
 }
 
 impl UnitError {
@@ -226,14 +230,39 @@ pub fn weights_path(path: &Path, c: &CheckpointsConfig) -> Result<PathBuf, UnitE
     find_weights(path, &weights_files(c))
 }
 
-/// The first of `candidates` that names one regular file in `folder`.
+/// `path` (inside `folder`) once links are resolved stays inside `folder`: a weights file that
+/// is a link to a file elsewhere is refused like a `../` path.
+fn inside(folder: &Path, path: &Path) -> Result<PathBuf, UnitError> {
+    let io = |source| UnitError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let target = std::fs::canonicalize(path).map_err(io)?;
+    let root = std::fs::canonicalize(folder).map_err(io)?;
+    if target.starts_with(&root) {
+        return Ok(path.to_path_buf());
+    }
+    Err(UnitError::LinkOutside {
+        folder: folder.to_path_buf(),
+        entry: crate::weights::quote(
+            &path
+                .strip_prefix(folder)
+                .unwrap_or(path)
+                .display()
+                .to_string(),
+        ),
+    })
+}
+
+/// The first of `candidates` that names one regular file in `folder` (links to files inside
+/// the folder followed; a link to a file outside it is an error).
 pub fn find_weights(folder: &Path, candidates: &[WeightsFile]) -> Result<PathBuf, UnitError> {
     let mut listing: Option<Vec<FolderFile>> = None;
     for entry in candidates {
         let Some(m) = entry.glob() else {
             let p = folder.join(entry.as_str());
             if std::fs::metadata(&p).is_ok_and(|m| m.is_file()) {
-                return Ok(p);
+                return inside(folder, &p);
             }
             continue;
         };
@@ -248,7 +277,7 @@ pub fn find_weights(folder: &Path, candidates: &[WeightsFile]) -> Result<PathBuf
             .collect();
         match hits.as_slice() {
             [] => {}
-            [one] => return Ok(folder.join(one)),
+            [one] => return inside(folder, &folder.join(one)),
             several => {
                 return Err(UnitError::Ambiguous {
                     folder: folder.to_path_buf(),
@@ -359,6 +388,39 @@ mod tests {
         let after = key(dir.path()).unwrap();
         assert_eq!(after.size, 4);
         assert_ne!(before, after);
+    }
+
+    #[test]
+    fn a_weights_file_linked_outside_its_folder_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let secret = elsewhere.path().join("secret");
+        std::fs::write(&secret, b"root:*:20000:TOPSECRET").unwrap();
+        let folder = dir.path().join("checkpoint-100");
+        std::fs::create_dir(&folder).unwrap();
+        std::os::unix::fs::symlink(&secret, folder.join("model.safetensors")).unwrap();
+        let c = CheckpointsConfig::default();
+        let e = weights_path(&folder, &c).unwrap_err();
+        assert!(matches!(e, UnitError::LinkOutside { .. }), "{e}");
+        let e = e.to_string();
+        assert!(
+            e.contains("`model.safetensors` is a link to a file outside"),
+            "{e}"
+        );
+        assert!(!e.contains("secret") && !e.contains("TOPSECRET"), "{e}");
+        // A glob entry too; a link inside the folder is followed.
+        let glob = [entry("*.safetensors")];
+        assert!(matches!(
+            find_weights(&folder, &glob),
+            Err(UnitError::LinkOutside { .. })
+        ));
+        std::fs::remove_file(folder.join("model.safetensors")).unwrap();
+        std::fs::write(folder.join("real.bin"), b"x").unwrap();
+        std::os::unix::fs::symlink("real.bin", folder.join("model.safetensors")).unwrap();
+        assert_eq!(
+            weights_path(&folder, &c).unwrap(),
+            folder.join("model.safetensors")
+        );
     }
 
     #[test]

@@ -17,6 +17,12 @@
 //! Work is offered on a rendezvous channel: the evaluator takes an item only when it is idle, so
 //! the watcher always offers the best next one: the lowest pending step (`backlog: all`) or the
 //! newest (`backlog: latest`, which drops the older pending ones and counts them as skipped).
+//!
+//! The structure check opens a unit before it is ever evaluated, so it is guarded like an
+//! evaluation ([`crate::crash::ThreadMarker`]): while the watcher checks a unit, a fatal signal
+//! or a panic on its thread writes that unit to `<state_dir>/crash-scan`; after the restart the
+//! unit is recorded as a `crashed` failure and never opened again, so a file that kills the
+//! process there (a reader's bug) cannot make every restart crash.
 
 use crate::config::{Backlog, CheckpointsConfig};
 use crate::history::CheckpointKey;
@@ -80,6 +86,10 @@ pub struct Watcher {
     state: Option<Arc<crate::state_dir::StateDir>>,
     /// A sweep's one inotify instance, which this run's folder joins (`None`: its own).
     shared_notifications: Option<SharedNotifications>,
+    /// The state folder whose `crash-scan` marker guards the structure checks (armed on the
+    /// watcher's thread when it runs).
+    crash_dir: Option<PathBuf>,
+    marker: Option<crate::crash::ThreadMarker>,
 }
 
 /// Events of filesystem notifications, as a watcher receives them.
@@ -288,12 +298,20 @@ impl Watcher {
             metrics,
             state: None,
             shared_notifications: None,
+            crash_dir: None,
+            marker: None,
         }
     }
 
     /// Notifications through a sweep's one inotify instance instead of one of its own.
     pub fn with_notifications(mut self, shared: Option<SharedNotifications>) -> Watcher {
         self.shared_notifications = shared;
+        self
+    }
+
+    /// Guards the structure checks with a crash marker in `state_dir` (see the module docs).
+    pub fn with_crash_marker(mut self, state_dir: &Path) -> Watcher {
+        self.crash_dir = Some(state_dir.to_path_buf());
         self
     }
 
@@ -482,6 +500,17 @@ impl Watcher {
             // corrupt, and recorded as a failure at once. One found by the scan may still be
             // growing in a way size and mtime do not show (NFS), so it gets until `give_up`.
             self.structure_checks += 1;
+            let step_now = self.step(&path).unwrap_or_default();
+            if let Some(marker) = &self.marker {
+                marker.checking(Some(&crate::crash::InFlight {
+                    key: CheckpointKey {
+                        path: path.display().to_string(),
+                        size: c.size,
+                        mtime_ns: c.mtime_ns,
+                    },
+                    step: step_now,
+                }));
+            }
             let checked: Result<(), Option<crate::weights::WeightsError>> =
                 match crate::unit::weights_path(&path, &self.config) {
                     Ok(weights) => crate::weights::validate_structure(&weights)
@@ -491,6 +520,9 @@ impl Watcher {
                     // give-up time, a failure naming what was looked for).
                     Err(_) => Err(None),
                 };
+            if let Some(marker) = &self.marker {
+                marker.checking(None);
+            }
             // A file that cannot be read now (permission denied, EIO) is not corrupt: it is
             // tried again at the next scans, and evaluated once it can be read.
             if let Err(Some(e)) = &checked
@@ -644,6 +676,17 @@ impl Watcher {
     /// Runs until `stop` is closed (the daemon stops; nothing is ever sent on it) or the
     /// evaluator hangs up; offers work on `work`.
     pub fn run(mut self, work: Sender<WorkItem>, stop: Receiver<()>) {
+        if let Some(dir) = &self.crash_dir {
+            match crate::crash::ThreadMarker::arm(dir) {
+                Ok(Some(marker)) => self.marker = Some(marker),
+                Ok(None) => tracing::warn!(
+                    "too many watchers for the crash markers: a file that crashes this watcher's structure check would not be recorded"
+                ),
+                Err(e) => tracing::warn!(
+                    "{e}; a file that crashes the watcher's structure check would not be recorded"
+                ),
+            }
+        }
         let (events_tx, events) = crossbeam_channel::unbounded();
         let mut _notifier = if self.config.inotify {
             self.start_notifications(events_tx.clone())

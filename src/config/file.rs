@@ -187,6 +187,10 @@ pub(super) struct Checkpoints {
     /// entries; a storage is also bounded by what its tensors declare).
     #[serde(default = "default_max_entry_mib")]
     pub(super) max_entry_mib: u64,
+    /// The most MiB the selected tensors of one checkpoint may take in memory in all; default
+    /// (absent) 4 times the architecture's parameter and buffer bytes, at least 64 MiB.
+    #[serde(default)]
+    pub(super) max_total_mib: Option<u64>,
     /// Where a checkpoint holds both EMA and raw weights, evaluate the EMA ones.
     #[serde(default = "default_true")]
     pub(super) prefer_ema: bool,
@@ -233,6 +237,7 @@ impl Default for Checkpoints {
             backlog: default_backlog(),
             inotify: true,
             max_entry_mib: default_max_entry_mib(),
+            max_total_mib: None,
             prefer_ema: true,
             weights_files: None,
         }

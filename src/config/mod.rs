@@ -261,6 +261,9 @@ pub struct CheckpointsConfig {
     pub inotify: bool,
     /// The most MiB any one zip entry of a checkpoint may inflate to (1 to 2^20).
     pub max_entry_mib: u64,
+    /// The most MiB the selected tensors of one checkpoint may take in all (1 to 2^20); `None`:
+    /// 4 times the architecture's size, at least 64 MiB (`weights::default_max_total_bytes`).
+    pub max_total_mib: Option<u64>,
     /// Where a checkpoint holds both EMA and raw weights, evaluate the EMA ones.
     pub prefer_ema: bool,
     /// Tried in order inside a checkpoint folder; `None`: the defaults of
@@ -1852,6 +1855,13 @@ fn checkpoints(v: &mut Validator, c: &file::Checkpoints) -> Option<CheckpointsCo
         usize::try_from(c.max_entry_mib).unwrap_or(usize::MAX),
         1..=file::MAX_ENTRY_MIB as usize,
     );
+    if let Some(total) = c.max_total_mib {
+        v.count(
+            "checkpoints.max_total_mib",
+            usize::try_from(total).unwrap_or(usize::MAX),
+            1..=file::MAX_ENTRY_MIB as usize,
+        );
+    }
     Some(CheckpointsConfig {
         pattern: pattern?,
         step_regex: step_regex?,
@@ -1862,6 +1872,7 @@ fn checkpoints(v: &mut Validator, c: &file::Checkpoints) -> Option<CheckpointsCo
         backlog: c.backlog,
         inotify: c.inotify,
         max_entry_mib: c.max_entry_mib,
+        max_total_mib: c.max_total_mib,
         prefer_ema: c.prefer_ema,
         weights_files: weights_files?,
     })
@@ -2452,6 +2463,7 @@ mod tests {
             c.checkpoints.max_entry_mib,
             crate::weights::DEFAULT_MAX_ENTRY_MIB
         );
+        assert_eq!(c.checkpoints.max_total_mib, None);
         assert_eq!(c.device, DeviceSpec::Auto);
         assert_eq!(c.run_name(), "r");
         assert_eq!(c.memorization.threshold(), 1.0 / 3.0);

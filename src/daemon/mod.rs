@@ -245,6 +245,7 @@ pub fn run(config: Config) -> Result<()> {
     let done = recorder.entries().iter().map(|e| e.key().clone()).collect();
     let watcher = Watcher::new(&config.run.dir, &config.checkpoints, done, metrics.clone())
         .with_excluded(config.named_files())
+        .with_crash_marker(lock.state().path())
         .following(lock.state().clone());
     let watcher = std::thread::Builder::new()
         .name("diffmon-watch".into())

@@ -301,6 +301,7 @@ impl Started {
         )
         .with_excluded(config.named_files())
         .with_notifications(self.notifications.clone())
+        .with_crash_marker(lock.state().path())
         .following(lock.state().clone());
         let stopped = stopped.clone();
         self.watchers.push(

@@ -182,6 +182,24 @@ pub enum WeightsError {
     #[error("{}: distributed checkpoint metadata: {detail}", path.display())]
     BadDistributed { path: PathBuf, detail: String },
 
+    /// The selected tensors do not fit the architecture ([`super::ReadOptions::expected`]):
+    /// found from the checkpoint's metadata, before any tensor byte was read.
+    #[error("{}: does not fit the architecture: {details}", path.display())]
+    Mismatch { path: PathBuf, details: String },
+
+    /// The selected tensors would take more memory in all than one checkpoint may.
+    #[error(
+        "{}: the selected tensors would take {bytes} bytes in memory, more than the {limit} \
+         bytes one checkpoint may take (checkpoints.max_total_mib, by default 4 times the \
+         architecture's size); refused before reading them",
+        path.display()
+    )]
+    TooLargeInAll {
+        path: PathBuf,
+        bytes: u64,
+        limit: u64,
+    },
+
     /// No `weights_key` given, and the top-level dict does not contain exactly one state dict.
     #[error(
         "{}: cannot tell which entry holds the weights: {reason} (top-level keys: {keys}); \
@@ -219,7 +237,9 @@ impl WeightsError {
             | WeightsError::NotAStateDict { path, .. }
             | WeightsError::AmbiguousStateDict { path, .. }
             | WeightsError::BadIndex { path, .. }
-            | WeightsError::BadDistributed { path, .. } => path,
+            | WeightsError::BadDistributed { path, .. }
+            | WeightsError::Mismatch { path, .. }
+            | WeightsError::TooLargeInAll { path, .. } => path,
         }
     }
 

@@ -75,6 +75,30 @@
 //! `checkpoints.max_entry_mib`); a compressed entry that inflates beyond its bound ("zip bomb")
 //! stops the read with [`WeightsError::EntryTooLarge`] after at most bound + 1 bytes.
 //!
+//! # Bounded memory for a whole checkpoint
+//!
+//! Besides each entry's bound, the selected tensors of one checkpoint together may take at most
+//! [`ReadOptions::max_total_bytes`] (config key `checkpoints.max_total_mib`; by default 4 times
+//! the architecture's parameter and buffer bytes, at least 64 MiB: [`default_max_total_bytes`]).
+//! Only the selected tensors count (EMA and raw weights and optimizer state in one file are not
+//! all read). With [`ReadOptions::expected`] (the architecture's names and shapes, which
+//! `Model::load_weights` always gives), every reader checks the selected tensors' names and
+//! shapes, taken from the checkpoint's metadata (the pickle, the safetensors header, the index,
+//! the DCP metadata), before it reads a byte of them: a tensor the architecture does not have,
+//! or of another shape, is a [`WeightsError::Mismatch`] and no storage is inflated; a
+//! TorchScript archive's other tensor attributes are skipped unread. The total (storages as
+//! declared, plus what views repeat) is then checked against the bound, still before reading.
+//! So memory is bounded by the architecture's size, the same in `watch` and `eval`.
+//!
+//! # No recursion on the file's structure
+//!
+//! Module trees are walked with explicit stacks, bounded in depth and visits and skipping
+//! cycles; pickles are run by a flat interpreter; `copyreg` helpers naming each other are
+//! followed at most 64 times; a sharded index's shards are read as single safetensors files
+//! only (an index naming itself, or another index, is an error at depth one). A shard or
+//! `.distcp` file that is a link to a file outside its checkpoint's folder is refused before it
+//! is opened, like a `../` path.
+//!
 //! # TorchScript archives
 //!
 //! A `torch.jit.save` archive has the same layout as a `torch.save` one (`data.pkl` +
@@ -286,6 +310,71 @@ pub struct ReadOptions {
     /// Lightning's weight averaging, diffusers' `unet_ema/` folder), take the EMA ones
     /// (config key `checkpoints.prefer_ema`).
     pub prefer_ema: bool,
+    /// The most bytes the selected tensors of one checkpoint may take in memory in all, checked
+    /// from the checkpoint's metadata before any tensor byte is read (config key
+    /// `checkpoints.max_total_mib`). `None`: no total bound here; `Model::load_weights` then
+    /// uses [`default_max_total_bytes`] of the architecture.
+    pub max_total_bytes: Option<u64>,
+    /// The architecture's parameters and buffers: with it, the selected tensors' names and
+    /// shapes are checked before any of their bytes is read (see "Bounded memory").
+    pub expected: Option<std::sync::Arc<Expected>>,
+}
+
+/// The names and shapes a checkpoint's tensors must have: the architecture's parameters and
+/// buffers (and the parameters in order, for an ordered `shadow_params` list).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Expected {
+    shapes: std::collections::HashMap<String, Vec<u64>>,
+    /// The parameters in order: name and shape.
+    params: Vec<(String, Vec<u64>)>,
+    bytes: u64,
+}
+
+impl Expected {
+    /// `tensors`: (name, shape, bytes per element) of every parameter and buffer, the first
+    /// `params` of them the parameters in order.
+    pub fn new(tensors: impl IntoIterator<Item = (String, Vec<u64>, u64)>, params: usize) -> Self {
+        let mut e = Expected::default();
+        for (i, (name, shape, elem)) in tensors.into_iter().enumerate() {
+            let numel = shape.iter().fold(1u64, |a, &d| a.saturating_mul(d));
+            e.bytes = e.bytes.saturating_add(numel.saturating_mul(elem));
+            if i < params {
+                e.params.push((name.clone(), shape.clone()));
+            }
+            e.shapes.insert(name, shape);
+        }
+        e
+    }
+
+    /// Bytes the architecture's parameters and buffers take.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The architecture's shape for a checkpoint name: the name itself, or what follows one of
+    /// its dots (a prefix such as `module.` or `model.`, which `Model::load_weights` removes),
+    /// preferring one of the same shape.
+    fn shape_for(&self, name: &str, shape: &[u64]) -> Option<(&str, &[u64])> {
+        let mut found: Option<(&str, &[u64])> = None;
+        let tails =
+            std::iter::once(name).chain(name.match_indices('.').map(|(i, _)| &name[i + 1..]));
+        for tail in tails {
+            if let Some((k, want)) = self.shapes.get_key_value(tail) {
+                if want.as_slice() == shape {
+                    return Some((k, want));
+                }
+                found.get_or_insert((k, want));
+            }
+        }
+        found
+    }
+}
+
+/// Default of the total bound when `checkpoints.max_total_mib` is not set: 4 times what the
+/// architecture's parameters and buffers take (a checkpoint in float64 for a float32 model,
+/// with room for storages its tensors share), and at least 64 MiB.
+pub fn default_max_total_bytes(expected: &Expected) -> u64 {
+    expected.bytes().saturating_mul(4).max(64 << 20)
 }
 
 /// Default of `checkpoints.max_entry_mib`: 16 GiB, more than any one storage of real models.
@@ -298,6 +387,8 @@ impl Default for ReadOptions {
             strip_prefix: None,
             max_entry_bytes: DEFAULT_MAX_ENTRY_MIB << 20,
             prefer_ema: true,
+            max_total_bytes: None,
+            expected: None,
         }
     }
 }
@@ -631,6 +722,115 @@ pub fn read_weights_from<R: Read + Seek>(
         state: sd,
         naming,
     })
+}
+
+/// Checks the selected tensors (name, shape) against [`ReadOptions::expected`] before any of
+/// their bytes is read, and says which to read. By name: every tensor must be one the
+/// architecture has (possibly under a prefix), with its shape; by attribute path (TorchScript):
+/// the tensors the architecture does not have are skipped (never read), the others must have
+/// its shapes; ordered: the count and each shape must be the parameters'. Without `expected`,
+/// everything is read.
+pub(crate) fn check_selected(
+    opts: &ReadOptions,
+    path: &Path,
+    naming: Naming,
+    tensors: &[(&str, &[u64])],
+) -> Result<Vec<bool>, WeightsError> {
+    let Some(exp) = opts.expected.as_deref() else {
+        return Ok(vec![true; tensors.len()]);
+    };
+    let mut keep = vec![true; tensors.len()];
+    let mut unexpected = Vec::new();
+    let mut mismatched = Vec::new();
+    match naming {
+        Naming::Ordered => {
+            if tensors.len() != exp.params.len() {
+                return Err(WeightsError::Mismatch {
+                    path: path.to_path_buf(),
+                    details: format!(
+                        "the checkpoint lists {} tensors in parameter order, the architecture \
+                         has {} parameters (found before reading them)",
+                        tensors.len(),
+                        exp.params.len()
+                    ),
+                });
+            }
+            // Worded as `Model::load_weights` words it, for the first that differs.
+            for (i, ((_, got), (name, want))) in tensors.iter().zip(&exp.params).enumerate() {
+                if *got != want.as_slice() {
+                    return Err(WeightsError::Mismatch {
+                        path: path.to_path_buf(),
+                        details: format!(
+                            "tensor {i} of the ordered list has shape {got:?}, but parameter {i} \
+                             ({}) of the architecture has shape {want:?} (found before reading \
+                             them)",
+                            quote(name)
+                        ),
+                    });
+                }
+            }
+        }
+        Naming::ByName | Naming::AttributePaths => {
+            for (i, (name, shape)) in tensors.iter().enumerate() {
+                let found = if naming == Naming::AttributePaths {
+                    exp.shapes
+                        .get_key_value(*name)
+                        .map(|(k, v)| (k.as_str(), v.as_slice()))
+                } else {
+                    exp.shape_for(name, shape)
+                };
+                match found {
+                    Some((_, want)) if want == *shape => {}
+                    Some((_, want)) => mismatched.push(format!(
+                        "{}: checkpoint {shape:?}, architecture {want:?}",
+                        quote(name)
+                    )),
+                    None if naming == Naming::AttributePaths => keep[i] = false,
+                    None => unexpected.push(quote(name)),
+                }
+            }
+        }
+    }
+    if unexpected.is_empty() && mismatched.is_empty() {
+        return Ok(keep);
+    }
+    let mut parts = Vec::new();
+    for (what, list) in [("unexpected", &unexpected), ("shape mismatch", &mismatched)] {
+        if !list.is_empty() {
+            let shown: Vec<&str> = list.iter().take(5).map(String::as_str).collect();
+            let more = if list.len() > 5 {
+                format!(" and {} more", list.len() - 5)
+            } else {
+                String::new()
+            };
+            parts.push(format!(
+                "{what} ({}): {}{more}",
+                list.len(),
+                shown.join(", ")
+            ));
+        }
+    }
+    Err(WeightsError::Mismatch {
+        path: path.to_path_buf(),
+        details: format!(
+            "{} (found from the checkpoint's metadata, before reading its tensors)",
+            parts.join("; ")
+        ),
+    })
+}
+
+/// Refuses a checkpoint whose selected tensors would take more than
+/// [`ReadOptions::max_total_bytes`] in memory, before any of them is read. `bytes` comes from
+/// the checkpoint's metadata (declared sizes), never from raw file bytes.
+pub(crate) fn check_total(opts: &ReadOptions, path: &Path, bytes: u64) -> Result<(), WeightsError> {
+    match opts.max_total_bytes {
+        Some(limit) if bytes > limit => Err(WeightsError::TooLargeInAll {
+            path: path.to_path_buf(),
+            bytes,
+            limit,
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// `a, b, c` (at most 20 names, then a count) for messages.

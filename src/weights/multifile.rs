@@ -104,12 +104,36 @@ fn sibling(index: &Path, name: &str) -> Option<PathBuf> {
     plain.then(|| index.with_file_name(name))
 }
 
+/// Whether `file` (a sibling of `index`) stays inside the index's folder once links are
+/// resolved: a shard or `.distcp` file that is a link to a file elsewhere (`/etc/shadow`) is
+/// refused like a `../` path, before it is opened. A file that does not exist (yet) passes: its
+/// open reports it.
+pub(crate) fn stays_in_folder(index: &Path, file: &Path) -> bool {
+    let Ok(target) = std::fs::canonicalize(file) else {
+        return true;
+    };
+    let folder = index
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::canonicalize(folder).is_ok_and(|f| target.starts_with(f))
+}
+
 /// The shards of a sharded safetensors index, in order of first appearance, each with the
 /// tensors the map assigns to it.
 fn shards(index: &Path) -> Result<Vec<(PathBuf, Vec<String>)>, WeightsError> {
     let data = read_small(index, pickle::MAX_PICKLE_BYTES)?;
-    let json: serde_json::Value = serde_json::from_slice(&data)
-        .map_err(|e| bad_index(index, format!("not valid JSON ({e})")))?;
+    // Only the position of a JSON error is reported, never the text it may quote.
+    let json: serde_json::Value = serde_json::from_slice(&data).map_err(|e| {
+        bad_index(
+            index,
+            format!(
+                "not valid JSON (at line {}, column {})",
+                e.line(),
+                e.column()
+            ),
+        )
+    })?;
     let map = json
         .get("weight_map")
         .and_then(|m| m.as_object())
@@ -132,6 +156,18 @@ fn shards(index: &Path) -> Result<Vec<(PathBuf, Vec<String>)>, WeightsError> {
                 ),
             )
         })?;
+        if path == index {
+            return Err(bad_index(index, "the index names itself as a shard"));
+        }
+        if !stays_in_folder(index, &path) {
+            return Err(bad_index(
+                index,
+                format!(
+                    "shard `{}` is a link to a file outside the index's folder (not read)",
+                    super::quote(shard)
+                ),
+            ));
+        }
         let i = *at.entry(shard.to_string()).or_insert_with(|| {
             order.push((path, Vec::new()));
             order.len() - 1
@@ -144,51 +180,82 @@ fn shards(index: &Path) -> Result<Vec<(PathBuf, Vec<String>)>, WeightsError> {
     Ok(order)
 }
 
-/// Every shard of the index exists and is a complete safetensors file.
+/// Every shard of the index exists and is a complete safetensors file. A shard is read as a
+/// single safetensors file only, never as another index: an index naming itself or another
+/// index is an error at depth one, whatever the files say (no recursion on file content).
 pub(crate) fn validate_sharded(index: &Path) -> Result<(), WeightsError> {
     for (shard, _) in shards(index)? {
-        super::validate_structure(&shard)?;
+        let (mut r, len) = open(&shard)?;
+        let header = super::safetensors_file::read_header(&mut r, len, &shard)?;
+        super::safetensors_file::check_length(&header, len, &shard)?;
     }
     Ok(())
 }
 
-/// The tensors of a sharded safetensors checkpoint, sorted by name.
+/// The tensors of a sharded safetensors checkpoint, sorted by name. Every shard's header is
+/// read first; the mapped tensors are checked against the architecture and the total bound;
+/// then only the mapped tensors are read.
 pub(crate) fn read_sharded(index: &Path, opts: &ReadOptions) -> Result<StateDict, WeightsError> {
-    let whole = ReadOptions {
-        weights_key: None,
-        ..opts.clone()
-    };
-    let mut out: BTreeMap<String, RawTensor> = BTreeMap::new();
-    for (shard, names) in shards(index)? {
-        let (r, len) = open(&shard)?;
-        let mut sd = super::safetensors_file::read(r, len, &shard, &whole)?;
-        for name in names {
-            let Some(i) = sd.tensors.iter().position(|(n, _)| *n == name) else {
-                return Err(bad_index(
-                    index,
-                    format!(
-                        "tensor `{}` is mapped to {} but not in it",
-                        super::quote(&name),
-                        shard.display()
-                    ),
-                ));
-            };
-            let (n, t) = sd.tensors.swap_remove(i);
-            out.insert(n, t);
+    let shards = shards(index)?;
+    let mut headers = Vec::with_capacity(shards.len());
+    // (final name, shape, bytes) of every mapped tensor, for the checks before reading.
+    let mut plan: Vec<(String, Vec<u64>, u64)> = Vec::new();
+    for (shard, names) in &shards {
+        let (mut r, len) = open(shard)?;
+        let h = super::safetensors_file::read_header(&mut r, len, shard)?;
+        super::safetensors_file::check_length(&h, len, shard)?;
+        let found = super::safetensors_file::planned(&h, names);
+        if found.len() != names.len() {
+            let missing = names
+                .iter()
+                .find(|n| super::safetensors_file::planned(&h, std::slice::from_ref(*n)).is_empty())
+                .map(String::as_str)
+                .unwrap_or_default();
+            return Err(bad_index(
+                index,
+                format!(
+                    "tensor `{}` is mapped to {} but not in it",
+                    super::quote(missing),
+                    shard.display()
+                ),
+            ));
         }
+        for (name, (shape, bytes)) in names.iter().zip(found) {
+            plan.push((name.clone(), shape, bytes));
+        }
+        headers.push((r, h));
     }
-    let mut tensors: Vec<(String, RawTensor)> = out.into_iter().collect();
     // As for one safetensors file: `weights_key = k` keeps `k.*` (prefix removed) if any has it.
-    if let Some(k) = opts.weights_key.as_deref() {
-        let prefix = format!("{k}.");
-        if tensors.iter().any(|(n, _)| n.starts_with(&prefix)) {
-            tensors.retain(|(n, _)| n.starts_with(&prefix));
-            for (n, _) in &mut tensors {
-                *n = n[prefix.len()..].to_string();
-            }
+    let prefix = opts.weights_key.as_deref().map(|k| format!("{k}."));
+    let filter = prefix
+        .as_deref()
+        .filter(|p| plan.iter().any(|(n, _, _)| n.starts_with(p)));
+    let rename = |n: &str| -> Option<String> {
+        match filter {
+            Some(p) => n.strip_prefix(p).map(str::to_string),
+            None => Some(n.to_string()),
         }
+    };
+    let kept: Vec<(String, &[u64], u64)> = plan
+        .iter()
+        .filter_map(|(n, shape, b)| rename(n).map(|short| (short, shape.as_slice(), *b)))
+        .collect();
+    let shapes: Vec<(&str, &[u64])> = kept.iter().map(|(n, s, _)| (n.as_str(), *s)).collect();
+    super::check_selected(opts, index, super::Naming::ByName, &shapes)?;
+    let total = kept.iter().fold(0u64, |a, (_, _, b)| a.saturating_add(*b));
+    super::check_total(opts, index, total)?;
+    let mut out: BTreeMap<String, RawTensor> = BTreeMap::new();
+    for ((shard, names), (mut r, h)) in shards.iter().zip(headers) {
+        let selected: Vec<(String, String)> = names
+            .iter()
+            .filter_map(|n| rename(n).map(|short| (n.clone(), short)))
+            .collect();
+        let sd = super::safetensors_file::read_tensors(&mut r, &h, shard, selected)?;
+        out.extend(sd.tensors);
     }
-    Ok(StateDict { tensors })
+    Ok(StateDict {
+        tensors: out.into_iter().collect(),
+    })
 }
 
 /// A window `[start, start + len)` of a file, seekable as a file of its own.
@@ -391,6 +458,16 @@ fn metadata(path: &Path) -> Result<Metadata, WeightsError> {
     })
 }
 
+fn outside(path: &Path, file: &str) -> WeightsError {
+    bad_dcp(
+        path,
+        format!(
+            "`{}` is a link to a file outside the checkpoint's folder (not read)",
+            super::quote(file)
+        ),
+    )
+}
+
 /// Every `.distcp` file the metadata names exists and holds the ranges it names.
 pub(crate) fn validate_dcp(path: &Path) -> Result<(), WeightsError> {
     let md = metadata(path)?;
@@ -406,6 +483,9 @@ pub(crate) fn validate_dcp(path: &Path) -> Result<(), WeightsError> {
                     ),
                 )
             })?;
+            if !stays_in_folder(path, &file) {
+                return Err(outside(path, &s.file));
+            }
             let (_, len) = open(&file)?;
             lens.insert(&s.file, len);
         }
@@ -482,6 +562,9 @@ fn read_chunk(
             ),
         )
     })?;
+    if !stays_in_folder(path, &file) {
+        return Err(outside(path, &s.file));
+    }
     let (r, len) = open(&file)?;
     if s.offset.checked_add(s.length).is_none_or(|end| end > len) {
         return Err(WeightsError::TruncatedPickle { path: file });
@@ -512,6 +595,7 @@ fn read_chunk(
         &file,
         opts,
         vec![(fqn.to_string(), meta)],
+        None,
     )?;
     Ok(t.pop().expect("one tensor").1)
 }
@@ -520,18 +604,36 @@ fn read_chunk(
 pub(crate) fn read_dcp(path: &Path, opts: &ReadOptions) -> Result<StateDict, WeightsError> {
     let md = metadata(path)?;
     let (group, idx) = choose(&md, path, opts)?;
-    let mut tensors = Vec::with_capacity(idx.len());
-    for i in idx {
-        let t = &md.tensors[i];
-        let name = match &group {
+    // Names and sizes from the metadata are checked before any chunk is read; a tensor's bytes
+    // are bounded by 8 per element (the widest dtype read).
+    let short = |t: &Planned| -> String {
+        match &group {
             Some(g) => t
                 .fqn
                 .strip_prefix(&format!("{g}."))
                 .unwrap_or(&t.fqn)
                 .to_string(),
             None => t.fqn.clone(),
-        };
-        tensors.push((name, assemble(path, t, &md, opts)?));
+        }
+    };
+    let names: Vec<String> = idx.iter().map(|&i| short(&md.tensors[i])).collect();
+    let shapes: Vec<(&str, &[u64])> = idx
+        .iter()
+        .zip(&names)
+        .map(|(&i, n)| (n.as_str(), md.tensors[i].size.as_slice()))
+        .collect();
+    super::check_selected(opts, path, super::Naming::ByName, &shapes)?;
+    let total = idx.iter().fold(0u64, |a, &i| {
+        let numel = md.tensors[i]
+            .size
+            .iter()
+            .fold(1u64, |n, &d| n.saturating_mul(d));
+        a.saturating_add(numel.saturating_mul(8))
+    });
+    super::check_total(opts, path, total)?;
+    let mut tensors = Vec::with_capacity(idx.len());
+    for (i, name) in idx.into_iter().zip(names) {
+        tensors.push((name, assemble(path, &md.tensors[i], &md, opts)?));
     }
     Ok(StateDict { tensors })
 }

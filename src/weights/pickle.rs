@@ -300,6 +300,9 @@ fn describe(objs: &[Obj], v: &Value) -> &'static str {
     }
 }
 
+/// Most `copyreg` helpers followed for one instantiation (`__newobj__` naming `__newobj__` ...).
+const MAX_HELPER_HOPS: usize = 64;
+
 /// Runs `data` (a whole data.pkl) and returns the unpickled value.
 pub(crate) fn parse(data: &[u8], classes: Classes) -> Result<Pickle, PickleError> {
     Ok(parse_prefix(data, classes)?.0)
@@ -404,14 +407,15 @@ pub(crate) fn legacy_storage(b: &[u8]) -> Result<(StorageKind, u64, Vec<u8>), St
         .checked_mul(elem)
         .filter(|&n| n <= data.len() as u64)
         .ok_or_else(|| {
+            // The count is raw bytes of the stream: judged, never quoted.
             format!(
-                "the storage declares {count} elements of {elem} bytes but {} bytes follow",
+                "the storage declares more elements of {elem} bytes than the {} bytes that follow",
                 data.len()
             )
         })?;
     if count != storage.numel {
         return Err(format!(
-            "the storage holds {count} elements but its pickle declares {}",
+            "the storage's element count differs from the {} its pickle declares",
             storage.numel
         ));
     }
@@ -851,7 +855,17 @@ impl<'a> Vm<'a> {
     /// The copyreg helpers that pickle protocols use to create objects instantiate the class
     /// they are given instead.
     fn instantiate(&mut self, cls: &Value, args: Vec<Value>) -> R<Value> {
-        if let Some(Obj::Class(c)) = self.obj(cls) {
+        // `copyreg` helpers name the class to instantiate: followed in a loop (each step drops
+        // an argument), never by recursion.
+        let (mut cls, mut args) = (cls.clone(), args);
+        let mut hops = 0usize;
+        while let Some(Obj::Class(c)) = self.obj(&cls) {
+            hops += 1;
+            if hops > MAX_HELPER_HOPS {
+                return self.err(format!(
+                    "more than {MAX_HELPER_HOPS} copyreg helpers naming each other"
+                ));
+            }
             let helper = c.strip_prefix("copyreg.").or(c.strip_prefix("copy_reg."));
             let target = args.first().cloned();
             let target_is_class = matches!(
@@ -870,10 +884,13 @@ impl<'a> Vm<'a> {
                     _ => None,
                 };
                 if let Some(rest) = rest {
-                    return self.instantiate(&target, rest);
+                    (cls, args) = (target, rest);
+                    continue;
                 }
             }
+            break;
         }
+        let cls = &cls;
         let class = match self.obj(cls) {
             Some(Obj::Class(c)) => c.clone(),
             _ => {

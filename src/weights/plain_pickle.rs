@@ -24,8 +24,8 @@ use super::{Naming, ReadOptions, StateDict, WeightsError};
 const ENTRY: &str = "<pickle>";
 
 /// Reads the selected weights of a bare pickle file, `len` bytes long. The file is read whole,
-/// at most [`ReadOptions::max_entry_bytes`] (`checkpoints.max_entry_mib`): it holds the tensor
-/// bytes itself.
+/// at most [`ReadOptions::max_entry_bytes`] (`checkpoints.max_entry_mib`) and
+/// [`ReadOptions::max_total_bytes`]: it holds the tensor bytes itself.
 pub(crate) fn read_bare_pickle<R: Read + Seek>(
     mut r: R,
     len: u64,
@@ -40,6 +40,8 @@ pub(crate) fn read_bare_pickle<R: Read + Seek>(
             why: "checkpoints.max_entry_mib",
         });
     }
+    // The file holds its tensors' bytes: it is read whole only within the total bound.
+    super::check_total(opts, path, len)?;
     let io = |source| WeightsError::Io {
         path: path.to_path_buf(),
         source,
@@ -80,6 +82,7 @@ pub(crate) fn read_bare_pickle<R: Read + Seek>(
         path,
         opts,
         sel.tensors,
+        Some(sel.naming),
     )?;
     Ok((StateDict { tensors }, sel.naming))
 }

@@ -55,17 +55,22 @@ pub(crate) fn read_header<R: Read + Seek>(
     r.seek(SeekFrom::Start(0)).map_err(io(path))?;
     let mut n8 = [0u8; 8];
     r.read_exact(&mut n8).map_err(io(path))?;
+    // The length is the file's first 8 bytes, whatever the file is (a link to a secret file):
+    // never quoted, only judged against the file's size.
     let n = u64::from_le_bytes(n8);
     if n > MAX_SAFETENSORS_HEADER {
-        return Err(corrupt(path, format!("header length {n} is implausible")));
+        return Err(corrupt(
+            path,
+            format!("the safetensors header length is implausible for a file of {len} bytes"),
+        ));
     }
     let data_start = 8 + n;
     if data_start > len {
         return Err(corrupt(
             path,
             format!(
-                "the header needs {n} bytes but the file ends after {}",
-                len - 8
+                "the safetensors header length runs past the end of the file ({len} bytes; \
+                 still being written?)"
             ),
         ));
     }
@@ -126,7 +131,23 @@ fn map_dtype(d: Dtype) -> Result<DType, String> {
     })
 }
 
-/// Reads the tensors in data-offset (file) order; see the module docs for `weights_key`.
+/// The shapes and byte counts of the tensors `names` (from the header alone).
+pub(crate) fn planned(h: &Header, names: &[String]) -> Vec<(Vec<u64>, u64)> {
+    names
+        .iter()
+        .filter_map(|n| h.meta.info(n))
+        .map(|info| {
+            (
+                info.shape.iter().map(|&d| d as u64).collect(),
+                (info.data_offsets.1 - info.data_offsets.0) as u64,
+            )
+        })
+        .collect()
+}
+
+/// Reads the tensors in data-offset (file) order; see the module docs for `weights_key`. The
+/// selected tensors are checked against the architecture and the total bound from the header
+/// before any is read.
 pub(crate) fn read<R: Read + Seek>(
     mut r: R,
     len: u64,
@@ -141,18 +162,42 @@ pub(crate) fn read<R: Read + Seek>(
         .as_deref()
         .map(|k| format!("{k}."))
         .filter(|p| names.iter().any(|n| n.starts_with(p.as_str())));
-    let mut tensors = Vec::with_capacity(names.len());
+    let selected: Vec<(String, String)> = names
+        .into_iter()
+        .filter(|n| h.meta.info(n).is_some())
+        .filter_map(|name| match &filter {
+            Some(p) => name
+                .strip_prefix(p.as_str())
+                .map(|rest| (name.clone(), rest.to_string())),
+            None => Some((name.clone(), name)),
+        })
+        .collect();
+    let full: Vec<String> = selected.iter().map(|(n, _)| n.clone()).collect();
+    let plan = planned(&h, &full);
+    let shapes: Vec<(&str, &[u64])> = selected
+        .iter()
+        .zip(&plan)
+        .map(|((_, short), (shape, _))| (short.as_str(), shape.as_slice()))
+        .collect();
+    super::check_selected(opts, path, super::Naming::ByName, &shapes)?;
+    let total = plan.iter().fold(0u64, |a, (_, b)| a.saturating_add(*b));
+    super::check_total(opts, path, total)?;
+    read_tensors(&mut r, &h, path, selected)
+}
+
+/// Reads the tensors `selected` (header name, name to give it), in that order, from the data
+/// section.
+pub(crate) fn read_tensors<R: Read + Seek>(
+    r: &mut R,
+    h: &Header,
+    path: &Path,
+    selected: Vec<(String, String)>,
+) -> Result<StateDict, WeightsError> {
+    let mut tensors = Vec::with_capacity(selected.len());
     let mut pos: Option<u64> = None; // current read position, relative to data_start
-    for name in names {
+    for (name, short) in selected {
         let Some(info) = h.meta.info(&name) else {
             continue;
-        };
-        let short = match &filter {
-            Some(p) => match name.strip_prefix(p.as_str()) {
-                Some(rest) => rest.to_string(),
-                None => continue,
-            },
-            None => name.clone(),
         };
         let dtype = map_dtype(info.dtype).map_err(|dtype| WeightsError::UnsupportedDtype {
             path: path.to_path_buf(),
@@ -169,7 +214,12 @@ pub(crate) fn read<R: Read + Seek>(
         usize::try_from(n)
             .ok()
             .and_then(|n| data.try_reserve_exact(n).ok())
-            .ok_or_else(|| corrupt(path, format!("cannot allocate {n} bytes for `{name}`")))?;
+            .ok_or_else(|| {
+                corrupt(
+                    path,
+                    format!("cannot allocate {n} bytes for `{}`", super::quote(&name)),
+                )
+            })?;
         r.by_ref()
             .take(n)
             .read_to_end(&mut data)

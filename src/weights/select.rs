@@ -80,7 +80,9 @@ fn set_names(p: &Pickle, v: &Value) -> Vec<String> {
 /// Appends the tensors of the module `v` with exactly `module.state_dict()`'s names and order:
 /// its non-None parameters, its non-None buffers except those named in
 /// `_non_persistent_buffers_set`, then each child of `_modules` with a `name.` prefix. A module
-/// already being walked (a cycle) is skipped; depth and visits are bounded.
+/// already being walked (a cycle) is skipped; depth and visits are bounded. The tree is walked
+/// with an explicit stack (no recursion on the file's structure), in the same order as the
+/// recursive definition.
 pub(crate) fn collect_module<'p>(
     p: &'p Pickle,
     v: &'p Value,
@@ -89,15 +91,12 @@ pub(crate) fn collect_module<'p>(
     visits: &mut usize,
     out: &mut Vec<(String, &'p TensorMeta)>,
 ) -> Result<(), String> {
-    let Some(state) = module_state(p, v) else {
-        return Ok(());
-    };
-    if on_path.len() >= MAX_MODULE_DEPTH {
-        return Err(format!(
-            "modules nested deeper than {MAX_MODULE_DEPTH} levels"
-        ));
+    /// A module being walked: its children and the next one to visit.
+    struct Frame<'p> {
+        prefix: String,
+        children: &'p [(Value, Value)],
+        next: usize,
     }
-    on_path.push(v);
     let visit = |visits: &mut usize| {
         *visits += 1;
         if *visits > MAX_MODULE_VISITS {
@@ -107,37 +106,72 @@ pub(crate) fn collect_module<'p>(
         }
         Ok(())
     };
-    let entries = |key: &str| {
-        state
-            .get_str(key)
-            .and_then(|d| p.dict(d))
-            .map(Dict::items)
-            .unwrap_or_default()
-    };
-    let skipped = state
-        .get_str("_non_persistent_buffers_set")
-        .map(|s| set_names(p, s))
-        .unwrap_or_default();
-    for (key, persistent_only) in [("_parameters", false), ("_buffers", true)] {
-        for (k, value) in entries(key) {
-            visit(visits)?;
-            let Value::Str(name) = k else { continue };
-            if persistent_only && skipped.iter().any(|s| s == &**name) {
-                continue;
-            }
-            if let Some(t) = p.tensor(value) {
-                out.push((format!("{prefix}{name}"), t));
+    let base = on_path.len();
+    // Enters the module `v`: checks the depth, appends its own tensors, returns its frame.
+    let mut enter = |v: &'p Value,
+                     prefix: String,
+                     on_path: &mut Vec<&'p Value>,
+                     visits: &mut usize|
+     -> Result<Option<Frame<'p>>, String> {
+        let Some(state) = module_state(p, v) else {
+            return Ok(None);
+        };
+        if on_path.len() >= MAX_MODULE_DEPTH {
+            return Err(format!(
+                "modules nested deeper than {MAX_MODULE_DEPTH} levels"
+            ));
+        }
+        on_path.push(v);
+        let entries = |key: &str| {
+            state
+                .get_str(key)
+                .and_then(|d| p.dict(d))
+                .map(Dict::items)
+                .unwrap_or_default()
+        };
+        let skipped = state
+            .get_str("_non_persistent_buffers_set")
+            .map(|s| set_names(p, s))
+            .unwrap_or_default();
+        for (key, persistent_only) in [("_parameters", false), ("_buffers", true)] {
+            for (k, value) in entries(key) {
+                visit(visits)?;
+                let Value::Str(name) = k else { continue };
+                if persistent_only && skipped.iter().any(|s| s == &**name) {
+                    continue;
+                }
+                if let Some(t) = p.tensor(value) {
+                    out.push((format!("{prefix}{name}"), t));
+                }
             }
         }
+        Ok(Some(Frame {
+            prefix,
+            children: entries("_modules"),
+            next: 0,
+        }))
+    };
+    let mut stack: Vec<Frame<'p>> = Vec::new();
+    if let Some(f) = enter(v, prefix.to_string(), on_path, visits)? {
+        stack.push(f);
     }
-    for (k, child) in entries("_modules") {
+    while let Some(top) = stack.last_mut() {
+        let Some((k, child)) = top.children.get(top.next) else {
+            stack.pop();
+            on_path.pop();
+            continue;
+        };
+        top.next += 1;
         visit(visits)?;
         let Value::Str(name) = k else { continue };
         if module_state(p, child).is_some() && !on_path.iter().any(|o| same_obj(o, child)) {
-            collect_module(p, child, &format!("{prefix}{name}."), on_path, visits, out)?;
+            let prefix = format!("{}{name}.", top.prefix);
+            if let Some(f) = enter(child, prefix, on_path, visits)? {
+                stack.push(f);
+            }
         }
     }
-    on_path.pop();
+    on_path.truncate(base);
     Ok(())
 }
 
@@ -174,17 +208,19 @@ fn tensor_list<'p>(p: &'p Pickle, v: &Value) -> Option<Vec<&'p TensorMeta>> {
     items.iter().map(|x| p.tensor(x)).collect()
 }
 
-/// `key` in `d`, where dots may also separate nested dicts (`state.ema`).
+/// `key` in `d`, where dots may also separate nested dicts (`state.ema`): the whole key first,
+/// then each split at a dot in order, depth first (an explicit stack, no recursion).
 fn find_path<'p>(p: &'p Pickle, d: &'p Dict, key: &str) -> Option<&'p Value> {
-    if let Some(v) = d.get_str(key) {
-        return Some(v);
-    }
-    for (i, _) in key.match_indices('.') {
-        let (head, tail) = (&key[..i], &key[i + 1..]);
-        if let Some(sub) = d.get_str(head).and_then(|v| p.dict(v))
-            && let Some(v) = find_path(p, sub, tail)
-        {
+    let mut stack: Vec<(&'p Dict, &str)> = vec![(d, key)];
+    while let Some((d, key)) = stack.pop() {
+        if let Some(v) = d.get_str(key) {
             return Some(v);
+        }
+        let splits: Vec<usize> = key.match_indices('.').map(|(i, _)| i).collect();
+        for &i in splits.iter().rev() {
+            if let Some(sub) = d.get_str(&key[..i]).and_then(|v| p.dict(v)) {
+                stack.push((sub, &key[i + 1..]));
+            }
         }
     }
     None

@@ -1151,3 +1151,283 @@ fn plain_pickle_snapshot_with_inline_legacy_storages() {
         let _ = read_default(&m);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Issue #29: no recursion on file structure, links out of the folder, bounded memory.
+
+/// Runs `f` on a thread with a small stack: a reader that recursed on the file's structure
+/// would overflow it (and abort the whole test binary) instead of returning an error.
+fn on_small_stack<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::Builder::new()
+        .stack_size(256 << 10)
+        .spawn(f)
+        .unwrap()
+        .join()
+        .unwrap()
+}
+
+#[test]
+fn an_index_naming_itself_or_another_index_is_an_error_at_depth_one() {
+    let dir = tempfile::tempdir().unwrap();
+    // The 36-byte file of the issue: an index whose only shard is itself.
+    let me = dir.path().join("ckpt_100.pt");
+    std::fs::write(&me, br#"{"weight_map": {"a": "ckpt_100.pt"}}"#).unwrap();
+    assert_eq!(std::fs::metadata(&me).unwrap().len(), 36);
+    // Two indexes naming each other.
+    let a = dir.path().join("a.safetensors.index.json");
+    let b = dir.path().join("b.safetensors.index.json");
+    std::fs::write(&a, br#"{"weight_map": {"w": "b.safetensors.index.json"}}"#).unwrap();
+    std::fs::write(&b, br#"{"weight_map": {"w": "a.safetensors.index.json"}}"#).unwrap();
+    let (me2, a2) = (me.clone(), a.clone());
+    let errors = on_small_stack(move || {
+        [
+            validate_structure(&me2).unwrap_err(),
+            read_checkpoint(&me2, &ReadOptions::default()).unwrap_err(),
+            validate_structure(&a2).unwrap_err(),
+            read_checkpoint(&a2, &ReadOptions::default()).unwrap_err(),
+        ]
+        .map(|e| e.to_string())
+    });
+    assert!(errors[0].contains("names itself"), "{}", errors[0]);
+    assert!(errors[1].contains("names itself"), "{}", errors[1]);
+    // The other index is read as a safetensors shard, and refused as one, naming it.
+    for e in &errors[2..] {
+        assert!(e.contains("b.safetensors.index.json"), "{e}");
+        assert!(e.contains("implausible for a file of"), "{e}");
+    }
+}
+
+/// `depth` modules, each the only child of the one before, the last with one parameter. Built
+/// from the innermost out through the memo (`LONG_BINPUT`/`LONG_BINGET`), so the pickle itself
+/// nests nothing: only the module tree is deep.
+fn nested_modules(depth: usize) -> Vec<u8> {
+    let mut w = PickleWriter::new();
+    let put = |w: &mut PickleWriter, i: u32| {
+        w.op(b'r');
+        for b in i.to_le_bytes() {
+            w.op(b);
+        }
+        w.op(b'0');
+    };
+    w.global("__main__", "M").op(b')').op(0x81);
+    w.op(b'}');
+    w.str("_parameters").op(b'}').str("p");
+    w.tensor_v2("FloatStorage", "0", 1, 0, &[1], &[1]);
+    w.op(b's').op(b's');
+    w.str("_buffers").op(b'}').op(b's');
+    w.str("_modules").op(b'}').op(b's');
+    w.op(b'b');
+    put(&mut w, 0);
+    for i in 1..=depth as u32 {
+        w.global("__main__", "M").op(b')').op(0x81);
+        w.op(b'}');
+        w.str("_parameters").op(b'}').op(b's');
+        w.str("_buffers").op(b'}').op(b's');
+        w.str("_modules").op(b'}').str("c").op(b'j');
+        for b in (i - 1).to_le_bytes() {
+            w.op(b);
+        }
+        w.op(b's').op(b's');
+        w.op(b'b');
+        put(&mut w, i);
+    }
+    w.op(b'j');
+    for b in (depth as u32).to_le_bytes() {
+        w.op(b);
+    }
+    w.finish()
+}
+
+#[test]
+fn module_trees_are_walked_without_recursion_and_bounded_in_depth() {
+    let data = f32_bytes(&[5.0]);
+    let shallow = archive(&nested_modules(200), &[("0", &data)]);
+    let deep_pickle = nested_modules(5000);
+    let deep = archive(&deep_pickle, &[("0", &data)]);
+    let (sd, read_deep, selected_deep) = on_small_stack(move || {
+        let bad = |d: String| WeightsError::NotAStateDict {
+            path: MEM.into(),
+            what: d,
+        };
+        let p = pickle::parse(&deep_pickle, pickle::Classes::Inert).unwrap();
+        (
+            read_default(&shallow).map(|sd| sd.names().map(String::from).collect::<Vec<_>>()),
+            read_default(&deep).is_err(),
+            select::select(&p, &ReadOptions::default(), Path::new(MEM), &bad)
+                .map(|s| s.tensors.len())
+                .map_err(|e| e.to_string()),
+        )
+    });
+    assert_eq!(sd.unwrap(), [format!("{}p", "c.".repeat(200))]);
+    assert!(read_deep);
+    let e = selected_deep.unwrap_err();
+    assert!(e.contains("nested deeper than 256"), "{e}");
+}
+
+#[test]
+fn shards_linked_outside_their_folder_are_refused_and_content_never_shown() {
+    let dir = tempfile::tempdir().unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let secret = elsewhere.path().join("shadow");
+    let content = b"root:*:20000:0:99999:7:::\nTOPSECRET-4242\n";
+    std::fs::write(&secret, content).unwrap();
+    let as_number = u64::from_le_bytes(content[..8].try_into().unwrap()).to_string();
+    let index = dir.path().join("model.safetensors.index.json");
+    std::fs::write(
+        &index,
+        br#"{"weight_map": {"w": "model-00001-of-00001.safetensors"}}"#,
+    )
+    .unwrap();
+    let shard = dir.path().join("model-00001-of-00001.safetensors");
+    std::os::unix::fs::symlink(&secret, &shard).unwrap();
+    for e in [
+        validate_structure(&index).unwrap_err(),
+        read_checkpoint(&index, &ReadOptions::default()).unwrap_err(),
+    ] {
+        let e = e.to_string();
+        assert!(e.contains("outside the index's folder"), "{e}");
+        assert!(!e.contains(&as_number) && !e.contains("TOPSECRET"), "{e}");
+        assert!(!e.contains("root") && !e.contains("shadow"), "{e}");
+    }
+    // A link inside the folder is read as before.
+    std::fs::remove_file(&shard).unwrap();
+    let real = dir.path().join("real.safetensors");
+    std::fs::write(&real, MODEL_SAFETENSORS).unwrap();
+    std::os::unix::fs::symlink(&real, &shard).unwrap();
+    let e = validate_structure(&index)
+        .map(|_| ())
+        .map_err(|e| e.to_string());
+    assert_eq!(e, Ok(()));
+    // The same bytes as a regular shard: the header length is judged, never quoted.
+    std::fs::remove_file(&shard).unwrap();
+    std::fs::write(&shard, content).unwrap();
+    let e = validate_structure(&index).unwrap_err().to_string();
+    assert!(
+        e.contains(&format!(
+            "the safetensors header length is implausible for a file of {} bytes",
+            content.len()
+        )),
+        "{e}"
+    );
+    assert!(!e.contains(&as_number), "{e}");
+    // A safetensors file cut inside its header: no length from the file in the message.
+    let cut = &MODEL_SAFETENSORS[..20];
+    let declared = u64::from_le_bytes(cut[..8].try_into().unwrap()).to_string();
+    let e = validate(cut).unwrap_err().to_string();
+    assert!(e.contains("runs past the end of the file (20 bytes"), "{e}");
+    assert!(!e.contains(&declared), "{e}");
+}
+
+/// An architecture of `w: [2, 2]` and `b: [2]` (float32).
+fn expected_wb() -> std::sync::Arc<Expected> {
+    std::sync::Arc::new(Expected::new(
+        [
+            ("w".to_string(), vec![2, 2], 4),
+            ("b".to_string(), vec![2], 4),
+        ],
+        2,
+    ))
+}
+
+fn checked(max_total: u64) -> ReadOptions {
+    ReadOptions {
+        expected: Some(expected_wb()),
+        max_total_bytes: Some(max_total),
+        ..ReadOptions::default()
+    }
+}
+
+/// A state dict whose tensors (name, storage numel, shape) each have a storage of `numel`
+/// floats; every storage entry is 1 MiB of deflated zeros (a bomb if it were inflated).
+fn declared_bombs(tensors: &[(&str, i64, &[i64])]) -> Vec<u8> {
+    let mut w = PickleWriter::new();
+    w.ordered_dict().op(b'(');
+    for (i, (name, numel, shape)) in tensors.iter().enumerate() {
+        let stride: Vec<i64> = match shape.len() {
+            2 => vec![shape[1], 1],
+            _ => vec![1],
+        };
+        w.str(name)
+            .tensor_v2("FloatStorage", &i.to_string(), *numel, 0, shape, &stride);
+    }
+    w.op(b'u');
+    let pkl = w.finish();
+    let mut z = zip::ZipWriter::new(Cursor::new(Vec::new()));
+    let stored =
+        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    let deflated = zip::write::SimpleFileOptions::default()
+        .compression_method(zip::CompressionMethod::Deflated);
+    z.start_file("a/data.pkl", stored).unwrap();
+    z.write_all(&pkl).unwrap();
+    let zeros = vec![0u8; 1 << 20];
+    for i in 0..tensors.len() {
+        z.start_file(format!("a/data/{i}"), deflated).unwrap();
+        z.write_all(&zeros).unwrap();
+    }
+    z.finish().unwrap().into_inner()
+}
+
+#[test]
+fn names_and_shapes_are_checked_against_the_architecture_before_inflating() {
+    let one_gib = 1i64 << 28; // floats
+    // Names the architecture does not have, each declaring 1 GiB: a mismatch, nothing read
+    // (inflating would end in a CRC or size error instead).
+    let foreign = declared_bombs(&[("x", one_gib, &[one_gib]), ("y", one_gib, &[one_gib])]);
+    let e = read(&foreign, &checked(64 << 20)).unwrap_err();
+    assert!(matches!(e, WeightsError::Mismatch { .. }), "{e}");
+    assert!(e.to_string().contains("unexpected (2): x, y"), "{e}");
+    // A wanted name of another shape.
+    let shape = declared_bombs(&[("w", one_gib, &[one_gib]), ("b", one_gib, &[2])]);
+    let e = read(&shape, &checked(64 << 20)).unwrap_err().to_string();
+    assert!(
+        e.contains("shape mismatch (1): w: checkpoint [268435456]"),
+        "{e}"
+    );
+    // Wanted names and shapes whose storages declare 1 GiB: over the total, refused unread.
+    let big = declared_bombs(&[("w", one_gib, &[2, 2]), ("b", 2, &[2])]);
+    let e = read(&big, &checked(64 << 20)).unwrap_err();
+    assert!(
+        matches!(e, WeightsError::TooLargeInAll { limit, .. } if limit == 64 << 20),
+        "{e}"
+    );
+    // Under `Model::load_weights`'s prefix rule: `module.w` is `w`.
+    let prefixed = declared_bombs(&[("module.w", 4, &[2, 2]), ("module.b", 2, &[2])]);
+    // (The checks pass: its storages are read, bounded by what they declare.)
+    let e = read(&prefixed, &checked(64 << 20)).unwrap_err();
+    assert!(matches!(e, WeightsError::EntryTooLarge { .. }), "read: {e}");
+
+    // safetensors: a foreign name is refused before its bytes are read; within the total only.
+    let e = read(MODEL_SAFETENSORS, &checked(1 << 20)).unwrap_err();
+    assert!(matches!(e, WeightsError::Mismatch { .. }), "{e}");
+    let opts = ReadOptions {
+        expected: Some(std::sync::Arc::new(Expected::new(
+            [
+                ("w".to_string(), vec![2, 2], 4),
+                ("b".to_string(), vec![1], 4),
+            ],
+            2,
+        ))),
+        max_total_bytes: Some(16),
+        weights_key: Some("ema".into()),
+        ..ReadOptions::default()
+    };
+    let e = read(MODEL_SAFETENSORS, &opts).unwrap_err();
+    assert!(matches!(e, WeightsError::TooLargeInAll { .. }), "{e}");
+    let opts = ReadOptions {
+        max_total_bytes: Some(1 << 20),
+        ..opts
+    };
+    assert_eq!(read(MODEL_SAFETENSORS, &opts).unwrap().len(), 2);
+
+    // TorchScript: attributes the architecture does not have are skipped, never read.
+    let opts = ReadOptions {
+        expected: Some(std::sync::Arc::new(Expected::new(
+            [("weight".to_string(), vec![1, 2], 4)],
+            1,
+        ))),
+        max_total_bytes: Some(1 << 20),
+        ..ReadOptions::default()
+    };
+    let sd = read(TORCHSCRIPT_PT, &opts).unwrap();
+    assert_eq!(sd.names().collect::<Vec<_>>(), ["weight"]);
+}

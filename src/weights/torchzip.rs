@@ -274,8 +274,15 @@ pub(crate) fn read<R: Read + Seek>(
             };
             match select::select(&inert, opts, path, &bad) {
                 Ok(sel) if !sel.tensors.is_empty() => {
-                    let tensors =
-                        materialize_all(Some(archive), prefix, file_len, path, opts, sel.tensors)?;
+                    let tensors = materialize_all(
+                        Some(archive),
+                        prefix,
+                        file_len,
+                        path,
+                        opts,
+                        sel.tensors,
+                        Some(sel.naming),
+                    )?;
                     return Ok((StateDict { tensors }, sel.naming));
                 }
                 _ => return Err(strict),
@@ -284,7 +291,15 @@ pub(crate) fn read<R: Read + Seek>(
         Err(e) => return Err(e),
     };
     let sel = select::select(&pickle, opts, path, &bad)?;
-    let tensors = materialize_all(Some(archive), prefix, file_len, path, opts, sel.tensors)?;
+    let tensors = materialize_all(
+        Some(archive),
+        prefix,
+        file_len,
+        path,
+        opts,
+        sel.tensors,
+        Some(sel.naming),
+    )?;
     Ok((StateDict { tensors }, sel.naming))
 }
 
@@ -334,13 +349,22 @@ pub(crate) fn read_torchscript<R: Read + Seek>(
         &mut selected,
     )
     .map_err(malformed)?;
-    let tensors = materialize_all(Some(archive), prefix, file_len, path, opts, selected)?;
+    let tensors = materialize_all(
+        Some(archive),
+        prefix,
+        file_len,
+        path,
+        opts,
+        selected,
+        Some(Naming::AttributePaths),
+    )?;
     Ok(StateDict { tensors })
 }
 
 /// Appends the tensors reachable from the module `v` through attribute dicts, as
-/// `(prefix + dotted path, tensor)`. `on_path` holds the objects being walked (a cycle is
-/// skipped); depth and the number of visits are bounded.
+/// `(prefix + dotted path, tensor)`, in attribute order. `on_path` holds the objects being
+/// walked (a cycle is skipped); depth and the number of visits are bounded. Walked with an
+/// explicit stack: no recursion on the file's structure.
 fn collect_attributes<'p>(
     p: &'p Pickle,
     v: &'p Value,
@@ -349,19 +373,49 @@ fn collect_attributes<'p>(
     visits: &mut usize,
     out: &mut Vec<(String, &'p TensorMeta)>,
 ) -> Result<(), String> {
-    let Some(state) = p.instance(v).and_then(|i| i.state.as_ref()) else {
-        return Ok(());
-    };
-    let Some(attrs) = p.dict(state) else {
-        return Ok(());
-    };
-    if on_path.len() >= MAX_MODULE_DEPTH {
-        return Err(format!(
-            "modules nested deeper than {MAX_MODULE_DEPTH} levels"
-        ));
+    /// A module being walked: its attributes and the next one to visit.
+    struct Frame<'p> {
+        prefix: String,
+        attrs: &'p [(Value, Value)],
+        next: usize,
     }
-    on_path.push(v);
-    for (k, value) in attrs.items() {
+    let attrs_of = |v: &'p Value| {
+        p.instance(v)
+            .and_then(|i| i.state.as_ref())
+            .and_then(|s| p.dict(s))
+            .map(|d| d.items())
+    };
+    let base = on_path.len();
+    let mut stack: Vec<Frame<'p>> = Vec::new();
+    let enter = |v: &'p Value,
+                 prefix: String,
+                 on_path: &mut Vec<&'p Value>,
+                 stack: &mut Vec<Frame<'p>>|
+     -> Result<(), String> {
+        let Some(attrs) = attrs_of(v) else {
+            return Ok(());
+        };
+        if on_path.len() >= MAX_MODULE_DEPTH {
+            return Err(format!(
+                "modules nested deeper than {MAX_MODULE_DEPTH} levels"
+            ));
+        }
+        on_path.push(v);
+        stack.push(Frame {
+            prefix,
+            attrs,
+            next: 0,
+        });
+        Ok(())
+    };
+    enter(v, prefix.to_string(), on_path, &mut stack)?;
+    while let Some(top) = stack.last_mut() {
+        let Some((k, value)) = top.attrs.get(top.next) else {
+            stack.pop();
+            on_path.pop();
+            continue;
+        };
+        top.next += 1;
         let Value::Str(name) = k else { continue };
         *visits += 1;
         if *visits > MAX_MODULE_VISITS {
@@ -369,14 +423,14 @@ fn collect_attributes<'p>(
                 "more than {MAX_MODULE_VISITS} module attributes (modules shared under many names?)"
             ));
         }
-        let full = format!("{prefix}{name}");
+        let full = format!("{}{name}", top.prefix);
         if let Some(t) = p.tensor(value) {
             out.push((full, t));
         } else if p.instance(value).is_some() && !on_path.iter().any(|o| same_obj(o, value)) {
-            collect_attributes(p, value, &format!("{full}."), on_path, visits, out)?;
+            enter(value, format!("{full}."), on_path, &mut stack)?;
         }
     }
-    on_path.pop();
+    on_path.truncate(base);
     Ok(())
 }
 
@@ -394,9 +448,49 @@ fn view_bytes(t: &TensorMeta, dtype: DType) -> Option<u64> {
         .try_fold(dtype.size() as u64, |n, &s| n.checked_mul(s))
 }
 
+/// The bound of a storage entry: what its tensors declare (as its type says), at most the
+/// configured ceiling.
+fn storage_limit(t: &TensorMeta, opts: &ReadOptions) -> (Option<u64>, Limit) {
+    let declared = match t.storage.kind {
+        StorageKind::Typed(ElemType::Known(d)) => t.storage.numel.checked_mul(d.size() as u64),
+        StorageKind::Typed(ElemType::Other(_)) => None,
+        StorageKind::Untyped => Some(t.storage.numel),
+    };
+    (declared, Limit::declared(declared, opts.max_entry_bytes))
+}
+
+/// What reading `selected` takes in memory at most, from the metadata alone: each storage's
+/// bound once, plus what views add beyond their storage.
+fn planned_bytes(selected: &[(String, &TensorMeta)], opts: &ReadOptions) -> u64 {
+    let mut storages: HashMap<&str, u64> = HashMap::new();
+    let mut views: HashMap<&str, u64> = HashMap::new();
+    for (_, t) in selected {
+        let key: &str = &t.storage.key;
+        let bound = match &t.storage.inline {
+            Some(inline) => inline.len() as u64,
+            None => storage_limit(t, opts).1.bytes,
+        };
+        storages.entry(key).or_insert(bound);
+        if let ElemType::Known(d) = t.dtype {
+            let n = view_bytes(t, d).unwrap_or(u64::MAX);
+            let v = views.entry(key).or_default();
+            *v = v.saturating_add(n);
+        }
+    }
+    let mut total = 0u64;
+    for (key, bound) in &storages {
+        let repeated = views.get(key).map_or(0, |v| v.saturating_sub(*bound));
+        total = total.saturating_add(*bound).saturating_add(repeated);
+    }
+    total
+}
+
 /// Reads the storages of `selected` (each once, dropped after its last tensor) and turns every
 /// tensor into contiguous bytes, refusing views that repeat storage bytes beyond
-/// [`MAX_REPEATED_BYTES`] plus the file's length in all.
+/// [`MAX_REPEATED_BYTES`] plus the file's length in all. With `naming`, the selection is first
+/// checked against the architecture ([`super::check_selected`]: unwanted TorchScript attributes
+/// dropped, a mismatch refused) and the whole is bounded by `checkpoints.max_total_mib`, before
+/// any storage is inflated. `None` for a piece of a tensor (a DCP chunk), checked by its caller.
 pub(crate) fn materialize_all<R: Read + Seek>(
     mut archive: Option<&mut ZipArchive<R>>,
     prefix: &str,
@@ -404,7 +498,27 @@ pub(crate) fn materialize_all<R: Read + Seek>(
     path: &Path,
     opts: &ReadOptions,
     selected: Vec<(String, &TensorMeta)>,
+    naming: Option<Naming>,
 ) -> Result<Vec<(String, RawTensor)>, WeightsError> {
+    let selected = match naming {
+        Some(naming) => {
+            let keep = {
+                let shapes: Vec<(&str, &[u64])> = selected
+                    .iter()
+                    .map(|(n, t)| (n.as_str(), t.size.as_slice()))
+                    .collect();
+                super::check_selected(opts, path, naming, &shapes)?
+            };
+            let kept: Vec<(String, &TensorMeta)> = selected
+                .into_iter()
+                .zip(keep)
+                .filter_map(|(s, k)| k.then_some(s))
+                .collect();
+            super::check_total(opts, path, planned_bytes(&kept, opts))?;
+            kept
+        }
+        None => selected,
+    };
     let mut uses: HashMap<&str, usize> = HashMap::new();
     for (_, t) in &selected {
         *uses.entry(&*t.storage.key).or_default() += 1;
@@ -435,15 +549,8 @@ pub(crate) fn materialize_all<R: Read + Seek>(
         if !loaded.contains_key(key) {
             let entry = format!("{prefix}data/{key}");
             let context = format!(" (storage of tensor `{}`)", quote(&name));
-            let declared = match t.storage.kind {
-                StorageKind::Typed(ElemType::Known(d)) => {
-                    t.storage.numel.checked_mul(d.size() as u64)
-                }
-                StorageKind::Typed(ElemType::Other(_)) => None,
-                StorageKind::Untyped => Some(t.storage.numel),
-            };
             // The entry may hold what its tensors declare, and never more than the ceiling.
-            let limit = Limit::declared(declared, opts.max_entry_bytes);
+            let (declared, limit) = storage_limit(t, opts);
             let bytes = match (&t.storage.inline, archive.as_deref_mut()) {
                 // A plain pickle's storage: its bytes were read (bounded) with the pickle.
                 (Some(inline), _) => inline.to_vec(),

@@ -268,11 +268,13 @@ fn eval_peak_rss(cfg: &Path, ckpt: &Path) -> (i64, i32, String) {
 fn a_deflate_bomb_is_refused_with_bounded_memory() {
     let (dir, cfg) = run_dir();
     let bomb = dir.path().join("ckpt_000010.pt");
-    // A torch.save of 4 floats whose storage entry is replaced by 1.5 GiB of zeros, deflated
-    // by Python's zlib while streaming (to about 1.5 MB).
+    // A torch.save of the architecture's first parameter (so that it passes the check of names
+    // and shapes) whose storage entry is replaced by 1.5 GiB of zeros, deflated by Python's
+    // zlib while streaming (to about 1.5 MB).
     py(
         "import sys, zipfile, torch, io\n\
-         buf = io.BytesIO(); torch.save({'w': torch.zeros(4)}, buf)\n\
+         name, t = next(iter(torch.jit.load(sys.argv[2]).state_dict().items()))\n\
+         buf = io.BytesIO(); torch.save({name: torch.zeros_like(t)}, buf)\n\
          zin = zipfile.ZipFile(buf)\n\
          zeros = bytes(1 << 20)\n\
          with zipfile.ZipFile(sys.argv[1], 'w', zipfile.ZIP_DEFLATED) as zout:\n\
@@ -282,17 +284,221 @@ fn a_deflate_bomb_is_refused_with_bounded_memory() {
          \x20               for _ in range(1536): f.write(zeros)\n\
          \x20       else:\n\
          \x20           zout.writestr(info.filename, zin.read(info.filename))\n",
-        &[&bomb],
+        &[&bomb, &dir.path().join("model.ts")],
     );
     assert!(fs::metadata(&bomb).unwrap().len() < 4 << 20);
     let (peak_kib, code, err) = eval_peak_rss(&cfg, &bomb);
     assert_eq!(code, 1, "{err}");
     assert!(
-        err.contains("ckpt_000010.pt") && err.contains("holds more than 16 bytes"),
+        err.contains("ckpt_000010.pt")
+            && err.contains("holds more than")
+            && err.contains("what its tensors declare"),
         "{err}"
     );
     // `diffmon eval` of a good checkpoint of this toy run peaks near 190 MiB (libtorch, the
     // model, the data); inflating the bomb would add 1.5 GiB. 400 MiB leaves room for the
     // baseline to grow and is far below what any inflation of the entry would take.
     assert!(peak_kib < 400 << 10, "peak RSS {peak_kib} KiB");
+}
+
+/// The 36-byte file of issue #29: a sharded index whose only shard is itself (it overflowed
+/// the watcher's stack while checking its structure, at every start).
+const SELF_NAMING_INDEX: &[u8] = br#"{"weight_map": {"a": "ckpt_000100.pt"}}"#;
+
+/// A complete checkpoint of the toy run at `step` (copied, then renamed into place).
+fn place_good(dir: &Path, step: i64) {
+    let tmp = dir.join(format!("ckpt_{step:06}.pt.tmp"));
+    fs::copy(toy_run().join("ckpt_000030.pt"), &tmp).unwrap();
+    fs::rename(&tmp, dir.join(format!("ckpt_{step:06}.pt"))).unwrap();
+}
+
+#[test]
+fn a_self_naming_index_is_a_recorded_failure_and_the_daemon_goes_on() {
+    let (run, cfg) = run_dir();
+    let dir = run.path();
+    let index = dir.join("ckpt_000100.pt");
+    fs::write(&index, SELF_NAMING_INDEX).unwrap();
+    // `diffmon eval` and `diffmon init`: a clear error, no crash.
+    let out = eval(&cfg, &[&index], Duration::from_secs(120));
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("ckpt_000100.pt") && err.contains("the index names itself as a shard"),
+        "{err}"
+    );
+    let out = crate::common::diffmon(&["init", "--run-dir", dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    // The daemon: a failure, then the next good checkpoint is evaluated (renamed into place
+    // after the start, so that the watcher checks both at once).
+    fs::rename(&index, dir.join("index.tmp")).unwrap();
+    let mut d = Daemon::start(
+        dir,
+        "checkpoints: {pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}\n",
+    );
+    fs::rename(dir.join("index.tmp"), &index).unwrap();
+    place_good(dir, 200);
+    d.wait_for(
+        Duration::from_secs(180),
+        "one failure and one evaluation",
+        |_| {
+            let (evals, failures) = journal(dir);
+            evals.len() + failures.len() >= 2
+        },
+    );
+    assert!(d.child.try_wait().unwrap().is_none(), "{}", d.log());
+    let (evals, failures) = journal(dir);
+    assert_eq!(
+        failures,
+        vec![(100, "unreadable".to_string())],
+        "{}",
+        d.log()
+    );
+    assert_eq!(evals, vec![200]);
+    // A restart neither crashes nor looks at it again.
+    d.restart();
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(d.child.try_wait().unwrap().is_none(), "{}", d.log());
+    assert_eq!(journal(dir).1.len(), 1);
+}
+
+/// Writes two hostile `torch.save` archives whose storage entries are `argv[4]` GiB of zeros
+/// each, deflated (about 1 MB per GiB), with storages that declare the whole size:
+/// - argv[1] (unless `-`): three tensors the architecture does not have (`a`, `b`, `c`), 3 MB
+///   in all;
+/// - argv[2]: one tensor named and shaped like the architecture's first parameter (argv[3]),
+///   viewing that storage.
+const DECLARED_GIB: &str = r#"
+import sys, io, pickle, zipfile, collections, torch
+multi, bomb, arch, gib = sys.argv[1:5]
+name, t = next(iter(torch.jit.load(arch).state_dict().items()))
+GIB = int(gib) << 28  # float32 elements
+class Storage:
+    def __init__(self, key, numel):
+        self.key, self.numel = key, numel
+class T:
+    def __init__(self, storage, size):
+        self.storage, self.size = storage, tuple(size)
+    def __reduce__(self):
+        stride, acc = [], 1
+        for d in reversed(self.size):
+            stride.insert(0, acc)
+            acc *= d
+        return (torch._utils._rebuild_tensor_v2,
+                (self.storage, 0, self.size, tuple(stride), False, collections.OrderedDict()))
+class P(pickle.Pickler):
+    def persistent_id(self, obj):
+        if isinstance(obj, Storage):
+            return ('storage', torch.FloatStorage, obj.key, 'cpu', obj.numel)
+        return None
+def write(path, tensors):
+    sd = collections.OrderedDict()
+    for i, (n, size) in enumerate(tensors):
+        sd[n] = T(Storage(str(i), GIB), size)
+    buf = io.BytesIO()
+    P(buf, protocol=2).dump(sd)
+    zeros = bytes(1 << 20)
+    with zipfile.ZipFile(path, 'w', zipfile.ZIP_DEFLATED) as z:
+        z.writestr('archive/data.pkl', buf.getvalue())
+        z.writestr('archive/byteorder', 'little')
+        for i in range(len(tensors)):
+            with z.open(f'archive/data/{i}', 'w', force_zip64=True) as f:
+                for _ in range(GIB >> 18):
+                    f.write(zeros)
+        z.writestr('archive/version', '3\n')
+if multi != '-':
+    write(multi, [('a', [GIB]), ('b', [GIB]), ('c', [GIB])])
+write(bomb, [(name, list(t.shape))])
+"#;
+
+/// [`DECLARED_GIB`]'s two files for the architecture of `run` (`model.ts`), `gib` GiB each.
+pub(crate) fn declared_gib(multi: &Path, bomb: &Path, run: &Path, gib: u32) {
+    let out = Command::new(python())
+        .arg("-c")
+        .arg(DECLARED_GIB)
+        .args([multi, bomb, &run.join("model.ts")])
+        .arg(gib.to_string())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+/// Peak resident memory (KiB) of a `diffmon watch` over `dir` until the journal holds
+/// `records` entries, from `wait4` on that child after a SIGTERM.
+fn watch_peak_rss(dir: &Path, records: usize) -> (i64, Vec<i64>, Vec<(i64, String)>) {
+    let d = Daemon::start(
+        dir,
+        "checkpoints: {pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}\n",
+    );
+    d.wait_for(Duration::from_secs(300), "the records", |_| {
+        let (evals, failures) = journal(dir);
+        evals.len() + failures.len() >= records
+    });
+    let pid = d.child.id() as libc::pid_t;
+    // SAFETY: kill(2) and wait4(2) on our own child, which `Daemon`'s drop no longer finds.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let mut status = 0;
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::wait4(pid, &mut status, 0, &mut usage) }, pid);
+    let (evals, failures) = journal(dir);
+    (usage.ru_maxrss, evals, failures)
+}
+
+#[test]
+fn memory_for_a_checkpoint_is_bounded_by_the_architecture_in_eval_and_watch() {
+    let (run, cfg) = run_dir();
+    let dir = run.path();
+    let multi = dir.join("ckpt_000100.pt");
+    let bomb = dir.join("ckpt_000200.pt");
+    declared_gib(&multi, &bomb, dir, 1);
+    assert!(fs::metadata(&multi).unwrap().len() < 4 << 20);
+    assert!(fs::metadata(&bomb).unwrap().len() < 2 << 20);
+    // Baseline: `diffmon eval` of a good checkpoint of the same toy model.
+    let good = toy_run().join("ckpt_000030.pt");
+    let (base_kib, code, err) = eval_peak_rss(&cfg, &good);
+    assert_eq!(code, 0, "{err}");
+    // Each hostile file is refused before a storage is inflated: names first, then the total
+    // bound (4 times the toy architecture's size, at least 64 MiB). Inflating would add 1 GiB
+    // per entry (3.26 GB and 1.24 GB before). The bound: the baseline plus 64 MiB, room for
+    // allocator noise and the small pickles read, far below one inflated entry.
+    let bound = base_kib + (64 << 10);
+    let (multi_kib, code, err) = eval_peak_rss(&cfg, &multi);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("unexpected (3): a, b, c"), "{err}");
+    assert!(
+        multi_kib < bound,
+        "multi: {multi_kib} KiB, good: {base_kib} KiB"
+    );
+    let (bomb_kib, code, err) = eval_peak_rss(&cfg, &bomb);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("checkpoints.max_total_mib"), "{err}");
+    assert!(
+        bomb_kib < bound,
+        "bomb: {bomb_kib} KiB, good: {base_kib} KiB"
+    );
+    eprintln!("eval peak RSS: good {base_kib} KiB, multi {multi_kib} KiB, bomb {bomb_kib} KiB");
+
+    // `diffmon watch`: the same two files, then a good checkpoint; against a daemon that
+    // evaluates only the good one.
+    let base_run = empty_run();
+    place_good(base_run.path(), 300);
+    let (watch_base_kib, evals, _) = watch_peak_rss(base_run.path(), 1);
+    assert_eq!(evals, vec![300]);
+    place_good(dir, 300);
+    let (watch_kib, evals, mut failures) = watch_peak_rss(dir, 3);
+    failures.sort();
+    assert_eq!(evals, vec![300]);
+    assert_eq!(
+        failures,
+        vec![
+            (100, "mismatch".to_string()),
+            (200, "unreadable".to_string())
+        ]
+    );
+    let watch_bound = watch_base_kib + (64 << 10);
+    assert!(
+        watch_kib < watch_bound,
+        "watch: {watch_kib} KiB, good only: {watch_base_kib} KiB"
+    );
+    eprintln!("watch peak RSS: {watch_kib} KiB, good only {watch_base_kib} KiB");
 }

@@ -117,6 +117,48 @@ fn a_sigkilled_evaluation_is_retried_not_recorded_as_crashed() {
     assert!(failures.is_empty(), "{failures:?}");
 }
 
+#[test]
+fn a_checkpoint_being_read_at_three_sigkills_is_recorded_as_crashed() {
+    // What the out-of-memory killer does to a checkpoint whose reading takes too much memory
+    // (here: allowed by a large checkpoints.max_total_mib, 2 GiB declared and inflated): a
+    // SIGKILL while its weights are read, no marker. One is an interrupted evaluation; at the
+    // third the checkpoint is recorded as crashed instead of being retried forever.
+    let run = empty_run();
+    let dir = run.path();
+    let tmp = dir.join("bomb.tmp");
+    crate::hostile::declared_gib(Path::new("-"), &tmp, dir, 2);
+    let mut d = Daemon::start(
+        dir,
+        "checkpoints: {pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5, max_total_mib: 8192}\n",
+    );
+    fs::rename(&tmp, dir.join("ckpt_000100.pt")).unwrap();
+    for death in 1..=3 {
+        d.wait_for_evaluation_of("ckpt_000100.pt");
+        d.child.kill().unwrap();
+        assert_eq!(d.child.wait().unwrap().signal(), Some(libc::SIGKILL));
+        assert!(journal_entries(dir).is_empty(), "death {death}");
+        d.restart();
+    }
+    d.wait_for(Duration::from_secs(60), "the crash to be counted", |d| {
+        d.metric("diffmon_checkpoint_failures_total{run=\"test\",reason=\"crashed\"}") == Some(1.0)
+    });
+    place(dir, 200);
+    d.wait_for(Duration::from_secs(180), "the next checkpoint", |d| {
+        d.evaluated() >= 1.0
+    });
+    let (evals, failures) = journal(dir);
+    assert_eq!(evals, vec![200], "{}", d.log());
+    assert_eq!(failures, vec![(100, "crashed".to_string())], "{}", d.log());
+    let message = journal_entries(dir)[0]["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        message.contains("weights were being read at 3 process deaths without a crash marker"),
+        "{message}"
+    );
+}
+
 /// The config of `d` with another HTTP port: a second daemon on the same state folder.
 fn second_config(d: &Daemon) -> (std::path::PathBuf, u16) {
     let text = fs::read_to_string(&d.config).unwrap();

@@ -117,6 +117,27 @@ fn hostile_multi_file_checkpoints_are_clear_errors() {
     fs::remove_file(&shard).unwrap();
     assert!(validate_structure(&index).is_err());
     assert!(read_checkpoint(&index, &ReadOptions::default()).is_err());
+    // A shard that is a link to a secret file elsewhere: refused before it is opened, nothing
+    // of it in the message (before: its first 8 bytes as a "header length", 3619251681095544690
+    // for `root:*:2`).
+    let elsewhere = tempfile::tempdir().unwrap();
+    let secret = elsewhere.path().join("shadow");
+    fs::write(&secret, "root:*:20000:0:99999:7:::TOPSECRET-4242\n").unwrap();
+    std::os::unix::fs::symlink(&secret, &shard).unwrap();
+    let leaks = |e: &str| {
+        e.contains("TOPSECRET") || e.contains("root") || e.contains("3619251681095544690")
+    };
+    for e in [
+        validate_structure(&index).unwrap_err(),
+        read_checkpoint(&index, &ReadOptions::default()).unwrap_err(),
+    ] {
+        let e = e.to_string();
+        assert!(
+            e.contains("is a link to a file outside the index's folder"),
+            "{e}"
+        );
+        assert!(!leaks(&e), "{e}");
+    }
 
     // A .distcp cut short: incomplete, not a panic; and a chunk item that is not an archive.
     let (_t, chunked) = copy_of("chunked");
@@ -136,6 +157,20 @@ fn hostile_multi_file_checkpoints_are_clear_errors() {
     fs::write(&data, &garbage).unwrap();
     let e = read_checkpoint(&metadata, &ReadOptions::default()).unwrap_err();
     assert!(e.to_string().contains("__1_0.distcp"), "{e}");
+    // A .distcp file that is a link to the secret file.
+    fs::remove_file(&data).unwrap();
+    std::os::unix::fs::symlink(&secret, &data).unwrap();
+    for e in [
+        validate_structure(&metadata).unwrap_err(),
+        read_checkpoint(&metadata, &ReadOptions::default()).unwrap_err(),
+    ] {
+        let e = e.to_string();
+        assert!(
+            e.contains("is a link to a file outside the checkpoint's folder"),
+            "{e}"
+        );
+        assert!(!leaks(&e), "{e}");
+    }
     // The metadata naming a file outside the folder.
     let md = fs::read(&metadata).unwrap();
     let at = md.windows(12).position(|w| w == b"__0_0.distcp").unwrap();
