@@ -552,26 +552,11 @@ impl Model {
         if missing.is_empty() && unexpected.is_empty() && mismatched.is_empty() {
             return Ok(());
         }
-        let mut parts = Vec::new();
-        for (what, list) in [
+        let parts = weights::mismatch_parts(&[
             ("missing", &missing),
             ("unexpected", &unexpected),
             ("shape mismatch", &mismatched),
-        ] {
-            if !list.is_empty() {
-                let shown: Vec<&str> = list.iter().take(5).map(String::as_str).collect();
-                let more = if list.len() > 5 {
-                    format!(" and {} more", list.len() - 5)
-                } else {
-                    String::new()
-                };
-                parts.push(format!(
-                    "{what} ({}): {}{more}",
-                    list.len(),
-                    shown.join(", ")
-                ));
-            }
-        }
+        ]);
         let hint = if !unexpected.is_empty() && !missing.is_empty() {
             "; if the names differ by a prefix such as `module.`, set checkpoints.strip_prefix, \
              and if the weights sit under a key such as `ema`, set checkpoints.weights_key"
@@ -581,7 +566,7 @@ impl Model {
         Err(ModelError::Mismatch {
             checkpoint: checkpoint.to_path_buf(),
             architecture: self.module.path.clone(),
-            details: format!("{}{hint}", parts.join("; ")),
+            details: format!("{parts}{hint}"),
         })
     }
 }

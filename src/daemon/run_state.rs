@@ -306,7 +306,19 @@ mod tests {
     }
 
     fn fresh() -> RunState {
-        RunState::replay("r", "", settings(), &[], Arc::new(Metrics::new("r")), None).0
+        replayed(&[]).0
+    }
+
+    /// The state of run `r` (no run folder, no keeper) replayed from `entries`.
+    fn replayed(entries: &[Entry]) -> (RunState, Replayed) {
+        RunState::replay(
+            "r",
+            "",
+            settings(),
+            entries,
+            Arc::new(Metrics::new("r")),
+            None,
+        )
     }
 
     /// The value of the first series of `metrics` named `series` whose labels hold `label`.
@@ -346,14 +358,7 @@ mod tests {
         ];
         for k in 0..=outcomes.len() {
             let entries: Vec<Entry> = outcomes[..k].iter().map(entry).collect();
-            let (mut state, replayed) = RunState::replay(
-                "r",
-                "",
-                settings(),
-                &entries,
-                Arc::new(Metrics::new("r")),
-                None,
-            );
+            let (mut state, replayed) = replayed(&entries);
             let evaluations = outcomes[..k]
                 .iter()
                 .filter(|o| matches!(o, Outcome::Done(..)))
@@ -409,14 +414,7 @@ mod tests {
         assert_eq!(sample(&state, &failures, "reason=\"vanished\""), Some(0.0));
         // A replayed failure is in the snapshot, not in this process's counter.
         let entries = vec![entry(&failed(200))];
-        let (replayed, _) = RunState::replay(
-            "r",
-            "",
-            settings(),
-            &entries,
-            Arc::new(Metrics::new("r")),
-            None,
-        );
+        let (replayed, _) = replayed(&entries);
         assert_eq!(lock(&replayed.snapshot).failures, 1);
         assert_eq!(
             sample(&replayed, &failures, "reason=\"mismatch\""),
@@ -505,14 +503,7 @@ mod tests {
     #[test]
     fn the_replayed_snapshot_is_the_reports() {
         let entries: Vec<Entry> = run_outcomes().iter().map(entry).collect();
-        let (state, _) = RunState::replay(
-            "r",
-            "",
-            settings(),
-            &entries,
-            Arc::new(Metrics::new("r")),
-            None,
-        );
+        let (state, _) = replayed(&entries);
         let report = Snapshot::replay("r", EarlyStopMetric::Icr, settings(), &entries);
         assert_eq!(*lock(&state.snapshot), report);
     }

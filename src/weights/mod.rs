@@ -794,8 +794,20 @@ pub(crate) fn check_selected(
     if unexpected.is_empty() && mismatched.is_empty() {
         return Ok(keep);
     }
+    Err(WeightsError::Mismatch {
+        path: path.to_path_buf(),
+        details: format!(
+            "{} (found from the checkpoint's metadata, before reading its tensors)",
+            mismatch_parts(&[("unexpected", &unexpected), ("shape mismatch", &mismatched)])
+        ),
+    })
+}
+
+/// `"<what> (<n>): <first five>[ and <n - 5> more]"` for each non-empty list, joined by `; `:
+/// how a mismatch between a checkpoint and the architecture is told, here and in `model`.
+pub fn mismatch_parts(lists: &[(&str, &[String])]) -> String {
     let mut parts = Vec::new();
-    for (what, list) in [("unexpected", &unexpected), ("shape mismatch", &mismatched)] {
+    for (what, list) in lists {
         if !list.is_empty() {
             let shown: Vec<&str> = list.iter().take(5).map(String::as_str).collect();
             let more = if list.len() > 5 {
@@ -810,13 +822,7 @@ pub(crate) fn check_selected(
             ));
         }
     }
-    Err(WeightsError::Mismatch {
-        path: path.to_path_buf(),
-        details: format!(
-            "{} (found from the checkpoint's metadata, before reading its tensors)",
-            parts.join("; ")
-        ),
-    })
+    parts.join("; ")
 }
 
 /// Refuses a checkpoint whose selected tensors would take more than
