@@ -27,6 +27,24 @@ pub fn empty_run() -> tempfile::TempDir {
     dir
 }
 
+/// `<top>/diffmon.yaml` for the run folder `<top>/run`, the model and data in `top` (so the run
+/// folder can be deleted or replaced), on a free port: (config, port).
+pub fn config_outside(top: &Path) -> (PathBuf, u16) {
+    let port = free_port();
+    let config = top.join("diffmon.yaml");
+    fs::write(
+        &config,
+        format!(
+            "run: {{dir: run, name: test}}\nmodel: {{architecture: model.ts}}\ndevice: cpu\n\
+             data: {{path: train.h5, heldout_path: heldout.h5}}\n\
+             http: {{listen: \"127.0.0.1:{port}\"}}\nicr: {{samples: 256, batch_size: 256}}\n\
+             checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n"
+        ),
+    )
+    .unwrap();
+    (config, port)
+}
+
 /// A `diffmon watch` process, killed when dropped.
 pub struct Daemon {
     pub child: Child,

@@ -4,7 +4,7 @@
 //! recreated under it. Real daemons, real files, no timed assertions.
 
 use crate::common::toy_run;
-use crate::daemon::{Daemon, empty_run, free_port, journal};
+use crate::daemon::{Daemon, config_outside, empty_run, free_port, journal};
 use crate::early_stop::{checkpoints_by_icr, detector_config, place, write_base_config};
 use serde_json::Value;
 use std::fs;
@@ -237,18 +237,7 @@ fn run_dir_deleted_and_recreated_keeps_the_whole_history() {
     let top = base.path();
     let run: PathBuf = top.join("run");
     fs::create_dir(&run).unwrap();
-    let port = free_port();
-    let config = top.join("diffmon.yaml");
-    fs::write(
-        &config,
-        format!(
-            "run: {{dir: run, name: test}}\nmodel: {{architecture: model.ts}}\ndevice: cpu\n\
-             data: {{path: train.h5, heldout_path: heldout.h5}}\n\
-             http: {{listen: \"127.0.0.1:{port}\"}}\nicr: {{samples: 256, batch_size: 256}}\n\
-             checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n"
-        ),
-    )
-    .unwrap();
+    let (config, port) = config_outside(top);
     let d = Daemon::spawn(config.clone(), port);
     place(&run, &toy_run().join("ckpt_000030.pt"), 1);
     d.wait_for(Duration::from_secs(180), "ckpt_1", |_| {

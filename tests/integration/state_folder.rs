@@ -4,7 +4,7 @@
 //! alert. Real daemons, a real signed-webhook receiver, real files.
 
 use crate::common::{stderr, toy_run};
-use crate::daemon::{Daemon, empty_run, free_port, journal};
+use crate::daemon::{Daemon, config_outside, empty_run, free_port, journal};
 use crate::early_stop::{Receiver, checkpoints_by_icr, place, u_turn_config, write_base_config};
 use serde_json::Value;
 use std::fs;
@@ -43,23 +43,6 @@ fn watch_refused(config: &Path) -> Output {
     let out = child.wait_with_output().unwrap();
     assert!(!out.status.success(), "{}", stderr(&out));
     out
-}
-
-/// A config for `run` (a folder of `top`, which holds the model and data) on a free port.
-fn config_outside(top: &Path) -> (std::path::PathBuf, u16) {
-    let port = free_port();
-    let config = top.join("diffmon.yaml");
-    fs::write(
-        &config,
-        format!(
-            "run: {{dir: run, name: test}}\nmodel: {{architecture: model.ts}}\ndevice: cpu\n\
-             data: {{path: train.h5, heldout_path: heldout.h5}}\n\
-             http: {{listen: \"127.0.0.1:{port}\"}}\nicr: {{samples: 256, batch_size: 256}}\n\
-             checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n"
-        ),
-    )
-    .unwrap();
-    (config, port)
 }
 
 #[test]
