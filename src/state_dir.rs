@@ -18,8 +18,9 @@
 //! - **follows its folder** ([`StateDir::follow`]): when the run folder was replaced under it
 //!   (`mv run run.old; mkdir run`), the state folder is moved back into the new run folder, so the
 //!   journal, the lock and the outbox stay where the next start looks; when it was deleted, it is
-//!   made again at its name (with the same checks) and the handle switched to it in place, so the
-//!   history is re-created in it from memory. When neither can be done, it says why, once.
+//!   made again at its name (with the same checks) once there is something to write (not while
+//!   someone may still be deleting it), and the handle switched to it in place, so the history is
+//!   re-created in it from memory. When neither can be done, it says why, once.
 //!
 //! Child processes (Slurm jobs) cannot use `/proc/self/fd/<n>` of this process: they are given
 //! [`StateDir::shown`], the configured path.
@@ -100,6 +101,8 @@ pub enum Followed {
     InPlace,
     /// The run folder was replaced: the state folder was moved back from `from` into it.
     MovedBack { from: PathBuf },
+    /// The folder was deleted, and it was not asked to make it again.
+    Deleted,
     /// The folder had been deleted: made again at its name, empty.
     Remade,
     /// It could not be put back (the message says why); the daemon goes on in the folder it holds.
@@ -168,15 +171,18 @@ impl StateDir {
         &self.real
     }
 
-    /// Puts the state folder back at its configured place when the run folder was replaced or
-    /// the folder deleted (module docs); says what it did once, at WARN. Cheap when nothing
-    /// changed (two `stat`s): the watcher and the recorder call it as they go.
-    pub fn follow(&self) -> Followed {
+    /// Puts the state folder back at its configured place when the run folder was replaced,
+    /// and (with `remake`) makes it again when it was deleted (module docs); says what it did
+    /// once, at WARN. Cheap when nothing changed (two `stat`s). The watcher calls it at each
+    /// scan without `remake` (a folder being deleted is not fought over); the recorder with
+    /// `remake`, when it has something to write.
+    pub fn follow(&self, remake: bool) -> Followed {
         let mut said = self.said.lock().unwrap_or_else(|e| e.into_inner());
-        let followed = self.try_follow();
+        let followed = self.try_follow(remake);
         let shown = crate::safe_fs::untrusted(&self.real);
         match &followed {
             Followed::InPlace => *said = None,
+            Followed::Deleted => {}
             Followed::MovedBack { from } => tracing::warn!(
                 state = %shown,
                 from = %crate::safe_fs::untrusted(from),
@@ -201,7 +207,7 @@ impl StateDir {
         followed
     }
 
-    fn try_follow(&self) -> Followed {
+    fn try_follow(&self, remake: bool) -> Followed {
         let Ok(ours) = fstat(&self.fd) else {
             return Followed::InPlace;
         };
@@ -215,6 +221,9 @@ impl StateDir {
             return Followed::Elsewhere(
                 "the state folder is not the one the daemon opened, and without /proc it cannot be followed".into(),
             );
+        }
+        if ours.st_nlink == 0 && !remake {
+            return Followed::Deleted;
         }
         let parent = crate::safe_fs::parent(&self.real);
         if !parent.is_dir() {
@@ -487,7 +496,7 @@ mod tests {
         fs::write(s.path().join("history.jsonl"), "x").unwrap();
         assert!(d.path().join("aside/history.jsonl").exists());
         assert_eq!(fs::read_dir(&victim).unwrap().count(), 0);
-        assert!(matches!(s.follow(), Followed::Elsewhere(_)));
+        assert!(matches!(s.follow(true), Followed::Elsewhere(_)));
     }
 
     #[test]
@@ -496,35 +505,38 @@ mod tests {
         let run = d.path().join("run");
         let s = StateDir::open(&run.join(".diffmon"), &run).unwrap();
         fs::write(s.path().join("lock"), "held").unwrap();
-        assert_eq!(s.follow(), Followed::InPlace);
+        assert_eq!(s.follow(true), Followed::InPlace);
         fs::rename(&run, d.path().join("run.old")).unwrap();
         fs::create_dir(&run).unwrap();
         let from = d.path().join("run.old/.diffmon").canonicalize().unwrap();
-        assert_eq!(s.follow(), Followed::MovedBack { from });
+        assert_eq!(s.follow(true), Followed::MovedBack { from });
         assert_eq!(
             fs::read_to_string(run.join(".diffmon/lock")).unwrap(),
             "held"
         );
         assert!(!d.path().join("run.old/.diffmon").exists());
-        // Deleted with its run folder, then the run folder is back: made again, same handle.
+        // Deleted with its run folder, then the run folder is back: made again (when there is
+        // something to write), same handle; a scan alone leaves it deleted.
         fs::remove_dir_all(&run).unwrap();
         assert!(
-            matches!(s.follow(), Followed::Elsewhere(_)),
+            matches!(s.follow(true), Followed::Elsewhere(_)),
             "no parent yet"
         );
         fs::create_dir(&run).unwrap();
-        assert_eq!(s.follow(), Followed::Remade);
+        assert_eq!(s.follow(false), Followed::Deleted);
+        assert!(!run.join(".diffmon").exists());
+        assert_eq!(s.follow(true), Followed::Remade);
         fs::write(s.path().join("history.jsonl"), "again").unwrap();
         assert_eq!(
             fs::read_to_string(run.join(".diffmon/history.jsonl")).unwrap(),
             "again"
         );
         assert_eq!(mode(&run.join(".diffmon")), 0o700);
-        assert_eq!(s.follow(), Followed::InPlace);
+        assert_eq!(s.follow(true), Followed::InPlace);
         // A folder someone else put at the name is never replaced.
         fs::rename(&run, d.path().join("run.2")).unwrap();
         fs::create_dir_all(run.join(".diffmon")).unwrap();
-        assert!(matches!(s.follow(), Followed::Elsewhere(m) if m.contains("something else")));
+        assert!(matches!(s.follow(true), Followed::Elsewhere(m) if m.contains("something else")));
         assert!(d.path().join("run.2/.diffmon/history.jsonl").exists());
     }
 }

@@ -350,7 +350,7 @@ impl Watcher {
                 }
                 self.dir_present = Some(true);
                 if let Some(state) = &self.state {
-                    state.follow();
+                    state.follow(false);
                 }
                 e
             }

@@ -136,8 +136,10 @@ impl Recorder {
     /// at the first that cannot be written (a full disk): it and the later ones stay in memory,
     /// and nothing acts on them until they are recorded, by the next call.
     fn flush(&mut self, recorded: &mut impl FnMut(Outcome, &str)) {
-        if let Some(state) = &self.state {
-            state.follow();
+        if let Some(state) = &self.state
+            && !self.unrecorded.is_empty()
+        {
+            state.follow(true);
         }
         while let Some((outcome, at)) = self.unrecorded.front() {
             let (item, entry) = match outcome {
