@@ -243,6 +243,16 @@ fn run_dir_deleted_and_recreated_keeps_the_whole_history() {
     d.wait_for(Duration::from_secs(180), "ckpt_1", |_| {
         journal(&run).0 == vec![1]
     });
+    // The daemon is done writing after ckpt_1 (history.h5 and the kept best follow the journal):
+    // a file it made in the middle of `rm -rf` would fail the removal ("Directory not empty").
+    d.wait_for(
+        Duration::from_secs(60),
+        "history.h5 and the kept best",
+        |_| {
+            h5_steps(&run.join(".diffmon/history.h5")) == vec![1]
+                && run.join(".diffmon/best/ckpt_1.pt").is_file()
+        },
+    );
     fs::remove_dir_all(&run).unwrap();
     d.wait_for(Duration::from_secs(60), "the ERROR", |d| {
         d.log()
@@ -257,12 +267,7 @@ fn run_dir_deleted_and_recreated_keeps_the_whole_history() {
     d.wait_for(
         Duration::from_secs(60),
         "history.h5 in the new folder",
-        |_| {
-            hdf5::File::open(run.join(".diffmon/history.h5"))
-                .and_then(|f| f.dataset("evaluations/step"))
-                .and_then(|ds| ds.read_raw::<i64>())
-                .is_ok_and(|s| s == vec![1, 2])
-        },
+        |_| h5_steps(&run.join(".diffmon/history.h5")) == vec![1, 2],
     );
     assert!(
         d.log()
@@ -271,4 +276,12 @@ fn run_dir_deleted_and_recreated_keeps_the_whole_history() {
         "{}",
         d.log()
     );
+}
+
+/// The steps in a `history.h5` (empty when it cannot be read yet).
+fn h5_steps(path: &Path) -> Vec<i64> {
+    hdf5::File::open(path)
+        .and_then(|f| f.dataset("evaluations/step"))
+        .and_then(|ds| ds.read_raw::<i64>())
+        .unwrap_or_default()
 }
