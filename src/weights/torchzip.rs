@@ -259,38 +259,26 @@ pub(crate) fn read<R: Read + Seek>(
         offset: 0,
         detail,
     };
-    let pickle = match read_pickle(archive, prefix, file_len, path, opts, pickle::Classes::None) {
-        Ok(p) => p,
-        Err(strict @ WeightsError::ForbiddenGlobal { .. }) => {
-            let Ok(inert) = read_pickle(
-                archive,
-                prefix,
-                file_len,
-                path,
-                opts,
-                pickle::Classes::Inert,
-            ) else {
-                return Err(strict);
-            };
-            match select::select(&inert, opts, path, &bad) {
-                Ok(sel) if !sel.tensors.is_empty() => {
-                    let tensors = materialize_all(
-                        Some(archive),
-                        prefix,
-                        file_len,
-                        path,
-                        opts,
-                        sel.tensors,
-                        Some(sel.naming),
-                    )?;
-                    return Ok((StateDict { tensors }, sel.naming));
+    // Read strictly first; on a foreign global, again with every class an inert placeholder,
+    // keeping the strict error for when that finds no weights either.
+    let (pickle, strict) =
+        match read_pickle(archive, prefix, file_len, path, opts, pickle::Classes::None) {
+            Ok(p) => (p, None),
+            Err(strict @ WeightsError::ForbiddenGlobal { .. }) => {
+                let classes = pickle::Classes::Inert;
+                match read_pickle(archive, prefix, file_len, path, opts, classes) {
+                    Ok(inert) => (inert, Some(strict)),
+                    Err(_) => return Err(strict),
                 }
-                _ => return Err(strict),
             }
-        }
-        Err(e) => return Err(e),
+            Err(e) => return Err(e),
+        };
+    let sel = match (select::select(&pickle, opts, path, &bad), strict) {
+        (Ok(sel), None) => sel,
+        (Ok(sel), Some(_)) if !sel.tensors.is_empty() => sel,
+        (Err(e), None) => return Err(e),
+        (_, Some(strict)) => return Err(strict),
     };
-    let sel = select::select(&pickle, opts, path, &bad)?;
     let tensors = materialize_all(
         Some(archive),
         prefix,
