@@ -43,6 +43,16 @@ pub enum EvalError {
     },
 }
 
+impl EvalError {
+    /// The model error inside, when there is one (the evaluated model's, the teacher's).
+    pub fn model(&self) -> Option<&ModelError> {
+        match self {
+            EvalError::Model(e) | EvalError::Pfd(PfdError::Model(e)) => Some(e),
+            _ => None,
+        }
+    }
+}
+
 /// σ_data of the EDM loss weighting.
 const SIGMA_DATA: f64 = 0.5;
 

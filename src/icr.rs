@@ -400,7 +400,8 @@ pub fn icr_of_features(
 
 /// The two-view probe: a fixed subset of training images (on the model's device) and the
 /// augmentation settings; views and noise are drawn from `seed` afresh for every computation,
-/// so every checkpoint sees the very same views.
+/// so every checkpoint sees the very same views. They are drawn on the CPU (libtorch's CPU
+/// generator) and moved to the model's device, so every device sees the same ones.
 pub struct ViewProbe {
     images: Tensor,
     samples: usize,
@@ -439,8 +440,9 @@ impl ViewProbe {
             let idx = (Tensor::arange_start(done as i64, done as i64 + b, (Kind::Int64, device)))
                 .remainder(m);
             let x0 = self.images.index_select(0, &idx);
-            let v1 = augment(&x0, &self.augment) + Tensor::randn_like(&x0) * sigma;
-            let v2 = augment(&x0, &self.augment) + Tensor::randn_like(&x0) * sigma;
+            let noise = || Tensor::randn(x0.size(), (Kind::Float, Device::Cpu)).to_device(device);
+            let v1 = augment(&x0, &self.augment) + noise() * sigma;
+            let v2 = augment(&x0, &self.augment) + noise() * sigma;
             let x = Tensor::cat(&[v1, v2], 0);
             let s = Tensor::full([2 * b], sigma, (Kind::Float, device));
             let (_, features) = model.forward(&x, &s)?;
@@ -465,9 +467,15 @@ pub fn pool(features: &Tensor) -> Tensor {
     }
 }
 
+/// `[b,1,1,1]` uniform draws in [0, 1), made on the CPU and moved to `device`.
+fn uniform(b: i64, device: Device) -> Tensor {
+    Tensor::rand([b, 1, 1, 1], (Kind::Float, Device::Cpu)).to_device(device)
+}
+
 /// Random augmentation of each image of `x: [B,C,H,W]` in [-1, 1] (docs/design.md §2): crop with
 /// reflect padding, horizontal flip with p = 0.5, then brightness, contrast and saturation
-/// jitter (in that order) in [0, 1] colour space.
+/// jitter (in that order) in [0, 1] colour space. Every random number is drawn on the CPU, in
+/// the same order on every device, and moved to `x`'s device: the same views on CPU and GPU.
 pub fn augment(x: &Tensor, a: &AugmentConfig) -> Tensor {
     let (b, c, h, w) = x.size4().expect("images are [B,C,H,W]");
     let device = x.device();
@@ -476,8 +484,12 @@ pub fn augment(x: &Tensor, a: &AugmentConfig) -> Tensor {
     if pad > 0 {
         let padded = y.pad([pad, pad, pad, pad], "reflect", None);
         // Per-image offsets in [0, 2·pad]; gather rows then columns.
-        let oy = Tensor::randint_low(0, 2 * pad + 1, [b, 1], (Kind::Int64, device));
-        let ox = Tensor::randint_low(0, 2 * pad + 1, [b, 1], (Kind::Int64, device));
+        let offset = || {
+            Tensor::randint_low(0, 2 * pad + 1, [b, 1], (Kind::Int64, Device::Cpu))
+                .to_device(device)
+        };
+        let oy = offset();
+        let ox = offset();
         let rows = (oy + Tensor::arange(h, (Kind::Int64, device)).unsqueeze(0))
             .view([b, 1, h, 1])
             .expand([b, c, h, w + 2 * pad], false);
@@ -487,12 +499,12 @@ pub fn augment(x: &Tensor, a: &AugmentConfig) -> Tensor {
         y = padded.gather(2, &rows, false).gather(3, &cols, false);
     }
     if a.flip {
-        let flip = Tensor::rand([b, 1, 1, 1], (Kind::Float, device)).lt(0.5);
+        let flip = uniform(b, device).lt(0.5);
         y = y.flip([3]).where_self(&flip, &y);
     }
     if a.jitter > 0.0 {
         let s = a.jitter;
-        let factor = || Tensor::rand([b, 1, 1, 1], (Kind::Float, device)) * (2.0 * s) + (1.0 - s);
+        let factor = || uniform(b, device) * (2.0 * s) + (1.0 - s);
         let mut z = (y + 1.0) * 0.5;
         z = (z * factor()).clamp(0.0, 1.0);
         let gray = |z: &Tensor| {

@@ -27,43 +27,182 @@ pub enum ModelError {
     },
     #[error("device {spec}: {message}")]
     Device { spec: DeviceSpec, message: String },
+    #[error(
+        "{path}: the file pins device {pinned}: {uses}; it runs only there, and this \
+         evaluation runs on {running}. Tracing froze the device the file was exported on into \
+         its graph. Re-export it with this version's diffmon-export (or diffmon.export.export), \
+         whose files follow the device of their input: the same command or call as before, \
+         --out {path}"
+    )]
+    PinnedDevice {
+        path: PathBuf,
+        pinned: String,
+        /// The ops using the pinned device and their methods, for the message.
+        uses: String,
+        running: String,
+    },
 }
 
-/// Resolves `auto|cpu|cuda|cuda:N` to a libtorch device.
+impl ModelError {
+    /// Whether the error is a problem of the configuration on this machine (exit 2, as a bad
+    /// config): a device that is not there, or a file that cannot run on the configured one.
+    pub fn is_usage(&self) -> bool {
+        matches!(
+            self,
+            ModelError::Device { .. } | ModelError::PinnedDevice { .. }
+        )
+    }
+}
+
+/// A device constant in a TorchScript file's graph: the file runs only on that device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PinnedDevice {
+    /// As libtorch writes it: `cpu`, `cuda:0`.
+    pub device: String,
+    /// The kind of the first node using it (`aten::ones`).
+    pub op: String,
+    /// The qualified name of the method whose graph holds it.
+    pub method: String,
+}
+
+/// What [`ModelError::PinnedDevice`] says of `pins`: each op once, with its method's last two
+/// name components, the first few.
+fn describe_pins<'a>(pins: impl Iterator<Item = &'a PinnedDevice>) -> String {
+    let mut seen: Vec<String> = Vec::new();
+    for p in pins {
+        let method: Vec<&str> = p.method.rsplitn(3, '.').take(2).collect();
+        let method: Vec<&str> = method.into_iter().rev().collect();
+        let text = format!("{} in {}", p.op, method.join("."));
+        if !seen.contains(&text) {
+            seen.push(text);
+        }
+    }
+    let more = seen.len().saturating_sub(4);
+    seen.truncate(4);
+    let mut out = seen.join(", ");
+    if more > 0 {
+        out.push_str(&format!(" and {more} more"));
+    }
+    out
+}
+
+/// libtorch's name of `device`, as device constants print it.
+fn device_name(device: Device) -> String {
+    match device {
+        Device::Cuda(n) => format!("cuda:{n}"),
+        Device::Cpu => "cpu".into(),
+        other => format!("{other:?}").to_lowercase(),
+    }
+}
+
+/// Whether a constant naming `pinned` puts tensors where `running` is: `cuda` is the current
+/// CUDA device, index 0 unless changed (diffmon never changes it).
+fn pin_matches(pinned: &str, running: Device) -> bool {
+    let running = device_name(running);
+    pinned == running || (pinned == "cuda" && running == "cuda:0")
+}
+
+/// The device constants of the TorchScript file at `path` (loaded on the CPU): `check-config`
+/// reports any, since a file with one runs on that device only.
+pub fn pinned_devices(path: &Path) -> Result<Vec<PinnedDevice>, ModelError> {
+    Module::load(path, Device::Cpu)?.device_constants()
+}
+
+/// Refuses the TorchScript file at `path` when it pins another device than `device` (its
+/// device constants `pins`), and warns when it pins `device` itself: it runs, here only.
+pub fn check_pins(path: &Path, pins: &[PinnedDevice], device: Device) -> Result<(), ModelError> {
+    let foreign: Vec<&PinnedDevice> = pins
+        .iter()
+        .filter(|p| !pin_matches(&p.device, device))
+        .collect();
+    if let Some(first) = foreign.first() {
+        return Err(ModelError::PinnedDevice {
+            path: path.to_path_buf(),
+            pinned: first.device.clone(),
+            uses: describe_pins(foreign.iter().copied()),
+            running: device_name(device),
+        });
+    }
+    if let Some(first) = pins.first() {
+        tracing::warn!(
+            file = %path.display(),
+            pinned = %first.device,
+            uses = %describe_pins(pins.iter()),
+            "the file pins the device it runs on: it would fail on any other; re-export it \
+             with this version's diffmon-export to make it follow its input's device"
+        );
+    }
+    Ok(())
+}
+
+/// What `check-config` says of a file with device constants `pins` (not empty).
+pub fn pins_problem(pins: &[PinnedDevice]) -> String {
+    format!(
+        "pins device {} ({}): it runs only there. Tracing froze the device the file was \
+         exported on into its graph. Re-export it with this version's diffmon-export (or \
+         diffmon.export.export), whose files follow the device of their input: the same \
+         command or call as before",
+        pins[0].device,
+        describe_pins(pins.iter())
+    )
+}
+
+/// Resolves `auto|cpu|cuda|cuda:N` to a libtorch device, and keeps CUDA's TF32 off (cuDNN
+/// convolutions use it by default in libtorch): float32 on every device, so CPU and GPU give
+/// the same numbers to float32 rounding.
 pub fn select_device(spec: DeviceSpec) -> Result<Device, ModelError> {
-    let count = if spec == DeviceSpec::Cpu {
-        0
+    unsafe { dm_set_tf32(0) };
+    let (count, cuda_build) = if spec == DeviceSpec::Cpu {
+        (0, false)
     } else {
-        load_cuda_backend();
-        tch::Cuda::device_count() as usize
+        let cuda_build = load_cuda_backend();
+        (tch::Cuda::device_count() as usize, cuda_build)
     };
     match spec {
         DeviceSpec::Cpu => Ok(Device::Cpu),
         DeviceSpec::Auto if count > 0 => Ok(Device::Cuda(0)),
         DeviceSpec::Auto => Ok(Device::Cpu),
         DeviceSpec::Cuda(n) if n < count => Ok(Device::Cuda(n)),
-        DeviceSpec::Cuda(_) => Err(ModelError::Device {
-            spec,
-            message: format!("not available ({count} CUDA device(s) visible)"),
-        }),
+        DeviceSpec::Cuda(_) => {
+            let visible = match std::env::var("CUDA_VISIBLE_DEVICES") {
+                Ok(v) => format!(" (CUDA_VISIBLE_DEVICES={v:?})"),
+                Err(_) => String::new(),
+            };
+            let why = if !cuda_build {
+                "the libtorch diffmon runs with has no CUDA support (a CPU-only torch)".into()
+            } else if count == 0 {
+                format!(
+                    "no CUDA device is visible to this process{visible} (no GPU, or no NVIDIA driver)"
+                )
+            } else {
+                format!("{count} CUDA device(s) visible to this process{visible}")
+            };
+            Err(ModelError::Device {
+                spec,
+                message: format!(
+                    "not available: {why}; set `device` to cpu or auto, or one of the visible devices"
+                ),
+            })
+        }
     }
 }
 
 /// libtorch registers its CUDA backend from `libtorch_cuda.so`'s static initializers; the linker
-/// may drop that library as unused, so load it explicitly (a no-op for CPU-only libtorch).
-fn load_cuda_backend() {
+/// may drop that library as unused, so load it explicitly. Whether libtorch has it (false for
+/// a CPU-only libtorch).
+fn load_cuda_backend() -> bool {
     unsafe extern "C" {
         fn dlopen(filename: *const c_char, flag: c_int) -> *mut c_void;
     }
     const RTLD_NOW: c_int = 2;
     const RTLD_GLOBAL: c_int = 0x100;
     // The binary's rpath names libtorch's folder, so the bare name resolves there.
-    unsafe {
-        dlopen(c"libtorch_cuda.so".as_ptr(), RTLD_NOW | RTLD_GLOBAL);
-    }
+    unsafe { !dlopen(c"libtorch_cuda.so".as_ptr(), RTLD_NOW | RTLD_GLOBAL).is_null() }
 }
 
 type NamedTensorCb = unsafe extern "C" fn(*mut c_void, *const c_char, *mut tch::Tensor);
+type DeviceConstantCb =
+    unsafe extern "C" fn(*mut c_void, *const c_char, *const c_char, *const c_char);
 
 unsafe extern "C" {
     fn dm_free_string(s: *mut c_char);
@@ -79,6 +218,13 @@ unsafe extern "C" {
         cb: NamedTensorCb,
         err: *mut *mut c_char,
     ) -> c_int;
+    fn dm_module_device_constants(
+        module: *mut c_void,
+        data: *mut c_void,
+        cb: DeviceConstantCb,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    fn dm_set_tf32(on: c_int);
     fn dm_module_forward(
         module: *mut c_void,
         x: *const c_void,
@@ -90,6 +236,10 @@ unsafe extern "C" {
 }
 
 fn take_error(err: *mut c_char) -> String {
+    shorten(&take_full_error(err))
+}
+
+fn take_full_error(err: *mut c_char) -> String {
     if err.is_null() {
         return "unknown libtorch error".into();
     }
@@ -97,8 +247,31 @@ fn take_error(err: *mut c_char) -> String {
         .to_string_lossy()
         .into_owned();
     unsafe { dm_free_string(err) };
-    // libtorch messages can carry a long TorchScript traceback; the first lines say what broke.
+    message
+}
+
+/// libtorch messages can carry a long TorchScript traceback; the first lines say what broke.
+fn shorten(message: &str) -> String {
     message.lines().take(8).collect::<Vec<_>>().join("\n")
+}
+
+/// Whether a libtorch error says an allocation failed: CUDA's caching allocator ("CUDA out of
+/// memory"), cuBLAS or cuDNN's (`*_STATUS_ALLOC_FAILED`), the CPU allocator ("can't allocate
+/// memory"). The whole message is searched: in a TorchScript traceback it comes last.
+fn is_out_of_memory(message: &str) -> bool {
+    [
+        "out of memory",
+        "STATUS_ALLOC_FAILED",
+        "can't allocate memory",
+    ]
+    .iter()
+    .any(|m| message.contains(m))
+}
+
+/// A failed forward: the message (shortened) and whether memory ran out.
+struct ForwardFailure {
+    message: String,
+    out_of_memory: bool,
 }
 
 unsafe extern "C" fn collect_named(data: *mut c_void, name: *const c_char, t: *mut tch::Tensor) {
@@ -107,6 +280,21 @@ unsafe extern "C" fn collect_named(data: *mut c_void, name: *const c_char, t: *m
         .to_string_lossy()
         .into_owned();
     out.push((name, unsafe { Tensor::from_ptr(t as *mut _) }));
+}
+
+unsafe extern "C" fn collect_device(
+    data: *mut c_void,
+    device: *const c_char,
+    op: *const c_char,
+    method: *const c_char,
+) {
+    let out = unsafe { &mut *(data as *mut Vec<PinnedDevice>) };
+    let text = |p: *const c_char| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
+    out.push(PinnedDevice {
+        device: text(device),
+        op: text(op),
+        method: text(method),
+    });
 }
 
 /// A loaded TorchScript module (raw handle; not `Send`, so it stays on its thread).
@@ -169,7 +357,28 @@ impl Module {
         Ok((out, params))
     }
 
-    fn forward(&self, x: &Tensor, sigma: &Tensor) -> Result<(Tensor, Tensor), String> {
+    /// The device constants of every method graph of the module and its submodules.
+    fn device_constants(&self) -> Result<Vec<PinnedDevice>, ModelError> {
+        let mut out: Vec<PinnedDevice> = Vec::new();
+        let mut err = std::ptr::null_mut();
+        let rc = unsafe {
+            dm_module_device_constants(
+                self.ptr,
+                &mut out as *mut _ as *mut c_void,
+                collect_device,
+                &mut err,
+            )
+        };
+        if rc < 0 {
+            return Err(ModelError::Load {
+                path: self.path.clone(),
+                message: take_error(err),
+            });
+        }
+        Ok(out)
+    }
+
+    fn forward(&self, x: &Tensor, sigma: &Tensor) -> Result<(Tensor, Tensor), ForwardFailure> {
         let mut denoised = std::ptr::null_mut();
         let mut features = std::ptr::null_mut();
         let mut err = std::ptr::null_mut();
@@ -184,7 +393,11 @@ impl Module {
             )
         };
         if rc != 0 {
-            return Err(take_error(err));
+            let message = take_full_error(err);
+            return Err(ForwardFailure {
+                out_of_memory: is_out_of_memory(&message),
+                message: shorten(&message),
+            });
         }
         unsafe {
             Ok((
@@ -218,6 +431,8 @@ pub struct Model {
     optional: std::collections::HashSet<usize>,
     /// Names and shapes of `tensors`, for the readers' checks before reading a checkpoint.
     expected: std::sync::Arc<weights::Expected>,
+    /// The most images one forward call takes (halved when memory runs out, [`Model::forward`]).
+    batch_limit: std::cell::Cell<i64>,
 }
 
 /// The exporter's note inside the architecture archive (`extra/diffmon.json`).
@@ -249,8 +464,12 @@ fn non_persistent_buffers(path: &Path) -> Vec<String> {
 
 impl Model {
     /// Loads the architecture on `device` (its own initial weights stay until a checkpoint is loaded).
+    ///
+    /// A file whose graph pins another device than `device` is refused
+    /// ([`ModelError::PinnedDevice`]); one that pins `device` itself is loaded, with a warning.
     pub fn load(path: &Path, device: Device) -> Result<Model, ModelError> {
         let module = Module::load(path, device)?;
+        check_pins(path, &module.device_constants()?, device)?;
         let (tensors, params) = module.named_tensors()?;
         let index: HashMap<String, usize> = tensors
             .iter()
@@ -277,6 +496,7 @@ impl Model {
             index,
             optional,
             expected,
+            batch_limit: std::cell::Cell::new(i64::MAX),
         })
     }
 
@@ -304,13 +524,66 @@ impl Model {
     }
 
     /// `D(x; sigma)` and the features, for `x: [B,C,H,W]` f32 and `sigma: [B]` f32 on the model's device.
+    ///
+    /// When memory runs out (a batch too large for the GPU), the batch is split in halves, and
+    /// again, down to one image; the limit found holds for every later call of this model, and
+    /// a warning says so. The inputs, and so the numbers, stay those of the whole batch: only
+    /// how many images go through the network at once changes.
     pub fn forward(&self, x: &Tensor, sigma: &Tensor) -> Result<(Tensor, Tensor), ModelError> {
-        self.module
-            .forward(x, sigma)
-            .map_err(|message| ModelError::Forward {
-                path: self.module.path.clone(),
-                message,
-            })
+        let n = x.size().first().copied().unwrap_or(0);
+        loop {
+            let chunk = self.batch_limit.get().min(n.max(1));
+            match self.forward_in_chunks(x, sigma, n, chunk) {
+                Ok(out) => return Ok(out),
+                Err(f) if f.out_of_memory && chunk > 1 => {
+                    let smaller = chunk / 2;
+                    tracing::warn!(
+                        file = %self.module.path.display(),
+                        batch = chunk,
+                        smaller,
+                        "out of memory in a forward of {chunk} images: forwarding at most \
+                         {smaller} at a time from now on (a smaller batch; the same numbers)"
+                    );
+                    self.batch_limit.set(smaller);
+                }
+                Err(f) => {
+                    return Err(ModelError::Forward {
+                        path: self.module.path.clone(),
+                        message: f.message,
+                    });
+                }
+            }
+        }
+    }
+
+    /// The forward of `x` (`n` images) in chunks of at most `chunk`, concatenated.
+    fn forward_in_chunks(
+        &self,
+        x: &Tensor,
+        sigma: &Tensor,
+        n: i64,
+        chunk: i64,
+    ) -> Result<(Tensor, Tensor), ForwardFailure> {
+        if chunk >= n {
+            return self.module.forward(x, sigma);
+        }
+        let (mut denoised, mut features) = (Vec::new(), Vec::new());
+        let mut start = 0;
+        while start < n {
+            let len = chunk.min(n - start);
+            let (d, f) = self
+                .module
+                .forward(&x.narrow(0, start, len), &sigma.narrow(0, start, len))?;
+            denoised.push(d);
+            features.push(f);
+            start += len;
+        }
+        Ok((Tensor::cat(&denoised, 0), Tensor::cat(&features, 0)))
+    }
+
+    /// The most images one forward call takes now: unlimited until memory ran out once.
+    pub fn batch_limit(&self) -> Option<i64> {
+        Some(self.batch_limit.get()).filter(|&l| l < i64::MAX)
     }
 
     /// Runs the model on two noisy images of `image_shape` `[C,H,W]` and checks the outputs'
@@ -324,9 +597,10 @@ impl Model {
         shape.extend_from_slice(image_shape);
         let x = Tensor::zeros(shape.as_slice(), (Kind::Float, self.device));
         let sigma = Tensor::ones([2], (Kind::Float, self.device));
-        let (denoised, features) = self.module.forward(&x, &sigma).map_err(|m| {
+        let (denoised, features) = self.module.forward(&x, &sigma).map_err(|f| {
             contract(format!(
-                "forward(x: {shape:?} f32, sigma: [2] f32) failed: {m}"
+                "forward(x: {shape:?} f32, sigma: [2] f32) failed: {}",
+                f.message
             ))
         })?;
         if denoised.size() != shape {

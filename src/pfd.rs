@@ -103,6 +103,7 @@ impl Descriptor {
                 source,
             }
         })?;
+        crate::model::check_pins(path, &crate::model::pinned_devices(path)?, device)?;
         Ok(Descriptor {
             module,
             path: path.to_path_buf(),

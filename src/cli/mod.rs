@@ -12,6 +12,9 @@ mod replay;
 mod sample;
 
 use crate::config::{self, Config, ConfigError, DeviceSpec, Observable};
+use crate::eval::EvalError;
+use crate::model::ModelError;
+use crate::pfd::PfdError;
 use crate::report::ReportError;
 use crate::tail;
 use anyhow::{Context, Result};
@@ -48,7 +51,8 @@ DIFFMON_LOG=debug, or DIFFMON_LOG=warn).
 Exit codes:
   0  success (also --help and --version)
   2  bad usage or config: a command-line error, a config file that cannot be read or is
-     invalid, an eval checkpoint with no step in its path, a report file of unknown format
+     invalid, an eval checkpoint with no step in its path, a report file of unknown format,
+     a device that is not there, a TorchScript file that pins another device
   1  any other failure, e.g. a checkpoint that could not be evaluated (eval evaluates the
      others first), a model that cannot be loaded, a port in use, a locked state folder
   watch also exits 130 on a second SIGINT/SIGTERM (the first drains the evaluation in flight).
@@ -293,6 +297,48 @@ fn keep_freed_memory() {
     }
 }
 
+/// `check-config`'s look into the TorchScript files the runs name (architecture, teacher,
+/// descriptor): a file whose graph pins a device runs on that device only, so it is a problem
+/// wherever the daemon will run. A file libtorch cannot load is left to the start, which says
+/// why.
+fn pinned_device_problems(config: &Config, runs: &[Config]) -> Vec<config::Problem> {
+    let mut seen = std::collections::HashSet::new();
+    let mut problems = Vec::new();
+    for run in runs {
+        let prefix = if config.is_sweep() {
+            format!("runs `{}`: ", run.run_name())
+        } else {
+            String::new()
+        };
+        let files = [
+            ("model.architecture", Some(&run.model.architecture)),
+            (
+                "pfd.teacher",
+                run.pfd.teacher.as_ref().filter(|_| run.pfd.enabled),
+            ),
+            (
+                "pfd.descriptor",
+                run.pfd.descriptor.as_ref().filter(|_| run.pfd.enabled),
+            ),
+        ];
+        for (key, path) in files {
+            let Some(path) = path else { continue };
+            if !seen.insert((key, path.clone())) {
+                continue;
+            }
+            match crate::model::pinned_devices(path) {
+                Ok(pins) if !pins.is_empty() => problems.push(config::Problem {
+                    key: format!("{prefix}{key}"),
+                    message: format!("{}: {}", path.display(), crate::model::pins_problem(&pins)),
+                }),
+                Ok(_) => {}
+                Err(e) => tracing::debug!("{e}"),
+            }
+        }
+    }
+    problems
+}
+
 /// A checkpoint given to `eval` whose path has no training step (a usage error, exit code 2).
 #[derive(Debug, thiserror::Error)]
 #[error(
@@ -316,7 +362,9 @@ pub enum Exit {
     /// 2: bad usage or config: a command line clap rejects ([`Exit::of_parse`]), or an error with
     /// one of these anywhere in its chain ([`Exit::of_error`]): a [`ConfigError`] (a config file
     /// that cannot be read or is invalid), a [`NoStep`] (an `eval` checkpoint with no step in its
-    /// path), a [`ReportError`] that [`ReportError::is_usage`] (a report file of unknown format).
+    /// path), a [`ReportError`] that [`ReportError::is_usage`] (a report file of unknown format),
+    /// a [`ModelError`] that [`ModelError::is_usage`] (a device that is not there, a TorchScript
+    /// file that pins another device), also inside an [`EvalError`] or a [`PfdError`].
     Usage = 2,
     /// 130: `watch` on a second SIGINT/SIGTERM, from its signal handler (`daemon::run`; the first
     /// one drains the evaluation in flight).
@@ -350,6 +398,13 @@ impl Exit {
                 || c.downcast_ref::<NoStep>().is_some()
                 || c.downcast_ref::<ReportError>()
                     .is_some_and(ReportError::is_usage)
+                || c.downcast_ref::<ModelError>()
+                    .or_else(|| c.downcast_ref::<EvalError>().and_then(EvalError::model))
+                    .or_else(|| match c.downcast_ref::<PfdError>() {
+                        Some(PfdError::Model(m)) => Some(m),
+                        _ => None,
+                    })
+                    .is_some_and(ModelError::is_usage)
         };
         if e.chain().any(usage) {
             Exit::Usage
@@ -404,6 +459,14 @@ pub fn run(command: Command) -> Result<()> {
             let mut config = Config::load(&file)?;
             config.imply_memorization();
             let runs = config.runs();
+            let problems = pinned_device_problems(&config, &runs);
+            if !problems.is_empty() {
+                return Err(ConfigError::Invalid {
+                    file: file.display().to_string(),
+                    problems,
+                }
+                .into());
+            }
             let what = if !config.is_sweep() {
                 format!(
                     "run `{}`, watching {}",

@@ -3,6 +3,9 @@
 // checks the model contract's output shape. Tensors cross the boundary as `torch::Tensor*`
 // allocated with `new`, the representation tch uses, so Rust takes ownership with
 // `tch::Tensor::from_ptr`.
+#include <ATen/Context.h>
+#include <torch/csrc/jit/ir/constants.h>
+#include <torch/csrc/jit/ir/ir.h>
 #include <torch/script.h>
 
 #include <cstdlib>
@@ -37,6 +40,8 @@ R guarded(char **err, R on_error, F body) {
 extern "C" {
 
 typedef void (*dm_named_tensor_cb)(void *data, const char *name, torch::Tensor *tensor);
+typedef void (*dm_device_constant_cb)(void *data, const char *device, const char *op,
+                                      const char *method);
 
 void dm_free_string(char *s) { std::free(s); }
 
@@ -99,6 +104,51 @@ int dm_module_forward(void *module, torch::Tensor *x, torch::Tensor *sigma, torc
         *features = new torch::Tensor(elements[1].toTensor());
         return 0;
       });
+}
+
+// Calls `cb` for every device constant in the graphs of the module's methods and of its
+// submodules' methods (nested blocks included): the device it names, the kind of the first node
+// using it (`aten::ones`) and the method's qualified name. A traced graph holds one where the
+// traced code passed a device (`torch.ones(..., device=t.device)`), and then runs only there.
+// Returns how many were found (-1 on error).
+int dm_module_device_constants(void *module, void *data, dm_device_constant_cb cb, char **err) {
+  return guarded<int>(err, -1, [&]() -> int {
+        auto *m = static_cast<torch::jit::Module *>(module);
+        int found = 0;
+        for (const auto &sub : m->modules()) {
+          for (const auto &method : sub.get_methods()) {
+            std::string name = method.function().qualname().qualifiedName();
+            std::vector<torch::jit::Block *> blocks{method.graph()->block()};
+            while (!blocks.empty()) {
+              torch::jit::Block *block = blocks.back();
+              blocks.pop_back();
+              for (torch::jit::Node *node : block->nodes()) {
+                for (torch::jit::Block *inner : node->blocks()) {
+                  blocks.push_back(inner);
+                }
+                if (node->kind() != c10::prim::Constant || node->outputs().size() != 1 ||
+                    node->output()->type()->kind() != c10::TypeKind::DeviceObjType) {
+                  continue;
+                }
+                auto value = torch::jit::toIValue(node->output());
+                std::string device = value && value->isDevice() ? value->toDevice().str() : "?";
+                const auto &uses = node->output()->uses();
+                std::string op = uses.empty() ? "(unused)" : uses[0].user->kind().toQualString();
+                cb(data, device.c_str(), op.c_str(), name.c_str());
+                found++;
+              }
+            }
+          }
+        }
+        return found;
+      });
+}
+
+// TF32 off for cuDNN convolutions and cuBLAS matrix products (libtorch's default leaves it on
+// for cuDNN), so CUDA computes in float32 as the CPU does; `on` turns both on.
+void dm_set_tf32(int on) {
+  at::globalContext().setAllowTF32CuDNN(on != 0);
+  at::globalContext().setAllowTF32CuBLAS(on != 0);
 }
 
 }  // extern "C"

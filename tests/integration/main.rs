@@ -6,6 +6,7 @@ mod cli;
 mod common;
 mod daemon;
 mod data;
+mod devices;
 mod early_stop;
 mod eval;
 mod formats;
