@@ -36,6 +36,21 @@ whose first item is the tensor, or an object with a ``.sample`` attribute (diffu
 layer must run exactly once per forward and return a tensor; a ``[B,L,D]`` token output is
 mean-pooled over ``L`` to ``[B,D]``.
 
+Device independence
+-------------------
+Tracing freezes the device of tensors a network creates itself: diffusers' ``torch.ones(B,
+device=timesteps.device)`` is recorded as ``device=torch.device("cpu")`` (a ``prim::Constant`` of
+type ``Device``), so a file traced on the CPU would fail on CUDA and the other way round. After
+tracing, ``export`` rewrites every such constant, in every method graph of the module and of all
+its submodules, to ``prim::device(t)`` of that graph's first tensor input ``t`` (``x`` for the
+top-level ``forward``): the created tensors then follow the input's device. A graph with a device
+constant but no tensor input cannot be rewritten and is an :class:`ExportError`. After saving,
+the reloaded file is checked to hold no device constant (:func:`device_constants` lists them,
+with the op that uses each); the file's ``diffmon.json`` note records ``"device_independent":
+true`` and the torch version. Tensor constants (the VP schedule table) are not device constants:
+they follow the device the file is loaded on (``map_location`` / ``CModule::load_on_device``).
+Dtype constants are left alone: they do not depend on the device.
+
 Parameterizations
 -----------------
 ``edm``      ``module(x, sigma)`` already returns D(x; sigma).
@@ -125,6 +140,7 @@ from torch import Tensor, nn
 __all__ = [
     "export",
     "ExportError",
+    "device_constants",
     "PARAMETERIZATIONS",
     "SCHEDULES",
     "vp_alphas_cumprod",
@@ -321,6 +337,100 @@ def _non_persistent_buffers(net: nn.Module) -> list:
     return names
 
 
+# ---------------------------------------------------------------------------------------------
+# Device independence (module docstring)
+# ---------------------------------------------------------------------------------------------
+
+def _method_graphs(script_module) -> list:
+    """``(name, graph)`` of every method of a ScriptModule and of all its submodules, ``name``
+    being ``forward`` or ``time_proj.forward`` (dotted submodule path). Submodules of one class
+    type share their method graphs: each graph is listed once."""
+    out, seen = [], set()
+    for prefix, mod in script_module.named_modules():
+        c = mod._c
+        type_name = c._type().qualified_name()
+        for meth in c._method_names():
+            if (type_name, meth) in seen:
+                continue
+            seen.add((type_name, meth))
+            out.append((f"{prefix}.{meth}" if prefix else meth, c._get_method(meth).graph))
+    return out
+
+
+def _nodes(block):
+    """Every node of a graph or block, nested blocks (``prim::If``, ``prim::Loop``) included."""
+    for n in block.nodes():
+        yield n
+        for b in n.blocks():
+            yield from _nodes(b)
+
+
+def _is_device_constant(node) -> bool:
+    return node.kind() == "prim::Constant" and node.output().type().kind() == "DeviceObjType"
+
+
+def _where(node) -> str:
+    """The first line of a node's source range: the Python line it was traced from."""
+    lines = [ln.strip() for ln in str(node.sourceRange()).splitlines() if ln.strip()]
+    return lines[0] if lines else "(no source range)"
+
+
+def _describe(method: str, const) -> list:
+    device = str(const.output().toIValue())
+    users = [u.user for u in const.output().uses()]
+    if not users:
+        return [{"device": device, "op": "(unused)", "method": method, "where": _where(const)}]
+    return [{"device": device, "op": u.kind(), "method": method, "where": _where(u)} for u in users]
+
+
+def device_constants(script_module) -> list:
+    """The device constants (``prim::Constant`` of type ``Device``) in every method graph of a
+    TorchScript module and of all its submodules, nested blocks included: one dict per use,
+    ``{"device": "cpu", "op": "aten::ones", "method": "forward", "where": "unet_2d.py(285): forward"}``
+    (``method`` is dotted by submodule, ``where`` is the source line of the op). ``script_module``
+    is a loaded ``torch.jit.ScriptModule`` or the path of a TorchScript file (loaded on the CPU).
+    An empty list means the file runs on whatever device its inputs are on."""
+    if isinstance(script_module, (str, os.PathLike)):
+        script_module = torch.jit.load(str(script_module), map_location="cpu")
+    found = []
+    for method, graph in _method_graphs(script_module):
+        for n in _nodes(graph):
+            if _is_device_constant(n):
+                found.extend(_describe(method, n))
+    return found
+
+
+def _format_pins(pins: list) -> str:
+    return "; ".join(f"{p['op']} pins device {p['device']!r} in {p['method']} ({p['where']})" for p in pins)
+
+
+def _make_device_independent(script_module) -> int:
+    """Replace every device constant of every method graph by ``prim::device`` of that graph's
+    first tensor input (inserted at the start of the graph, so it dominates nested blocks too).
+    Returns the number of constants replaced; raises ExportError for a graph without a tensor
+    input."""
+    replaced = 0
+    for method, graph in _method_graphs(script_module):
+        consts = [n for n in _nodes(graph) if _is_device_constant(n)]
+        if not consts:
+            continue
+        # inputs()[0] is `self` (a module type); Optional[Tensor] or scalar inputs do not count.
+        source = next((v for v in graph.inputs() if v.type().kind() == "TensorType"), None)
+        if source is None:
+            pins = [p for n in consts for p in _describe(method, n)]
+            raise ExportError(f"cannot make the export device-independent: {_format_pins(pins)}, and "
+                              f"{method} takes no tensor input whose device could replace it; create the "
+                              "tensor on the device of an input tensor (device=x.device) in a method that has one")
+        device = graph.create("prim::device", [source], 1)
+        device.output().setType(torch._C.DeviceObjType.get())
+        device.insertBefore(next(iter(graph.nodes())))
+        for n in consts:
+            n.output().replaceAllUsesWith(device.output())
+            n.destroy()
+            replaced += 1
+    return replaced
+
+
 def export(module: nn.Module, feature_layer: str, path, parameterization: str = "edm",
            example_shape=None, sigma_data: float = 0.5, *, schedule: str = "linear",
            beta_min: Optional[float] = None, beta_max: Optional[float] = None, T: int = 1000,
@@ -432,13 +542,20 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _atomic_tmp(path)
     try:
+        # The trace's device constants become the input's device (module docstring).
+        _make_device_independent(traced)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=DeprecationWarning, message=r".*torch\.jit")
             # Non-persistent buffers are part of the module but never of a state_dict(): the
             # note tells diffmon not to expect them in checkpoints (they keep these values).
-            note = {"non_persistent_buffers": _non_persistent_buffers(net)}
+            note = {"non_persistent_buffers": _non_persistent_buffers(net),
+                    "device_independent": True, "torch": torch.__version__}
             torch.jit.save(traced, str(tmp), _extra_files={"diffmon.json": json.dumps(note)})
             loaded = torch.jit.load(str(tmp), map_location=device)
+        pins = device_constants(loaded)
+        if pins:
+            raise ExportError(f"the exported file is not device-independent: {_format_pins(pins)}; it "
+                              "would fail on any other device")
         if check:
             x3, s3 = _example_inputs(shape, 3, 1, device)
             with torch.no_grad():
