@@ -5,6 +5,8 @@ on 1x16x16 images):
 
 * ``pinned_cpu.ts``: traced on the CPU without the exporter's rewrite, so its graph holds a
   device constant (``torch.ones(..., device=cpu)``), as a file written by an older exporter.
+* ``exported.ts``: the same network through ``diffmon.export`` (feature layer ``conv``), which
+  rewrites the constant to the input's device.
 * ``pinned_cuda.ts``: the same graph with that constant made ``cuda:0``, as a file traced on a
   GPU (made on the CPU: the constant is data until the graph runs).
 * ``oom_at_4.ts`` / ``oom_never.ts``: a scripted network whose forward raises libtorch's
@@ -20,6 +22,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+
+from diffmon.export import export
 
 SIZE = 16
 
@@ -75,6 +79,7 @@ def main(argv=None) -> int:
     traced = torch.jit.trace(PinsDevice().eval(), (x, sigma), check_trace=False)
     assert device_constants(traced.graph), "tracing no longer pins the device: the fixture is moot"
     torch.jit.save(traced, str(out / "pinned_cpu.ts"))
+    export(PinsDevice(), "conv", out / "exported.ts", "edm", (1, 1, SIZE, SIZE))
     for node in device_constants(traced.graph):
         with traced.graph.insert_point_guard(node):
             cuda = traced.graph.insertConstant(torch.device("cuda:0"))
