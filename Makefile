@@ -4,7 +4,8 @@
 #   make fuzz   set up if needed, then each fuzz target for FUZZ_SECONDS (default 60)
 #   make test-install   the no-root `pip install ./` end to end, as an unprivileged user, in a
 #               fresh virtual environment (a cold build: 5 to 15 min; not part of `make test`)
-# `make setup` is idempotent and cheap once done.
+# `make setup` is idempotent and cheap once done. `make setup TORCH_VERSION=2.11.0` sets the
+# project up against another supported torch (2.11.x or 2.13.x; the default is 2.13.0).
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -17,7 +18,7 @@ FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?= checkpoint pickle safetensors config
 export CARGO_TERM_COLOR := never
 
-.PHONY: setup apt venv build test test-install demo bench clean-demo lint fuzz
+.PHONY: setup apt venv build test test-install demo bench clean-demo lint fuzz FORCE
 
 setup: apt venv build
 
@@ -29,7 +30,14 @@ apt:
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: python/requirements.txt
+# The torch release the venv holds: the stamp file changes only when TORCH_VERSION does, so a
+# different TORCH_VERSION reinstalls torch and the requirements.
+TORCH_STAMP := $(VENV)/.torch-version
+$(TORCH_STAMP): FORCE
+	@mkdir -p $(VENV)
+	@if [ "$$(cat $@ 2>/dev/null)" != "$(TORCH_VERSION)" ]; then echo "$(TORCH_VERSION)" > $@; fi
+
+$(VENV)/.installed: python/requirements.txt $(TORCH_STAMP)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION) -r python/requirements.txt
@@ -37,7 +45,10 @@ $(VENV)/.installed: python/requirements.txt
 	ln -sfn "$$($(PY) -c 'import os, torch; print(os.path.dirname(torch.__file__))')" $(VENV)/libtorch
 	touch $@
 
+# Cargo.lock pins the tch release of the venv's torch first (tools/build-backend/diffmon_build.py:
+# tch 0.26 for torch 2.13, 0.24 for 2.11; an unsupported torch stops here, naming the supported).
 build: venv
+	$(PY) tools/build-backend/diffmon_build.py select-tch --python $(PY)
 	cargo build --release --locked
 
 test: setup
