@@ -106,7 +106,8 @@ def _series_range(spec: str) -> tuple:
 
 
 def test_the_mapping_agrees_with_the_manifests():
-    """TCH_FOR_TORCH is the one map; Cargo.toml, Cargo.lock, pyproject.toml and the Makefile agree."""
+    """TCH_FOR_TORCH is the one map; Cargo.toml, Cargo.lock, pyproject.toml, the Makefile's default
+    torch and its install-test releases agree with it."""
     mapping = diffmon_build.TCH_FOR_TORCH
     assert mapping == {"2.11": "0.24.0", "2.13": "0.26.0"}
     cargo = tomllib.loads((ROOT / "Cargo.toml").read_text())
@@ -127,6 +128,9 @@ def test_the_mapping_agrees_with_the_manifests():
     low, high = _series_range(dep)
     series = sorted(map(key, mapping))
     assert low == series[0] and high == (series[-1][0], series[-1][1] + 1)
+    # `make test-install` installs every supported series once.
+    tested = re.search(r"^TEST_INSTALL_TORCH \?= (.+)$", (ROOT / "Makefile").read_text(), re.M)[1]
+    assert sorted(diffmon_build.torch_series(e.split(":")[0]) for e in tested.split()) == sorted(mapping)
     # Each series in the range has a binding or a reason for having none.
     for minor in range(low[1], high[1]):
         s = f"{low[0]}.{minor}"
