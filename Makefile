@@ -3,8 +3,10 @@
 #   make test   set up if needed, then every test
 #   make fuzz   set up if needed, then each fuzz target for FUZZ_SECONDS (default 60)
 #   make test-install   the no-root `pip install ./` end to end, as an unprivileged user, in a
-#               fresh virtual environment (a cold build: 5 to 15 min; not part of `make test`)
-# `make setup` is idempotent and cheap once done.
+#               fresh virtual environment, for each supported torch (a cold build each: 5 to
+#               15 min; not part of `make test`)
+# `make setup` is idempotent and cheap once done. `make setup TORCH_VERSION=2.11.0` sets the
+# project up against another supported torch (2.11.x or 2.13.x; the default is 2.13.0).
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -12,12 +14,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 BIN := target/release/diffmon
 TORCH_VERSION := 2.13.0
+# The no-root install test's torch releases, each with its HDF5/OpenSSL mode (scripts/test-install):
+# the newest with both built from source, 2.11 linking the system's (a shorter build).
+TEST_INSTALL_TORCH ?= 2.13.0:hidden 2.11.0:system
 APT_PACKAGES := build-essential pkg-config libhdf5-dev libssl-dev python3-venv prometheus prometheus-alertmanager time chromium fonts-dejavu-core slurm-wlm munge
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?= checkpoint pickle safetensors config
 export CARGO_TERM_COLOR := never
 
-.PHONY: setup apt venv build test test-install demo bench clean-demo lint fuzz
+.PHONY: setup apt venv build test test-install demo bench clean-demo lint fuzz FORCE
 
 setup: apt venv build
 
@@ -29,7 +34,14 @@ apt:
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: python/requirements.txt
+# The torch release the venv holds: the stamp file changes only when TORCH_VERSION does, so a
+# different TORCH_VERSION reinstalls torch and the requirements.
+TORCH_STAMP := $(VENV)/.torch-version
+$(TORCH_STAMP): FORCE
+	@mkdir -p $(VENV)
+	@if [ "$$(cat $@ 2>/dev/null)" != "$(TORCH_VERSION)" ]; then echo "$(TORCH_VERSION)" > $@; fi
+
+$(VENV)/.installed: python/requirements.txt $(TORCH_STAMP)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION) -r python/requirements.txt
@@ -37,19 +49,26 @@ $(VENV)/.installed: python/requirements.txt
 	ln -sfn "$$($(PY) -c 'import os, torch; print(os.path.dirname(torch.__file__))')" $(VENV)/libtorch
 	touch $@
 
+# Cargo.lock pins the tch release of the venv's torch first (tools/build-backend/diffmon_build.py:
+# tch 0.26 for torch 2.13, 0.24 for 2.11; an unsupported torch stops here, naming the supported).
 build: venv
+	$(PY) tools/build-backend/diffmon_build.py select-tch --python $(PY)
 	cargo build --release --locked
 
 test: setup
 	scripts/run-tests
 
 # README, "Install without root": torch's wheels into a fresh virtual environment, then
-# `pip install ./` and `diffmon eval` as the user nobody, with the system's HDF5 and OpenSSL
-# headers hidden so the install builds both from source (INSTALL_TEST_LIBS=system links the
-# system's). Needs root, the Debian packages (a C/C++ compiler, python3-venv) and root's Rust
-# toolchain; it never uses .venv or target/. Prints `summary: N passed, N failed`.
+# `pip install ./` and `diffmon eval` as the user nobody, once per TEST_INSTALL_TORCH entry
+# (torch version:libs): `hidden` hides the system's HDF5 and OpenSSL headers so the install builds
+# both from source, `system` links the system's. Needs root, the Debian packages (a C/C++
+# compiler, python3-venv) and root's Rust toolchain; it never uses .venv or target/. Prints a
+# `summary: N passed, N failed` line per torch release; fails when any run does.
 test-install: apt
-	scripts/test-install
+	@status=0; for entry in $(TEST_INSTALL_TORCH); do \
+	  echo "== make test-install: torch $${entry%%:*}, INSTALL_TEST_LIBS=$${entry##*:}"; \
+	  TORCH_VERSION=$${entry%%:*} INSTALL_TEST_LIBS=$${entry##*:} scripts/test-install || status=1; \
+	done; exit $$status
 
 demo: setup
 	scripts/demo

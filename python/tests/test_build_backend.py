@@ -1,9 +1,11 @@
 """`pip install ./`'s backend wrapper (tools/build-backend/diffmon_build.py), without building:
-where it finds torch, what it refuses and says, how it picks the HDF5 and OpenSSL builds; and that the two
-pyprojects (`./` and `./python`) describe one distribution. The real install is
-`make test-install` (scripts/test-install)."""
+where it finds torch, which tch release it pins for it (and that the mapping agrees with Cargo.toml,
+Cargo.lock, pyproject.toml and the Makefile), what it refuses and says, how it picks the HDF5 and
+OpenSSL builds; and that the two pyprojects (`./` and `./python`) describe one distribution. The
+real install is `make test-install` (scripts/test-install)."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -56,17 +58,168 @@ def test_probe_asks_the_interpreter_outside_the_pythonpath_overlay(tmp_path, mon
     assert info["version"] == "2.13.0+cu130"
     assert info["cxx11_abi"] is True
     assert Path(info["dir"]).resolve().is_relative_to((tmp_path / "env").resolve())
-    diffmon_build.check_torch(info)  # 2.13.x with lib/ and include/torch: accepted
+    assert diffmon_build.check_torch(info) == "0.26.0"  # 2.13.x with lib/ and include/torch
 
 
-@pytest.mark.parametrize("version", ["2.12.1+cpu", "2.14.0", "2.1.3", "3.13.0"])
-def test_other_torch_releases_are_refused_naming_2_13_and_tch(tmp_path, version):
+@pytest.mark.parametrize("version, tch", [("2.11.0", "0.24.0"), ("2.11.3+cu130", "0.24.0"),
+                                          ("2.13.0+cpu", "0.26.0"), ("2.13.2", "0.26.0")])
+def test_each_supported_torch_gets_its_tch_release(tmp_path, version, tch):
+    assert diffmon_build.tch_for_torch(version) == tch
+    python = _env_with_torch(tmp_path / "env", version)
+    assert diffmon_build.check_torch(diffmon_build.probe_torch(str(python))) == tch
+
+
+def _assert_names_the_supported(msg: str) -> None:
+    assert "torch 2.11.x or 2.13.x" in msg
+    assert "tch 0.24.0 for torch 2.11, tch 0.26.0 for torch 2.13" in msg
+    assert "libtorch's C++ API and ABI change with every torch release" in msg
+
+
+@pytest.mark.parametrize("version", ["2.10.0", "2.14.0+cu130", "2.1.3", "3.13.0", "2.13.0a0",
+                                     "2.11.0.dev20260101", "2.13"])
+def test_other_torch_releases_are_refused_naming_the_supported_ones(tmp_path, version):
     python = _env_with_torch(tmp_path / "env", version)
     info = diffmon_build.probe_torch(str(python))
     with pytest.raises(diffmon_build.BuildError) as e:
         diffmon_build.check_torch(info)
     msg = str(e.value)
-    assert version in msg and "2.13" in msg and "tch 0.26" in msg
+    assert f"the environment has torch {version} (" in msg and "not supported" in msg
+    _assert_names_the_supported(msg)
+    assert "torch==2.13.*" in msg
+    with pytest.raises(diffmon_build.BuildError, match="not supported"):
+        diffmon_build.tch_for_torch(version)
+
+
+def test_torch_2_12_is_refused_saying_its_binding_is_not_published():
+    with pytest.raises(diffmon_build.BuildError) as e:
+        diffmon_build.tch_for_torch("2.12.1+cpu")
+    msg = str(e.value)
+    _assert_names_the_supported(msg)
+    assert "torch 2.12: its binding, tch 0.25, is not published" in msg
+
+
+def _series_range(spec: str) -> tuple:
+    """'>=0.24.0, <0.27.0' or '>=2.11,<2.14' -> ((0, 24), (0, 27))."""
+    low = re.search(r">=\s*(\d+)\.(\d+)", spec)
+    high = re.search(r"<\s*(\d+)\.(\d+)", spec)
+    return (int(low[1]), int(low[2])), (int(high[1]), int(high[2]))
+
+
+def test_the_mapping_agrees_with_the_manifests():
+    """TCH_FOR_TORCH is the one map; Cargo.toml, Cargo.lock, pyproject.toml, the Makefile's default
+    torch and its install-test releases agree with it."""
+    mapping = diffmon_build.TCH_FOR_TORCH
+    assert mapping == {"2.11": "0.24.0", "2.13": "0.26.0"}
+    cargo = tomllib.loads((ROOT / "Cargo.toml").read_text())
+    key = lambda v: tuple(int(p) for p in v.split(".")[:2])  # noqa: E731
+    for crate in ("tch", "torch-sys"):
+        low, high = _series_range(cargo["dependencies"][crate])
+        assert all(low <= key(tch) < high for tch in mapping.values()), crate
+        assert low == min(map(key, mapping.values())) and high == (0, max(key(t)[1] for t in mapping.values()) + 1)
+    # The lock pins the binding of the project's own torch (the Makefile's default).
+    default = re.search(r"^TORCH_VERSION := (\S+)$", (ROOT / "Makefile").read_text(), re.M)[1]
+    assert default == "2.13.0"
+    pinned = diffmon_build.locked_versions((ROOT / "Cargo.lock").read_text())
+    assert pinned == {"tch": mapping["2.13"], "torch-sys": mapping["2.13"]}
+    assert diffmon_build.tch_for_torch(default) == mapping["2.13"]
+    # pip's dependency range spans exactly the mapped series.
+    top = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    (dep,) = top["project"]["dependencies"]
+    low, high = _series_range(dep)
+    series = sorted(map(key, mapping))
+    assert low == series[0] and high == (series[-1][0], series[-1][1] + 1)
+    # `make test-install` installs every supported series once.
+    tested = re.search(r"^TEST_INSTALL_TORCH \?= (.+)$", (ROOT / "Makefile").read_text(), re.M)[1]
+    assert sorted(diffmon_build.torch_series(e.split(":")[0]) for e in tested.split()) == sorted(mapping)
+    # Each series in the range has a binding or a reason for having none.
+    for minor in range(low[1], high[1]):
+        s = f"{low[0]}.{minor}"
+        assert (s in mapping) != (s in diffmon_build.TORCH_WITHOUT_TCH), s
+
+
+LOCK = """# This file is automatically @generated by Cargo.
+version = 4
+
+[[package]]
+name = "diffmon"
+version = "0.1.0"
+dependencies = [
+ "tch",
+ "torch-sys",
+]
+
+[[package]]
+name = "tch"
+version = "{v}"
+source = "registry+https://example.invalid/index"
+
+[[package]]
+name = "torch-sys"
+version = "{v}"
+source = "registry+https://example.invalid/index"
+"""
+
+# A stand-in cargo: `cargo update -p CRATE --precise V` rewrites both crates' versions (as tch
+# pins its torch-sys exactly), logs its arguments, and fails for the version 9.9.9.
+FAKE_CARGO = """#!{python}
+import re, sys
+open("cargo.log", "a").write(" ".join(sys.argv[1:]) + "\\n")
+v = sys.argv[sys.argv.index("--precise") + 1]
+if v == "9.9.9":
+    sys.exit("error: no version 9.9.9")
+text = open("Cargo.lock").read()
+text = re.sub(r'(name = "(?:tch|torch-sys)"\\nversion = )"[^"]+"', r'\\1"%s"' % v, text)
+open("Cargo.lock", "w").write(text)
+"""
+
+
+@pytest.fixture
+def checkout(tmp_path, monkeypatch):
+    root = tmp_path / "checkout"
+    root.mkdir()
+    (root / "Cargo.lock").write_text(LOCK.format(v="0.26.0"))
+    cargo = tmp_path / "cargo"
+    cargo.write_text(FAKE_CARGO.format(python=sys.executable))
+    cargo.chmod(0o755)
+    monkeypatch.setenv("CARGO", str(cargo))
+    return root
+
+
+def test_select_tch_moves_the_lock_and_restore_puts_it_back(checkout):
+    before = diffmon_build.select_tch(str(checkout), "0.26.0")
+    assert before is None and not (checkout / "cargo.log").exists()  # already pinned: no cargo
+    before = diffmon_build.select_tch(str(checkout), "0.24.0")
+    assert before == LOCK.format(v="0.26.0")
+    assert (checkout / "cargo.log").read_text() == "update -p tch --precise 0.24.0\n"  # torch-sys along
+    assert diffmon_build.locked_versions((checkout / "Cargo.lock").read_text()) == {
+        "tch": "0.24.0", "torch-sys": "0.24.0"}
+    diffmon_build.restore_lock(str(checkout), before)
+    assert (checkout / "Cargo.lock").read_text() == LOCK.format(v="0.26.0")
+
+
+def test_a_failed_cargo_update_leaves_the_lock_as_it_was(checkout):
+    with pytest.raises(diffmon_build.BuildError, match="cargo update -p tch --precise 9.9.9"):
+        diffmon_build.select_tch(str(checkout), "9.9.9")
+    assert (checkout / "Cargo.lock").read_text() == LOCK.format(v="0.26.0")
+
+
+def test_select_tch_command_line(tmp_path, checkout):
+    """`diffmon_build.py select-tch --python P` (make build): probes P's torch, pins its tch."""
+    script = BACKEND_DIR / "diffmon_build.py"
+    _env_with_torch(tmp_path / "env211", "2.11.0+cu130")
+    python = os.path.join("env211", "bin", "python")  # relative, as the Makefile passes .venv/bin/python
+    cli = [sys.executable, str(script), "select-tch", "--python", python, "--root", str(checkout)]
+    r = subprocess.run(cli, capture_output=True, text=True, env=dict(os.environ), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "torch 2.11.0+cu130: tch 0.24.0; moved Cargo.lock to it" in r.stderr
+    assert (checkout / "Cargo.lock").read_text() == LOCK.format(v="0.24.0")  # left there
+    old = _env_with_torch(tmp_path / "env210", "2.10.0")
+    cli[cli.index(python)] = str(old)
+    r = subprocess.run(cli, capture_output=True, text=True, env=dict(os.environ), cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "error: diffmon cannot be built: the environment has torch 2.10.0" in r.stderr
+    _assert_names_the_supported(r.stderr)
+    assert (checkout / "Cargo.lock").read_text() == LOCK.format(v="0.24.0")  # untouched
 
 
 def _hook(python: Path, hook: str, env: dict) -> subprocess.CompletedProcess:
@@ -84,14 +237,17 @@ def test_the_hook_fails_early_with_a_message_when_torch_is_missing(tmp_path):
     r = _hook(env_dir / "bin" / "python", "get_requires_for_build_wheel", env)
     assert r.returncode == 1, r
     assert "error: diffmon cannot be built: torch is not importable" in r.stderr
+    assert "install torch 2.11.x or 2.13.x" in r.stderr
     assert "torch==2.13.*" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_the_hook_fails_early_on_torch_2_12(tmp_path):
-    python = _env_with_torch(tmp_path / "env", "2.12.0")
+@pytest.mark.parametrize("version", ["2.12.0", "2.10.0"])
+def test_the_hook_fails_early_on_an_unsupported_torch(tmp_path, version):
+    python = _env_with_torch(tmp_path / "env", version)
     r = _hook(python, "get_requires_for_build_wheel", dict(os.environ))
-    assert r.returncode == 1
-    assert "torch 2.12.0" in r.stderr and "needs torch 2.13.x" in r.stderr
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"error: diffmon cannot be built: the environment has torch {version}" in r.stderr
+    _assert_names_the_supported(r.stderr)
 
 
 def test_missing_cargo_and_compilers_are_named(tmp_path, monkeypatch):
@@ -178,7 +334,7 @@ def test_the_two_pyprojects_are_one_distribution():
     import diffmon
     assert cargo["package"]["version"] == helpers["project"]["version"] == diffmon.__version__
     assert top["project"]["optional-dependencies"] == helpers["project"]["optional-dependencies"]
-    assert top["project"]["dependencies"] == ["torch>=2.13,<2.14"]
+    assert top["project"]["dependencies"] == ["torch>=2.11,<2.14"]
     assert top["tool"]["maturin"]["python-source"] == "python"
     assert top["tool"]["maturin"]["module-name"] == "diffmon"
     assert top["build-system"]["backend-path"] == ["tools/build-backend"]

@@ -10,9 +10,20 @@ and sets for the cargo build:
                           build.rs embeds lib/ as the binary's rpath)
     LIBTORCH_CXX11_ABI    torch._C._GLIBCXX_USE_CXX11_ABI
 
-These override `.cargo/config.toml`'s values, which are not forced. It fails early, with a
-message saying what to do, when torch is missing or not 2.13.x (tch 0.26 is built for libtorch
-2.13), or when cargo or a C/C++ compiler is missing.
+These override `.cargo/config.toml`'s values, which are not forced.
+
+torch 2.11.x and 2.13.x are supported. libtorch's C++ API and ABI change with every torch release,
+and each release of diffmon's libtorch binding (the tch and torch-sys crates) is generated for,
+and compiles against, exactly one: tch 0.24 for torch 2.11, tch 0.26 for torch 2.13 (TCH_FOR_TORCH
+below). Cargo.toml accepts that range of tch; Cargo.lock pins 0.26 (the project's own torch
+2.13.0). Before maturin runs cargo, the build moves Cargo.lock to the release that matches the
+environment's torch (`cargo update -p tch --precise X`, torch-sys along) and puts the file back
+as it was when the build ends, so the checkout is left as it was (the build's own `target/` aside).
+torch 2.12 is refused: its binding, tch 0.25, is not published on the crate registry
+(TORCH_WITHOUT_TCH).
+
+It fails early, with a message saying what to do, when torch is missing or another release
+(naming the supported ones), or when cargo or a C/C++ compiler is missing.
 
 HDF5: DIFFMON_HDF5=auto (the default) links the system's HDF5 when the build can find it (HDF5_DIR,
 pkg-config's `hdf5`, or the Debian/RHEL header folders hdf5-metno-sys looks in) and otherwise
@@ -24,6 +35,14 @@ which needs perl and make); `system` or `vendored` forces one. DIFFMON_PYTHON na
 whose torch to use (for frontends that build in a separate virtual environment).
 
 Everything else is maturin's (tool.maturin in pyproject.toml).
+
+From the command line (the Makefile's `make build` runs it before `cargo build --locked`):
+
+    python tools/build-backend/diffmon_build.py select-tch [--python .venv/bin/python]
+
+probes that interpreter's torch, refuses an unsupported one with the same message, and moves
+Cargo.lock to the matching tch release, leaving it there (the checkout is then set up for that
+torch; `make setup` with the default TORCH_VERSION moves it back).
 """
 
 from __future__ import annotations
@@ -38,7 +57,13 @@ import sys
 import tempfile
 from typing import Any, Mapping, Optional
 
-TORCH_SERIES = "2.13"  # tch 0.26 / torch-sys 0.26 are built for libtorch 2.13
+# The one place that maps a torch release series to the tch/torch-sys release generated for it.
+# Each tch release binds exactly one libtorch (its C++ API and ABI change every release); tch and
+# torch-sys share version numbers and tch pins its torch-sys exactly.
+TCH_FOR_TORCH = {"2.11": "0.24.0", "2.13": "0.26.0"}
+# Series inside the range with no binding to build against, and why.
+TORCH_WITHOUT_TCH = {"2.12": "its binding, tch 0.25, is not published on the crate registry"}
+NEWEST_SERIES = max(TCH_FOR_TORCH, key=lambda s: tuple(map(int, s.split("."))))
 HDF5_MODES = ("auto", "system", "static")
 # Where hdf5-metno-sys looks for headers when pkg-config has no `hdf5` (its build.rs, Linux).
 HDF5_DEFAULT_INCLUDE_DIRS = ("/usr/include/hdf5/serial", "/usr/include")
@@ -114,26 +139,120 @@ def find_torch() -> dict:
         errors.append(f"  {python}: {info['error']}")
     raise BuildError(
         "torch is not importable in the environment being installed into:\n" + "\n".join(errors)
-        + f"\ndiffmon links against the environment's libtorch: install torch {TORCH_SERIES}.x"
-        f" there first (pip install 'torch=={TORCH_SERIES}.*'), then run `pip install ./` again"
-        " with that environment's pip. If your installer builds in an environment of its own,"
-        " set DIFFMON_PYTHON to the interpreter whose torch to use.")
+        + f"\ndiffmon links against the environment's libtorch: install torch {supported_text()}"
+        f" there first (for example pip install 'torch=={NEWEST_SERIES}.*'), then run"
+        " `pip install ./` again with that environment's pip. If your installer builds in an"
+        " environment of its own, set DIFFMON_PYTHON to the interpreter whose torch to use.")
 
 
-def check_torch(info: dict) -> None:
+def _series_key(series: str) -> tuple:
+    return tuple(int(p) for p in series.split("."))
+
+
+def supported_text() -> str:
+    """'2.11.x or 2.13.x' (from TCH_FOR_TORCH)."""
+    names = [f"{s}.x" for s in sorted(TCH_FOR_TORCH, key=_series_key)]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def torch_series(version: str) -> Optional[str]:
+    """'2.11' for '2.11.0' or '2.11.1+cu130'; None for anything but an X.Y.Z release (a nightly
+    or a pre-release is not the libtorch a tch release was generated for)."""
+    m = re.fullmatch(r"(\d+)\.(\d+)\.\d+", version.split("+", 1)[0])
+    return f"{int(m.group(1))}.{int(m.group(2))}" if m else None
+
+
+def _unsupported(version: str) -> str:
+    series = torch_series(version)
+    pairs = ", ".join(f"tch {TCH_FOR_TORCH[s]} for torch {s}"
+                      for s in sorted(TCH_FOR_TORCH, key=_series_key))
+    why = f" (torch {series}: {TORCH_WITHOUT_TCH[series]})" if series in TORCH_WITHOUT_TCH else ""
+    return (f"diffmon builds against torch {supported_text()}{why}. It links the environment's"
+            " libtorch through the tch crate, and libtorch's C++ API and ABI change with every"
+            f" torch release, so each tch release is generated for exactly one ({pairs}) and"
+            " cannot link against another.")
+
+
+def tch_for_torch(version: str) -> str:
+    """The tch/torch-sys release for this torch version, or BuildError naming the supported ones."""
+    series = torch_series(version)
+    if series in TCH_FOR_TORCH:
+        return TCH_FOR_TORCH[series]
+    raise BuildError(f"torch {version} is not supported: {_unsupported(version)}")
+
+
+def check_torch(info: dict) -> str:
+    """Checks the probed torch; returns the tch release to build with."""
     version = info["version"]
-    release = version.split("+", 1)[0]
-    if not re.fullmatch(re.escape(TORCH_SERIES) + r"\.\d+", release):
+    if torch_series(version) not in TCH_FOR_TORCH:
         raise BuildError(
-            f"the environment has torch {version} ({info['dir']}); diffmon needs torch"
-            f" {TORCH_SERIES}.x: its libtorch binding (the tch 0.26 crate) is built for libtorch"
-            f" {TORCH_SERIES} and cannot link against another release. Install"
-            f" 'torch=={TORCH_SERIES}.*' in this environment (or a new one) and try again.")
+            f"the environment has torch {version} ({info['dir']}), which is not supported:"
+            f" {_unsupported(version)} Install one of the supported releases in this environment"
+            f" (or a new one), for example 'torch=={NEWEST_SERIES}.*', and try again.")
+    tch = tch_for_torch(version)
     lib = os.path.join(info["dir"], "lib")
     include = os.path.join(info["dir"], "include", "torch")
     if not os.path.isdir(lib) or not os.path.isdir(include):
         raise BuildError(f"torch at {info['dir']} has no lib/ or include/torch/: a torch wheel"
                          " ships both; reinstall torch from a wheel")
+    return tch
+
+
+# ---------------------------------------------------------------------------------------------
+# Cargo.lock: the tch release that matches the torch
+
+
+def locked_versions(lock_text: str) -> dict:
+    """{'tch': '0.26.0', 'torch-sys': '0.26.0'} as Cargo.lock pins them (registry entries)."""
+    found = {}
+    for block in lock_text.split("[[package]]"):
+        name = re.search(r'^name = "([^"]+)"', block, re.M)
+        version = re.search(r'^version = "([^"]+)"', block, re.M)
+        if name and version and name.group(1) in ("tch", "torch-sys"):
+            found[name.group(1)] = version.group(1)
+    return found
+
+
+def _cargo() -> str:
+    return os.environ.get("CARGO") or shutil.which("cargo") or "cargo"
+
+
+def select_tch(root: str, tch: str) -> Optional[str]:
+    """Moves root/Cargo.lock to tch and torch-sys `tch`. Returns the lock's text before the change,
+    or None when it already pinned that release (nothing was written)."""
+    path = os.path.join(root, "Cargo.lock")
+    with open(path, encoding="utf-8") as f:
+        before = f.read()
+    pinned = locked_versions(before)
+    if pinned == {"tch": tch, "torch-sys": tch}:
+        return None
+    _log(f"Cargo.lock pins tch {pinned.get('tch')} and torch-sys {pinned.get('torch-sys')}:"
+         f" moving both to {tch} (cargo update --precise)")
+    try:
+        for crate in ("tch", "torch-sys"):
+            with open(path, encoding="utf-8") as f:
+                if locked_versions(f.read()).get(crate) == tch:
+                    continue  # torch-sys usually moves along with tch
+            r = subprocess.run([_cargo(), "update", "-p", crate, "--precise", tch],
+                               cwd=root, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise BuildError(f"`cargo update -p {crate} --precise {tch}` failed in {root}:\n"
+                                 + (r.stderr or r.stdout).strip())
+        with open(path, encoding="utf-8") as f:
+            after = locked_versions(f.read())
+        if after != {"tch": tch, "torch-sys": tch}:
+            raise BuildError(f"Cargo.lock pins {after} after `cargo update`, not {tch} for both")
+    except BaseException:
+        restore_lock(root, before)
+        raise
+    return before
+
+
+def restore_lock(root: str, text: Optional[str]) -> None:
+    if text is None:
+        return
+    with open(os.path.join(root, "Cargo.lock"), "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def check_toolchain() -> None:
@@ -253,11 +372,12 @@ def _with_features(config_settings: Optional[Mapping[str, Any]], features: list)
 
 
 def _prepare(config_settings):
-    """Checks, then sets the environment of the cargo build. Returns maturin's config_settings."""
+    """Checks, then sets the environment of the cargo build. Returns maturin's config_settings
+    and the probed torch (with the tch release to build with)."""
     try:
         check_toolchain()
         info = find_torch()
-        check_torch(info)
+        info["tch"] = check_torch(info)
         hdf5, why = hdf5_mode()
         openssl, openssl_why = openssl_mode()
     except BuildError as e:
@@ -270,6 +390,7 @@ def _prepare(config_settings):
     os.environ.pop("LIBTORCH_USE_PYTORCH", None)
     os.environ["MATURIN_NO_INSTALL_RUST"] = "1"
     _log(f"torch {info['version']} (CUDA {info['cuda'] or 'none'}) from {info['python']}")
+    _log(f"tch {info['tch']} (the libtorch binding for torch {torch_series(info['version'])}.x)")
     _log(f"LIBTORCH={info['dir']} LIBTORCH_CXX11_ABI={os.environ['LIBTORCH_CXX11_ABI']}")
     _log(f"HDF5: {'built from source (feature static-hdf5)' if hdf5 == 'static' else 'system'}: {why}")
     _log(f"OpenSSL: {'built from source (feature vendored-openssl)' if openssl == 'vendored' else 'system'}:"
@@ -283,7 +404,7 @@ def _prepare(config_settings):
         features.append("vendored-openssl")
     if features:
         config_settings = _with_features(config_settings, features)
-    return config_settings
+    return config_settings, info
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,8 +431,21 @@ def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
-    config_settings = _prepare(config_settings)
-    return _backend().build_wheel(wheel_directory, config_settings, metadata_directory)
+    config_settings, info = _prepare(config_settings)
+    # pip builds a local folder in place: the user's own checkout. Cargo.lock is moved to the
+    # matching tch for the build and put back afterwards (rather than building from a copy,
+    # which would lose the checkout's target/ and make every reinstall a cold build).
+    root = os.getcwd()
+    try:
+        before = select_tch(root, info["tch"])
+    except BuildError as e:
+        _fail(str(e))
+    try:
+        return _backend().build_wheel(wheel_directory, config_settings, metadata_directory)
+    finally:
+        if before is not None:
+            restore_lock(root, before)
+            _log("Cargo.lock put back as it was")
 
 
 def get_requires_for_build_sdist(config_settings=None):
@@ -320,3 +454,40 @@ def get_requires_for_build_sdist(config_settings=None):
 
 def build_sdist(sdist_directory, config_settings=None):
     return _backend().build_sdist(sdist_directory, config_settings)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line: the same selection for `make build` (see the module docstring)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    parser = argparse.ArgumentParser(
+        prog="diffmon_build.py",
+        description="Moves Cargo.lock to the tch release that matches an interpreter's torch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sel = sub.add_parser("select-tch", help="probe torch, check it, pin the matching tch in Cargo.lock")
+    sel.add_argument("--python", default=sys.executable, help="the interpreter whose torch to use")
+    sel.add_argument("--root", default=os.path.dirname(os.path.dirname(here)),
+                     help="the checkout holding Cargo.lock (default: this file's)")
+    args = parser.parse_args(argv)
+    # The probe runs in a neutral folder: a relative path (.venv/bin/python) is made absolute,
+    # without resolving links (a virtual environment's python is one).
+    python = os.path.abspath(args.python) if os.sep in args.python else args.python
+    try:
+        info = probe_torch(python)
+        if "error" in info:
+            raise BuildError(f"torch is not importable by {python}: {info['error']}")
+        tch = check_torch(info)
+        before = select_tch(args.root, tch)
+    except BuildError as e:
+        _fail(str(e))
+    state = "moved Cargo.lock to it" if before is not None else "Cargo.lock already pins it"
+    _log(f"torch {info['version']}: tch {tch}; {state}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
