@@ -6,7 +6,7 @@
 #               fresh virtual environment, for each supported torch (a cold build each: 5 to
 #               15 min; not part of `make test`)
 # `make setup` is idempotent and cheap once done. `make setup TORCH_VERSION=2.11.0` sets the
-# project up against another supported torch (2.11.x or 2.13.x; the default is 2.13.0).
+# project up against another supported torch (2.11.x, 2.12.x or 2.13.x; the default is 2.13.0).
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c

@@ -12,15 +12,14 @@ and sets for the cargo build:
 
 These override `.cargo/config.toml`'s values, which are not forced.
 
-torch 2.11.x and 2.13.x are supported. libtorch's C++ API and ABI change with every torch release,
-and each release of diffmon's libtorch binding (the tch and torch-sys crates) is generated for,
-and compiles against, exactly one: tch 0.24 for torch 2.11, tch 0.26 for torch 2.13 (TCH_FOR_TORCH
-below). Cargo.toml accepts that range of tch; Cargo.lock pins 0.26 (the project's own torch
+torch 2.11.x, 2.12.x and 2.13.x are supported. libtorch's C++ API and ABI change with every torch
+release, and each release of diffmon's libtorch binding (the tch and torch-sys crates) is
+generated for one: tch 0.24 for torch 2.11, tch 0.26 for torch 2.13 (TCH_FOR_TORCH below).
+torch 2.12's own, tch 0.25, was never published on the crate registry; 2.12 builds with tch 0.26,
+whose C++ wrappers compile against torch 2.12's headers unchanged. Cargo.toml accepts that range of tch; Cargo.lock pins 0.26 (the project's own torch
 2.13.0). Before maturin runs cargo, the build moves Cargo.lock to the release that matches the
 environment's torch (`cargo update -p tch --precise X`, torch-sys along) and puts the file back
 as it was when the build ends, so the checkout is left as it was (the build's own `target/` aside).
-torch 2.12 is refused: its binding, tch 0.25, is not published on the crate registry
-(TORCH_WITHOUT_TCH).
 
 It fails early, with a message saying what to do, when torch is missing or another release
 (naming the supported ones), or when cargo or a C/C++ compiler is missing.
@@ -57,12 +56,16 @@ import sys
 import tempfile
 from typing import Any, Mapping, Optional
 
-# The one place that maps a torch release series to the tch/torch-sys release generated for it.
-# Each tch release binds exactly one libtorch (its C++ API and ABI change every release); tch and
-# torch-sys share version numbers and tch pins its torch-sys exactly.
-TCH_FOR_TORCH = {"2.11": "0.24.0", "2.13": "0.26.0"}
+# The one place that maps a torch release series to the tch/torch-sys release to build with.
+# Each tch release is generated for one libtorch (its C++ API and ABI change every release); tch
+# and torch-sys share version numbers and tch pins its torch-sys exactly. torch 2.12's own
+# binding, tch 0.25, was never published on the crate registry: 2.12 builds with tch 0.26 (made
+# for 2.13), whose C++ wrappers torch-sys compiles against the environment's torch 2.12 headers,
+# so an op or a signature 2.12 lacks would stop the build, never run wrong (built and the crate's
+# unit tests run against torch 2.12.0; CONTRIBUTING.md, "Building against another torch").
+TCH_FOR_TORCH = {"2.11": "0.24.0", "2.12": "0.26.0", "2.13": "0.26.0"}
 # Series inside the range with no binding to build against, and why.
-TORCH_WITHOUT_TCH = {"2.12": "its binding, tch 0.25, is not published on the crate registry"}
+TORCH_WITHOUT_TCH: dict = {}
 NEWEST_SERIES = max(TCH_FOR_TORCH, key=lambda s: tuple(map(int, s.split("."))))
 HDF5_MODES = ("auto", "system", "static")
 # Where hdf5-metno-sys looks for headers when pkg-config has no `hdf5` (its build.rs, Linux).
@@ -150,7 +153,7 @@ def _series_key(series: str) -> tuple:
 
 
 def supported_text() -> str:
-    """'2.11.x or 2.13.x' (from TCH_FOR_TORCH)."""
+    """'2.11.x, 2.12.x or 2.13.x' (from TCH_FOR_TORCH)."""
     names = [f"{s}.x" for s in sorted(TCH_FOR_TORCH, key=_series_key)]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
