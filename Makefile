@@ -2,6 +2,7 @@
 #   make demo   set up if needed, then a toy training run evaluated by diffmon
 #   make test   set up if needed, then every test
 #   make fuzz   set up if needed, then each fuzz target for FUZZ_SECONDS (default 60)
+#   make test-gpu   the GPU test tier (tests/gpu); skipped, saying why, without a CUDA device
 #   make test-install   the no-root `pip install ./` end to end, as an unprivileged user, in a
 #               fresh virtual environment, for each supported torch (a cold build each: 5 to
 #               15 min; not part of `make test`)
@@ -22,7 +23,7 @@ FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?= checkpoint pickle safetensors config
 export CARGO_TERM_COLOR := never
 
-.PHONY: setup apt venv build test test-install demo bench clean-demo lint fuzz FORCE
+.PHONY: setup apt venv build test test-gpu gpu-bundle test-install demo bench clean-demo lint fuzz FORCE
 
 setup: apt venv build
 
@@ -57,6 +58,19 @@ build: venv
 
 test: setup
 	scripts/run-tests
+
+# The GPU tier (tests/gpu): the built binary on a CUDA device, CPU and GPU results compared;
+# every test skipped, saying why, where no CUDA device is visible. Not part of `make test`.
+# On a GPU machine without Rust or internet: `make gpu-bundle` on a build machine, then
+# scripts/test-gpu there (CONTRIBUTING.md, "Testing on a GPU").
+test-gpu: setup
+	scripts/test-gpu
+
+# dist/gpu/: the binary built against GPU_TORCH (static HDF5 and OpenSSL) and the test tier's
+# wheels, for a GPU machine with that torch (scripts/gpu-bundle).
+GPU_TORCH ?= 2.11.0
+gpu-bundle:
+	GPU_TORCH=$(GPU_TORCH) scripts/gpu-bundle
 
 # README, "Install without root": torch's wheels into a fresh virtual environment, then
 # `pip install ./` and `diffmon eval` as the user nobody, once per TEST_INSTALL_TORCH entry
