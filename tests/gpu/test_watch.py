@@ -61,7 +61,7 @@ def test_watch_on_cuda_serves_metrics_and_stops_cleanly(dm, tier, tmp_path, meas
                                  f"{log.read_text()[-4000:]}")
 
         # Model load, device start-up and the HTTP endpoint.
-        wait("/healthz", lambda: _get(port, "/healthz") == "ok", 180)
+        wait("/healthz", lambda: (_get(port, "/healthz") or "").strip() == "ok", 180)
         up = time.monotonic() - started
         # The checkpoint arrives as a trainer writes it: under another name, then renamed.
         shutil.copy(dm.assets.checkpoint, run / "partial.tmp")
