@@ -42,6 +42,9 @@ UNET = dict(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(6
             layers_per_block=1,
             down_block_types=("DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
             up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D"))
+# The CPU dry run checks the harness, not the numbers: a quarter of the widths (1/16 of the work
+# per image) and a quarter of the sample counts (Tier.n), so it takes minutes on 2 cores.
+UNET_DRY_RUN = dict(UNET, block_out_channels=(16, 32, 32), norm_num_groups=8)
 SHAPE = (1, 3, 32, 32)
 N_TRAIN, N_HELDOUT = 256, 128
 # Every diffmon process gets this long; a hang is a failure, not a stuck tier.
@@ -73,6 +76,19 @@ class Tier:
     device_name: str
     skip_reason: str | None
     measurements: list = field(default_factory=list)
+
+    @property
+    def unet(self) -> dict:
+        return UNET_DRY_RUN if self.dry_run else UNET
+
+    @property
+    def feature_dim(self) -> int:
+        """Channels of the UNet's mid_block: the ICR feature dimension d."""
+        return self.unet["block_out_channels"][-1]
+
+    def n(self, count: int) -> int:
+        """A sample count as the tier runs it: itself on the GPU, a quarter in the dry run."""
+        return count // 4 if self.dry_run else count
 
     def dev(self, spec: str) -> str:
         """A GPU device spec (``cuda``, ``cuda:0``) as the tier runs it: itself, or ``cpu`` in
@@ -166,12 +182,12 @@ class Assets:
     checkpoint: Path   # torch.save(state_dict) of the student, weights perturbed: ckpt_000100.pt
 
 
-def _unet(seed: int):
+def _unet(seed: int, config: dict):
     import torch
     from diffusers import UNet2DModel
 
     torch.manual_seed(seed)
-    return UNet2DModel(**UNET)
+    return UNet2DModel(**config)
 
 
 def _images(n: int, seed: int):
@@ -201,7 +217,7 @@ def assets(tmp_path_factory, tier) -> Assets:
     from diffmon.export import export
 
     d = tmp_path_factory.mktemp("assets")
-    student, teacher = _unet(0), _unet(1)
+    student, teacher = _unet(0, tier.unet), _unet(1, tier.unet)
     # Exported on the CPU (the exporter's default device), whatever the tier runs on.
     export(student, "mid_block", d / "model.ts", "eps", SHAPE, schedule="linear")
     export(teacher, "mid_block", d / "teacher.ts", "eps", SHAPE, schedule="linear")

@@ -7,14 +7,15 @@ import math
 
 import pytest
 
-M = 64  # PF-ODE latents
+M_GPU = 64  # PF-ODE latents on the GPU (a quarter in the dry run)
 
 
 @pytest.fixture(scope="module")
 def records(dm, tier, tmp_path_factory):
     d = tmp_path_factory.mktemp("agree")
+    M = tier.n(M_GPU)
     body = (
-        "icr: {samples: 512, batch_size: 128, seed: 3}\n"
+        f"icr: {{samples: {tier.n(512)}, batch_size: 128, seed: 3}}\n"
         f"pfd: {{enabled: true, teacher: '{dm.assets.teacher}', samples: {M}, steps: 8, seed: 1, "
         "batch_size: 64}\n"
         # nn_ratio at 0.9 instead of 1/3: untrained UNets copy nothing, so at 1/3 both devices
@@ -34,9 +35,9 @@ def _rel(a, b):
     return abs(a - b) / max(abs(a), abs(b), 1e-300)
 
 
-def test_icr_agrees(records, measure):
+def test_icr_agrees(records, tier, measure):
     c, g = records["cpu"], records["gpu"]
-    assert c["icr_samples"] == g["icr_samples"] == 512
+    assert c["icr_samples"] == g["icr_samples"] == tier.n(512)
     diff = abs(c["icr"] - g["icr"])
     measure(f"icr cpu {c['icr']:.6f} gpu {g['icr']:.6f} |diff| {diff:.2e} (tol 2e-3; "
             f"stderr {c['icr_stderr']:.4f}); traces rel diff "
@@ -71,8 +72,9 @@ def test_generalization_gap_agrees(records, measure):
     assert gap_diff <= 1e-3 * scale
 
 
-def test_pfd_and_memorization_agree(records, measure):
+def test_pfd_and_memorization_agree(records, tier, measure):
     c, g = records["cpu"], records["gpu"]
+    M = tier.n(M_GPU)
     r_mem = _rel(c["pfd_memorization"], g["pfd_memorization"])
     r_gen = _rel(c["pfd_generalization"], g["pfd_generalization"])
     ratio_diff = abs(c["memorization_ratio"] - g["memorization_ratio"])

@@ -5,19 +5,22 @@ import math
 
 import pytest
 
-# ICR only (the held-out set is in every config, so early_stop.confirm: auto would pick the gap;
-# none keeps the run to what the test looks at). 256 pairs = 2 x d for the 128-channel mid_block.
-ICR_ONLY = "icr: {samples: 256, batch_size: 256, seed: 3}\nearly_stop: {confirm: none}\n"
+
+
+def icr_only(tier) -> str:
+    # ICR only (the held-out set is in every config, so early_stop.confirm: auto would pick the
+    # gap; none keeps the run to what the test looks at). 256 pairs = 2 x d on the GPU.
+    return f"icr: {{samples: {tier.n(256)}, batch_size: 256, seed: 3}}\nearly_stop: {{confirm: none}}\n"
 
 
 @pytest.mark.parametrize("spec", ["cuda", "cuda:0"])
 def test_cuda_device_evaluates(dm, tier, tmp_path, measure, spec):
     device = tier.dev(spec)
-    rec, out = dm.eval_json(dm.config(tmp_path / "c.yaml", device, ICR_ONLY))
+    rec, out = dm.eval_json(dm.config(tmp_path / "c.yaml", device, icr_only(tier)))
     assert rec["step"] == 100
-    assert rec["icr_samples"] == 256
+    assert rec["icr_samples"] == tier.n(256)
     assert math.isfinite(rec["icr"]) and 0 < rec["icr"] <= 1, rec["icr"]
-    measure(f"device {device}: icr {rec['icr']:.6f} (n 256), eval {rec['seconds']:.2f} s, "
+    measure(f"device {device}: icr {rec['icr']:.6f} (n {rec['icr_samples']}), eval {rec['seconds']:.2f} s, "
             f"process {out.seconds:.2f} s")
 
 
@@ -26,7 +29,7 @@ def test_missing_device_is_a_clear_error(dm, tier, tmp_path, measure):
 
     count = torch.cuda.device_count()  # 0 on a machine without CUDA (the dry run)
     spec = f"cuda:{count}"  # one past the last device
-    cfg = dm.config(tmp_path / "c.yaml", spec, ICR_ONLY)
+    cfg = dm.config(tmp_path / "c.yaml", spec, icr_only(tier))
 
     # check-config validates the file without touching devices (it may run on a login node);
     # where it does probe the device, it must say the same thing, with the config exit code.

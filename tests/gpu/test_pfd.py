@@ -8,7 +8,7 @@ def test_pfd_on_cuda(dm, tier, tmp_path, measure):
     device = tier.dev("cuda")
     body = (
         "icr: {enabled: false}\n"
-        f"pfd: {{enabled: true, teacher: '{dm.assets.teacher}', samples: 128, steps: 12, "
+        f"pfd: {{enabled: true, teacher: '{dm.assets.teacher}', samples: {tier.n(128)}, steps: 12, "
         "seed: 2, batch_size: 128}\n"
         "early_stop: {metric: pfd_generalization, confirm: none}\n")
     cfg = dm.config(tmp_path / "c.yaml", device, body)
@@ -21,5 +21,5 @@ def test_pfd_on_cuda(dm, tier, tmp_path, measure):
     names = sorted(p.name.split("-")[0] for p in cache.glob("*.h5"))
     assert {"teacher", "empirical"} <= set(names), names
     measure(f"device {device}: pfd_generalization {rec['pfd_generalization']:.6g}, "
-            f"pfd_memorization {rec['pfd_memorization']:.6g} (M 128, 12 steps), "
+            f"pfd_memorization {rec['pfd_memorization']:.6g} (M {tier.n(128)}, 12 steps), "
             f"eval {rec['seconds']:.2f} s")

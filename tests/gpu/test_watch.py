@@ -39,7 +39,7 @@ def test_watch_on_cuda_serves_metrics_and_stops_cleanly(dm, tier, tmp_path, meas
                     f"http: {{listen: '127.0.0.1:{port}'}}\n"
                     "checkpoints: {pattern: 'ckpt_*.pt', step_regex: 'ckpt_(\\d+)', "
                     "settle_secs: 0.5, poll_secs: 0.5}\n"
-                    "icr: {samples: 512, batch_size: 256, seed: 3}\n"
+                    f"icr: {{samples: {tier.n(512)}, batch_size: 256, seed: 3}}\n"
                     "early_stop: {confirm: none}\n", run_dir=run)
     log = tmp_path / "daemon.log"
     started = time.monotonic()
