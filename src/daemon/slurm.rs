@@ -28,7 +28,9 @@
 //!   again, up to `evaluation.retries` times; then the checkpoint is a failure with
 //!   reason `job_failed`, `job_timeout`, `job_cancelled` or `job_lost`. `diffmon eval` exiting
 //!   non-zero is the checkpoint's failure, with the reason its failure line gives (the local
-//!   executor's: `unreadable`, `mismatch`, ...), not retried: it would fail again.
+//!   executor's: `unreadable`, `mismatch`, ...), not retried: it would fail again. A job
+//!   stopped by SIGTERM (scancel, the time limit, preemption) writes no status, so its reason is
+//!   the job's state in Slurm, not the signal's exit status (which raced with it under load).
 //!   When `squeue` cannot reach the controller, jobs are left as they were until it answers.
 //! - **Caches.** Until one job has delivered a record (or the history has evaluations), one job
 //!   runs at a time: that first job computes the PFD caches in `<state_dir>/cache/`, and the
@@ -452,6 +454,9 @@ fn script(
          dir={dir}\n\
          {bin} eval --json --failure-lines --evaluated-before {index} --config {config}{run} -- {checkpoint} > \"$dir/record.json.tmp\"\n\
          status=$?\n\
+         # Stopped by SIGTERM (scancel, the time limit, preemption): no status, so the job's\n\
+         # state in Slurm says why, not the signal's exit status.\n\
+         [ \"$status\" -ne 143 ] || exit 143\n\
          mv -f \"$dir/record.json.tmp\" \"$dir/record.json\"\n\
          echo \"$status\" > \"$dir/status.tmp\" && mv -f \"$dir/status.tmp\" \"$dir/status\"\n\
          exit \"$status\"\n",
