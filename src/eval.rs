@@ -47,7 +47,8 @@ impl EvalError {
     /// The model error inside, when there is one (the evaluated model's, the teacher's).
     pub fn model(&self) -> Option<&ModelError> {
         match self {
-            EvalError::Model(e) | EvalError::Pfd(PfdError::Model(e)) => Some(e),
+            EvalError::Model(e) => Some(e),
+            EvalError::Pfd(e) => e.model(),
             _ => None,
         }
     }

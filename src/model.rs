@@ -29,10 +29,7 @@ pub enum ModelError {
     Device { spec: DeviceSpec, message: String },
     #[error(
         "{path}: the file pins device {pinned}: {uses}; it runs only there, and this \
-         evaluation runs on {running}. Tracing froze the device the file was exported on into \
-         its graph. Re-export it with this version's diffmon-export (or diffmon.export.export), \
-         whose files follow the device of their input: the same command or call as before, \
-         --out {path}"
+         evaluation runs on {running}. {REEXPORT}, --out {path}"
     )]
     PinnedDevice {
         path: PathBuf,
@@ -53,6 +50,11 @@ impl ModelError {
         )
     }
 }
+
+/// Why a file pins a device, and the fix: what every report of one ends with.
+const REEXPORT: &str = "Tracing froze the device the file was exported on into its graph. \
+    Re-export it with this version's diffmon-export (or diffmon.export.export), whose files \
+    follow the device of their input: the same command or call as before";
 
 /// A device constant in a TorchScript file's graph: the file runs only on that device.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,10 +140,7 @@ pub fn check_pins(path: &Path, pins: &[PinnedDevice], device: Device) -> Result<
 /// What `check-config` says of a file with device constants `pins` (not empty).
 pub fn pins_problem(pins: &[PinnedDevice]) -> String {
     format!(
-        "pins device {} ({}): it runs only there. Tracing froze the device the file was \
-         exported on into its graph. Re-export it with this version's diffmon-export (or \
-         diffmon.export.export), whose files follow the device of their input: the same \
-         command or call as before",
+        "pins device {} ({}): it runs only there. {REEXPORT}",
         pins[0].device,
         describe_pins(pins.iter())
     )
@@ -579,11 +578,6 @@ impl Model {
             start += len;
         }
         Ok((Tensor::cat(&denoised, 0), Tensor::cat(&features, 0)))
-    }
-
-    /// The most images one forward call takes now: unlimited until memory ran out once.
-    pub fn batch_limit(&self) -> Option<i64> {
-        Some(self.batch_limit.get()).filter(|&l| l < i64::MAX)
     }
 
     /// Runs the model on two noisy images of `image_shape` `[C,H,W]` and checks the outputs'

@@ -64,6 +64,16 @@ pub enum PfdError {
     NonFinite(String),
 }
 
+impl PfdError {
+    /// The model error inside, when there is one (the teacher's).
+    pub fn model(&self) -> Option<&ModelError> {
+        match self {
+            PfdError::Model(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
 fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> PfdError {
     let path = path.to_path_buf();
     move |source| PfdError::Io { path, source }

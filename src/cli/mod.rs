@@ -400,10 +400,7 @@ impl Exit {
                     .is_some_and(ReportError::is_usage)
                 || c.downcast_ref::<ModelError>()
                     .or_else(|| c.downcast_ref::<EvalError>().and_then(EvalError::model))
-                    .or_else(|| match c.downcast_ref::<PfdError>() {
-                        Some(PfdError::Model(m)) => Some(m),
-                        _ => None,
-                    })
+                    .or_else(|| c.downcast_ref::<PfdError>().and_then(PfdError::model))
                     .is_some_and(ModelError::is_usage)
         };
         if e.chain().any(usage) {
