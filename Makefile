@@ -23,9 +23,9 @@ FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?= checkpoint pickle safetensors config
 export CARGO_TERM_COLOR := never
 
-.PHONY: setup apt venv build test test-gpu gpu-bundle test-install demo bench clean-demo lint fuzz FORCE
+.PHONY: setup apt venv build bin test test-gpu gpu-bundle test-install demo bench clean-demo lint fuzz FORCE
 
-setup: apt venv build
+setup: apt venv build bin
 
 apt:
 	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
@@ -55,6 +55,16 @@ $(VENV)/.installed: python/requirements.txt $(TORCH_STAMP)
 build: venv
 	$(PY) tools/build-backend/diffmon_build.py select-tch --python $(PY)
 	cargo build --release --locked
+
+# `. .venv/bin/activate` after `make setup` puts `diffmon` (a link to the release build),
+# `diffmon-export` (the helpers of python/, installed editable) and the venv's python on PATH:
+# the README's commands then run as written.
+bin: build $(VENV)/.helpers
+	ln -sfn "$(CURDIR)/$(BIN)" $(VENV)/bin/diffmon
+
+$(VENV)/.helpers: python/pyproject.toml $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps -e ./python
+	touch $@
 
 test: setup
 	scripts/run-tests

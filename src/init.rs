@@ -183,10 +183,116 @@ pub fn describe(dir: &Path, s: &Survey) -> Vec<String> {
     out
 }
 
-/// The example config, filled in for `dir` and what [`survey`] found there. Paths and the
-/// pattern are written as YAML scalars that read back as themselves, whatever the folder's name.
-pub fn config_for(dir: &Path, s: &Survey) -> String {
-    let d = dir.display().to_string();
+/// Why `init --out` wrote nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum InitError {
+    #[error(
+        "{0}: the file exists; `init --out` never overwrites a config (remove it, or write to another file)"
+    )]
+    OutExists(PathBuf),
+    #[error("{file}: cannot write the config: {source}")]
+    Write {
+        file: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{0}: cannot make the path absolute: {1}")]
+    Path(PathBuf, std::io::Error),
+}
+
+impl InitError {
+    /// A usage error (exit code 2): the output file is the user's choice.
+    pub fn is_usage(&self) -> bool {
+        matches!(self, InitError::OutExists(_))
+    }
+}
+
+/// How a config saved at `out` names the run folder `dir`: relative to `out`'s folder (a config's
+/// paths are read relative to its own folder), or absolute where the config goes to stdout and
+/// its place is unknown. Lexical: `.` and `..` are folded, links are not followed.
+pub fn written_dir(dir: &Path, out: Option<&Path>) -> Result<PathBuf, InitError> {
+    let absolute = |p: &Path| {
+        std::path::absolute(p)
+            .map(|a| normalized(&a))
+            .map_err(|e| InitError::Path(p.to_path_buf(), e))
+    };
+    let dir = absolute(dir)?;
+    let Some(out) = out else { return Ok(dir) };
+    let out = absolute(out)?;
+    let base = out.parent().unwrap_or(Path::new("/"));
+    let common = dir
+        .components()
+        .zip(base.components())
+        .take_while(|(a, b)| a == b)
+        .count();
+    let mut rel = PathBuf::new();
+    for _ in base.components().skip(common) {
+        rel.push("..");
+    }
+    rel.extend(dir.components().skip(common));
+    Ok(if rel.as_os_str().is_empty() {
+        PathBuf::from(".")
+    } else {
+        rel
+    })
+}
+
+/// `p` (absolute) with `.` dropped and each `..` taking off the component before it.
+fn normalized(p: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut out = PathBuf::new();
+    for c in p.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                out.pop();
+            }
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+/// Writes `text` to `out`, a new file (an existing one, or a link there, is refused).
+pub fn write_new(out: &Path, text: &str) -> Result<(), InitError> {
+    use std::io::Write;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(out);
+    let mut file = match file {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            return Err(InitError::OutExists(out.to_path_buf()));
+        }
+        Err(source) => {
+            return Err(InitError::Write {
+                file: out.to_path_buf(),
+                source,
+            });
+        }
+    };
+    file.write_all(text.as_bytes())
+        .and_then(|()| file.sync_all())
+        .map_err(|source| InitError::Write {
+            file: out.to_path_buf(),
+            source,
+        })
+}
+
+/// The example config, filled in for the run folder `dir` and what [`survey`] found there, with
+/// the folder written as `written` (see [`written_dir`]; the survey's paths are under `dir`).
+/// Paths and the pattern are written as YAML scalars that read back as themselves, whatever the
+/// folder's name.
+pub fn config_for(dir: &Path, written: &Path, s: &Survey) -> String {
+    let rebase = |p: &Path| {
+        let inside = p.strip_prefix(dir).unwrap_or(p);
+        if written == Path::new(".") {
+            inside.to_path_buf()
+        } else {
+            written.join(inside)
+        }
+    };
+    let d = written.display().to_string();
     let demo = regex::Regex::new(r"runs/demo(/\S*)?").expect("a valid regex");
     let mut text = demo
         .replace_all(EXAMPLE, |c: &regex::Captures| {
@@ -207,18 +313,22 @@ pub fn config_for(dir: &Path, s: &Survey) -> String {
         text = replace_value(
             &text,
             "  architecture: ",
-            &yaml_scalar(&a.display().to_string()),
+            &yaml_scalar(&rebase(a).display().to_string()),
         );
     }
     if let Some(t) = &s.train {
-        text = replace_value(&text, "  path: ", &yaml_scalar(&t.display().to_string()));
+        text = replace_value(
+            &text,
+            "  path: ",
+            &yaml_scalar(&rebase(t).display().to_string()),
+        );
     }
     match &s.heldout {
         Some(h) => {
             text = replace_value(
                 &text,
                 "  heldout_path: ",
-                &yaml_scalar(&h.display().to_string()),
+                &yaml_scalar(&rebase(h).display().to_string()),
             )
         }
         None => text = text.replacen("  heldout_path: ", "  # heldout_path: ", 1),
@@ -229,7 +339,7 @@ pub fn config_for(dir: &Path, s: &Survey) -> String {
         .collect();
     format!(
         "# Written by `diffmon init --run-dir {}`, which found:\n{header}\n{text}",
-        one_line(&d)
+        one_line(&dir.display().to_string())
     )
 }
 

@@ -2,8 +2,10 @@
 
 The fenced ``sh`` and ``python`` blocks of that section are taken from README.md and run in order
 in a fresh folder holding a run of the toy trainer (the stand-in for a user's training job) with
-only its checkpoints left, as a user's run folder has them. ``diffmon`` is the release build,
-``diffmon-export`` the helpers' entry point (``diffmon.export:main``, as ``pip install`` makes it).
+only its checkpoints left, as a user's run folder has them. The environment is what the
+README's Install block gives after ``make setup``: its ``. .venv/bin/activate`` line, run in the
+checkout, puts ``diffmon`` (the release build, linked) and ``diffmon-export`` (the helpers,
+installed) on PATH; no shim of the test's own.
 The block that starts ``diffmon watch`` runs in the background; the blocks after it run while it
 watches. The test checks what each step is for: the export writes the architecture, ``init``
 writes a config that ``check-config`` accepts unchanged, ``eval`` prints the checkpoint's step and
@@ -35,6 +37,31 @@ def own_run_blocks() -> list[tuple[str, str]]:
     return re.findall(r"```(sh|python)\n(.*?)```", text[start:end], re.S)
 
 
+def activated_env() -> dict:
+    """The environment after the Install block's activation line, run in the checkout."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("\n## Install\n")
+    end = text.index("\n## ", start + 1)
+    lines = [line.split("#")[0].strip() for block in re.findall(r"```sh\n(.*?)```", text[start:end], re.S)
+             for line in block.splitlines()]
+    activate = [line for line in lines if line.startswith(". .venv/bin/activate")]
+    assert activate, "README's Install section has no `. .venv/bin/activate` line"
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("PYTHONPATH", "DIFFMON_LOG", "VIRTUAL_ENV")}
+    # PATH as a login shell has it, without this test runner's venv.
+    base["PATH"] = os.pathsep.join(p for p in base["PATH"].split(os.pathsep)
+                                   if not p.startswith(str(ROOT)))
+    out = subprocess.run(["bash", "-c", f"{activate[0]} && env -0"], cwd=ROOT, env=base,
+                         capture_output=True, check=True)
+    env = dict(item.split("=", 1) for item in out.stdout.decode().split("\0") if "=" in item)
+    for tool in ("diffmon", "diffmon-export"):
+        found = subprocess.run(["bash", "-c", f"command -v {tool}"], env=env, capture_output=True,
+                               text=True)
+        if found.returncode != 0:
+            pytest.fail(f"`{tool}` is not on PATH after `{activate[0]}`: run `make setup` first")
+    return env
+
+
 def evaluations(journal: Path) -> list[dict]:
     if not journal.exists():
         return []
@@ -61,15 +88,7 @@ def test_the_steps_reach_a_watched_evaluated_checkpoint(tmp_path):
         (run / f).unlink()
     assert sorted(p.name for p in run.iterdir()) == [f"ckpt_{s:06d}.pt" for s in STEPS]
 
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "diffmon").symlink_to(BINARY)
-    export = bin_dir / "diffmon-export"
-    export.write_text(f'#!/bin/sh\nexec "{sys.executable}" -c '
-                      '"import sys; from diffmon.export import main; sys.exit(main())" "$@"\n')
-    export.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DIFFMON_LOG")}
-    env["PATH"] = f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    env = activated_env()
     py_env = dict(env, PYTHONPATH="python")  # the toy's modules and the helpers, as for the user
 
     outputs = []
@@ -89,7 +108,7 @@ def test_the_steps_reach_a_watched_evaluated_checkpoint(tmp_path):
                     time.sleep(0.5)
                 outputs.append("")
                 continue
-            argv = ["bash", "-euo", "pipefail", "-c", code] if lang == "sh" else [sys.executable, "-c", code]
+            argv = ["bash", "-euo", "pipefail", "-c", code] if lang == "sh" else ["python", "-c", code]
             out = subprocess.run(argv, cwd=tmp_path, env=py_env if lang == "python" else env,
                                  capture_output=True, text=True, timeout=300)
             assert out.returncode == 0, f"{code}\nexit {out.returncode}\n{out.stdout}\n{out.stderr}"

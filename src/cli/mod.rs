@@ -32,7 +32,7 @@ const AFTER_HELP: &str = "\
 Workflow, for a training run saving checkpoints into runs/exp1:
   1. diffmon-export (pip install ./python) writes the model's architecture as TorchScript,
      e.g. runs/exp1/model.ts (README, \"Your training stack\")
-  2. diffmon init --run-dir runs/exp1 > diffmon.yaml
+  2. diffmon init --run-dir runs/exp1 --out diffmon.yaml
                                     a config for what the run folder holds; edit it
   3. diffmon check-config --config diffmon.yaml
                                     every problem of the config, with its key
@@ -194,9 +194,14 @@ pub enum Command {
     /// holds (checkpoints, their format and step pattern, EMA weights, architecture, data).
     Init {
         /// The training run's folder: looked at (never written), and its paths filled in. What
-        /// was found is printed on stderr, the config on stdout.
+        /// was found is printed on stderr, the config on stdout with absolute paths (right
+        /// wherever it is saved).
         #[arg(long, value_name = "DIR")]
         run_dir: Option<PathBuf>,
+        /// Write the config to this new file instead (never overwritten), with paths relative
+        /// to its folder, as a config's paths are read.
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
     },
 }
 
@@ -301,6 +306,40 @@ fn keep_freed_memory() {
 /// descriptor): a file whose graph pins a device runs on that device only, so it is a problem
 /// wherever the daemon will run. A file libtorch cannot load is left to the start, which says
 /// why.
+/// `check-config`: the run folders that do not exist. `watch` would create such a folder and
+/// wait in it for checkpoints that never come, which is how a path resolved against the wrong
+/// folder (paths are relative to the config file's folder) goes unnoticed.
+fn missing_run_folders(config: &Config, runs: &[Config]) -> Vec<config::Problem> {
+    let missing = |dir: &std::path::Path| match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => None,
+        Ok(_) => Some(format!("names {}, which is not a folder", dir.display())),
+        Err(_) => Some(format!(
+            "names {}, which does not exist (paths in a config are relative to the config file's \
+             folder; create the folder first if training has not started yet)",
+            dir.display()
+        )),
+    };
+    if let Some(glob) = &config.runs_glob {
+        let problem = missing(glob.folder()).map(|message| config::Problem {
+            key: "runs_glob".into(),
+            message,
+        });
+        return problem.into_iter().collect();
+    }
+    runs.iter()
+        .enumerate()
+        .filter_map(|(i, run)| {
+            let key = if config.is_sweep() {
+                format!("runs[{i}].dir")
+            } else {
+                "run.dir".into()
+            };
+            let message = missing(&run.run.dir)?;
+            Some(config::Problem { key, message })
+        })
+        .collect()
+}
+
 fn pinned_device_problems(config: &Config, runs: &[Config]) -> Vec<config::Problem> {
     let mut seen = std::collections::HashSet::new();
     let mut problems = Vec::new();
@@ -396,6 +435,8 @@ impl Exit {
         let usage = |c: &(dyn std::error::Error + 'static)| {
             c.downcast_ref::<ConfigError>().is_some()
                 || c.downcast_ref::<NoStep>().is_some()
+                || c.downcast_ref::<crate::init::InitError>()
+                    .is_some_and(crate::init::InitError::is_usage)
                 || c.downcast_ref::<ReportError>()
                     .is_some_and(ReportError::is_usage)
                 || c.downcast_ref::<ModelError>()
@@ -456,7 +497,8 @@ pub fn run(command: Command) -> Result<()> {
             let mut config = Config::load(&file)?;
             config.imply_memorization();
             let runs = config.runs();
-            let problems = pinned_device_problems(&config, &runs);
+            let mut problems = missing_run_folders(&config, &runs);
+            problems.extend(pinned_device_problems(&config, &runs));
             if !problems.is_empty() {
                 return Err(ConfigError::Invalid {
                     file: file.display().to_string(),
@@ -491,27 +533,37 @@ pub fn run(command: Command) -> Result<()> {
             println!("{}", config.early_stop_summary());
             Ok(())
         }
-        Command::Init { run_dir } => {
+        Command::Init { run_dir, out } => {
             let text = match run_dir {
-                Some(dir) => match crate::init::survey(&dir) {
-                    Ok(survey) => {
-                        // They name entries of the run folder: escaped as in the logs.
-                        for line in crate::init::describe(&dir, &survey) {
-                            eprintln!("{}", crate::safe_fs::untrusted_text(&line));
+                Some(dir) => {
+                    let written = crate::init::written_dir(&dir, out.as_deref())?;
+                    let survey = match crate::init::survey(&dir) {
+                        Ok(survey) => {
+                            // They name entries of the run folder: escaped as in the logs.
+                            for line in crate::init::describe(&dir, &survey) {
+                                eprintln!("{}", crate::safe_fs::untrusted_text(&line));
+                            }
+                            survey
                         }
-                        crate::init::config_for(&dir, &survey)
-                    }
-                    Err(e) => {
-                        eprintln!(
-                            "{}: cannot look at the run folder ({e}); writing the defaults for it",
-                            dir.display()
-                        );
-                        crate::init::config_for(&dir, &crate::init::Survey::default())
-                    }
-                },
+                        Err(e) => {
+                            eprintln!(
+                                "{}: cannot look at the run folder ({e}); writing the defaults for it",
+                                dir.display()
+                            );
+                            crate::init::Survey::default()
+                        }
+                    };
+                    crate::init::config_for(&dir, &written, &survey)
+                }
                 None => config::EXAMPLE.to_string(),
             };
-            print!("{text}");
+            match out {
+                Some(file) => {
+                    crate::init::write_new(&file, &text)?;
+                    eprintln!("wrote {}", file.display());
+                }
+                None => print!("{text}"),
+            }
             Ok(())
         }
         Command::Eval {

@@ -192,6 +192,11 @@ impl RunsGlob {
         })
     }
 
+    /// The folder whose entries are the runs (the pattern's literal part).
+    pub fn folder(&self) -> &Path {
+        &self.parent
+    }
+
     /// The runs now: the folder's entries that match, are folders (not links), are not hidden
     /// and have a run's name, as (name, folder), sorted by name; all of them, of which the sweep
     /// watches at most `max_runs`. A folder that cannot be read has none.

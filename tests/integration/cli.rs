@@ -123,6 +123,9 @@ fn check_config_lists_a_sweeps_runs() {
         stdout(&out).lines().next().unwrap_or_default().to_string()
     };
     let shared = "model: {architecture: model.ts}\ndata: {path: train.h5}\n";
+    for run in ["ra", "rb"] {
+        fs::create_dir(dir.path().join(run)).unwrap();
+    }
     fs::write(
         &config,
         format!("runs: [{{name: a, dir: ra}}, {{name: b, dir: rb}}]\n{shared}"),
@@ -205,6 +208,19 @@ fn init_of_a_relative_run_folder_names_the_run_after_it() {
         let text = fs::read_to_string(&config).unwrap();
         assert!(text.contains(&format!("  # name: {name} ")), "{text}");
         if name != "exp #2: [a]" {
+            // On stdout the config's place is unknown: absolute paths.
+            let abs = run.display();
+            assert!(text.contains(&format!("  dir: {abs} ")), "{text}");
+            let heldout = format!("  heldout_path: {abs}/heldout.h5");
+            assert!(text.contains(&heldout), "{text}");
+            // With --out, relative to the file's folder (here the same as the working folder).
+            let file = top.path().join("out.yaml");
+            let out = diffmon_in(
+                top.path(),
+                &["init", "--run-dir", &format!("runs/{name}"), "--out", "out.yaml"],
+            );
+            assert!(out.status.success(), "{}", stderr(&out));
+            let text = fs::read_to_string(&file).unwrap();
             assert!(text.contains(&format!("  dir: runs/{name} ")), "{text}");
             let heldout = format!("  heldout_path: runs/{name}/heldout.h5");
             assert!(text.contains(&heldout), "{text}");
@@ -217,6 +233,106 @@ fn init_of_a_relative_run_folder_names_the_run_after_it() {
         let text = fs::read_to_string(&config).unwrap();
         assert!(text.contains(&format!("  # name: {name} ")), "{text}");
     }
+}
+
+#[test]
+fn init_config_saved_in_another_folder_passes_check_config() {
+    // Issue #31's report: `diffmon init --run-dir exp1 > conf/diffmon.yaml` wrote `exp1`,
+    // which the config then read as conf/exp1.
+    let top = tempfile::tempdir().unwrap();
+    let run = top.path().join("exp1");
+    fs::create_dir_all(&run).unwrap();
+    fs::create_dir_all(top.path().join("conf")).unwrap();
+    for f in ["model.ts", "train.h5", "heldout.h5"] {
+        fs::copy(run_dir().path().join(f), run.join(f)).unwrap();
+    }
+    let check = |config: &str| {
+        let out = diffmon_in(top.path(), &["check-config", config]);
+        assert!(
+            out.status.success(),
+            "{}\n{}",
+            stderr(&out),
+            fs::read_to_string(top.path().join(config)).unwrap()
+        );
+        assert!(stdout(&out).contains("(run `exp1`"), "{}", stdout(&out));
+    };
+    // As the issue wrote it, through the shell.
+    let shell = Command::new("sh")
+        .current_dir(top.path())
+        .arg("-c")
+        .arg(format!(
+            "'{}' init --run-dir exp1 > conf/diffmon.yaml",
+            env!("CARGO_BIN_EXE_diffmon")
+        ))
+        .output()
+        .unwrap();
+    assert!(shell.status.success(), "{}", stderr(&shell));
+    check("conf/diffmon.yaml");
+    // --out: relative paths, from the file's folder.
+    let out = diffmon_in(
+        top.path(),
+        &["init", "--run-dir", "exp1", "--out", "conf/out.yaml"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = fs::read_to_string(top.path().join("conf/out.yaml")).unwrap();
+    assert!(text.contains("  dir: ../exp1 "), "{text}");
+    assert!(text.contains("  architecture: ../exp1/model.ts"), "{text}");
+    check("conf/out.yaml");
+    // An existing file is never overwritten: exit 2, naming it, and the file unchanged.
+    let again = diffmon_in(
+        top.path(),
+        &["init", "--run-dir", "exp1", "--out", "conf/out.yaml"],
+    );
+    assert_eq!(again.status.code(), Some(2), "{}", stderr(&again));
+    assert!(
+        stderr(&again).contains("conf/out.yaml: the file exists"),
+        "{}",
+        stderr(&again)
+    );
+    assert_eq!(
+        fs::read_to_string(top.path().join("conf/out.yaml")).unwrap(),
+        text
+    );
+}
+
+#[test]
+fn check_config_reports_a_run_folder_that_does_not_exist() {
+    let top = tempfile::tempdir().unwrap();
+    let run = top.path().join("exp1");
+    fs::create_dir_all(&run).unwrap();
+    for f in ["model.ts", "train.h5"] {
+        fs::copy(run_dir().path().join(f), run.join(f)).unwrap();
+    }
+    let config = top.path().join("diffmon.yaml");
+    let write = |dir: &str| {
+        fs::write(
+            &config,
+            format!(
+                "run: {{dir: {dir}}}\nmodel: {{architecture: exp1/model.ts}}\ndata: {{path: exp1/train.h5}}\n"
+            ),
+        )
+        .unwrap()
+    };
+    write("exp1");
+    let ok = diffmon(&["check-config", config.to_str().unwrap()]);
+    assert!(ok.status.success(), "{}", stderr(&ok));
+    write("exp2");
+    let out = diffmon(&["check-config", config.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let missing = top.path().join("exp2");
+    let expected = format!("run.dir names {}, which does not exist", missing.display());
+    assert!(stderr(&out).contains(&expected), "{}", stderr(&out));
+    assert!(!missing.exists(), "check-config created the folder");
+    // A sweep's runs, each by its key.
+    fs::write(
+        &config,
+        "runs:\n  - {name: a, dir: exp1}\n  - {name: b, dir: nowhere}\nmodel: {architecture: exp1/model.ts}\ndata: {path: exp1/train.h5}\n",
+    )
+    .unwrap();
+    let out = diffmon(&["check-config", config.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("runs[1].dir names"), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("runs[0].dir"), "{}", stderr(&out));
 }
 
 #[test]
