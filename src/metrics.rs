@@ -1385,7 +1385,7 @@ mod tests {
         for secs in [0u64, 951_782_400, 1_700_000_000, 4_102_444_800 + 86_399] {
             for ms in [0u64, 1, 999] {
                 let t = UNIX_EPOCH + Duration::from_millis(secs * 1000 + ms);
-                let s = crate::alerts::rfc3339_utc(t);
+                let s = crate::record::rfc3339_utc(t);
                 let back = parse_rfc3339_utc(&s).unwrap();
                 assert!(
                     (back - (secs as f64 + ms as f64 / 1000.0)).abs() < 1e-6,

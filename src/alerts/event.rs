@@ -1,9 +1,10 @@
 //! The early-stop event (docs/design.md §17), its stable id and RFC 3339 timestamps.
 
+use crate::record::rfc3339_utc;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::fmt;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 /// What happened: the U-turn fired, or a later value went back below the best (double descent).
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Hash)]
@@ -124,37 +125,6 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     s
 }
 
-/// Formats a time as RFC 3339 in UTC with milliseconds: `2023-11-14T22:13:20.123Z`.
-/// Times before 1970 are clamped to the epoch.
-pub fn rfc3339_utc(t: SystemTime) -> String {
-    let since = t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
-    let secs = since.as_secs() as i64;
-    let millis = since.subsec_millis();
-    let days = secs.div_euclid(86_400);
-    let rem = secs.rem_euclid(86_400);
-    let (y, m, d) = civil_from_days(days);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{millis:03}Z",
-        rem / 3600,
-        (rem % 3600) / 60,
-        rem % 60
-    )
-}
-
-/// Days since 1970-01-01 to a proleptic Gregorian (year, month, day) (H. Hinnant's algorithm).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -253,21 +223,5 @@ mod tests {
         assert_eq!(back, e);
         let r = serde_json::to_value(EventKind::Resolved).unwrap();
         assert_eq!(r, "resolved");
-    }
-
-    #[test]
-    fn rfc3339_matches_python_datetime() {
-        // datetime.fromtimestamp(t, timezone.utc).isoformat() for each t.
-        let at = |s: u64, ms: u64| UNIX_EPOCH + Duration::from_millis(s * 1000 + ms);
-        assert_eq!(rfc3339_utc(at(0, 0)), "1970-01-01T00:00:00.000Z");
-        assert_eq!(
-            rfc3339_utc(at(1_700_000_000, 123)),
-            "2023-11-14T22:13:20.123Z"
-        );
-        assert_eq!(rfc3339_utc(at(951_782_400, 0)), "2000-02-29T00:00:00.000Z");
-        assert_eq!(
-            rfc3339_utc(at(4_102_444_799, 999)),
-            "2099-12-31T23:59:59.999Z"
-        );
     }
 }

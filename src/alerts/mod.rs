@@ -13,7 +13,7 @@
 //!   failure is logged at WARN and retried with the webhooks' backoff ([`DeliveryPolicy`]) until it
 //!   succeeds (INFO then); a later event supersedes a pending one. Across a restart the history
 //!   replay sends the events again, which writes it again. Its temporary file is created
-//!   exclusively under a random name (never through a planted link, see `crate::safe_fs`).
+//!   exclusively under a random name (never through a planted link, see `crate::store::safe_fs`).
 //! - **Durable before the first attempt.** Each (event, destination) is written to
 //!   `<state_dir>/outbox/<event id>.<destination key>.json` (tmp + fsync + rename) before it is
 //!   sent, and removed once the receiver accepted it. Entries left by a previous run are
@@ -72,7 +72,7 @@ mod store;
 mod tests;
 
 pub use deliver::DeliveryPolicy;
-pub use event::{Event, EventKind, event_id, rfc3339_utc, run_instance};
+pub use event::{Event, EventKind, event_id, run_instance};
 pub use format::{ALERT_NAME, summary};
 
 use crate::config::{AlertsConfig, SecretEnv, WebhookFormat};
@@ -245,7 +245,7 @@ impl Alerter {
         let dests = destinations(config)?;
 
         let key_path = state_dir.join(KEY_FILE);
-        crate::safe_fs::remove_leftover_temps(state_dir, KEY_FILE);
+        crate::store::safe_fs::remove_leftover_temps(state_dir, KEY_FILE);
         let state_key = store::state_key(&key_path).map_err(|source| AlertError::Io {
             path: key_path.clone(),
             action: "make the outbox key",
@@ -264,7 +264,7 @@ impl Alerter {
             action: "create the outbox folder",
             source,
         })?;
-        crate::safe_fs::remove_leftover_temps(state_dir, LEDGER_FILE);
+        crate::store::safe_fs::remove_leftover_temps(state_dir, LEDGER_FILE);
         let ledger = Ledger::load(state_dir.join(LEDGER_FILE));
         let store::Loaded {
             entries: loaded,
@@ -315,8 +315,8 @@ impl Alerter {
 
         let stop_path = run_dir.join(&config.stop_file);
         if let Some(name) = stop_path.file_name() {
-            crate::safe_fs::remove_leftover_temps(
-                crate::safe_fs::parent(&stop_path),
+            crate::store::safe_fs::remove_leftover_temps(
+                crate::store::safe_fs::parent(&stop_path),
                 &name.to_string_lossy(),
             );
         }
@@ -436,14 +436,14 @@ impl Alerter {
     }
 
     /// What to do when the state folder was deleted under the daemon and made anew
-    /// (`crate::state_dir::StateDir::on_remade`): write the outbox key and the delivered-ledger
+    /// (`crate::store::state_dir::StateDir::on_remade`): write the outbox key and the delivered-ledger
     /// there again from memory, so that entries written from now on verify after a restart and
     /// delivered events are not delivered again.
     pub fn on_state_remade(&self) -> impl Fn() + Send + Sync + 'static {
         let shared = self.shared.clone();
         move || {
             let (path, key) = &shared.key;
-            let written = crate::safe_fs::create_private_dir(shared.outbox.dir())
+            let written = crate::store::safe_fs::create_private_dir(shared.outbox.dir())
                 .and_then(|()| atomic_write(path, key))
                 .and_then(|()| shared.book().ledger.write());
             if let Err(e) = written {
@@ -476,7 +476,7 @@ impl Alerter {
         }
         let left = self.shared.book().pending.len();
         if let Some((action, id)) = lock(&self.stop.pending).as_ref() {
-            tracing::error!(stop_file = %crate::safe_fs::untrusted(&self.stop.path), event_id = %id, action = action.verb(), "the stop file could not be updated before stopping; the next start does it again (history replay)");
+            tracing::error!(stop_file = %crate::store::safe_fs::untrusted(&self.stop.path), event_id = %id, action = action.verb(), "the stop file could not be updated before stopping; the next start does it again (history replay)");
         }
         tracing::info!(pending = left, "alerter stopped");
     }
@@ -575,7 +575,7 @@ async fn retry_stop_file(
         let Some((action, id)) = pending.as_ref() else {
             continue;
         };
-        let path = crate::safe_fs::untrusted(&stop.path);
+        let path = crate::store::safe_fs::untrusted(&stop.path);
         match stop.apply(action) {
             Ok(()) => {
                 tracing::info!(stop_file = %path, event_id = %id, action = action.verb(), attempts = failures + 1, "stop file updated after failed attempts");

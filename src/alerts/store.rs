@@ -16,7 +16,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 /// same folder (never through a planted link), fsync, rename over `path`, fsync of the folder.
 /// Readers see the old content or the new one, never a part.
 pub fn atomic_write(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    crate::safe_fs::atomic_write(path, bytes)
+    crate::store::safe_fs::atomic_write(path, bytes)
 }
 
 /// Removes `path` (absent is fine) and syncs its folder. Returns whether it existed.
@@ -31,11 +31,11 @@ pub fn remove_durably(path: &Path) -> io::Result<bool> {
     }
 }
 
-use crate::safe_fs::{parent, sync_dir};
+use crate::store::safe_fs::{parent, sync_dir};
 
 /// A temporary file of [`atomic_write`], or of the versions before it (`.<name>.tmp.<pid>.<n>`).
 fn is_temp_name(name: &str) -> bool {
-    crate::safe_fs::is_temp_name(name, None)
+    crate::store::safe_fs::is_temp_name(name, None)
 }
 
 /// A monotonic sequence number (unix nanoseconds at creation, strictly increasing in this
@@ -112,7 +112,7 @@ pub fn state_key(path: &Path) -> io::Result<[u8; 32]> {
         Ok(Ok(key)) => return Ok(key),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         other => tracing::warn!(
-            path = %crate::safe_fs::untrusted(path),
+            path = %crate::store::safe_fs::untrusted(path),
             "the outbox key is unreadable or not 32 bytes ({}); making a new one: pending alerts written under the old one are refused, and the history's replay sends again what was not delivered",
             match other { Err(e) => e.to_string(), _ => "wrong length".into() }
         ),
@@ -179,7 +179,7 @@ impl fmt::Debug for Outbox {
 impl Outbox {
     /// The outbox in `dir` for the destinations of `keys` (destination key → [`entry_key`]).
     pub fn open(dir: PathBuf, keys: HashMap<String, [u8; 32]>) -> io::Result<Outbox> {
-        crate::safe_fs::create_private_dir(&dir)?;
+        crate::store::safe_fs::create_private_dir(&dir)?;
         Ok(Outbox { dir, keys })
     }
 
@@ -215,7 +215,7 @@ impl Outbox {
         match atomic_write(&path, &bytes) {
             // The state folder was deleted under the daemon: re-created (its parent must exist).
             Err(e) if e.kind() == io::ErrorKind::NotFound && parent(&self.dir).is_dir() => {
-                crate::safe_fs::create_private_dir(&self.dir)?;
+                crate::store::safe_fs::create_private_dir(&self.dir)?;
                 atomic_write(&path, &bytes)?;
             }
             other => other?,
@@ -261,9 +261,9 @@ impl Outbox {
             };
             let moved = fs::rename(&path, &aside).is_ok();
             tracing::warn!(
-                path = %crate::safe_fs::untrusted(&path),
+                path = %crate::store::safe_fs::untrusted(&path),
                 %reason,
-                moved_to = %if moved { crate::safe_fs::untrusted(&aside) } else { "-".into() },
+                moved_to = %if moved { crate::store::safe_fs::untrusted(&aside) } else { "-".into() },
                 "skipping an outbox entry: not delivered"
             );
         }

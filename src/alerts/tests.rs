@@ -694,7 +694,7 @@ async fn real_alertmanager_fires_stays_active_and_resolves() {
     alerter.send(&resolved(run)).unwrap();
     let start = Instant::now();
     loop {
-        let now = rfc3339_utc(std::time::SystemTime::now() + Duration::from_secs(1));
+        let now = crate::record::rfc3339_utc(std::time::SystemTime::now() + Duration::from_secs(1));
         let still_active = am_alerts(&client, &base, run).await.iter().any(|a| {
             a["status"]["state"] == "active" && a["endsAt"].as_str().is_none_or(|t| *t > *now)
         });
@@ -712,7 +712,7 @@ async fn real_alertmanager_fires_stays_active_and_resolves() {
     let after = am_alerts(&client, &base, run).await;
     assert!(
         after.iter().all(|a| a["endsAt"].as_str().unwrap_or("")
-            <= rfc3339_utc(std::time::SystemTime::now()).as_str()),
+            <= crate::record::rfc3339_utc(std::time::SystemTime::now()).as_str()),
         "resolved alert came back: {after:#?}"
     );
     assert_eq!(out.count(DeliveryOutcome::Delivered), 2, "{:?}", out.list());

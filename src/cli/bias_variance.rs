@@ -1,8 +1,8 @@
 //! `diffmon bias-variance`: E_gen per student, E_bias and E_var.
 
 use crate::config::Config;
-use crate::model::Model;
-use crate::pfd::{self, PfdProbe};
+use crate::engine::model::Model;
+use crate::engine::pfd::{self, PfdProbe};
 use anyhow::Result;
 use std::path::{Path, PathBuf};
 
@@ -18,15 +18,15 @@ pub fn bias_variance(config_path: &Path, students: &[PathBuf]) -> Result<()> {
     if let Some(n) = config.cpu_threads {
         tch::set_num_threads(n as i32);
     }
-    let device = crate::model::select_device(config.device)?;
-    let train = crate::data::ImageSet::open(&config.data.path, &config.data.dataset)?;
+    let device = crate::engine::model::select_device(config.device)?;
+    let train = crate::engine::data::ImageSet::open(&config.data.path, &config.data.dataset)?;
     let shape: Vec<i64> = train.image_shape().iter().map(|&d| d as i64).collect();
     let mut model = Model::load(&config.model.architecture, device)?;
     model.check_contract(&shape)?;
     // A teacher-only probe needs the image shape, not the training set.
     let first = train.read(0, 1)?.to_device(device);
     let probe = PfdProbe::teacher_only(&config, &first, device)?;
-    let opts = crate::eval::read_options(&config.checkpoints);
+    let opts = crate::engine::eval::read_options(&config.checkpoints);
     let mut features = Vec::new();
     for path in students {
         model.load_weights(path, &opts)?;

@@ -2,7 +2,7 @@
 
 use super::NoStep;
 use crate::config::Config;
-use crate::eval::Evaluator;
+use crate::engine::eval::Evaluator;
 use anyhow::Result;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -25,9 +25,11 @@ pub fn eval(
         .iter()
         .map(|path| {
             let step_regex = &config.checkpoints.step_regex;
-            crate::unit::step_of(path, Some(&config.run.dir), step_regex).ok_or_else(|| NoStep {
-                path: path.clone(),
-                regex: step_regex.to_string(),
+            crate::store::unit::step_of(path, Some(&config.run.dir), step_regex).ok_or_else(|| {
+                NoStep {
+                    path: path.clone(),
+                    regex: step_regex.to_string(),
+                }
             })
         })
         .collect::<Result<Vec<i64>, NoStep>>()?;
@@ -37,7 +39,7 @@ pub fn eval(
     let mut failures = 0;
     for (path, step) in checkpoints.iter().zip(steps) {
         // The version evaluated: a failure's reason is `vanished` if it changes meanwhile.
-        let key = crate::unit::key(path).ok();
+        let key = crate::store::unit::key(path).ok();
         match evaluator.evaluate(path, step) {
             Ok(record) => {
                 if json {
@@ -52,11 +54,11 @@ pub fn eval(
             }
             Err(e) => {
                 failures += 1;
-                tracing::warn!(checkpoint = %crate::safe_fs::untrusted(path), "{}", crate::safe_fs::untrusted_text(&e.to_string()));
+                tracing::warn!(checkpoint = %crate::store::safe_fs::untrusted(path), "{}", crate::store::safe_fs::untrusted_text(&e.to_string()));
                 if failure_lines {
                     let reason = match &key {
                         Some(key) => crate::daemon::failure_reason(
-                            &crate::watcher::WorkItem {
+                            &crate::daemon::watcher::WorkItem {
                                 path: path.clone(),
                                 step,
                                 key: key.clone(),

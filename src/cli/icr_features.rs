@@ -39,7 +39,7 @@ pub fn icr_features(input: &Path, ridge: f64) -> Result<()> {
         );
     }
     let started = std::time::Instant::now();
-    let r = crate::icr::icr_of_features(&h1, &h2, ridge, &input.display().to_string())?;
+    let r = crate::engine::icr::icr_of_features(&h1, &h2, ridge, &input.display().to_string())?;
     let json = serde_json::json!({
         "icr": r.icr,
         "stderr": r.stderr,

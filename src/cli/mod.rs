@@ -8,15 +8,16 @@
 mod bias_variance;
 mod eval;
 mod icr_features;
+pub mod init;
 mod replay;
 mod sample;
 
 use crate::config::{self, Config, ConfigError, DeviceSpec, Observable};
-use crate::eval::EvalError;
-use crate::model::ModelError;
-use crate::pfd::PfdError;
+use crate::engine::eval::EvalError;
+use crate::engine::model::ModelError;
+use crate::engine::pfd::PfdError;
+use crate::engine::tail;
 use crate::report::ReportError;
-use crate::tail;
 use anyhow::{Context, Result};
 use bias_variance::bias_variance;
 use clap::{Args, Parser, Subcommand};
@@ -266,7 +267,7 @@ pub fn main() -> ExitCode {
     match run(cli.command) {
         Ok(()) => Exit::Success.into(),
         Err(e) => {
-            eprintln!("error: {}", crate::safe_fs::unproc(&error_text(&e)));
+            eprintln!("error: {}", crate::store::safe_fs::unproc(&error_text(&e)));
             Exit::of_error(&e).into()
         }
     }
@@ -365,10 +366,14 @@ fn pinned_device_problems(config: &Config, runs: &[Config]) -> Vec<config::Probl
             if !seen.insert((key, path.clone())) {
                 continue;
             }
-            match crate::model::pinned_devices(path) {
+            match crate::engine::model::pinned_devices(path) {
                 Ok(pins) if !pins.is_empty() => problems.push(config::Problem {
                     key: format!("{prefix}{key}"),
-                    message: format!("{}: {}", path.display(), crate::model::pins_problem(&pins)),
+                    message: format!(
+                        "{}: {}",
+                        path.display(),
+                        crate::engine::model::pins_problem(&pins)
+                    ),
                 }),
                 Ok(_) => {}
                 Err(e) => tracing::debug!("{e}"),
@@ -435,8 +440,8 @@ impl Exit {
         let usage = |c: &(dyn std::error::Error + 'static)| {
             c.downcast_ref::<ConfigError>().is_some()
                 || c.downcast_ref::<NoStep>().is_some()
-                || c.downcast_ref::<crate::init::InitError>()
-                    .is_some_and(crate::init::InitError::is_usage)
+                || c.downcast_ref::<crate::cli::init::InitError>()
+                    .is_some_and(crate::cli::init::InitError::is_usage)
                 || c.downcast_ref::<ReportError>()
                     .is_some_and(ReportError::is_usage)
                 || c.downcast_ref::<ModelError>()
@@ -471,14 +476,15 @@ fn init_logging() {
 }
 
 /// A log writer that shows paths in the daemon's held state folder (`/proc/self/fd/<n>/...`)
-/// where the folder is ([`crate::safe_fs::unproc`]). The formatter writes each line at once.
+/// where the folder is ([`crate::store::safe_fs::unproc`]). The formatter writes each line at once.
 struct Unproc<W>(W);
 
 impl<W: std::io::Write> std::io::Write for Unproc<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         match std::str::from_utf8(buf) {
             Ok(text) if text.contains("/proc/self/fd/") => {
-                self.0.write_all(crate::safe_fs::unproc(text).as_bytes())?;
+                self.0
+                    .write_all(crate::store::safe_fs::unproc(text).as_bytes())?;
                 Ok(buf.len())
             }
             _ => self.0.write(buf),
@@ -536,12 +542,12 @@ pub fn run(command: Command) -> Result<()> {
         Command::Init { run_dir, out } => {
             let text = match run_dir {
                 Some(dir) => {
-                    let written = crate::init::written_dir(&dir, out.as_deref())?;
-                    let survey = match crate::init::survey(&dir) {
+                    let written = crate::cli::init::written_dir(&dir, out.as_deref())?;
+                    let survey = match crate::cli::init::survey(&dir) {
                         Ok(survey) => {
                             // They name entries of the run folder: escaped as in the logs.
-                            for line in crate::init::describe(&dir, &survey) {
-                                eprintln!("{}", crate::safe_fs::untrusted_text(&line));
+                            for line in crate::cli::init::describe(&dir, &survey) {
+                                eprintln!("{}", crate::store::safe_fs::untrusted_text(&line));
                             }
                             survey
                         }
@@ -550,16 +556,16 @@ pub fn run(command: Command) -> Result<()> {
                                 "{}: cannot look at the run folder ({e}); writing the defaults for it",
                                 dir.display()
                             );
-                            crate::init::Survey::default()
+                            crate::cli::init::Survey::default()
                         }
                     };
-                    crate::init::config_for(&dir, &written, &survey)
+                    crate::cli::init::config_for(&dir, &written, &survey)
                 }
                 None => config::EXAMPLE.to_string(),
             };
             match out {
                 Some(file) => {
-                    crate::init::write_new(&file, &text)?;
+                    crate::cli::init::write_new(&file, &text)?;
                     eprintln!("wrote {}", file.display());
                 }
                 None => print!("{text}"),
@@ -598,7 +604,7 @@ pub fn run(command: Command) -> Result<()> {
             offset,
         } => {
             let read = |path: &std::path::Path, dataset: &str| -> Result<tch::Tensor> {
-                Ok(crate::data::ImageSet::open_samples(path, dataset)?.read_all()?)
+                Ok(crate::engine::data::ImageSet::open_samples(path, dataset)?.read_all()?)
             };
             let p = tail::observables(&read(&samples, "samples")?, observable, scale, offset);
             let q = tail::observables(
@@ -722,29 +728,33 @@ mod tests {
             assert!(text.starts_with(&start), "{text}");
             assert_eq!(text.matches(&cause).count(), 1, "{text}");
         };
-        let data = crate::data::ImageSet::open(&plain, "images").err().unwrap();
+        let data = crate::engine::data::ImageSet::open(&plain, "images")
+            .err()
+            .unwrap();
         once(
             data.into(),
             format!("{}: cannot open HDF5 file: ", plain.display()),
         );
         let missing = dir.path().join("missing.ts");
-        let pfd = crate::pfd::file_sha256(&missing).unwrap_err();
-        assert!(matches!(&pfd, crate::pfd::PfdError::Io { source, .. }
-            if source.kind() == std::io::ErrorKind::NotFound));
+        let pfd = crate::engine::pfd::file_sha256(&missing).unwrap_err();
+        assert!(
+            matches!(&pfd, crate::engine::pfd::PfdError::Io { source, .. }
+            if source.kind() == std::io::ErrorKind::NotFound)
+        );
         once(pfd.into(), format!("{}: ", missing.display()));
         // A state folder under a file: neither the lock nor the crash marker can be made.
         let state = plain.join("state");
-        let lock = crate::lock::StateLock::acquire(&state, dir.path()).unwrap_err();
+        let lock = crate::store::lock::StateLock::acquire(&state, dir.path()).unwrap_err();
         once(
             lock.into(),
             format!("{}: cannot open the state folder: ", plain.display()),
         );
-        let crash = crate::crash::read_marker(&state).unwrap_err();
+        let crash = crate::store::crash::read_marker(&state).unwrap_err();
         once(
             crash.into(),
             format!(
                 "{}: cannot read the crash marker: ",
-                state.join(crate::crash::MARKER_FILE).display()
+                state.join(crate::store::crash::MARKER_FILE).display()
             ),
         );
     }

@@ -1,10 +1,10 @@
 //! `diffmon replay`: the early-stop detector over a recorded history, with the config's
 //! `early_stop` settings and any overrides, printing what it decides at each checkpoint and a
-//! summary (docs/design.md §14). The same [`crate::detector::replay`] as the daemon's start-up.
+//! summary (docs/design.md §14). The same [`crate::engine::detector::replay`] as the daemon's start-up.
 
 use crate::config::{Config, ConfigError, EarlyStopConfig, Problem};
-use crate::detector::{Decision, Detector, DetectorState, Signal};
-use crate::history::{History, JOURNAL};
+use crate::engine::detector::{Decision, Detector, DetectorState, Signal};
+use crate::store::history::{History, JOURNAL};
 use anyhow::Result;
 use serde::Serialize;
 use std::io::Write;
@@ -210,7 +210,7 @@ pub fn replay(config_path: &Path, set: &[String], json: bool) -> Result<()> {
     let mut resolved_at = None;
     let mut confirm_seen = false;
     let mut written: std::io::Result<()> = Ok(());
-    let failures = crate::detector::replay(
+    let failures = crate::engine::detector::replay(
         &mut detector,
         metric,
         &entries,
@@ -296,7 +296,7 @@ fn summary_text(s: &Summary, confirm_seen: bool) -> String {
         // The name is escaped as in the logs: whoever writes `run.dir` chooses it.
         (Some(step), Some(c), Some(v)) => format!(
             "best step {step} ({}, smoothed {v:.6})",
-            crate::safe_fs::untrusted_text(c)
+            crate::store::safe_fs::untrusted_text(c)
         ),
         _ => "no best: no evaluation has a value".to_string(),
     };

@@ -1,15 +1,15 @@
 //! `diffmon sample`: the PF-ODE map of a model or of the empirical flow.
 
 use super::SampleArgs;
-use crate::model::Model;
-use crate::pfd;
-use crate::sampler::{self, EmpiricalDenoiser, ModelDenoiser, Schedule};
+use crate::engine::model::Model;
+use crate::engine::pfd;
+use crate::engine::sampler::{self, EmpiricalDenoiser, ModelDenoiser, Schedule};
 use crate::weights::ReadOptions;
 use anyhow::{Context, Result};
 
 /// `diffmon sample`: the PF-ODE map of a model (or of the empirical flow) over given latents.
 pub fn sample(a: SampleArgs) -> Result<()> {
-    let device = crate::model::select_device(a.device)?;
+    let device = crate::engine::model::select_device(a.device)?;
     let latents = pfd::read_latents(&a.latents, None)?;
     let shape = latents.size()[1..].to_vec();
     let schedule = Schedule {
@@ -32,7 +32,7 @@ pub fn sample(a: SampleArgs) -> Result<()> {
             .data
             .as_ref()
             .context("--model empirical needs --data (the training images)")?;
-        let set = crate::data::ImageSet::open(data, &a.dataset)?;
+        let set = crate::engine::data::ImageSet::open(data, &a.dataset)?;
         let image_shape: Vec<i64> = set.image_shape().iter().map(|&d| d as i64).collect();
         if image_shape != shape {
             anyhow::bail!(
@@ -60,7 +60,7 @@ pub fn sample(a: SampleArgs) -> Result<()> {
         &mut network
     };
     let m = latents.size()[0];
-    let mut progress = crate::progress::Progress::new(
+    let mut progress = crate::engine::progress::Progress::new(
         "sampling",
         sampler::evaluations_for(m, a.batch_size.max(1), &schedule),
     );

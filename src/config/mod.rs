@@ -272,7 +272,7 @@ pub struct CheckpointsConfig {
     /// Where a checkpoint holds both EMA and raw weights, evaluate the EMA ones.
     pub prefer_ema: bool,
     /// Tried in order inside a checkpoint folder; `None`: the defaults of
-    /// [`crate::unit::default_weights_files`].
+    /// [`crate::store::unit::default_weights_files`].
     pub weights_files: Option<Vec<WeightsFile>>,
 }
 
@@ -1343,7 +1343,7 @@ impl Config {
     }
 
     /// This config with its state folder reached through `path` (the daemon's held handle,
-    /// `crate::state_dir`), for the evaluator, which writes caches and the crash marker there.
+    /// `crate::store::state_dir`), for the evaluator, which writes caches and the crash marker there.
     pub fn writing_state_through(&self, path: &Path) -> Config {
         Config {
             state_dir: Some(path.to_path_buf()),

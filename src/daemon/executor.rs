@@ -4,13 +4,13 @@
 //! beside it.
 
 use crate::config::Config;
-use crate::crash::InFlight;
-use crate::eval::{Architectures, EvalError, Evaluator};
-use crate::model::ModelError;
-use crate::pfd::PfdError;
+use crate::daemon::watcher::WorkItem;
+use crate::engine::eval::{Architectures, EvalError, Evaluator};
+use crate::engine::model::ModelError;
+use crate::engine::pfd::PfdError;
 use crate::record::{Evaluation, FailureReason};
-use crate::safe_fs::untrusted;
-use crate::watcher::WorkItem;
+use crate::store::crash::InFlight;
+use crate::store::safe_fs::untrusted;
 use crossbeam_channel::{Receiver, Sender};
 use std::thread::JoinHandle;
 
@@ -65,7 +65,7 @@ impl Executor for Local {
     ) -> Result<JoinHandle<()>, ExecutorError> {
         let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(), EvalError>>(1);
         let thread = std::thread::Builder::new()
-            .name(crate::crash::EVALUATOR_THREAD.into())
+            .name(crate::store::crash::EVALUATOR_THREAD.into())
             .spawn(move || {
                 let mut evaluator = match Evaluator::new(&self.config) {
                     Ok(mut e) => {
@@ -117,7 +117,7 @@ pub fn start_shared(
 ) -> Result<JoinHandle<()>, ExecutorError> {
     let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(), EvalError>>(1);
     let thread = std::thread::Builder::new()
-        .name(crate::crash::EVALUATOR_THREAD.into())
+        .name(crate::store::crash::EVALUATOR_THREAD.into())
         .spawn(move || {
             let mut runs = Vec::with_capacity(lanes.len());
             // Each architecture file is loaded once for the runs that name it.
@@ -179,9 +179,9 @@ pub fn start_shared(
                 next = i + 1;
                 let (lane, evaluator) = &mut runs[i];
                 if armed != Some(i) {
-                    if let Err(e) = crate::crash::arm(&lane.config.state_dir()) {
+                    if let Err(e) = crate::store::crash::arm(&lane.config.state_dir()) {
                         // Not the last run's marker: a crash now is recorded nowhere.
-                        crate::crash::disarm();
+                        crate::store::crash::disarm();
                         tracing::warn!(run = %lane.config.run_name(), "{e}; a crash would not be recorded");
                     }
                     armed = Some(i);
@@ -225,14 +225,14 @@ fn round_robin<'a, T: 'a>(
 
 /// Evaluates one item with the crash marker naming it (docs/design.md §10).
 fn evaluate(evaluator: &mut Evaluator, item: WorkItem) -> Outcome {
-    crate::crash::evaluating(Some(&InFlight {
+    crate::store::crash::evaluating(Some(&InFlight {
         key: item.key.clone(),
         step: item.step,
     }));
     // Logged once a crash would be recorded against this checkpoint.
     tracing::debug!(checkpoint = %untrusted(&item.path), step = item.step, "evaluating");
     let evaluated = evaluator.evaluate(&item.path, item.step);
-    crate::crash::evaluating(None);
+    crate::store::crash::evaluating(None);
     match evaluated {
         // A file deleted or rewritten while it was read may not be what was evaluated.
         Ok(_) if !unchanged(&item) => Outcome::Failed(
@@ -247,7 +247,7 @@ fn evaluate(evaluator: &mut Evaluator, item: WorkItem) -> Outcome {
 
 /// Is the unit on disk still the version the item names?
 pub(super) fn unchanged(item: &WorkItem) -> bool {
-    crate::unit::key(&item.path).ok().as_ref() == Some(&item.key)
+    crate::store::unit::key(&item.path).ok().as_ref() == Some(&item.key)
 }
 
 /// Failure reason label of `diffmon_checkpoint_failures_total{reason}`.
@@ -280,7 +280,7 @@ mod tests {
         let path = dir.path().join("ckpt_1.pt");
         std::fs::write(&path, b"weights").unwrap();
         let item = WorkItem {
-            key: crate::unit::key(&path).unwrap(),
+            key: crate::store::unit::key(&path).unwrap(),
             path: path.clone(),
             step: 1,
         };
@@ -350,7 +350,7 @@ mod tests {
         let file = crate::config::ConfigFile::parse(&text, "t.yaml").unwrap();
         let mut config = file.settings(false).unwrap();
         config.data.path = dir.path().join("missing.h5");
-        let (_work_tx, work_rx) = crate::watcher::work_channel();
+        let (_work_tx, work_rx) = crate::daemon::watcher::work_channel();
         let (outcome_tx, _outcome_rx) = crossbeam_channel::bounded(1);
         let local = Local {
             config,

@@ -24,25 +24,27 @@
 //! (the evaluation in flight finishes and is recorded, for at most `shutdown_drain_secs`); a
 //! second one exits at once (status 130), whatever is blocked.
 //!
-//! One daemon per state folder: [`crate::lock`]. A checkpoint that made the process die (a fatal
+//! One daemon per state folder: [`crate::store::lock`]. A checkpoint that made the process die (a fatal
 //! signal, or a panic of the evaluator) is recorded after the restart as a failure with reason
-//! [`crate::record::FailureReason::Crashed`] rather than evaluated again ([`crate::crash`]); a
+//! [`crate::record::FailureReason::Crashed`] rather than evaluated again ([`crate::store::crash`]); a
 //! panic in any thread ends the process with status 1.
 
 mod executor;
+pub mod http;
 mod recorder;
 mod run_state;
 mod shutdown;
 mod sinks;
 pub mod slurm;
 mod sweep;
+pub mod watcher;
 
 use crate::alerts::Alerter;
 use crate::config::{Config, ExecutorKind};
-use crate::http::RunView;
-use crate::lock::StateLock;
+use crate::daemon::http::RunView;
+use crate::daemon::watcher::{Watcher, work_channel};
 use crate::metrics::Metrics;
-use crate::watcher::{Watcher, work_channel};
+use crate::store::lock::StateLock;
 use anyhow::{Context, Result};
 pub(crate) use executor::failure_reason;
 use executor::{Executor, Local, Outcome};
@@ -91,7 +93,7 @@ struct Opened {
 /// run's checkpoint may be evaluated, whose marker the evaluator holds; the evaluator arms the
 /// run's own before its first item. The one set-up of a single run and of each run of a sweep.
 ///
-/// Everything it writes goes through `lock`'s state folder handle (`crate::state_dir`).
+/// Everything it writes goes through `lock`'s state folder handle (`crate::store::state_dir`).
 fn open(
     config: &Config,
     lock: &StateLock,
@@ -104,7 +106,7 @@ fn open(
     let mut recorder = Recorder::open(&state_dir)
         .context("cannot open the history")?
         .following(state.clone());
-    let crash = match crate::crash::read_marker(&state_dir) {
+    let crash = match crate::store::crash::read_marker(&state_dir) {
         Ok(crash) => crash,
         Err(e) => {
             tracing::warn!("{e}; ignoring it");
@@ -123,7 +125,7 @@ fn open(
         config
             .early_stop
             .keep_best
-            .then(|| crate::keep_best::Keeper::new(&state_dir).showing(state.shown())),
+            .then(|| crate::store::keep_best::Keeper::new(&state_dir).showing(state.shown())),
     );
     if replayed.evaluations > 0 {
         tracing::info!(run = %run, evaluations = replayed.evaluations, state = %state.shown().display(), "history restored");
@@ -164,7 +166,7 @@ fn open(
         recorder.record_crash(crash, &mut |outcome, at| published.recorded(outcome, at));
     }
     if arm {
-        crate::crash::arm(&state_dir)?;
+        crate::store::crash::arm(&state_dir)?;
     }
     Ok(Opened {
         recorder,
@@ -198,11 +200,11 @@ fn serve(
     app: axum::Router,
     config: &Config,
 ) -> tokio::task::JoinHandle<()> {
-    let limits = crate::http::Limits::of(&config.http);
+    let limits = crate::daemon::http::Limits::of(&config.http);
     runtime.spawn(async move {
         let listener =
             tokio::net::TcpListener::from_std(listener).expect("a non-blocking std listener");
-        crate::http::serve(listener, app, limits).await;
+        crate::daemon::http::serve(listener, app, limits).await;
     })
 }
 
@@ -257,7 +259,7 @@ pub fn run(config: Config) -> Result<()> {
             published.sinks
         })?;
 
-    let app = crate::http::router(metrics.clone(), view.status, view.snapshot);
+    let app = crate::daemon::http::router(metrics.clone(), view.status, view.snapshot);
     let server = serve(&runtime, listener, app, &config);
     tracing::info!(
         run = %run,
@@ -284,9 +286,9 @@ pub fn run(config: Config) -> Result<()> {
 pub(super) mod tests {
     use super::*;
     use crate::config::{Confirmation, EarlyStopMetric, EarlyStopSettings, Smoother};
-    use crate::history::CheckpointKey;
+    use crate::daemon::watcher::WorkItem;
     use crate::record::{Evaluation, FailureReason};
-    use crate::watcher::WorkItem;
+    use crate::store::history::CheckpointKey;
     use std::sync::Mutex;
 
     /// A work item for `ckpt_<step>.pt` (the stages' tests share it).

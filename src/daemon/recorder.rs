@@ -6,12 +6,12 @@
 //! order, once it is in the journal.
 
 use super::executor::Outcome;
-use crate::crash::{Crash, InFlight};
-use crate::history::{Entry, History, HistoryError};
+use crate::daemon::watcher::WorkItem;
 use crate::record::FailureReason;
-use crate::safe_fs::{untrusted, untrusted_text};
-use crate::state_dir::StateDir;
-use crate::watcher::WorkItem;
+use crate::store::crash::{Crash, InFlight};
+use crate::store::history::{Entry, History, HistoryError};
+use crate::store::safe_fs::{untrusted, untrusted_text};
+use crate::store::state_dir::StateDir;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use std::collections::VecDeque;
 use std::path::Path;
@@ -31,12 +31,12 @@ pub struct Recorder {
     stalled: bool,
     /// Rewriting `history.h5` failed, and that was logged.
     hdf5_failing: bool,
-    /// The daemon's state folder, put back in place before each write (`crate::state_dir`).
+    /// The daemon's state folder, put back in place before each write (`crate::store::state_dir`).
     state: Option<Arc<StateDir>>,
 }
 
 fn now_rfc3339() -> String {
-    crate::alerts::rfc3339_utc(std::time::SystemTime::now())
+    crate::record::rfc3339_utc(std::time::SystemTime::now())
 }
 
 impl Recorder {
@@ -86,7 +86,7 @@ impl Recorder {
             return;
         }
         tracing::error!(
-            checkpoint = %crate::safe_fs::untrusted_text(&key.path),
+            checkpoint = %crate::store::safe_fs::untrusted_text(&key.path),
             step,
             "the last run died ({}) while evaluating this checkpoint; it is recorded as a failure (reason {}) and not evaluated again",
             crash.cause,
@@ -217,8 +217,8 @@ impl Recorder {
 mod tests {
     use super::*;
     use crate::daemon::tests::item;
-    use crate::history::HDF5;
     use crate::record::Evaluation;
+    use crate::store::history::HDF5;
 
     fn done(step: i64) -> Outcome {
         Outcome::Done(

@@ -10,13 +10,13 @@
 use super::executor::Outcome;
 use crate::alerts::{Event, EventKind, event_id};
 use crate::config::EarlyStopSettings;
-use crate::detector::{Best, Decision, Detector, DetectorState, Observation, Signal};
-use crate::history::{CheckpointKey, Entry};
-use crate::http::EarlyStopStatus;
-use crate::keep_best::Keeper;
+use crate::daemon::http::EarlyStopStatus;
+use crate::engine::detector::{Best, Decision, Detector, DetectorState, Observation, Signal};
 use crate::metrics::Metrics;
 use crate::record::Evaluation;
 use crate::report::Snapshot;
+use crate::store::history::{CheckpointKey, Entry};
+use crate::store::keep_best::Keeper;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -90,14 +90,18 @@ impl RunState {
         }
         let mut replayed = Replayed::default();
         let mut detector = Detector::new(early_stop, DetectorState::default());
-        let failures =
-            crate::detector::replay(&mut detector, metric, entries, |record, at, decision, s| {
+        let failures = crate::engine::detector::replay(
+            &mut detector,
+            metric,
+            entries,
+            |record, at, decision, s| {
                 replayed.evaluations += 1;
                 state.metrics.record(record);
                 replayed
                     .events
                     .extend(state.publish(record, at, decision, s));
-            });
+            },
+        );
         state.detector = detector;
         lock(&state.snapshot).failures = failures;
         state.keep_best();
@@ -226,6 +230,7 @@ mod tests {
     use super::*;
     use crate::config::{Confirmation, EarlyStopMetric, Smoother};
     use crate::daemon::tests::item;
+    use crate::daemon::watcher::WorkItem;
     use crate::metrics::{
         BEST_STEP, BEST_STEP_TIMESTAMP, CHECKPOINT_FAILURES, CHECKPOINTS_EVALUATED,
         EARLY_STOP_TIMESTAMP, EARLY_STOP_TRIGGERED, EARLY_STOP_UNCONFIRMED, ICR, ICR_SMOOTHED,
@@ -233,7 +238,6 @@ mod tests {
     };
     use crate::record::FailureReason;
     use crate::report::Marker;
-    use crate::watcher::WorkItem;
 
     /// A window of one, so the smoothed value is the raw one and the turn has a closed form.
     fn settings() -> EarlyStopSettings {

@@ -26,12 +26,12 @@ pub fn stop_channel() -> (Stop, Receiver<()>) {
 /// Makes a panic in any thread end the process with status 1, for a service manager to
 /// restart it.
 pub fn exit_on_panic() {
-    crate::crash::on_panic(|thread, message| {
+    crate::store::crash::on_panic(|thread, message| {
         tracing::error!(
             thread,
             "a thread of the daemon panicked ({message}); exiting with status 1"
         );
-        crate::crash::exit_now(1);
+        crate::store::crash::exit_now(1);
     });
 }
 
@@ -90,12 +90,12 @@ pub fn until_stopped<T: Send + 'static>(
     let Ok(Ok(Ok(value))) = drained else {
         // The evaluator is still busy (or blocked): nothing waits for it, and nothing it does
         // from now on is the checkpoint's fault.
-        crate::crash::disarm();
+        crate::store::crash::disarm();
         tracing::warn!(
             "the evaluation in flight did not finish within {drain:?} (shutdown_drain_secs); it will be evaluated again after a restart"
         );
         tracing::info!("stopped");
-        crate::crash::exit_now(if signalled { 0 } else { 1 });
+        crate::store::crash::exit_now(if signalled { 0 } else { 1 });
     };
     Ok((signalled, value))
 }
@@ -103,7 +103,7 @@ pub fn until_stopped<T: Send + 'static>(
 /// The second signal: exits at once, with status 130 (`cli::Exit::Interrupted`).
 fn second_signal() -> ! {
     tracing::warn!("second signal: exiting now");
-    crate::crash::exit_now(130);
+    crate::store::crash::exit_now(130);
 }
 
 /// Makes SIGINT and SIGTERM end the process in the signal handler itself, so that no blocked

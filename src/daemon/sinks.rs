@@ -4,7 +4,7 @@
 //! [`Sink`]; [`Sinks`] passes everything to each of them in order.
 
 use crate::alerts::{AlertError, Alerter, Event, EventKind};
-use crate::detector::DetectorState;
+use crate::engine::detector::DetectorState;
 use crate::record::Evaluation;
 use std::time::Duration;
 
@@ -105,7 +105,7 @@ impl Sink for Console {
 /// to exceed). The checkpoint's name is escaped as in the logs: it is chosen by whoever writes
 /// `run.dir`, and a terminal would act on its escape sequences and newlines.
 fn early_stop_line(e: &Event, threshold: Option<f64>) -> String {
-    let escaped = crate::safe_fs::untrusted_text;
+    let escaped = crate::store::safe_fs::untrusted_text;
     format!(
         "EARLY STOP: {} turned at step {} (smoothed {:.4} > best {:.4} + {:.4}); best checkpoint: {} (step {}){}",
         e.metric,
@@ -157,7 +157,7 @@ impl Sink for Alerts {
 pub(super) mod tests {
     use super::*;
     use crate::alerts::event_id;
-    use crate::detector::Best;
+    use crate::engine::detector::Best;
     use std::sync::{Arc, Mutex};
 
     /// A sink that writes down what it is given, as `"<name> <what> <step>"`.

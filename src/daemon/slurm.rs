@@ -45,11 +45,11 @@
 
 use super::executor::{ExecutorError, Lane, Outcome, unchanged};
 use crate::config::{Config, SlurmConfig};
-use crate::history::CheckpointKey;
+use crate::daemon::watcher::WorkItem;
 use crate::metrics::Metrics;
 use crate::record::{Evaluation, FailureReason};
-use crate::safe_fs::untrusted;
-use crate::watcher::WorkItem;
+use crate::store::history::CheckpointKey;
+use crate::store::safe_fs::untrusted;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
@@ -491,7 +491,7 @@ fn output_tail(folder: &Path) -> String {
         .unwrap_or_default();
     let lines: Vec<&str> = text.lines().rev().take(3).collect();
     let tail: Vec<&str> = lines.into_iter().rev().collect();
-    crate::safe_fs::untrusted_text(&tail.join(" | "))
+    crate::store::safe_fs::untrusted_text(&tail.join(" | "))
 }
 
 /// Reads the journal: the latest attempt of each key.
@@ -618,9 +618,11 @@ impl Runner {
     ) -> Result<Runner, SlurmError> {
         let state_dir = config.state_dir();
         let jobs_dir = state_dir.join(JOBS_DIR);
-        crate::safe_fs::create_private_dir(&jobs_dir).map_err(|source| SlurmError::JobsDir {
-            path: jobs_dir.clone(),
-            source,
+        crate::store::safe_fs::create_private_dir(&jobs_dir).map_err(|source| {
+            SlurmError::JobsDir {
+                path: jobs_dir.clone(),
+                source,
+            }
         })?;
         let journal_path = state_dir.join(JOURNAL);
         let journaled = read_journal(&journal_path)?;
@@ -907,7 +909,7 @@ impl Runner {
             .mode(0o700)
             .create(&folder)
             .and_then(|_| {
-                crate::safe_fs::atomic_write(
+                crate::store::safe_fs::atomic_write(
                     &folder.join("job.sh"),
                     script(
                         &self.binary,
@@ -959,7 +961,9 @@ impl Runner {
             _ => None,
         };
         id.ok_or_else(|| match answer {
-            Ok(out) => crate::safe_fs::untrusted_text(String::from_utf8_lossy(&out.stderr).trim()),
+            Ok(out) => {
+                crate::store::safe_fs::untrusted_text(String::from_utf8_lossy(&out.stderr).trim())
+            }
             Err(e) => format!("cannot run sbatch: {e}"),
         })
     }
@@ -1028,7 +1032,9 @@ impl Runner {
             );
         }
         driver += "*) echo \"no task $SLURM_ARRAY_TASK_ID\" >&2; exit 1 ;;\nesac\n";
-        if let Err(e) = crate::safe_fs::atomic_write(&first.join("array.sh"), driver.as_bytes()) {
+        if let Err(e) =
+            crate::store::safe_fs::atomic_write(&first.join("array.sh"), driver.as_bytes())
+        {
             for job in tasks {
                 job.state = State::Finished(Outcome::Failed(
                     job.item.clone(),
@@ -1239,7 +1245,7 @@ impl Runner {
                 FailureReason::Error,
                 format!(
                     "diffmon eval exited with status {} in Slurm job folder {}: {}",
-                    crate::safe_fs::untrusted_text(status),
+                    crate::store::safe_fs::untrusted_text(status),
                     folder.display(),
                     output_tail(folder)
                 ),

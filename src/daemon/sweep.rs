@@ -12,10 +12,10 @@ use super::sinks::Sinks;
 use super::slurm::SlurmPool;
 use super::{OUTCOMES_BOUND, Published, shutdown};
 use crate::config::{Config, ExecutorKind};
-use crate::http::{RunList, RunView};
-use crate::lock::StateLock;
+use crate::daemon::http::{RunList, RunView};
+use crate::daemon::watcher::{SharedNotifications, Watcher, WorkItem, work_channel};
 use crate::metrics::Metrics;
-use crate::watcher::{SharedNotifications, Watcher, WorkItem, work_channel};
+use crate::store::lock::StateLock;
 use anyhow::{Context, Result};
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::{HashMap, HashSet};
@@ -117,7 +117,7 @@ pub fn run(config: Config) -> Result<()> {
             }
         })?;
 
-    let app = crate::http::sweep_router(views);
+    let app = crate::daemon::http::sweep_router(views);
     let server = super::serve(&runtime, listener, app, &config);
     tracing::info!(
         runs = %names.join(", "),

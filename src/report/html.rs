@@ -80,7 +80,7 @@ td.path {{ text-align: left; }}
     if !s.rows.is_empty() {
         o.push_str(&table(s, label));
     }
-    let generated = crate::alerts::rfc3339_utc(std::time::SystemTime::now());
+    let generated = crate::record::rfc3339_utc(std::time::SystemTime::now());
     let _ = write!(
         o,
         r#"<p class="foot">diffmon {} · generated {generated}"#,

@@ -20,9 +20,9 @@ mod png;
 mod svg;
 
 use crate::config::{EarlyStopMetric, EarlyStopSettings};
-use crate::detector::{Decision, Detector, DetectorState};
-use crate::history::{Entry, History, HistoryError, JOURNAL};
+use crate::engine::detector::{Decision, Detector, DetectorState};
 use crate::record::{Evaluation, FIELDS};
+use crate::store::history::{Entry, History, HistoryError, JOURNAL};
 use html::html;
 use png::rasterize;
 use std::fmt::Write as _;
@@ -190,7 +190,7 @@ impl Snapshot {
                 .filter(|e| e.is_finite() && *e >= 0.0),
             fields: FIELDS.iter().map(|f| f.float(r)).collect(),
         });
-        let marker = |b: &crate::detector::Best| Marker {
+        let marker = |b: &crate::engine::detector::Best| Marker {
             step: b.step,
             checkpoint: b.checkpoint.clone(),
             value: b.value,
@@ -216,7 +216,7 @@ impl Snapshot {
     ) -> Snapshot {
         let mut snapshot = Snapshot::new(run, metric);
         let mut detector = Detector::new(detector, DetectorState::default());
-        snapshot.failures = crate::detector::replay(
+        snapshot.failures = crate::engine::detector::replay(
             &mut detector,
             metric,
             entries,
@@ -494,7 +494,7 @@ mod tests {
                     format!("/runs/x/ckpt_{step}.pt")
                 };
                 Entry::Evaluation {
-                    key: crate::history::CheckpointKey {
+                    key: crate::store::history::CheckpointKey {
                         path: checkpoint.clone(),
                         size: 1,
                         mtime_ns: step,
@@ -646,7 +646,7 @@ mod tests {
                 r.icr = Some(0.8 + 0.01 * i as f64);
                 r.generalization_gap = Some(0.01 * i as f64);
                 Entry::Evaluation {
-                    key: crate::history::CheckpointKey {
+                    key: crate::store::history::CheckpointKey {
                         path: format!("/r/{i}.pt"),
                         size: 1,
                         mtime_ns: i,
@@ -717,7 +717,7 @@ mod tests {
                 r.icr_stderr = e;
                 r.pfd_generalization = Some(v);
                 Entry::Evaluation {
-                    key: crate::history::CheckpointKey {
+                    key: crate::store::history::CheckpointKey {
                         path: r.checkpoint.clone(),
                         size: 1,
                         mtime_ns: step,

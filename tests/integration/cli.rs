@@ -217,7 +217,13 @@ fn init_of_a_relative_run_folder_names_the_run_after_it() {
             let file = top.path().join("out.yaml");
             let out = diffmon_in(
                 top.path(),
-                &["init", "--run-dir", &format!("runs/{name}"), "--out", "out.yaml"],
+                &[
+                    "init",
+                    "--run-dir",
+                    &format!("runs/{name}"),
+                    "--out",
+                    "out.yaml",
+                ],
             );
             assert!(out.status.success(), "{}", stderr(&out));
             let text = fs::read_to_string(&file).unwrap();
@@ -331,7 +337,11 @@ fn check_config_reports_a_run_folder_that_does_not_exist() {
     .unwrap();
     let out = diffmon(&["check-config", config.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
-    assert!(stderr(&out).contains("runs[1].dir names"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("runs[1].dir names"),
+        "{}",
+        stderr(&out)
+    );
     assert!(!stderr(&out).contains("runs[0].dir"), "{}", stderr(&out));
 }
 

@@ -1,7 +1,7 @@
 //! HDF5 training images: float NCHW, uint8 NHWC and uint8 NCHW give the same tensors.
 
 use crate::common::{fixtures, h5_tensor};
-use diffmon::data::{ImageSet, Layout};
+use diffmon::engine::data::{ImageSet, Layout};
 
 #[test]
 fn uint8_layouts_convert_like_the_float_file() {

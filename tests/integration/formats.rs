@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use crate::common::run_python;
-use diffmon::model::Model;
+use diffmon::engine::model::Model;
 use diffmon::weights::{
     self, CheckpointFormat, Naming, ReadOptions, StateDict, read_checkpoint, read_weights,
 };

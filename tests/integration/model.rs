@@ -2,7 +2,7 @@
 //! architecture and reproduces PyTorch's forward; bad checkpoints are refused with clear errors.
 
 use crate::common::{fixtures, h5_tensor, run_python};
-use diffmon::model::Model;
+use diffmon::engine::model::Model;
 use diffmon::weights::ReadOptions;
 use tch::{Device, Tensor};
 

@@ -5,7 +5,7 @@
 
 use crate::common::{diffmon, run_python, stderr, stdout, toy_run};
 use diffmon::config::Config;
-use diffmon::eval::Evaluator;
+use diffmon::engine::eval::Evaluator;
 use serde_json::Value;
 use std::fs;
 use std::path::{Path, PathBuf};

@@ -134,7 +134,7 @@ pub fn remove_leftover_temps(dir: &Path, target: &str) -> usize {
     removed
 }
 
-/// `text` with each `/proc/self/fd/<n>` (the daemon's held state folder, `crate::state_dir`)
+/// `text` with each `/proc/self/fd/<n>` (the daemon's held state folder, `crate::store::state_dir`)
 /// replaced by where that folder is now, so messages name a path a person can use.
 pub fn unproc(text: &str) -> String {
     const PREFIX: &str = "/proc/self/fd/";

@@ -9,7 +9,7 @@
 //! Lustre refuses it unless mounted with `flock`; a file system that refuses locks stops the start
 //! with a message that names it (point `state_dir` at a local disk).
 //!
-//! Taking the lock opens the state folder ([`crate::state_dir::StateDir`]: no link followed, the
+//! Taking the lock opens the state folder ([`crate::store::state_dir::StateDir`]: no link followed, the
 //! daemon's own, used through its handle); the lock holds it for the daemon.
 
 use std::fs::File;
@@ -19,7 +19,7 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use crate::state_dir::{StateDir, StateDirError};
+use crate::store::state_dir::{StateDir, StateDirError};
 
 /// The lock file's name inside the state folder.
 pub const LOCK_FILE: &str = "lock";
@@ -165,7 +165,7 @@ fn lock_in(dir: &Path, path: &Path) -> Result<File, LockError> {
         "pid {} on host {} since {}\n",
         std::process::id(),
         hostname(),
-        crate::alerts::rfc3339_utc(std::time::SystemTime::now())
+        crate::record::rfc3339_utc(std::time::SystemTime::now())
     );
     file.set_len(0)
         .and_then(|_| file.rewind())

@@ -137,7 +137,7 @@ impl StateDir {
         })?;
         let fd = walk(&real, &base, &below)?;
         let path = handle_path(&fd).unwrap_or_else(|| {
-            tracing::warn!(state = %crate::safe_fs::untrusted(&real), "/proc/self/fd is not available: the state folder is used by its path, which someone who can write the run folder could replace while the daemon runs");
+            tracing::warn!(state = %crate::store::safe_fs::untrusted(&real), "/proc/self/fd is not available: the state folder is used by its path, which someone who can write the run folder could replace while the daemon runs");
             real.clone()
         });
         Ok(StateDir {
@@ -179,13 +179,13 @@ impl StateDir {
     pub fn follow(&self, remake: bool) -> Followed {
         let mut said = self.said.lock().unwrap_or_else(|e| e.into_inner());
         let followed = self.try_follow(remake);
-        let shown = crate::safe_fs::untrusted(&self.real);
+        let shown = crate::store::safe_fs::untrusted(&self.real);
         match &followed {
             Followed::InPlace => *said = None,
             Followed::Deleted => {}
             Followed::MovedBack { from } => tracing::warn!(
                 state = %shown,
-                from = %crate::safe_fs::untrusted(from),
+                from = %crate::store::safe_fs::untrusted(from),
                 "the run folder was replaced while the daemon ran: its state folder (history, lock, outbox) was moved back into the new one"
             ),
             Followed::Remade => {
@@ -225,18 +225,19 @@ impl StateDir {
         if ours.st_nlink == 0 && !remake {
             return Followed::Deleted;
         }
-        let parent = crate::safe_fs::parent(&self.real);
+        let parent = crate::store::safe_fs::parent(&self.real);
         if !parent.is_dir() {
             return Followed::Elsewhere(format!(
                 "the state folder's parent {} is gone; waiting for it to come back",
-                crate::safe_fs::untrusted(parent)
+                crate::store::safe_fs::untrusted(parent)
             ));
         }
         match there {
             Ok(_) => Followed::Elsewhere(format!(
                 "something else is now at the state folder's name (another daemon's folder, or one planted): this daemon keeps its state in the folder it opened, now at {}; stop the other one, then restart this one",
-                self.current()
-                    .map_or("an unknown place".into(), |p| crate::safe_fs::untrusted(&p))
+                self.current().map_or("an unknown place".into(), |p| {
+                    crate::store::safe_fs::untrusted(&p)
+                })
             )),
             Err(e) if e.kind() != io::ErrorKind::NotFound => {
                 Followed::Elsewhere(format!("cannot look at the state folder: {e}"))
@@ -266,12 +267,12 @@ impl StateDir {
                 };
                 match rename_noreplace(&from, &self.real) {
                     Ok(()) => {
-                        crate::safe_fs::sync_dir(parent);
+                        crate::store::safe_fs::sync_dir(parent);
                         Followed::MovedBack { from }
                     }
                     Err(e) => Followed::Elsewhere(format!(
                         "the run folder was replaced while the daemon ran, and its state folder cannot be moved back from {} ({e}): the daemon goes on writing there; move it back by hand while the daemon is stopped",
-                        crate::safe_fs::untrusted(&from)
+                        crate::store::safe_fs::untrusted(&from)
                     )),
                 }
             }
@@ -363,7 +364,7 @@ fn check_own(dir: &OwnedFd, path: &Path) -> Result<(), StateDirError> {
                 path: path.to_path_buf(),
                 source,
             })?;
-        tracing::info!(state = %crate::safe_fs::untrusted(path), "the state folder was readable by others (mode {mode:04o}): made 0700");
+        tracing::info!(state = %crate::store::safe_fs::untrusted(path), "the state folder was readable by others (mode {mode:04o}): made 0700");
     }
     Ok(())
 }

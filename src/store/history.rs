@@ -108,9 +108,9 @@ impl History {
             path: path.to_path_buf(),
             message: e.to_string(),
         };
-        crate::safe_fs::create_private_dir(state_dir).map_err(|e| io(state_dir, e))?;
-        crate::safe_fs::remove_leftover_temps(state_dir, HDF5);
-        crate::safe_fs::remove_leftover_temps(state_dir, JOURNAL);
+        crate::store::safe_fs::create_private_dir(state_dir).map_err(|e| io(state_dir, e))?;
+        crate::store::safe_fs::remove_leftover_temps(state_dir, HDF5);
+        crate::store::safe_fs::remove_leftover_temps(state_dir, JOURNAL);
         let path = state_dir.join(JOURNAL);
         let (entries, good_len, repairs) = if path.exists() {
             read_journal(&path)?
@@ -165,7 +165,7 @@ impl History {
             text.push_str(&serde_json::to_string(e).expect("entries serialize"));
             text.push('\n');
         }
-        crate::safe_fs::atomic_write(&path, text.as_bytes()).map_err(io)?;
+        crate::store::safe_fs::atomic_write(&path, text.as_bytes()).map_err(io)?;
         self.journal = OpenOptions::new()
             .append(true)
             .custom_flags(libc::O_NOFOLLOW)
@@ -187,23 +187,23 @@ impl History {
     /// training job does), so until it is back this fails and the caller retries.
     fn recreate(&mut self) -> Result<(), HistoryError> {
         let journal = self.dir.join(JOURNAL);
-        let parent = crate::safe_fs::parent(&self.dir);
+        let parent = crate::store::safe_fs::parent(&self.dir);
         if !parent.is_dir() {
             return Err(HistoryError::Io {
                 path: journal,
                 message: format!(
                     "the journal was deleted and its folder's parent {} is gone; waiting for it to come back",
-                    crate::safe_fs::untrusted(parent)
+                    crate::store::safe_fs::untrusted(parent)
                 ),
             });
         }
-        crate::safe_fs::create_private_dir(&self.dir).map_err(|e| HistoryError::Io {
+        crate::store::safe_fs::create_private_dir(&self.dir).map_err(|e| HistoryError::Io {
             path: self.dir.clone(),
             message: e.to_string(),
         })?;
         self.rewrite_journal()?;
         self.hdf5_stale = true;
-        tracing::warn!(journal = %crate::safe_fs::untrusted(&journal), entries = self.entries.len(), "journal re-created from the entries in memory; history.h5 follows");
+        tracing::warn!(journal = %crate::store::safe_fs::untrusted(&journal), entries = self.entries.len(), "journal re-created from the entries in memory; history.h5 follows");
         Ok(())
     }
 
@@ -214,7 +214,7 @@ impl History {
         let path = state_dir.join(JOURNAL);
         let (entries, _, repairs) = read_journal(&path)?;
         if !repairs.corrupt.is_empty() {
-            tracing::warn!(journal = %crate::safe_fs::untrusted(&path), lines = %corrupt_lines(&repairs.corrupt), "journal lines that are not entries skipped");
+            tracing::warn!(journal = %crate::store::safe_fs::untrusted(&path), lines = %corrupt_lines(&repairs.corrupt), "journal lines that are not entries skipped");
         }
         Ok(entries)
     }
@@ -246,7 +246,7 @@ impl History {
             message: e.to_string(),
         };
         if self.journal_deleted() {
-            tracing::error!(journal = %crate::safe_fs::untrusted(&path), "the history journal was deleted (was run.dir or the state folder removed?); re-creating it from the {} entries in memory", self.entries.len());
+            tracing::error!(journal = %crate::store::safe_fs::untrusted(&path), "the history journal was deleted (was run.dir or the state folder removed?); re-creating it from the {} entries in memory", self.entries.len());
             self.recreate()?;
         }
         if self.torn {
@@ -291,14 +291,16 @@ impl History {
         // HDF5 then opens it again by path. That path cannot be swapped for a link in between:
         // its name is unpredictable and the state folder is the daemon's own (mode 0700), and
         // `persist` checks that the file renamed into place is still the one created here.
-        let (file, tmp) = crate::safe_fs::temp_file(&path).map_err(|e| io(&path, e))?;
+        let (file, tmp) = crate::store::safe_fs::temp_file(&path).map_err(|e| io(&path, e))?;
         let records: Vec<&Evaluation> = self.evaluations().collect();
         let written = write_hdf5(&tmp, &records)
             .map_err(|e| HistoryError::Io {
                 path: tmp.clone(),
                 message: e.to_string(),
             })
-            .and_then(|_| crate::safe_fs::persist(&file, &tmp, &path).map_err(|e| io(&path, e)));
+            .and_then(|_| {
+                crate::store::safe_fs::persist(&file, &tmp, &path).map_err(|e| io(&path, e))
+            });
         if written.is_err() {
             let _ = std::fs::remove_file(&tmp);
         } else {
@@ -354,16 +356,16 @@ impl Repairs {
         match written {
             Ok(()) => true,
             Err(e) => {
-                tracing::error!(file = %crate::safe_fs::untrusted(&path), "cannot keep the unreadable journal lines aside ({e}); they stay in the journal and are skipped at each start");
+                tracing::error!(file = %crate::store::safe_fs::untrusted(&path), "cannot keep the unreadable journal lines aside ({e}); they stay in the journal and are skipped at each start");
                 false
             }
         }
     }
 
     fn log(&self, path: &Path) {
-        let journal = crate::safe_fs::untrusted(path);
+        let journal = crate::store::safe_fs::untrusted(path);
         if let Some((first, why, _)) = self.corrupt.first() {
-            tracing::warn!(%journal, lines = %corrupt_lines(&self.corrupt), "journal lines that are not entries skipped (line {first}: {}); kept in {JOURNAL_CORRUPT} and removed from the journal", crate::safe_fs::untrusted_text(why));
+            tracing::warn!(%journal, lines = %corrupt_lines(&self.corrupt), "journal lines that are not entries skipped (line {first}: {}); kept in {JOURNAL_CORRUPT} and removed from the journal", crate::store::safe_fs::untrusted_text(why));
         }
         if !self.blank.is_empty() {
             tracing::warn!(%journal, lines = ?self.blank, "blank journal lines skipped (and removed from the journal)");

@@ -1,6 +1,6 @@
 //! Finds complete checkpoints in `run.dir` and hands them to the evaluator in step order.
 //!
-//! A checkpoint is a *unit* ([`crate::unit`]): a file or a folder directly in `run.dir` whose
+//! A checkpoint is a *unit* ([`crate::store::unit`]): a file or a folder directly in `run.dir` whose
 //! name matches `checkpoints.pattern` and holds a step; the files the config names never match.
 //! Filesystem notifications (inotify) wake the watcher early; a periodic rescan every
 //! `checkpoints.poll_secs` finds units where notifications are silent (NFS, Lustre) or switched
@@ -19,14 +19,14 @@
 //! newest (`backlog: latest`, which drops the older pending ones and counts them as skipped).
 //!
 //! The structure check opens a unit before it is ever evaluated, so it is guarded like an
-//! evaluation ([`crate::crash::ThreadMarker`]): while the watcher checks a unit, a fatal signal
+//! evaluation ([`crate::store::crash::ThreadMarker`]): while the watcher checks a unit, a fatal signal
 //! or a panic on its thread writes that unit to `<state_dir>/crash-scan`; after the restart the
 //! unit is recorded as a `crashed` failure and never opened again, so a file that kills the
 //! process there (a reader's bug) cannot make every restart crash.
 
 use crate::config::{Backlog, CheckpointsConfig};
-use crate::history::CheckpointKey;
 use crate::metrics::Metrics;
+use crate::store::history::CheckpointKey;
 use crossbeam_channel::{Receiver, Select, Sender, TryRecvError};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -83,13 +83,13 @@ pub struct Watcher {
     warned_ignored_at: Option<Instant>,
     metrics: Arc<Metrics>,
     /// The daemon's state folder, when it runs in `run.dir` (see [`Watcher::following`]).
-    state: Option<Arc<crate::state_dir::StateDir>>,
+    state: Option<Arc<crate::store::state_dir::StateDir>>,
     /// A sweep's one inotify instance, which this run's folder joins (`None`: its own).
     shared_notifications: Option<SharedNotifications>,
     /// The state folder whose `crash-scan` marker guards the structure checks (armed on the
     /// watcher's thread when it runs).
     crash_dir: Option<PathBuf>,
-    marker: Option<crate::crash::ThreadMarker>,
+    marker: Option<crate::store::crash::ThreadMarker>,
 }
 
 /// Events of filesystem notifications, as a watcher receives them.
@@ -251,12 +251,12 @@ fn is_transient(e: &crate::weights::WeightsError) -> bool {
 
 /// A name from `run.dir` for logs (control characters escaped).
 fn shown(path: &Path) -> String {
-    crate::safe_fs::untrusted(path)
+    crate::store::safe_fs::untrusted(path)
 }
 
 /// An entry's name for messages: escaped, with `/` after a folder.
 fn shown_entry(name: &str, is_dir: bool) -> String {
-    let mut s = crate::safe_fs::untrusted_text(name);
+    let mut s = crate::store::safe_fs::untrusted_text(name);
     if is_dir {
         s.push('/');
     }
@@ -325,8 +325,8 @@ impl Watcher {
     }
 
     /// Puts the daemon's state folder back at each scan when the run folder was replaced
-    /// (`crate::state_dir::StateDir::follow`), so the next start finds its history.
-    pub fn following(mut self, state: Arc<crate::state_dir::StateDir>) -> Watcher {
+    /// (`crate::store::state_dir::StateDir::follow`), so the next start finds its history.
+    pub fn following(mut self, state: Arc<crate::store::state_dir::StateDir>) -> Watcher {
         self.state = Some(state);
         self
     }
@@ -439,9 +439,9 @@ impl Watcher {
                 None => continue,
             }
             // One stat per file; a folder's tree is walked (bounded).
-            let key = match crate::unit::key(&path) {
+            let key = match crate::store::unit::key(&path) {
                 Ok(key) => key,
-                Err(e @ crate::unit::UnitError::TooLarge { .. }) => {
+                Err(e @ crate::store::unit::UnitError::TooLarge { .. }) => {
                     ignored.push((
                         shown_entry(name, true),
                         "is too large a tree to be a checkpoint",
@@ -502,7 +502,7 @@ impl Watcher {
             self.structure_checks += 1;
             let step_now = self.step(&path).unwrap_or_default();
             if let Some(marker) = &self.marker {
-                marker.checking(Some(&crate::crash::InFlight {
+                marker.checking(Some(&crate::store::crash::InFlight {
                     key: CheckpointKey {
                         path: path.display().to_string(),
                         size: c.size,
@@ -512,7 +512,7 @@ impl Watcher {
                 }));
             }
             let checked: Result<(), Option<crate::weights::WeightsError>> =
-                match crate::unit::weights_path(&path, &self.config) {
+                match crate::store::unit::weights_path(&path, &self.config) {
                     Ok(weights) => crate::weights::validate_structure(&weights)
                         .map(|_| ())
                         .map_err(Some),
@@ -571,7 +571,7 @@ impl Watcher {
             return;
         }
         seen.insert(name.to_os_string());
-        let escaped = crate::safe_fs::untrusted(Path::new(name));
+        let escaped = crate::store::safe_fs::untrusted(Path::new(name));
         if ignored.len() < 1000 {
             ignored.push((escaped.clone(), "has a name that is not UTF-8"));
         }
@@ -622,7 +622,7 @@ impl Watcher {
             && self.step(path).is_some()
             && std::fs::symlink_metadata(path)
                 .is_ok_and(|m| m.is_file() || m.is_symlink() || m.is_dir())
-            && let Ok(key) = crate::unit::key(path)
+            && let Ok(key) = crate::store::unit::key(path)
             && !self.offered.contains(&key)
         {
             self.candidates.insert(
@@ -677,7 +677,7 @@ impl Watcher {
     /// evaluator hangs up; offers work on `work`.
     pub fn run(mut self, work: Sender<WorkItem>, stop: Receiver<()>) {
         if let Some(dir) = &self.crash_dir {
-            match crate::crash::ThreadMarker::arm(dir) {
+            match crate::store::crash::ThreadMarker::arm(dir) {
                 Ok(Some(marker)) => self.marker = Some(marker),
                 Ok(None) => tracing::warn!(
                     "too many watchers for the crash markers: a file that crashes this watcher's structure check would not be recorded"
@@ -949,7 +949,10 @@ mod tests {
             vec![50, 200]
         );
         assert_eq!(items[0].path, dir.path().join("checkpoint-50"));
-        assert_eq!(items[0].key, crate::unit::key(&items[0].path).unwrap());
+        assert_eq!(
+            items[0].key,
+            crate::store::unit::key(&items[0].path).unwrap()
+        );
     }
 
     #[test]

@@ -36,8 +36,8 @@
 //! once).
 
 use crate::config::{Confirmation, EarlyStopMetric, EarlyStopSettings, Smoother};
-use crate::history::Entry;
 use crate::record::Evaluation;
+use crate::store::history::Entry;
 use serde::{Deserialize, Serialize};
 
 /// The gap's noise floor, as a fraction of the held-out loss at the best step.
@@ -632,7 +632,7 @@ mod tests {
     /// to a detector one by one, skips and counts the failures, and reads the configured metric.
     #[test]
     fn replay_feeds_the_evaluations_in_order_and_counts_failures() {
-        use crate::history::CheckpointKey;
+        use crate::store::history::CheckpointKey;
         let values: Vec<f64> = (0..30)
             .map(|i| 0.8 + 0.002 * (i as f64 - 10.0).powi(2))
             .collect();

@@ -12,13 +12,13 @@
 use crate::config::{
     Config, MemorizationConfig, MemorizationCriterion, PfdConfig, TailConfig, TailReference,
 };
-use crate::data::{DataError, ImageSet};
-use crate::model::{Model, ModelError};
-use crate::progress::Progress;
-use crate::sampler::{
+use crate::engine::data::{DataError, ImageSet};
+use crate::engine::model::{Model, ModelError};
+use crate::engine::progress::Progress;
+use crate::engine::sampler::{
     self, Denoiser, EmpiricalDenoiser, ModelDenoiser, SamplerError, Schedule, integrate_all,
 };
-use crate::tail::{self, TailError, TailMetrics};
+use crate::engine::tail::{self, TailError, TailMetrics};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use std::io::Read;
@@ -113,7 +113,11 @@ impl Descriptor {
                 source,
             }
         })?;
-        crate::model::check_pins(path, &crate::model::pinned_devices(path)?, device)?;
+        crate::engine::model::check_pins(
+            path,
+            &crate::engine::model::pinned_devices(path)?,
+            device,
+        )?;
         Ok(Descriptor {
             module,
             path: path.to_path_buf(),
@@ -199,11 +203,11 @@ impl Cache {
         key: &serde_json::Value,
         data: &[(&str, &Tensor)],
     ) -> Result<(), PfdError> {
-        crate::safe_fs::create_private_dir(&self.dir).map_err(io_error(&self.dir))?;
+        crate::store::safe_fs::create_private_dir(&self.dir).map_err(io_error(&self.dir))?;
         let path = self.path(kind, key);
         if let Some(name) = path.file_name() {
             // Leftovers of a crash mid-write (and links planted at those names).
-            crate::safe_fs::remove_leftover_temps(&self.dir, &name.to_string_lossy());
+            crate::store::safe_fs::remove_leftover_temps(&self.dir, &name.to_string_lossy());
         }
         write_h5_atomically(&path, |tmp| write_cache(tmp, Some(key), data))?;
         tracing::info!(cache = %path.display(), "{kind}: cached");
@@ -299,13 +303,13 @@ fn write_h5_atomically(
     path: &Path,
     write: impl FnOnce(&Path) -> hdf5::Result<()>,
 ) -> Result<(), PfdError> {
-    let (file, tmp) = crate::safe_fs::temp_file(path).map_err(io_error(path))?;
+    let (file, tmp) = crate::store::safe_fs::temp_file(path).map_err(io_error(path))?;
     let result = write(&tmp)
         .map_err(|source| PfdError::Hdf5 {
             path: tmp.clone(),
             source,
         })
-        .and_then(|_| crate::safe_fs::persist(&file, &tmp, path).map_err(io_error(path)));
+        .and_then(|_| crate::store::safe_fs::persist(&file, &tmp, path).map_err(io_error(path)));
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }

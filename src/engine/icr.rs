@@ -5,7 +5,7 @@
 //! `ICR = 1 / (1 + mean λ)`.
 
 use crate::config::{AugmentConfig, IcrConfig};
-use crate::model::{Model, ModelError};
+use crate::engine::model::{Model, ModelError};
 use tch::{Device, Kind, Tensor};
 
 #[derive(Debug, thiserror::Error)]

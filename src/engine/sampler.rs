@@ -8,8 +8,8 @@
 //! queries for the memorization ratio.
 
 use crate::config::PfdConfig;
-use crate::model::{Model, ModelError};
-use crate::progress::Progress;
+use crate::engine::model::{Model, ModelError};
+use crate::engine::progress::Progress;
 use tch::{Device, Kind, Tensor};
 
 #[derive(Debug, thiserror::Error)]

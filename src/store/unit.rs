@@ -21,7 +21,7 @@
 //! The training step comes from the unit's path relative to `run.dir` ([`step_of`]).
 
 use crate::config::{CheckpointsConfig, StepPattern, WeightsFile};
-use crate::history::CheckpointKey;
+use crate::store::history::CheckpointKey;
 use std::path::{Path, PathBuf};
 
 /// Deepest level of a checkpoint folder that is walked.

@@ -1,10 +1,10 @@
 //! `diffmon init`: the annotated example config, and with `--run-dir DIR` one written for what a
 //! training run has already saved there. The run folder is looked at, never written: its
-//! checkpoints (files or folders, see [`crate::unit`]), their format, the step pattern, EMA
+//! checkpoints (files or folders, see [`crate::store::unit`]), their format, the step pattern, EMA
 //! weights, an exported architecture (`*.ts` that is TorchScript and has no step) and HDF5 data.
 
 use crate::config::{CheckpointsConfig, EXAMPLE};
-use crate::unit;
+use crate::store::unit;
 use crate::weights::{self, CheckpointFormat};
 use std::path::{Path, PathBuf};
 

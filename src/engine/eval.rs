@@ -3,11 +3,11 @@
 //! (libtorch and HDF5 objects), so it lives on one thread.
 
 use crate::config::{BiasCorrection, Config};
-use crate::data::{DataError, ImageSet};
-use crate::icr::{IcrError, IcrResult, ViewProbe};
+use crate::engine::data::{DataError, ImageSet};
+use crate::engine::icr::{IcrError, IcrResult, ViewProbe};
+use crate::engine::model::{ContractInfo, Model, ModelError};
+use crate::engine::pfd::{PfdError, PfdProbe};
 use crate::metrics;
-use crate::model::{ContractInfo, Model, ModelError};
-use crate::pfd::{PfdError, PfdProbe};
 use crate::record::{Evaluation, SweepPoint};
 use crate::weights::ReadOptions;
 use std::cell::RefCell;
@@ -33,7 +33,7 @@ pub enum EvalError {
         message: String,
     },
     #[error(transparent)]
-    Unit(#[from] crate::unit::UnitError),
+    Unit(#[from] crate::store::unit::UnitError),
     #[error("{path}: image shape {data:?} of the data does not match {other_path}'s {other:?}")]
     ShapeMismatch {
         path: PathBuf,
@@ -207,7 +207,7 @@ impl Evaluator {
         if let Some(n) = config.cpu_threads {
             tch::set_num_threads(n as i32);
         }
-        let device = crate::model::select_device(config.device)?;
+        let device = crate::engine::model::select_device(config.device)?;
         let train = ImageSet::open(&config.data.path, &config.data.dataset)?;
         let (model, shared) = architectures.get(&config.model.architecture, device)?;
         let shape: Vec<i64> = train.image_shape().iter().map(|&d| d as i64).collect();
@@ -297,17 +297,17 @@ impl Evaluator {
         &self.contract
     }
 
-    /// Loads the weights of `checkpoint` (a file, or a checkpoint folder: see [`crate::unit`])
+    /// Loads the weights of `checkpoint` (a file, or a checkpoint folder: see [`crate::store::unit`])
     /// and computes the enabled metrics. The record names `checkpoint` itself.
     pub fn evaluate(&mut self, checkpoint: &Path, step: i64) -> Result<Evaluation, EvalError> {
         let started = Instant::now();
         let opts = read_options(&self.config.checkpoints);
-        let weights = crate::unit::weights_path(checkpoint, &self.config.checkpoints)?;
+        let weights = crate::store::unit::weights_path(checkpoint, &self.config.checkpoints)?;
         let mut model = self.model.borrow_mut();
         let loaded = model.load_weights(&weights, &opts);
         // What the checkpoint itself makes the process take is spent: a death from here on is
         // not counted against it (`crash`, deaths without a marker).
-        crate::crash::weights_read();
+        crate::store::crash::weights_read();
         loaded?;
         let model = &*model;
         let mut record = Evaluation {
@@ -385,7 +385,7 @@ impl Evaluator {
         }
         self.evaluated += 1;
         record.seconds = started.elapsed().as_secs_f64();
-        tracing::debug!(checkpoint = %crate::safe_fs::untrusted(checkpoint), stages = ?record.stages, "evaluated");
+        tracing::debug!(checkpoint = %crate::store::safe_fs::untrusted(checkpoint), stages = ?record.stages, "evaluated");
         Ok(record)
     }
 }

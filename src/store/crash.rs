@@ -33,7 +33,7 @@
 //!   evaluator, recorder, tokio tasks) fatal: logged with the thread's name, then the process
 //!   exits with status 1 ([`exit_now`]), so a service manager's `Restart=on-failure` restarts it.
 
-use crate::history::CheckpointKey;
+use crate::store::history::CheckpointKey;
 use serde::{Deserialize, Serialize};
 use std::io::Read;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};

@@ -30,9 +30,9 @@
 //! checkpoint, and the recorder thread, which journals every outcome before anything acts on it,
 //! must not wait for it.
 
-use crate::history::CheckpointKey;
-use crate::safe_fs::{TEMP_SUFFIX, is_temp_name, sync_dir, untrusted};
-use crate::unit::{MAX_DEPTH, MAX_ENTRIES};
+use crate::store::history::CheckpointKey;
+use crate::store::safe_fs::{TEMP_SUFFIX, is_temp_name, sync_dir, untrusted};
+use crate::store::unit::{MAX_DEPTH, MAX_ENTRIES};
 use std::ffi::OsStr;
 use std::fs::{self, OpenOptions};
 use std::io;
@@ -577,7 +577,7 @@ impl Keeper {
     }
 
     /// Names the kept copies under `shown` (the configured state folder) when the keeper writes
-    /// through another path to it (the daemon's handle, `crate::state_dir`).
+    /// through another path to it (the daemon's handle, `crate::store::state_dir`).
     pub fn showing(mut self, shown: &Path) -> Keeper {
         self.shown = Some(shown.to_path_buf());
         self
@@ -647,7 +647,7 @@ fn run(state_dir: &Path, shared: &(Mutex<Slot>, Condvar)) {
             Err(e) => {
                 tracing::warn!(
                     "cannot keep the best checkpoint (early_stop.keep_best): {}",
-                    crate::safe_fs::untrusted_text(&e.to_string())
+                    crate::store::safe_fs::untrusted_text(&e.to_string())
                 );
                 s.done = None;
             }
@@ -875,12 +875,12 @@ mod tests {
         let state = state_in(run.path());
         let a = run.path().join("ckpt_100.pt");
         write(&a, b"evaluated weights");
-        let key_a = crate::history::CheckpointKey::of(&a).unwrap();
+        let key_a = crate::store::history::CheckpointKey::of(&a).unwrap();
         keep(&state, &a, Some(&key_a)).unwrap();
         // ckpt_200.pt was evaluated, then rewritten before the keeper got to it.
         let b = run.path().join("ckpt_200.pt");
         write(&b, b"evaluated");
-        let key_b = crate::history::CheckpointKey::of(&b).unwrap();
+        let key_b = crate::store::history::CheckpointKey::of(&b).unwrap();
         std::thread::sleep(Duration::from_millis(20));
         write(&b, b"something else entirely");
         let e = keep(&state, &b, Some(&key_b)).unwrap_err();
@@ -889,7 +889,7 @@ mod tests {
         // A folder with a file newer than its key.
         let f = run.path().join("checkpoint-300");
         write(&f.join("model.safetensors"), b"w");
-        let key_f = crate::unit::key(&f).unwrap();
+        let key_f = crate::store::unit::key(&f).unwrap();
         std::thread::sleep(Duration::from_millis(20));
         write(&f.join("model.safetensors"), b"replaced");
         assert!(matches!(
@@ -898,7 +898,7 @@ mod tests {
         ));
         assert_eq!(kept_names(&state), ["ckpt_100.pt"]);
         // Unchanged: kept.
-        let key_f = crate::unit::key(&f).unwrap();
+        let key_f = crate::store::unit::key(&f).unwrap();
         keep(&state, &f, Some(&key_f)).unwrap();
         assert_eq!(kept_names(&state), ["checkpoint-300"]);
     }
