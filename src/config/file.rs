@@ -1,15 +1,24 @@
-//! The config file as written: what serde reads from the YAML, before any value is checked. The
-//! sections whose values become typed settings (durations, the checkpoint glob and step
-//! pattern, weights files, the listen address, webhook URLs and secrets) are here as plain
-//! values; the other sections are shared with [`Config`](super::Config) as they are.
-//! [`ConfigFile::settings`] checks every value and builds the `Config` once.
+//! The config file as written: what serde reads from the YAML, before any value is checked.
+//! [`ConfigFile`] is its top level; each section's struct is in the section's file, as written
+//! where its values become typed settings (durations, the checkpoint glob and step pattern,
+//! weights files, the listen address, webhook URLs and secrets), else shared with
+//! [`Config`](super::Config) as it is. [`ConfigFile::settings`] checks every value and builds
+//! the `Config` once. [`EXAMPLE`] is the annotated example file.
 
-use super::{
-    Backlog, DataConfig, DeviceSpec, EarlyStopConfig, IcrConfig, MemorizationConfig, ModelConfig,
-    PfdConfig, RunConfig, TailConfig, WebhookFormat, default_true,
-};
+use super::alerts::Alerts;
+use super::checkpoints::Checkpoints;
+use super::early_stop::EarlyStopConfig;
+use super::evaluation::Evaluation;
+use super::http::Http;
+use super::icr::IcrConfig;
+use super::model::{DataConfig, DeviceSpec, ModelConfig};
+use super::pfd::{MemorizationConfig, PfdConfig, TailConfig};
+use super::run::{DEFAULT_MAX_RUNS, RunConfig, RunEntry};
 use serde::Deserialize;
 use std::path::PathBuf;
+
+/// The annotated example printed by `diffmon init`.
+pub const EXAMPLE: &str = include_str!("../../config/diffmon.example.yaml");
 
 /// A config file parsed but not checked: [`ConfigFile::parse`], then [`ConfigFile::settings`]
 /// (or [`ConfigFile::validate`] for the problems alone). Paths are as written until
@@ -69,272 +78,20 @@ pub struct ConfigFile {
     pub(super) evaluation: Evaluation,
 }
 
-/// `evaluation`: where checkpoints are evaluated.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct Evaluation {
-    #[serde(default)]
-    pub(super) executor: super::ExecutorKind,
-    #[serde(default = "default_max_in_flight")]
-    pub(super) max_in_flight: usize,
-    #[serde(default = "default_retries")]
-    pub(super) retries: usize,
-    #[serde(default)]
-    pub(super) slurm: Slurm,
-}
-
 fn default_max_runs() -> usize {
-    super::DEFAULT_MAX_RUNS
-}
-
-fn default_max_in_flight() -> usize {
-    4
-}
-
-impl Default for Evaluation {
-    fn default() -> Self {
-        Evaluation {
-            executor: super::ExecutorKind::Local,
-            max_in_flight: default_max_in_flight(),
-            retries: default_retries(),
-            slurm: Slurm::default(),
-        }
-    }
-}
-
-/// `evaluation.slurm`: the jobs' `sbatch` options.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct Slurm {
-    #[serde(default)]
-    pub(super) partition: Option<String>,
-    #[serde(default)]
-    pub(super) account: Option<String>,
-    #[serde(default)]
-    pub(super) time_limit: Option<String>,
-    #[serde(default)]
-    pub(super) gres: Option<String>,
-    #[serde(default)]
-    pub(super) sbatch_args: Vec<String>,
-    #[serde(default)]
-    pub(super) env: std::collections::BTreeMap<String, String>,
-    #[serde(default = "default_slurm_poll_secs")]
-    pub(super) poll_secs: f64,
-    #[serde(default)]
-    pub(super) binary: Option<PathBuf>,
-}
-
-fn default_slurm_poll_secs() -> f64 {
-    5.0
-}
-
-fn default_retries() -> usize {
-    1
-}
-
-impl Default for Slurm {
-    fn default() -> Self {
-        Slurm {
-            partition: None,
-            account: None,
-            time_limit: None,
-            gres: None,
-            sbatch_args: Vec::new(),
-            env: Default::default(),
-            poll_secs: default_slurm_poll_secs(),
-            binary: None,
-        }
-    }
-}
-
-/// One entry of `runs`, as written.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct RunEntry {
-    /// The run's label `run` on every metric; unique in the sweep.
-    pub(super) name: String,
-    pub(super) dir: PathBuf,
-    #[serde(default)]
-    pub(super) state_dir: Option<PathBuf>,
-    #[serde(default)]
-    pub(super) data: Option<DataConfig>,
-    #[serde(default)]
-    pub(super) alerts: Option<Alerts>,
-}
-
-/// `checkpoints`, as written.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct Checkpoints {
-    #[serde(default = "default_pattern")]
-    pub(super) pattern: String,
-    #[serde(default = "default_step_regex")]
-    pub(super) step_regex: String,
-    #[serde(default)]
-    pub(super) weights_key: Option<String>,
-    #[serde(default)]
-    pub(super) strip_prefix: Option<String>,
-    #[serde(default = "default_settle_secs")]
-    pub(super) settle_secs: f64,
-    #[serde(default = "default_poll_secs")]
-    pub(super) poll_secs: f64,
-    #[serde(default = "default_backlog")]
-    pub(super) backlog: Backlog,
-    /// Use filesystem notifications (inotify) besides the periodic rescan.
-    #[serde(default = "default_true")]
-    pub(super) inotify: bool,
-    /// The most MiB any one zip entry of a checkpoint may inflate to (bounds compressed
-    /// entries; a storage is also bounded by what its tensors declare).
-    #[serde(default = "default_max_entry_mib")]
-    pub(super) max_entry_mib: u64,
-    /// The most MiB the selected tensors of one checkpoint may take in memory in all; default
-    /// (absent) 4 times the architecture's parameter and buffer bytes, at least 64 MiB.
-    #[serde(default)]
-    pub(super) max_total_mib: Option<u64>,
-    /// Where a checkpoint holds both EMA and raw weights, evaluate the EMA ones.
-    #[serde(default = "default_true")]
-    pub(super) prefer_ema: bool,
-    /// Relative paths (a `*` glob within a component) tried in order inside a checkpoint
-    /// folder; default `unit::default_weights_files`.
-    #[serde(default)]
-    pub(super) weights_files: Option<Vec<String>>,
+    DEFAULT_MAX_RUNS
 }
 
 fn default_shutdown_drain_secs() -> f64 {
     120.0
 }
 
-fn default_pattern() -> String {
-    "{*.pt,*.pth,*.ckpt,*.safetensors,*.bin,*.pkl,*.ts,checkpoint-*,checkpoint_*}".into()
-}
-fn default_step_regex() -> String {
-    r"(\d+)\D*$".into()
-}
-fn default_settle_secs() -> f64 {
-    2.0
-}
-fn default_poll_secs() -> f64 {
-    10.0
-}
-/// Largest `checkpoints.max_entry_mib`: 1 TiB (the bound must stay far below what u64 bytes hold).
-pub(super) const MAX_ENTRY_MIB: u64 = 1 << 20;
-fn default_max_entry_mib() -> u64 {
-    crate::weights::DEFAULT_MAX_ENTRY_MIB
-}
-fn default_backlog() -> Backlog {
-    Backlog::All
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-impl Default for Checkpoints {
-    fn default() -> Self {
-        Checkpoints {
-            pattern: default_pattern(),
-            step_regex: default_step_regex(),
-            weights_key: None,
-            strip_prefix: None,
-            settle_secs: default_settle_secs(),
-            poll_secs: default_poll_secs(),
-            backlog: default_backlog(),
-            inotify: true,
-            max_entry_mib: default_max_entry_mib(),
-            max_total_mib: None,
-            prefer_ema: true,
-            weights_files: None,
-        }
-    }
-}
-
-/// `alerts.webhooks[]`, as written.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct Webhook {
-    pub(super) url: String,
-    #[serde(default = "default_webhook_format")]
-    pub(super) format: WebhookFormat,
-    /// Name of the environment variable holding the signing secret (never the secret itself).
-    #[serde(default)]
-    pub(super) secret_env: Option<String>,
-}
-
-fn default_webhook_format() -> WebhookFormat {
-    WebhookFormat::Json
-}
-
-/// `alerts.alertmanager`, as written.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct Alertmanager {
-    pub(super) url: String,
-}
-
-/// `alerts`, as written.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct Alerts {
-    #[serde(default)]
-    pub(super) webhooks: Vec<Webhook>,
-    #[serde(default)]
-    pub(super) alertmanager: Option<Alertmanager>,
-    /// File name inside `run.dir` written when the early stop fires.
-    #[serde(default = "default_stop_file")]
-    pub(super) stop_file: String,
-}
-
-fn default_stop_file() -> String {
-    "EARLY_STOP".into()
-}
-
-impl Default for Alerts {
-    fn default() -> Self {
-        Alerts {
-            webhooks: Vec::new(),
-            alertmanager: None,
-            stop_file: default_stop_file(),
-        }
-    }
-}
-
-/// `http`, as written.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct Http {
-    #[serde(default = "default_listen")]
-    pub(super) listen: String,
-    /// A request's headers must arrive within this time after its first byte, else the
-    /// connection is closed. Range 0.1 to 3600.
-    #[serde(default = "default_header_timeout_secs")]
-    pub(super) header_timeout_secs: f64,
-    /// A connection without a request in flight is closed after this time. Range 0.1 to 86400.
-    #[serde(default = "default_idle_timeout_secs")]
-    pub(super) idle_timeout_secs: f64,
-    /// Connections open at once; one more is accepted and closed at once. Range 1 to 65536.
-    #[serde(default = "default_max_connections")]
-    pub(super) max_connections: u32,
-}
-
-fn default_listen() -> String {
-    "127.0.0.1:9464".into()
-}
-
-fn default_header_timeout_secs() -> f64 {
-    10.0
-}
-
-fn default_idle_timeout_secs() -> f64 {
-    60.0
-}
-
-fn default_max_connections() -> u32 {
-    256
-}
-
-impl Default for Http {
-    fn default() -> Self {
-        Http {
-            listen: default_listen(),
-            header_timeout_secs: default_header_timeout_secs(),
-            idle_timeout_secs: default_idle_timeout_secs(),
-            max_connections: default_max_connections(),
-        }
+    #[test]
+    fn example_parses() {
+        ConfigFile::parse(EXAMPLE, "example").unwrap();
     }
 }

@@ -3,7 +3,10 @@
 //! flow collections nest too deep, refused before libyaml's scanner (quadratic in depth) sees
 //! the text.
 
-use super::MAX_FLOW_DEPTH;
+/// Deepest flow nesting (`[`/`{`) accepted. A real config nests 3 deep; the YAML scanner's cost
+/// grows with the square of the depth (100 KB of `[` took 12 s), so deeper input is refused
+/// before it is parsed.
+pub const MAX_FLOW_DEPTH: usize = 32;
 
 /// Where (line, column, from 1) flow collections first nest deeper than [`MAX_FLOW_DEPTH`], by a
 /// linear scan that skips comments and quoted scalars; `None` when they never do.

@@ -156,3 +156,22 @@ pub struct SecretEnv {
     /// (`Config::load_without_secrets`, for commands that send nothing).
     pub secret: Option<Secret>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weights_files_entries_must_be_plain_relative_paths() {
+        for good in [
+            "unet/diffusion_pytorch_model.safetensors",
+            "*.safetensors.index.json",
+            ".metadata",
+        ] {
+            assert!(WeightsFile::parse(good).is_ok(), "{good}");
+        }
+        for bad in ["", "/etc/passwd", "../x", "a/../b", "./x", "a[", "x\\"] {
+            assert!(WeightsFile::parse(bad).is_err(), "{bad}");
+        }
+    }
+}
