@@ -2,8 +2,8 @@
 
 use super::event::{Event, EventKind, event_id};
 use super::format;
+use super::outcome::{DeliveryOutcome, OutcomeHook, Receiver};
 use super::store::{Entry, Ledger, Outbox, delivery_key};
-use super::{DeliveryOutcome, OutcomeHook, Receiver};
 use crate::config::WebhookFormat;
 use crate::sign::{Secret, signature};
 use rand::Rng;

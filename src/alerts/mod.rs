@@ -62,10 +62,17 @@
 //! [`DeliveryOutcome::Rejected`] (given up: non-retryable answer, dropped from the outbox). There is no give-up on retryable failures
 //! while the process lives; undelivered entries stay on disk across restarts. Alertmanager
 //! re-posts are not counted.
+//!
+//! Files: `mod.rs` the [`Alerter`] (start, send, the stop file and its retries, the
+//! destinations from the config); `event.rs` the [`Event`] and its stable id; `format.rs` the
+//! request bodies; `deliver.rs` one destination's delivery (HTTP attempts, retry policy, the
+//! worker task); `store.rs` what survives a restart (outbox, delivered-ledger, atomic writes);
+//! `outcome.rs` the [`Receiver`] and [`DeliveryOutcome`] labels and the [`OutcomeHook`].
 
 mod deliver;
 mod event;
 mod format;
+mod outcome;
 mod store;
 
 #[cfg(test)]
@@ -74,6 +81,7 @@ mod tests;
 pub use deliver::DeliveryPolicy;
 pub use event::{Event, EventKind, event_id, run_instance};
 pub use format::{ALERT_NAME, summary};
+pub use outcome::{DeliveryOutcome, OutcomeHook, Receiver};
 
 use crate::config::{AlertsConfig, SecretEnv, WebhookFormat};
 use deliver::{Book, DestKind, Destination, Shared, Worker, redact_url, restored_active};
@@ -87,79 +95,6 @@ use std::time::Duration;
 use store::{Entry, Ledger, Outbox, atomic_write, remove_durably};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
-
-/// Called once per delivery outcome; the metrics module counts them in
-/// `diffmon_webhook_deliveries_total{receiver,outcome}`. Must be cheap and must not block.
-pub type OutcomeHook = Arc<dyn Fn(Receiver, DeliveryOutcome) + Send + Sync>;
-
-/// The kind of destination: the `receiver` label of `diffmon_webhook_deliveries_total`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Receiver {
-    /// A webhook (`alerts.webhooks`, any format).
-    Webhook,
-    /// Alertmanager's API (`alerts.alertmanager`).
-    Alertmanager,
-}
-
-impl Receiver {
-    /// Every receiver, for pre-creating the metric's series at 0.
-    pub const ALL: [Receiver; 2] = [Receiver::Webhook, Receiver::Alertmanager];
-
-    /// The label value.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Receiver::Webhook => "webhook",
-            Receiver::Alertmanager => "alertmanager",
-        }
-    }
-}
-
-impl fmt::Display for Receiver {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// What one delivery attempt came to: the `outcome` label of `diffmon_webhook_deliveries_total`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DeliveryOutcome {
-    /// The receiver accepted the delivery (2xx).
-    Delivered,
-    /// An attempt failed (timeout, connection error, 408, 429, 5xx) and will be retried.
-    Retried,
-    /// The receiver answered with a non-retryable status (4xx other than 408/429, 3xx): given
-    /// up, removed from the outbox.
-    Rejected,
-    /// An outbox entry found at start whose MAC does not verify under the daemon's key (planted
-    /// in the state folder, or written by an earlier version): not delivered, set aside.
-    Unauthenticated,
-}
-
-impl DeliveryOutcome {
-    /// Every outcome, for pre-creating the metric's series at 0.
-    pub const ALL: [DeliveryOutcome; 4] = [
-        DeliveryOutcome::Delivered,
-        DeliveryOutcome::Retried,
-        DeliveryOutcome::Rejected,
-        DeliveryOutcome::Unauthenticated,
-    ];
-
-    /// The label value.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            DeliveryOutcome::Delivered => "delivered",
-            DeliveryOutcome::Retried => "retried",
-            DeliveryOutcome::Rejected => "rejected",
-            DeliveryOutcome::Unauthenticated => "unauthenticated",
-        }
-    }
-}
-
-impl fmt::Display for DeliveryOutcome {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// File name of the delivered-ledger inside `state_dir`.
 pub const LEDGER_FILE: &str = "alerts_delivered.json";

@@ -1,6 +1,5 @@
 //! `diffmon eval`: evaluate checkpoints once, one summary line (or JSON record) each.
 
-use super::NoStep;
 use crate::config::Config;
 use crate::engine::eval::Evaluator;
 use anyhow::Result;
@@ -85,6 +84,16 @@ pub fn eval(
         );
     }
     Ok(())
+}
+
+/// A checkpoint given to `eval` whose path has no training step (a usage error, exit code 2).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{path}: no training step in its path (checkpoints.step_regex `{regex}`, tried on the path relative to run.dir, else on the file name and its folder's name)"
+)]
+pub struct NoStep {
+    pub(super) path: PathBuf,
+    pub(super) regex: String,
 }
 
 /// The settings of the run named `run`: of a sweep, the entry of `runs` with that name

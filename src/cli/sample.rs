@@ -1,6 +1,6 @@
 //! `diffmon sample`: the PF-ODE map of a model or of the empirical flow.
 
-use super::SampleArgs;
+use super::args::SampleArgs;
 use crate::engine::model::Model;
 use crate::engine::pfd;
 use crate::engine::sampler::{self, EmpiricalDenoiser, ModelDenoiser, Schedule};

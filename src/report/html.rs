@@ -1,8 +1,12 @@
 //! The plots as an HTML page: the live page (`GET /`, reloading itself) and `--out F.html`,
 //! with the early stop's state and the last evaluations in a table.
 
-use super::svg::{plot_body, summary, x_range};
-use super::*;
+use super::layout::PAGE_PLOT;
+use super::plot::{Plot, early_stop_note, metric_names};
+use super::snapshot::{Row, Snapshot};
+use super::svg::{escape, plot_body, summary, x_range};
+use std::fmt::Write as _;
+use std::path::Path;
 
 pub(super) fn fmt_opt(v: Option<f64>) -> String {
     v.map(|v| format!("{v:.5}")).unwrap_or_else(|| "–".into())

@@ -14,73 +14,34 @@
 //! Everything is server-side SVG: no JavaScript. The HTML page scales each plot to the width of
 //! the screen. PNG is the SVG rasterized by `resvg`, with a system font (DejaVu Sans, from the
 //! Debian package `fonts-dejavu-core`, or any other sans-serif face found).
+//!
+//! Files: `mod.rs` the formats, [`write`] and [`render`]; `snapshot.rs` the [`Snapshot`] and
+//! its rows and markers; `plot.rs` what is plotted (the plot model, the plots of a snapshot,
+//! [`PLOTS`]); `layout.rs` sizes, margins and fonts; `svg.rs` the plots drawn as SVG (and
+//! [`escape`]); `html.rs` the page; `png.rs` the SVG rasterized; `error.rs` the
+//! [`ReportError`].
 
+mod error;
 mod html;
+mod layout;
+mod plot;
 mod png;
+mod snapshot;
 mod svg;
 
-use crate::config::{EarlyStopMetric, EarlyStopSettings};
-use crate::engine::detector::{Decision, Detector, DetectorState};
-use crate::record::{Evaluation, FIELDS};
-use crate::store::history::{Entry, History, HistoryError, JOURNAL};
+use crate::store::history::{History, JOURNAL};
+pub use error::ReportError;
 use html::html;
+pub use plot::PLOTS;
+use plot::plots;
 use png::rasterize;
-use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+pub use snapshot::{Marker, Row, Snapshot};
+use std::path::Path;
 pub use svg::escape;
 use svg::standalone_svg;
-#[cfg(test)]
-use svg::ticks;
 
 /// How often the live page reloads itself.
 pub const LIVE_REFRESH_SECS: u32 = 10;
-
-/// Size of one plot in the standalone SVG, in user units (the PNG's pixels): 800 wide.
-const SVG_PLOT: (u32, u32) = (800, 250);
-/// Size of one plot on the HTML page, which scales it to the screen's width: narrower, so that
-/// its text stays legible on a phone.
-const PAGE_PLOT: (u32, u32) = (600, 270);
-/// Height of the title block of the standalone SVG.
-const HEADER_HEIGHT: u32 = 56;
-const MARGIN_LEFT: f64 = 72.0;
-const MARGIN_RIGHT: f64 = 16.0;
-const MARGIN_TOP: f64 = 30.0;
-const MARGIN_BOTTOM: f64 = 42.0;
-const FONT: &str = "DejaVu Sans, Liberation Sans, Arial, Helvetica, sans-serif";
-/// Families tried, in order, for the PNG's text.
-const PNG_FONTS: [&str; 4] = ["DejaVu Sans", "Liberation Sans", "Arial", "Noto Sans"];
-
-#[derive(Debug, thiserror::Error)]
-pub enum ReportError {
-    #[error(
-        "{path}: unknown report format `{extension}`: the extension must be .html, .svg or .png"
-    )]
-    UnknownFormat { path: PathBuf, extension: String },
-    #[error(
-        "{path}: no history yet: `diffmon watch` with this config (state_dir) has not recorded any checkpoint"
-    )]
-    NoHistory { path: PathBuf },
-    #[error(transparent)]
-    History(#[from] HistoryError),
-    #[error(
-        "no font found for the PNG's text: install one (the Debian package fonts-dejavu-core; `make setup` does)"
-    )]
-    NoFont,
-    #[error("cannot rasterize the plots: {0}")]
-    Rasterize(String),
-    #[error("{path}: cannot write the report: {source}")]
-    Write {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-}
-
-impl ReportError {
-    /// A bad command line (exit 2), rather than a runtime failure.
-    pub fn is_usage(&self) -> bool {
-        matches!(self, ReportError::UnknownFormat { .. })
-    }
-}
 
 /// The output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,116 +77,6 @@ impl Format {
     }
 }
 
-/// One evaluation as the plots show it.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Row {
-    pub step: i64,
-    pub checkpoint: String,
-    /// The early-stop metric (ICR or E_gen), raw.
-    pub value: Option<f64>,
-    /// The detector's smoothed value after this evaluation.
-    pub smoothed: Option<f64>,
-    /// The standard error of `value` where the record has one (ICR's jackknife, docs/design.md
-    /// §2); drawn as a band value ± stderr.
-    pub stderr: Option<f64>,
-    /// The value of each field of `record::FIELDS`, in its order.
-    pub fields: Vec<Option<f64>>,
-}
-
-/// A checkpoint the detector singled out.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Marker {
-    pub step: i64,
-    pub checkpoint: String,
-    /// Its smoothed value.
-    pub value: f64,
-}
-
-/// Everything the plots show: plain data, cheap to clone, safe to send between threads.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Snapshot {
-    pub run: String,
-    pub metric: EarlyStopMetric,
-    /// One row per evaluation, in evaluation order.
-    pub rows: Vec<Row>,
-    /// The smallest smoothed value so far.
-    pub best: Option<Marker>,
-    /// The best when the early stop fired, and the step it fired at (the turn).
-    pub fired: Option<(Marker, i64)>,
-    /// A later dip below the fired best resolved the early stop.
-    pub resolved: bool,
-    /// The curve has turned but the confirmation signal has not risen (nothing sent).
-    pub unconfirmed: bool,
-    /// Checkpoints that could not be evaluated.
-    pub failures: usize,
-    /// When the last evaluation was recorded (RFC 3339).
-    pub last_at: Option<String>,
-}
-
-impl Snapshot {
-    pub fn new(run: &str, metric: EarlyStopMetric) -> Snapshot {
-        Snapshot {
-            run: run.to_string(),
-            metric,
-            rows: Vec::new(),
-            best: None,
-            fired: None,
-            resolved: false,
-            unconfirmed: false,
-            failures: 0,
-            last_at: None,
-        }
-    }
-
-    /// Adds one evaluation, with what the detector decided on it and its state afterwards.
-    pub fn push(&mut self, r: &Evaluation, at: &str, decision: &Decision, state: &DetectorState) {
-        let value = self.metric.value(r).filter(|v| v.is_finite());
-        self.rows.push(Row {
-            step: r.step,
-            checkpoint: r.checkpoint.clone(),
-            value,
-            smoothed: value.and(decision.smoothed),
-            stderr: value
-                .and(metric_stderr(self.metric, r))
-                .filter(|e| e.is_finite() && *e >= 0.0),
-            fields: FIELDS.iter().map(|f| f.float(r)).collect(),
-        });
-        let marker = |b: &crate::engine::detector::Best| Marker {
-            step: b.step,
-            checkpoint: b.checkpoint.clone(),
-            value: b.value,
-        };
-        self.best = state.best.as_ref().map(marker);
-        self.fired = state
-            .fired
-            .as_ref()
-            .zip(state.fired_step)
-            .map(|(b, step)| (marker(b), step));
-        self.resolved = state.resolved;
-        self.unconfirmed = decision.unconfirmed;
-        self.last_at = Some(at.to_string());
-    }
-
-    /// The snapshot of a history: its evaluations replayed through a detector, as the daemon
-    /// does at start-up.
-    pub fn replay(
-        run: &str,
-        metric: EarlyStopMetric,
-        detector: EarlyStopSettings,
-        entries: &[Entry],
-    ) -> Snapshot {
-        let mut snapshot = Snapshot::new(run, metric);
-        let mut detector = Detector::new(detector, DetectorState::default());
-        snapshot.failures = crate::engine::detector::replay(
-            &mut detector,
-            metric,
-            entries,
-            |record, at, decision, state| snapshot.push(record, at, decision, state),
-        );
-        snapshot
-    }
-}
-
 /// `diffmon report`: the plots of the run's history in the format of `out`'s extension.
 pub fn write(config: &crate::config::Config, out: &Path) -> Result<(), ReportError> {
     let format = Format::of_path(out)?;
@@ -258,211 +109,12 @@ pub fn render(s: &Snapshot, format: Format) -> Result<Vec<u8>, ReportError> {
     }
 }
 
-// ------------------------------------------------------------------------------------------------
-// What is plotted
-
-struct Series {
-    /// `data-series` of its elements.
-    id: &'static str,
-    label: &'static str,
-    color: &'static str,
-    /// (step, value, checkpoint) of each evaluation that has the value.
-    points: Vec<(i64, f64, String)>,
-    /// Points drawn as dots (raw values) or only as a line (the smoothed curve).
-    dots: bool,
-    dashed: bool,
-}
-
-/// A shaded band value ± standard error behind a series.
-struct Band {
-    /// `data-band` of its path.
-    id: &'static str,
-    color: &'static str,
-    /// (step, value, stderr) of each evaluation, `None` where it has no standard error (the
-    /// band breaks there).
-    points: Vec<(i64, Option<(f64, f64)>)>,
-}
-
-struct Plot {
-    id: &'static str,
-    title: String,
-    y_label: &'static str,
-    series: Vec<Series>,
-    /// Vertical lines: (data-marker, step, label, color, dashed).
-    lines: Vec<(&'static str, i64, String, &'static str, bool)>,
-    /// A ringed point: (data-marker, step, value).
-    ring: Option<(&'static str, i64, f64)>,
-    /// Drawn under the series.
-    band: Option<Band>,
-    /// A note under the title (the early stop's state).
-    note: Option<String>,
-}
-
-impl Plot {
-    /// A plot of `series` with no markers and no note.
-    fn new(id: &'static str, title: &str, y_label: &'static str, series: Vec<Series>) -> Plot {
-        Plot {
-            id,
-            title: title.into(),
-            y_label,
-            series,
-            lines: Vec::new(),
-            ring: None,
-            band: None,
-            note: None,
-        }
-    }
-}
-
-fn series(
-    rows: &[Row],
-    id: &'static str,
-    label: &'static str,
-    color: &'static str,
-    get: impl Fn(&Row) -> Option<f64>,
-) -> Series {
-    Series {
-        id,
-        label,
-        color,
-        points: rows
-            .iter()
-            .filter_map(|r| {
-                get(r)
-                    .filter(|v| v.is_finite())
-                    .map(|v| (r.step, v, r.checkpoint.clone()))
-            })
-            .collect(),
-        dots: true,
-        dashed: false,
-    }
-}
-
-/// The early-stop series' id in the plots (`data-series`; E_gen's is `e_gen`, not the metric's
-/// name [`EarlyStopMetric::as_str`]) and its axis label.
-fn metric_names(metric: EarlyStopMetric) -> (&'static str, &'static str) {
-    match metric {
-        EarlyStopMetric::Icr => ("icr", "ICR"),
-        EarlyStopMetric::PfdGeneralization => ("e_gen", "E_gen"),
-    }
-}
-
-/// The standard error of the early-stop metric in a record: ICR has one (docs/design.md §2),
-/// E_gen none.
-fn metric_stderr(metric: EarlyStopMetric, r: &Evaluation) -> Option<f64> {
-    match metric {
-        EarlyStopMetric::Icr => r.icr_stderr,
-        EarlyStopMetric::PfdGeneralization => None,
-    }
-}
-
-/// The plots after the early-stop one, in order: (id, title, y label). Their series are the
-/// fields of `record::FIELDS` whose `series` names the plot, in the table's order.
-pub const PLOTS: [(&str, &str, &str); 4] = [
-    (
-        "pfd",
-        "PFD: E_gen (to the teacher), E_mem (to the data)",
-        "PFD",
-    ),
-    (
-        "memorization",
-        "Memorization ratio (share of samples)",
-        "ratio",
-    ),
-    (
-        "traces",
-        "ICR traces: invariant Tr Σ_s, residual Tr Σ_ξ",
-        "trace",
-    ),
-    ("gap", "Generalization gap (held-out − train loss)", "gap"),
-];
-
-fn plots(s: &Snapshot) -> Vec<Plot> {
-    let rows = &s.rows;
-    let (id, label) = metric_names(s.metric);
-    let raw = series(rows, id, label, "#1f77b4", |r| r.value);
-    let mut smoothed = series(rows, "smoothed", "smoothed", "#ff7f0e", |r| r.smoothed);
-    smoothed.dots = false;
-    let mut main = Plot {
-        id: "early-stop",
-        title: format!("{label}: raw and smoothed"),
-        y_label: label,
-        series: vec![raw, smoothed],
-        lines: Vec::new(),
-        ring: None,
-        band: None,
-        note: Some(early_stop_note(s)),
-    };
-    if rows.iter().any(|r| r.stderr.is_some()) {
-        main.band = Some(Band {
-            id,
-            color: "#1f77b4",
-            points: rows
-                .iter()
-                .filter(|r| r.value.is_some())
-                .map(|r| (r.step, r.value.zip(r.stderr)))
-                .collect(),
-        });
-    }
-    if let Some(b) = &s.best {
-        main.ring = Some(("best", b.step, b.value));
-        main.lines
-            .push(("best", b.step, format!("best {}", b.step), "#2ca02c", true));
-    }
-    if let Some((best, step)) = &s.fired {
-        if s.best.as_ref().is_none_or(|b| b.step != best.step) {
-            main.lines.push((
-                "fired-best",
-                best.step,
-                format!("best at the stop {}", best.step),
-                "#2ca02c",
-                true,
-            ));
-        }
-        main.lines.push((
-            "early-stop",
-            *step,
-            format!("early stop {step}"),
-            "#d62728",
-            false,
-        ));
-    }
-    let mut out = vec![main];
-    let optional = PLOTS.iter().map(|&(id, title, y_label)| {
-        let drawn = FIELDS.iter().enumerate().filter_map(|(k, f)| {
-            let s = f.series.filter(|s| s.plot == id)?;
-            Some(series(rows, f.name, s.label, s.color, |r| r.fields[k]))
-        });
-        Plot::new(id, title, y_label, drawn.collect())
-    });
-    out.extend(optional.filter(|p| p.series.iter().any(|s| !s.points.is_empty())));
-    out
-}
-
-fn early_stop_note(s: &Snapshot) -> String {
-    match &s.fired {
-        Some((best, step)) if s.resolved => format!(
-            "early stop fired at step {step} (best step {}), then resolved: the curve went below that best again",
-            best.step
-        ),
-        Some((best, step)) => format!(
-            "EARLY STOP fired at step {step}: best checkpoint step {} ({:.5})",
-            best.step, best.value
-        ),
-        None if s.unconfirmed => "the curve has turned, not confirmed yet: nothing sent".into(),
-        None => match &s.best {
-            Some(b) => format!(
-                "no early stop; best so far step {} ({:.5})",
-                b.step, b.value
-            ),
-            None => "no evaluations yet".into(),
-        },
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{EarlyStopMetric, EarlyStopSettings};
+    use crate::record::{Evaluation, FIELDS};
+    use crate::store::history::Entry;
 
     fn record(step: i64, icr: f64, checkpoint: &str) -> Evaluation {
         Evaluation {
@@ -839,19 +491,6 @@ mod tests {
     }
 
     #[test]
-    fn tick_labels_are_round_and_never_negative_zero() {
-        let (t, decimals) = ticks(-0.003, 0.041, 5, false);
-        assert_eq!(decimals, 2);
-        assert_eq!(t.len(), 5);
-        assert!(t.contains(&0.0));
-        let labels: Vec<String> = t.iter().map(|v| format!("{v:.decimals$}")).collect();
-        assert_eq!(labels, ["0.00", "0.01", "0.02", "0.03", "0.04"]);
-        let (t, _) = ticks(37.0, 1063.0, 8, true);
-        assert_eq!(t.first(), Some(&100.0));
-        assert!(t.iter().all(|v| v.fract() == 0.0));
-    }
-
-    #[test]
     fn formats_by_extension() {
         assert_eq!(
             Format::of_path(Path::new("a/r.HTML")).unwrap(),
@@ -863,22 +502,5 @@ mod tests {
         assert!(e.is_usage());
         assert!(e.to_string().contains("`.pdf`"), "{e}");
         assert!(e.to_string().contains("r.pdf"), "{e}");
-    }
-
-    #[test]
-    fn text_is_drawn_in_the_png() {
-        // Only text: without a font, the image would be blank.
-        let svg = format!(
-            r##"<svg xmlns="http://www.w3.org/2000/svg" width="120" height="40"><text x="4" y="28" font-family="{FONT}" font-size="24" fill="#000">step</text></svg>"##
-        );
-        let png = rasterize(&svg).unwrap();
-        let image = resvg::tiny_skia::Pixmap::decode_png(&png).unwrap();
-        assert_eq!((image.width(), image.height()), (120, 40));
-        let dark = image
-            .pixels()
-            .iter()
-            .filter(|p| p.red() < 128 && p.alpha() == 255)
-            .count();
-        assert!(dark > 50, "{dark} dark pixels: the text was not drawn");
     }
 }

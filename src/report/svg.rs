@@ -1,7 +1,12 @@
 //! The plots drawn as SVG: axes, ticks, points and curves, markers, and the standalone SVG
 //! of all plots (what `--out F.svg` writes and the PNG rasterizes).
 
-use super::*;
+use super::layout::{
+    FONT, HEADER_HEIGHT, MARGIN_BOTTOM, MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, SVG_PLOT,
+};
+use super::plot::{Band, Plot, metric_names};
+use super::snapshot::Snapshot;
+use std::fmt::Write as _;
 
 /// Escapes text for HTML and XML (element content and quoted attributes alike).
 pub fn escape(text: &str) -> String {
@@ -319,4 +324,22 @@ pub(super) fn standalone_svg(s: &Snapshot, plots: &[Plot]) -> String {
     }
     o.push_str("</svg>\n");
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tick_labels_are_round_and_never_negative_zero() {
+        let (t, decimals) = ticks(-0.003, 0.041, 5, false);
+        assert_eq!(decimals, 2);
+        assert_eq!(t.len(), 5);
+        assert!(t.contains(&0.0));
+        let labels: Vec<String> = t.iter().map(|v| format!("{v:.decimals$}")).collect();
+        assert_eq!(labels, ["0.00", "0.01", "0.02", "0.03", "0.04"]);
+        let (t, _) = ticks(37.0, 1063.0, 8, true);
+        assert_eq!(t.first(), Some(&100.0));
+        assert!(t.iter().all(|v| v.fract() == 0.0));
+    }
 }

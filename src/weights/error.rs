@@ -3,11 +3,11 @@
 //! No message quotes the content of a file: a checkpoint path may be a symlink to any file the
 //! daemon can read, and messages reach the journal and the logs. Messages carry sizes, offsets
 //! and kinds; a name taken from inside a file (a tensor name, a zip entry, a pickle global) is
-//! quoted through [`quote`](super::quote): control characters escaped, length capped.
+//! quoted through [`quote`](super::messages::quote): control characters escaped, length capped.
 
 use std::path::PathBuf;
 
-use super::quote;
+use super::messages::quote;
 
 /// Why a checkpoint could not be detected, validated or read.
 ///
@@ -150,7 +150,7 @@ pub enum WeightsError {
         detail: String,
     },
 
-    /// A selected tensor has a dtype outside [`super::DType`].
+    /// A selected tensor has a dtype outside [`super::types::DType`].
     #[error(
         "{}: tensor `{}` has dtype {}, which diffmon does not read (supported: bool, \
          uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64)",
@@ -182,7 +182,7 @@ pub enum WeightsError {
     #[error("{}: distributed checkpoint metadata: {detail}", path.display())]
     BadDistributed { path: PathBuf, detail: String },
 
-    /// The selected tensors do not fit the architecture ([`super::ReadOptions::expected`]):
+    /// The selected tensors do not fit the architecture ([`super::types::ReadOptions::expected`]):
     /// found from the checkpoint's metadata, before any tensor byte was read.
     #[error("{}: does not fit the architecture: {details}", path.display())]
     Mismatch { path: PathBuf, details: String },

@@ -17,8 +17,11 @@
 //! Both are bounded like single files: the index and the metadata at most
 //! [`pickle::MAX_PICKLE_BYTES`], each tensor at most `checkpoints.max_entry_mib`.
 
+use super::error::WeightsError;
+use super::file::open;
 use super::pickle::{self, Classes, Obj, Pickle, Value};
-use super::{DType, RawTensor, ReadOptions, StateDict, WeightsError, open, torchzip};
+use super::torchzip;
+use super::types::{DType, RawTensor, ReadOptions, StateDict};
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
@@ -144,7 +147,7 @@ fn shards(index: &Path) -> Result<Vec<(PathBuf, Vec<String>)>, WeightsError> {
         let shard = shard.as_str().ok_or_else(|| {
             bad_index(
                 index,
-                format!("`{}` maps to a non-string", super::quote(tensor)),
+                format!("`{}` maps to a non-string", super::messages::quote(tensor)),
             )
         })?;
         let path = sibling(index, shard).ok_or_else(|| {
@@ -152,7 +155,7 @@ fn shards(index: &Path) -> Result<Vec<(PathBuf, Vec<String>)>, WeightsError> {
                 index,
                 format!(
                     "shard `{}` is not a file name in the index's folder",
-                    super::quote(shard)
+                    super::messages::quote(shard)
                 ),
             )
         })?;
@@ -164,7 +167,7 @@ fn shards(index: &Path) -> Result<Vec<(PathBuf, Vec<String>)>, WeightsError> {
                 index,
                 format!(
                     "shard `{}` is a link to a file outside the index's folder (not read)",
-                    super::quote(shard)
+                    super::messages::quote(shard)
                 ),
             ));
         }
@@ -215,7 +218,7 @@ pub(crate) fn read_sharded(index: &Path, opts: &ReadOptions) -> Result<StateDict
                 index,
                 format!(
                     "tensor `{}` is mapped to {} but not in it",
-                    super::quote(missing),
+                    super::messages::quote(missing),
                     shard.display()
                 ),
             ));
@@ -241,9 +244,9 @@ pub(crate) fn read_sharded(index: &Path, opts: &ReadOptions) -> Result<StateDict
         .filter_map(|(n, shape, b)| rename(n).map(|short| (short, shape.as_slice(), *b)))
         .collect();
     let shapes: Vec<(&str, &[u64])> = kept.iter().map(|(n, s, _)| (n.as_str(), *s)).collect();
-    super::check_selected(opts, index, super::Naming::ByName, &shapes)?;
+    super::check::check_selected(opts, index, super::types::Naming::ByName, &shapes)?;
     let total = kept.iter().fold(0u64, |a, (_, _, b)| a.saturating_add(*b));
-    super::check_total(opts, index, total)?;
+    super::check::check_total(opts, index, total)?;
     let mut out: BTreeMap<String, RawTensor> = BTreeMap::new();
     for ((shard, names), (mut r, h)) in shards.iter().zip(headers) {
         let selected: Vec<(String, String)> = names
@@ -418,7 +421,7 @@ fn metadata(path: &Path) -> Result<Metadata, WeightsError> {
                 path,
                 format!(
                     "`{}` is stored with transforms (compression or extensions), which diffmon does not read",
-                    super::quote(fqn)
+                    super::messages::quote(fqn)
                 ),
             ));
         }
@@ -463,7 +466,7 @@ fn outside(path: &Path, file: &str) -> WeightsError {
         path,
         format!(
             "`{}` is a link to a file outside the checkpoint's folder (not read)",
-            super::quote(file)
+            super::messages::quote(file)
         ),
     )
 }
@@ -479,7 +482,7 @@ pub(crate) fn validate_dcp(path: &Path) -> Result<(), WeightsError> {
                     path,
                     format!(
                         "`{}` is not a file name in the folder",
-                        super::quote(&s.file)
+                        super::messages::quote(&s.file)
                     ),
                 )
             })?;
@@ -558,7 +561,7 @@ fn read_chunk(
             path,
             format!(
                 "`{}` is not a file name in the folder",
-                super::quote(&s.file)
+                super::messages::quote(&s.file)
             ),
         )
     })?;
@@ -583,7 +586,7 @@ fn read_chunk(
             path,
             format!(
                 "the item of `{}` is {}, not a tensor",
-                super::quote(fqn),
+                super::messages::quote(fqn),
                 p.describe(&p.root)
             ),
         ));
@@ -622,7 +625,7 @@ pub(crate) fn read_dcp(path: &Path, opts: &ReadOptions) -> Result<StateDict, Wei
         .zip(&names)
         .map(|(&i, n)| (n.as_str(), md.tensors[i].size.as_slice()))
         .collect();
-    super::check_selected(opts, path, super::Naming::ByName, &shapes)?;
+    super::check::check_selected(opts, path, super::types::Naming::ByName, &shapes)?;
     let total = idx.iter().fold(0u64, |a, &i| {
         let numel = md.tensors[i]
             .size
@@ -630,7 +633,7 @@ pub(crate) fn read_dcp(path: &Path, opts: &ReadOptions) -> Result<StateDict, Wei
             .fold(1u64, |n, &d| n.saturating_mul(d));
         a.saturating_add(numel.saturating_mul(8))
     });
-    super::check_total(opts, path, total)?;
+    super::check::check_total(opts, path, total)?;
     let mut tensors = Vec::with_capacity(idx.len());
     for (i, name) in idx.into_iter().zip(names) {
         tensors.push((name, assemble(path, &md.tensors[i], &md, opts)?));
@@ -646,7 +649,7 @@ fn assemble(
     md: &Metadata,
     opts: &ReadOptions,
 ) -> Result<RawTensor, WeightsError> {
-    let bad = |d: String| bad_dcp(path, format!("`{}`: {d}", super::quote(&t.fqn)));
+    let bad = |d: String| bad_dcp(path, format!("`{}`: {d}", super::messages::quote(&t.fqn)));
     let numel = t
         .size
         .iter()

@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use super::DType;
+use super::types::DType;
 
 /// Largest data.pkl accepted (real state dicts are a few MiB at most).
 pub(crate) const MAX_PICKLE_BYTES: u64 = 128 << 20;

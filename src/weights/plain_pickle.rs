@@ -15,10 +15,11 @@ use std::path::Path;
 
 use zip::ZipArchive;
 
+use super::error::WeightsError;
 use super::pickle;
 use super::select;
 use super::torchzip::{materialize_all, pickle_error};
-use super::{Naming, ReadOptions, StateDict, WeightsError};
+use super::types::{Naming, ReadOptions, StateDict};
 
 /// Name used for the stream in messages (a bare pickle has no entries).
 const ENTRY: &str = "<pickle>";
@@ -41,7 +42,7 @@ pub(crate) fn read_bare_pickle<R: Read + Seek>(
         });
     }
     // The file holds its tensors' bytes: it is read whole only within the total bound.
-    super::check_total(opts, path, len)?;
+    super::check::check_total(opts, path, len)?;
     let io = |source| WeightsError::Io {
         path: path.to_path_buf(),
         source,

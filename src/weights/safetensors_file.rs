@@ -7,7 +7,9 @@ use std::path::Path;
 use safetensors::Dtype;
 use safetensors::tensor::Metadata;
 
-use super::{DType, MAX_SAFETENSORS_HEADER, RawTensor, ReadOptions, StateDict, WeightsError};
+use super::error::WeightsError;
+use super::file::MAX_SAFETENSORS_HEADER;
+use super::types::{DType, RawTensor, ReadOptions, StateDict};
 
 pub(crate) struct Header {
     /// File offset of the data section.
@@ -179,9 +181,9 @@ pub(crate) fn read<R: Read + Seek>(
         .zip(&plan)
         .map(|((_, short), (shape, _))| (short.as_str(), shape.as_slice()))
         .collect();
-    super::check_selected(opts, path, super::Naming::ByName, &shapes)?;
+    super::check::check_selected(opts, path, super::types::Naming::ByName, &shapes)?;
     let total = plan.iter().fold(0u64, |a, (_, b)| a.saturating_add(*b));
-    super::check_total(opts, path, total)?;
+    super::check::check_total(opts, path, total)?;
     read_tensors(&mut r, &h, path, selected)
 }
 
@@ -217,7 +219,10 @@ pub(crate) fn read_tensors<R: Read + Seek>(
             .ok_or_else(|| {
                 corrupt(
                     path,
-                    format!("cannot allocate {n} bytes for `{}`", super::quote(&name)),
+                    format!(
+                        "cannot allocate {n} bytes for `{}`",
+                        super::messages::quote(&name)
+                    ),
                 )
             })?;
         r.by_ref()

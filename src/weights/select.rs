@@ -4,8 +4,10 @@
 
 use std::path::Path;
 
+use super::error::WeightsError;
+use super::messages::list_names;
 use super::pickle::{Dict, Obj, Pickle, TensorMeta, Value};
-use super::{Naming, ReadOptions, WeightsError, list_names};
+use super::types::{Naming, ReadOptions};
 
 /// Deepest module nesting followed in a module tree.
 pub(crate) const MAX_MODULE_DEPTH: usize = 256;

@@ -7,11 +7,11 @@ use std::path::Path;
 use zip::ZipArchive;
 use zip::result::ZipError;
 
+use super::error::WeightsError;
+use super::messages::quote;
 use super::pickle::{self, ElemType, Pickle, PickleError, StorageKind, TensorMeta, Value};
 use super::select::{self, MAX_MODULE_DEPTH, MAX_MODULE_VISITS, same_obj};
-use super::{
-    CheckpointFormat, DType, Naming, RawTensor, ReadOptions, StateDict, WeightsError, quote,
-};
+use super::types::{CheckpointFormat, DType, Naming, RawTensor, ReadOptions, StateDict};
 
 /// Opens the zip's central directory.
 pub(crate) fn open<R: Read + Seek>(r: R, path: &Path) -> Result<ZipArchive<R>, WeightsError> {
@@ -476,7 +476,7 @@ fn planned_bytes(selected: &[(String, &TensorMeta)], opts: &ReadOptions) -> u64 
 /// Reads the storages of `selected` (each once, dropped after its last tensor) and turns every
 /// tensor into contiguous bytes, refusing views that repeat storage bytes beyond
 /// [`MAX_REPEATED_BYTES`] plus the file's length in all. With `naming`, the selection is first
-/// checked against the architecture ([`super::check_selected`]: unwanted TorchScript attributes
+/// checked against the architecture ([`super::check::check_selected`]: unwanted TorchScript attributes
 /// dropped, a mismatch refused) and the whole is bounded by `checkpoints.max_total_mib`, before
 /// any storage is inflated. `None` for a piece of a tensor (a DCP chunk), checked by its caller.
 pub(crate) fn materialize_all<R: Read + Seek>(
@@ -495,14 +495,14 @@ pub(crate) fn materialize_all<R: Read + Seek>(
                     .iter()
                     .map(|(n, t)| (n.as_str(), t.size.as_slice()))
                     .collect();
-                super::check_selected(opts, path, naming, &shapes)?
+                super::check::check_selected(opts, path, naming, &shapes)?
             };
             let kept: Vec<(String, &TensorMeta)> = selected
                 .into_iter()
                 .zip(keep)
                 .filter_map(|(s, k)| k.then_some(s))
                 .collect();
-            super::check_total(opts, path, planned_bytes(&kept, opts))?;
+            super::check::check_total(opts, path, planned_bytes(&kept, opts))?;
             kept
         }
         None => selected,

@@ -1,0 +1,126 @@
+//! The [`Snapshot`]: everything the plots show, as plain data that the daemon keeps up to date
+//! after every evaluation and that the report command rebuilds by replaying the history.
+
+use crate::config::{EarlyStopMetric, EarlyStopSettings};
+use crate::engine::detector::{Decision, Detector, DetectorState};
+use crate::record::{Evaluation, FIELDS};
+use crate::store::history::Entry;
+
+/// One evaluation as the plots show it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Row {
+    pub step: i64,
+    pub checkpoint: String,
+    /// The early-stop metric (ICR or E_gen), raw.
+    pub value: Option<f64>,
+    /// The detector's smoothed value after this evaluation.
+    pub smoothed: Option<f64>,
+    /// The standard error of `value` where the record has one (ICR's jackknife, docs/design.md
+    /// §2); drawn as a band value ± stderr.
+    pub stderr: Option<f64>,
+    /// The value of each field of `record::FIELDS`, in its order.
+    pub fields: Vec<Option<f64>>,
+}
+
+/// A checkpoint the detector singled out.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Marker {
+    pub step: i64,
+    pub checkpoint: String,
+    /// Its smoothed value.
+    pub value: f64,
+}
+
+/// Everything the plots show: plain data, cheap to clone, safe to send between threads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot {
+    pub run: String,
+    pub metric: EarlyStopMetric,
+    /// One row per evaluation, in evaluation order.
+    pub rows: Vec<Row>,
+    /// The smallest smoothed value so far.
+    pub best: Option<Marker>,
+    /// The best when the early stop fired, and the step it fired at (the turn).
+    pub fired: Option<(Marker, i64)>,
+    /// A later dip below the fired best resolved the early stop.
+    pub resolved: bool,
+    /// The curve has turned but the confirmation signal has not risen (nothing sent).
+    pub unconfirmed: bool,
+    /// Checkpoints that could not be evaluated.
+    pub failures: usize,
+    /// When the last evaluation was recorded (RFC 3339).
+    pub last_at: Option<String>,
+}
+
+impl Snapshot {
+    pub fn new(run: &str, metric: EarlyStopMetric) -> Snapshot {
+        Snapshot {
+            run: run.to_string(),
+            metric,
+            rows: Vec::new(),
+            best: None,
+            fired: None,
+            resolved: false,
+            unconfirmed: false,
+            failures: 0,
+            last_at: None,
+        }
+    }
+
+    /// Adds one evaluation, with what the detector decided on it and its state afterwards.
+    pub fn push(&mut self, r: &Evaluation, at: &str, decision: &Decision, state: &DetectorState) {
+        let value = self.metric.value(r).filter(|v| v.is_finite());
+        self.rows.push(Row {
+            step: r.step,
+            checkpoint: r.checkpoint.clone(),
+            value,
+            smoothed: value.and(decision.smoothed),
+            stderr: value
+                .and(metric_stderr(self.metric, r))
+                .filter(|e| e.is_finite() && *e >= 0.0),
+            fields: FIELDS.iter().map(|f| f.float(r)).collect(),
+        });
+        let marker = |b: &crate::engine::detector::Best| Marker {
+            step: b.step,
+            checkpoint: b.checkpoint.clone(),
+            value: b.value,
+        };
+        self.best = state.best.as_ref().map(marker);
+        self.fired = state
+            .fired
+            .as_ref()
+            .zip(state.fired_step)
+            .map(|(b, step)| (marker(b), step));
+        self.resolved = state.resolved;
+        self.unconfirmed = decision.unconfirmed;
+        self.last_at = Some(at.to_string());
+    }
+
+    /// The snapshot of a history: its evaluations replayed through a detector, as the daemon
+    /// does at start-up.
+    pub fn replay(
+        run: &str,
+        metric: EarlyStopMetric,
+        detector: EarlyStopSettings,
+        entries: &[Entry],
+    ) -> Snapshot {
+        let mut snapshot = Snapshot::new(run, metric);
+        let mut detector = Detector::new(detector, DetectorState::default());
+        snapshot.failures = crate::engine::detector::replay(
+            &mut detector,
+            metric,
+            entries,
+            |record, at, decision, state| snapshot.push(record, at, decision, state),
+        );
+        snapshot
+    }
+}
+
+/// The standard error of the early-stop metric in a record: ICR has one (docs/design.md §2),
+/// E_gen none.
+fn metric_stderr(metric: EarlyStopMetric, r: &Evaluation) -> Option<f64> {
+    match metric {
+        EarlyStopMetric::Icr => r.icr_stderr,
+        EarlyStopMetric::PfdGeneralization => None,
+    }
+}
