@@ -904,7 +904,7 @@ mod tests {
         let (thread, message) = rx.recv().unwrap();
         assert_eq!(thread, "supervised-test-thread");
         assert!(
-            message.starts_with("the watcher met 1e20 at src/crash.rs:"),
+            message.starts_with("the watcher met 1e20 at src/store/crash.rs:"),
             "{message}"
         );
     }
