@@ -75,7 +75,7 @@ def evaluate(out: Path, run_dir: Path, ckpt: Path, n: int, seed: int, threads: i
 
 
 def groups(n: int, d: int) -> int:
-    """The jackknife's group count (src/icr.rs, jackknife_groups): 32 for d ≤ 724 and n ≥ 64."""
+    """The jackknife's group count (src/engine/icr.rs, jackknife_groups): 32 for d ≤ 724 and n ≥ 64."""
     by_memory = max(8, min(32, (256 << 20) // (16 * d * d)))
     return min(by_memory, n // 2)
 
