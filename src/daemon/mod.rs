@@ -2,16 +2,19 @@
 //!
 //! ```text
 //! watcher ──WorkItem──► executor ──Outcome──► recorder ────► RunState ─────► sinks
-//! (watcher.rs:          (executor.rs: the     (recorder.rs:   (run_state.rs:  (sinks.rs: console;
-//!  notify + rescan,      evaluator thread,     journal, HDF5,  detector,       alerts: stop file,
-//!  settle check)         owns tch)             retry queue)    status, live    webhooks)
-//!                                                              page, metrics)
-//!                                                                  ▲
-//!                                                                  └── HTTP (tokio)
+//! (watcher/: offer.rs,  (executor.rs: the     (recorder.rs:   (run_state.rs:  (sinks.rs: console;
+//!  scan.rs: rescan +     trait and its         journal, HDF5,  detector,       alerts: stop file,
+//!  settle check,         types; local.rs:      retry queue)    status, live    webhooks)
+//!  notifications.rs)     the evaluator                         page, metrics)
+//!                        thread, owns tch;                         ▲
+//!                        slurm/: Slurm jobs)                       └── HTTP (http.rs, tokio)
 //! ```
 //!
 //! The recorder, the run state and the sinks share the recorder thread, in that order; the
-//! main thread waits in `shutdown.rs`, the one way the daemon stops.
+//! main thread waits in `shutdown.rs`, the one way the daemon stops. `pipeline.rs` opens what
+//! the threads need (a run's history, state and sinks; the HTTP port and the tokio runtime);
+//! [`run`] here wires one run's stages, `sweep.rs` those of every run of a sweep. The two
+//! executors share `executor.rs` and nothing else; no file of the daemon imports this one.
 //!
 //! The recorder appends every outcome to the history before anything acts on it; when the state
 //! folder cannot be written (a full disk), outcomes wait in memory, in order, and are retried
@@ -31,6 +34,8 @@
 
 mod executor;
 pub mod http;
+mod local;
+mod pipeline;
 mod recorder;
 mod run_state;
 mod shutdown;
@@ -39,174 +44,15 @@ pub mod slurm;
 mod sweep;
 pub mod watcher;
 
-use crate::alerts::Alerter;
 use crate::config::{Config, ExecutorKind};
-use crate::daemon::http::RunView;
 use crate::daemon::watcher::{Watcher, work_channel};
-use crate::metrics::Metrics;
 use crate::store::lock::StateLock;
-use anyhow::{Context, Result};
-pub(crate) use executor::failure_reason;
-use executor::{Executor, Local, Outcome};
-use recorder::Recorder;
-use run_state::RunState;
-use sinks::{Alerts, Console, Sinks};
-use std::net::SocketAddr;
-use std::sync::Arc;
+use anyhow::Result;
+use executor::{Executor, Outcome};
+use local::Local;
+pub(crate) use local::failure_reason;
+use pipeline::{OUTCOMES_BOUND, Opened, bind, open, serve};
 use std::time::Duration;
-
-/// How many outcomes may wait between the executor and the recorder.
-const OUTCOMES_BOUND: usize = 16;
-
-/// A run's state and its sinks: what a recorded outcome goes to, in order.
-struct Published {
-    state: RunState,
-    sinks: Sinks,
-}
-
-impl Published {
-    fn recorded(&mut self, outcome: Outcome, at: &str) {
-        let event = self.state.observe(&outcome, at);
-        if let Outcome::Done(_, record) = &outcome {
-            self.sinks.evaluation(record, self.state.detector());
-        }
-        if let Some(event) = event {
-            self.sinks.event(&event);
-        }
-    }
-}
-
-/// A run's pipeline up to its executor, as [`open`] leaves it.
-struct Opened {
-    recorder: Recorder,
-    published: Published,
-    /// Its name, metrics, status and live snapshot, for the HTTP server.
-    view: RunView,
-    /// Evaluations in its history (the executor's `pfd.every` count).
-    evaluated_before: usize,
-}
-
-/// Opens a run whose state folder is locked: its history (rewriting the HDF5 export), its
-/// state replayed from it, its alerter (on `runtime`) and sinks, which get the replay's events
-/// again (the alerter delivers only those not delivered yet); records a crash the last process
-/// left, and (with `arm`) arms a fresh crash marker: not for a run joining a sweep while another
-/// run's checkpoint may be evaluated, whose marker the evaluator holds; the evaluator arms the
-/// run's own before its first item. The one set-up of a single run and of each run of a sweep.
-///
-/// Everything it writes goes through `lock`'s state folder handle (`crate::store::state_dir`).
-fn open(
-    config: &Config,
-    lock: &StateLock,
-    runtime: &tokio::runtime::Handle,
-    arm: bool,
-) -> Result<Opened> {
-    let run = config.run_name();
-    let state = lock.state();
-    let state_dir = state.path().to_path_buf();
-    let mut recorder = Recorder::open(&state_dir)
-        .context("cannot open the history")?
-        .following(state.clone());
-    let crash = match crate::store::crash::read_marker(&state_dir) {
-        Ok(crash) => crash,
-        Err(e) => {
-            tracing::warn!("{e}; ignoring it");
-            None
-        }
-    };
-    let metrics = Arc::new(Metrics::new(&run));
-    recorder.write_hdf5();
-    let instance = crate::alerts::run_instance(&config.run.dir, state.shown());
-    let (run_state, replayed) = RunState::replay(
-        &run,
-        &instance,
-        config.early_stop_resolved(),
-        recorder.entries(),
-        metrics.clone(),
-        config
-            .early_stop
-            .keep_best
-            .then(|| crate::store::keep_best::Keeper::new(&state_dir).showing(state.shown())),
-    );
-    if replayed.evaluations > 0 {
-        tracing::info!(run = %run, evaluations = replayed.evaluations, state = %state.shown().display(), "history restored");
-    }
-    let alerter = {
-        // The alerter's delivery tasks run on this runtime.
-        let _guard = runtime.enter();
-        let outcome_metrics = metrics.clone();
-        Alerter::start(
-            &config.alerts,
-            &config.run.dir,
-            &state_dir,
-            &instance,
-            Arc::new(move |receiver, outcome| outcome_metrics.delivery(receiver, outcome)),
-        )?
-    };
-    // A state folder deleted under the daemon is made again empty: the alerter writes its key and
-    // ledger there again, so a restart does not deliver what was delivered.
-    state.on_remade(Box::new(alerter.on_state_remade()));
-    let mut sinks = Sinks::new(vec![
-        Box::new(Console::default()),
-        Box::new(Alerts(alerter)),
-    ]);
-    for event in &replayed.events {
-        sinks.replayed(event)?;
-    }
-    let view = RunView {
-        name: run,
-        metrics,
-        status: run_state.status(),
-        snapshot: run_state.snapshot(),
-    };
-    let mut published = Published {
-        state: run_state,
-        sinks,
-    };
-    if let Some(crash) = crash {
-        recorder.record_crash(crash, &mut |outcome, at| published.recorded(outcome, at));
-    }
-    if arm {
-        crate::store::crash::arm(&state_dir)?;
-    }
-    Ok(Opened {
-        recorder,
-        published,
-        view,
-        evaluated_before: replayed.evaluations,
-    })
-}
-
-/// The daemon's HTTP port, bound at start (a port in use is a start-up error), and its tokio
-/// runtime (alerter deliveries, the HTTP server, signals).
-fn bind(config: &Config) -> Result<(std::net::TcpListener, tokio::runtime::Runtime)> {
-    let listen: SocketAddr = config.http.listen;
-    let listener = std::net::TcpListener::bind(listen).with_context(|| {
-        format!("cannot listen on {listen} (http.listen): is another process using the port?")
-    })?;
-    listener.set_nonblocking(true)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("diffmon-io")
-        .enable_all()
-        .build()?;
-    Ok((listener, runtime))
-}
-
-/// Serves `app` on the port [`bind`] bound, with the limits of `config.http`, until the task
-/// is aborted.
-fn serve(
-    runtime: &tokio::runtime::Runtime,
-    listener: std::net::TcpListener,
-    app: axum::Router,
-    config: &Config,
-) -> tokio::task::JoinHandle<()> {
-    let limits = crate::daemon::http::Limits::of(&config.http);
-    runtime.spawn(async move {
-        let listener =
-            tokio::net::TcpListener::from_std(listener).expect("a non-blocking std listener");
-        crate::daemon::http::serve(listener, app, limits).await;
-    })
-}
 
 /// Runs the daemon until a signal: on one run, or on every run of a sweep ([`sweep`]).
 pub fn run(config: Config) -> Result<()> {
@@ -284,12 +130,8 @@ pub fn run(config: Config) -> Result<()> {
 
 #[cfg(test)]
 pub(super) mod tests {
-    use super::*;
-    use crate::config::{Confirmation, EarlyStopMetric, EarlyStopSettings, Smoother};
     use crate::daemon::watcher::WorkItem;
-    use crate::record::{Evaluation, FailureReason};
     use crate::store::history::CheckpointKey;
-    use std::sync::Mutex;
 
     /// A work item for `ckpt_<step>.pt` (the stages' tests share it).
     pub(super) fn item(step: i64) -> WorkItem {
@@ -303,59 +145,5 @@ pub(super) mod tests {
                 mtime_ns: step,
             },
         }
-    }
-
-    /// A recorded evaluation goes to the run's state, then to the sinks: first the evaluation,
-    /// then the event it decided; a failure goes to no sink.
-    #[test]
-    fn a_recorded_outcome_reaches_the_sinks_after_the_run_state() {
-        // Window 1, patience 1: 3, 1, 2 turns at the third checkpoint.
-        let early_stop = EarlyStopSettings {
-            metric: EarlyStopMetric::Icr,
-            smoother: Smoother::Median,
-            window: 1,
-            warmup: 1,
-            patience: 1,
-            min_rise: 0.005,
-            noise_multiple: 0.0,
-            confirm: Confirmation::None,
-            confirm_rise: 0.5,
-        };
-        let (state, _) =
-            RunState::replay("r", "", early_stop, &[], Arc::new(Metrics::new("r")), None);
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let log = sinks::tests::Log {
-            name: "log",
-            lines: lines.clone(),
-        };
-        let status = state.status();
-        let mut published = Published {
-            state,
-            sinks: Sinks::new(vec![Box::new(log)]),
-        };
-        let at = "2024-05-01T12:00:00.000Z";
-        for (step, icr) in [(1, 3.0), (2, 1.0), (3, 2.0)] {
-            let record = Evaluation {
-                step,
-                checkpoint: format!("ckpt_{step}.pt"),
-                icr: Some(icr),
-                ..Evaluation::default()
-            };
-            published.recorded(Outcome::Done(item(step), Box::new(record)), at);
-            if step == 2 {
-                let failure = Outcome::Failed(item(9), FailureReason::Error, "no".into());
-                published.recorded(failure, at);
-            }
-        }
-        assert_eq!(
-            *lines.lock().unwrap(),
-            [
-                "log evaluation 1",
-                "log evaluation 2",
-                "log evaluation 3",
-                "log early_stop 3"
-            ]
-        );
-        assert!(status.lock().unwrap().fired, "the state saw the turn");
     }
 }

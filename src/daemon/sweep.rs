@@ -1,16 +1,18 @@
 //! `diffmon watch` on a sweep (`runs` or `runs_glob` in the config; docs/design.md §19): per
 //! run, the pipeline of one daemon (its state lock, recorder, run state, sinks with its own
 //! alerter, stop file and webhooks, and watcher); shared, one evaluator thread fed round-robin
-//! ([`executor::start_shared`]) or, on Slurm, one runner per run sharing the in-flight cap
+//! ([`local::start_shared`]) or, on Slurm, one runner per run sharing the in-flight cap
 //! ([`SlurmPool`]), one HTTP server (every run's metrics under its `run` label) and one tokio
 //! runtime. A run's outcomes go to its own recorder only. With `runs_glob`, a
 //! thread looks for new run folders every `checkpoints.poll_secs` and adds each as a run.
 
-use super::executor::{self, Lane, Outcome};
+use super::executor::{Lane, Outcome};
+use super::local;
+use super::pipeline::{self, OUTCOMES_BOUND, Published};
 use super::recorder::Recorder;
+use super::shutdown;
 use super::sinks::Sinks;
 use super::slurm::SlurmPool;
-use super::{OUTCOMES_BOUND, Published, shutdown};
 use crate::config::{Config, ExecutorKind};
 use crate::daemon::http::{RunList, RunView};
 use crate::daemon::watcher::{SharedNotifications, Watcher, WorkItem, work_channel};
@@ -28,7 +30,7 @@ use std::time::Duration;
 pub fn run(config: Config) -> Result<()> {
     shutdown::exit_on_panic();
     let listen = config.http.listen;
-    let (listener, runtime) = super::bind(&config)?;
+    let (listener, runtime) = pipeline::bind(&config)?;
 
     let mut pipelines = Vec::new();
     let mut lanes = Vec::new();
@@ -118,7 +120,7 @@ pub fn run(config: Config) -> Result<()> {
         })?;
 
     let app = crate::daemon::http::sweep_router(views);
-    let server = super::serve(&runtime, listener, app, &config);
+    let server = pipeline::serve(&runtime, listener, app, &config);
     tracing::info!(
         runs = %names.join(", "),
         metrics = %format!("http://{listen}/metrics"),
@@ -155,7 +157,7 @@ struct Pipeline {
 }
 
 impl Pipeline {
-    /// Opens `config`'s run, and its lane for the shared evaluator. `arm`: see [`super::open`].
+    /// Opens `config`'s run, and its lane for the shared evaluator. `arm`: see [`pipeline::open`].
     fn open(
         config: Config,
         runtime: &tokio::runtime::Handle,
@@ -165,7 +167,7 @@ impl Pipeline {
         let opened = StateLock::acquire(&config.state_dir(), &config.run.dir)
             .map_err(anyhow::Error::from)
             .and_then(|lock| {
-                let opened = super::open(&config, &lock, runtime, arm)?;
+                let opened = pipeline::open(&config, &lock, runtime, arm)?;
                 Ok((lock, opened))
             })
             .with_context(|| format!("run `{run}` ({})", config.run.dir.display()))?;
@@ -242,7 +244,7 @@ impl Shared {
             ExecutorKind::Local => {
                 let (add, added) = crossbeam_channel::unbounded::<Lane>();
                 let lanes = lanes.into_iter().map(|(lane, _)| lane).collect();
-                (Shared::Local(add), executor::start_shared(lanes, added)?)
+                (Shared::Local(add), local::start_shared(lanes, added)?)
             }
             ExecutorKind::Slurm => {
                 let pool = SlurmPool::new(config.evaluation.max_in_flight);

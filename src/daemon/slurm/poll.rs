@@ -1,0 +1,282 @@
+//! Polling: the queue (`squeue`), how a job that left it ended (`scontrol`), and the result
+//! files a job leaves in its folder (`status`, `record.json`, `slurm.out`).
+
+use super::arrays::{array_id, queue_ids};
+use super::runner::{Job, JobEnd, Runner, State};
+use crate::daemon::executor::{Outcome, unchanged};
+use crate::record::{Evaluation, FailureReason};
+use crate::store::safe_fs::untrusted;
+use std::collections::{HashMap, VecDeque};
+use std::fs::OpenOptions;
+use std::io::Read;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+/// Bound on what is read of a job's record or status file.
+const MAX_RESULT_BYTES: u64 = 16 << 20;
+
+/// Reads at most [`MAX_RESULT_BYTES`] of `path` (no link followed); `None` when it is absent.
+fn read_result(path: &Path) -> std::io::Result<Option<String>> {
+    let file = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut text = String::new();
+    file.take(MAX_RESULT_BYTES).read_to_string(&mut text)?;
+    Ok(Some(text))
+}
+
+/// The last lines of a job's output, for a failure's message.
+fn output_tail(folder: &Path) -> String {
+    let text = read_result(&folder.join("slurm.out"))
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    let lines: Vec<&str> = text.lines().rev().take(3).collect();
+    let tail: Vec<&str> = lines.into_iter().rev().collect();
+    crate::store::safe_fs::untrusted_text(&tail.join(" | "))
+}
+
+impl Runner {
+    /// An attempt journaled without its id: the queue's job whose comment is its folder, if
+    /// any; else it was never submitted, and is now.
+    pub(super) fn find_by_comment(&mut self, job: &mut Job) {
+        let out = Command::new("squeue")
+            .args(["-h", "--me", "-r", "-o", "%i|%k"])
+            .output();
+        let Some(out) = out.ok().filter(|o| o.status.success()) else {
+            return; // Looked up again at the next poll (the job stays without an id).
+        };
+        let text = String::from_utf8_lossy(&out.stdout);
+        let comment = job.array.as_ref().map_or(&job.folder, |a| &a.comment);
+        let found = text.lines().find_map(|l| {
+            let (id, c) = l.split_once('|')?;
+            (c.trim() == comment).then(|| id.trim().to_string())
+        });
+        // Any task of the array gives the array's id; this task's is `<id>_<index>`.
+        let found = match (&job.array, found) {
+            (Some(a), Some(id)) => Some(format!("{}_{}", array_id(&id), a.index)),
+            (_, found) => found,
+        };
+        match found {
+            Some(id) => self.queued(job, id),
+            None => {
+                job.attempt += 1;
+                self.submit(job);
+            }
+        }
+    }
+
+    /// Looks at every queued job once.
+    pub(super) fn poll(&mut self, jobs: &mut VecDeque<Job>) {
+        if !jobs.iter().any(Job::queued) {
+            return;
+        }
+        // The queue first, then the files: a job gone from the queue wrote its status before.
+        let queue: Option<HashMap<String, String>> = Command::new("squeue")
+            .args(["-h", "--me", "-r", "-o", "%i|%T"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .filter_map(|l| l.split_once('|'))
+                    .flat_map(|(i, s)| {
+                        queue_ids(i.trim())
+                            .into_iter()
+                            .map(move |i| (i, s.trim().to_string()))
+                    })
+                    .collect()
+            });
+        if queue.is_none() {
+            tracing::warn!("squeue does not answer; the Slurm jobs are left as they are");
+        }
+        let mut running = 0;
+        for job in jobs.iter_mut() {
+            let State::Queued {
+                job_id,
+                since,
+                running_since,
+            } = &mut job.state
+            else {
+                continue;
+            };
+            let folder = self.jobs_dir.join(&job.folder);
+            match read_result(&folder.join("status")) {
+                Ok(Some(status)) => {
+                    let (since, running_since) = (*since, *running_since);
+                    if let Some(r) = running_since {
+                        self.metrics.slurm_run(r.elapsed().as_secs_f64());
+                    } else {
+                        // Started and ended between two polls.
+                        self.metrics.slurm_queue_wait(since.elapsed().as_secs_f64());
+                    }
+                    let outcome = self.result(job, &folder, status.trim());
+                    if matches!(outcome, Outcome::Done(..)) {
+                        self.warm = true;
+                    }
+                    job.state = State::Finished(outcome);
+                    continue;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    let outcome = Outcome::Failed(
+                        job.item.clone(),
+                        FailureReason::Error,
+                        format!("cannot read the job's status in {}: {e}", folder.display()),
+                    );
+                    job.state = State::Finished(outcome);
+                    continue;
+                }
+            }
+            let Some(queue) = &queue else {
+                continue;
+            };
+            let Some(id) = job_id.clone() else {
+                self.find_by_comment(job);
+                continue;
+            };
+            match queue.get(&id).map(String::as_str) {
+                Some("RUNNING" | "COMPLETING") => {
+                    running += 1;
+                    if running_since.is_none() {
+                        self.metrics.slurm_queue_wait(since.elapsed().as_secs_f64());
+                        *running_since = Some(Instant::now());
+                    }
+                }
+                Some(_) => {}
+                None => {
+                    // Gone from the queue without a status: how did it end?
+                    let state = scontrol_state(&id);
+                    if let Some(end) = match state.as_deref() {
+                        Some(s) => JobEnd::of_state(s),
+                        None => Some(JobEnd::Lost),
+                    } {
+                        let message = format!(
+                            "job {id} is {}; its output ends: {}",
+                            state.as_deref().unwrap_or("unknown to Slurm"),
+                            output_tail(&folder)
+                        );
+                        self.ended(job, end, message);
+                    }
+                }
+            }
+        }
+        self.metrics.set_slurm_running(running);
+    }
+
+    /// The outcome of a job that wrote its status.
+    fn result(&self, job: &Job, folder: &Path, status: &str) -> Outcome {
+        let item = job.item.clone();
+        if status != "0" {
+            // `diffmon eval` says why on its failure line; its reason is the local executor's.
+            if let Some((reason, message)) = read_result(&folder.join("record.json"))
+                .ok()
+                .flatten()
+                .and_then(|t| failure_line(&t))
+            {
+                return Outcome::Failed(item, reason, message);
+            }
+            return Outcome::Failed(
+                item,
+                FailureReason::Error,
+                format!(
+                    "diffmon eval exited with status {} in Slurm job folder {}: {}",
+                    crate::store::safe_fs::untrusted_text(status),
+                    folder.display(),
+                    output_tail(folder)
+                ),
+            );
+        }
+        let record = read_result(&folder.join("record.json"))
+            .map_err(|e| e.to_string())
+            .and_then(|t| t.ok_or_else(|| "no record.json".to_string()))
+            .and_then(|t| {
+                let line = t.lines().find(|l| !l.trim().is_empty()).unwrap_or("");
+                serde_json::from_str::<Evaluation>(line).map_err(|e| e.to_string())
+            });
+        match record {
+            Ok(_) if !unchanged(&item) => Outcome::Failed(
+                item,
+                FailureReason::Vanished,
+                "the checkpoint was deleted or rewritten during its evaluation".into(),
+            ),
+            Ok(record) if record.step != item.step => Outcome::Failed(
+                item.clone(),
+                FailureReason::Error,
+                format!(
+                    "the job's record is of step {}, not {} ({})",
+                    record.step,
+                    item.step,
+                    folder.display()
+                ),
+            ),
+            Ok(record) => {
+                tracing::debug!(checkpoint = %untrusted(&item.path), step = item.step, "record read from its Slurm job");
+                Outcome::Done(item, Box::new(record))
+            }
+            Err(e) => Outcome::Failed(
+                item,
+                FailureReason::Error,
+                format!("unreadable record in {}: {e}", folder.display()),
+            ),
+        }
+    }
+}
+
+/// The reason and message of `diffmon eval --failure-lines`'s failure line in `text`.
+fn failure_line(text: &str) -> Option<(FailureReason, String)> {
+    let v: serde_json::Value = serde_json::from_str(text.lines().next()?).ok()?;
+    let f = v.get("failure")?;
+    let reason = f.get("reason")?.as_str()?;
+    let reason = FailureReason::ALL
+        .into_iter()
+        .find(|r| r.as_str() == reason)?;
+    let message = f.get("message")?.as_str()?.to_string();
+    Some((reason, message))
+}
+
+/// `JobState` of a job from `scontrol show job` (kept for `MinJobAge` after it ends); `None`
+/// when Slurm no longer knows it.
+fn scontrol_state(id: &str) -> Option<String> {
+    let out = Command::new("scontrol")
+        .args(["show", "job", "-o", id])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace()
+        .find_map(|w| w.strip_prefix("JobState="))
+        .map(str::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `diffmon eval --failure-lines`'s line gives the reason; anything else gives none.
+    #[test]
+    fn failure_lines_give_the_reason_and_message() {
+        let line = r#"{"failure":{"step":6,"reason":"unreadable","message":"not a zip"}}"#;
+        assert_eq!(
+            failure_line(line),
+            Some((FailureReason::Unreadable, "not a zip".to_string()))
+        );
+        for other in [
+            "",
+            "{}",
+            r#"{"failure":{"reason":"made_up","message":"m"}}"#,
+            r#"{"step":6,"icr":0.5}"#,
+        ] {
+            assert_eq!(failure_line(other), None, "{other}");
+        }
+    }
+}
