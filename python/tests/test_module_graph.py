@@ -279,3 +279,38 @@ def test_dot(src):
 def test_bad_arguments(tmp_path):
     assert run(tmp_path / "missing")[0] == 2
     assert subprocess.run([sys.executable, str(SCRIPT), "--nope"], capture_output=True).returncode == 2
+
+
+# The crate itself (ARCHITECTURE.md, "Modules"): the rules the tree keeps.
+ROOT = SCRIPT.parents[1]
+
+
+def test_the_crate_has_no_import_cycle():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.rstrip().endswith("cycles: none"), out.stdout[-3000:]
+
+
+def test_no_source_file_is_over_the_limit():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "file-sizes"), "--check"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+def test_architecture_names_every_source_file():
+    """Every .rs file under src/ is named in ARCHITECTURE.md's module table, and every file the
+    table names exists: a row `a/x.rs`, or `a/x.rs, y.rs, z.rs (in `a/`)` for several."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    table = text[text.index("\n## Modules\n"):text.index("\n### Module dependency graph")]
+    named = set()
+    for row in table.splitlines():
+        if not row.startswith("| `"):
+            continue
+        first = row.split(" | ")[0]
+        names = [n for n in first.split("`")[1::2]]
+        folder = first.split("(in `")[1].split("`")[0] if "(in `" in first else ""
+        for n in names:
+            if n.endswith(".rs"):
+                named.add(n if "/" in n or not folder else folder + n)
+    actual = {str(p.relative_to(ROOT / "src")) for p in (ROOT / "src").rglob("*.rs")}
+    assert not actual - named, f"files missing from ARCHITECTURE.md's table: {sorted(actual - named)}"
+    assert not named - actual, f"the table names files that do not exist: {sorted(named - actual)}"
