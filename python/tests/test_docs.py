@@ -6,8 +6,9 @@
   heading lowercased, punctuation dropped, spaces as ``-``, ``-1``, ``-2``... for repeats).
 - Every citation of a section in the sources, configs, scripts and docs, ``README, "Section"``
   or ``docs/guide/NAME.md, "Section"`` (quotes escaped or not, on one line), names a heading of
-  that file (in Markdown, one inside an inline code span is an example of the form, not read). What the binary prints (``--help``, ``init``, the example config) is checked the
-  same way by the Rust test ``cli::readme_sections_cited_by_the_config_and_init_exist``.
+  that file (in Markdown, one inside an inline code span is an example of the form, not read).
+  What the binary prints (``--help``, ``init``, the example config) is checked the same way by
+  the Rust test ``cli::readme_sections_cited_by_the_config_and_init_exist``.
 """
 
 import re
