@@ -27,6 +27,7 @@ INLINE_CODE = re.compile(r"`[^`\n]*`")
 LINK = re.compile(r"(?<!!)\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)|<img [^>]*src=\"([^\"]+)\"")
 HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$", re.M)
 CITATION = re.compile(r"(README|docs/guide/[A-Za-z0-9_.-]+\.md), \\?\"([^\"\\\n]*)(\\?\")?")
+SPLIT_CITATION = re.compile(r"(README|docs/guide/[A-Za-z0-9_.-]+\.md),[ \t]*\n")
 
 
 def files(pattern: str):
@@ -94,6 +95,9 @@ def cited_sections(text: str):
     """(file, section) of each citation in `text`; a citation not closed on its line is an
     error."""
     out = []
+    for m in SPLIT_CITATION.finditer(text):
+        line = text[:m.start()].count("\n") + 1
+        raise AssertionError(f"line {line}: `{m.group(0).strip()}` ends its line: a citation on one line")
     for m in CITATION.finditer(text):
         if not m.group(3):
             line = text[:m.start()].count("\n") + 1
@@ -107,6 +111,8 @@ def test_the_citation_form_is_read_as_documented():
         ("README.md", "Install"), ("docs/guide/early-stop.md", "The detector")]
     with pytest.raises(AssertionError):
         cited_sections('(README, "Install\nwithout root")')
+    with pytest.raises(AssertionError):
+        cited_sections('# (docs/guide/formulas.md,\n# "ICR and the number of view pairs")')
 
 
 TOP = {"src", "python", "scripts", "tests", "config", "dashboards", "examples", "bench", "tools", "docs",
