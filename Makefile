@@ -97,7 +97,7 @@ test-install: apt
 demo: setup
 	scripts/demo
 
-# cargo-fuzz targets in fuzz/ (README, "Fuzzing"); nightly with AddressSanitizer when rustup
+# cargo-fuzz targets in fuzz/ (CONTRIBUTING.md, "Fuzzing"); nightly with AddressSanitizer when rustup
 # has a nightly toolchain, else stable without a sanitizer. Exits non-zero on a finding.
 fuzz: setup
 	@cargo fuzz --version >/dev/null 2>&1 || cargo install cargo-fuzz --locked

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""What one checkpoint costs on a real-sized network: the README's "Cost and GPU" table.
+"""What one checkpoint costs on a real-sized network: the table of real-sized networks in
+docs/guide/cost-and-gpu.md, "Cost per checkpoint".
 
     .venv/bin/python bench/cost.py [--models cifar,ddpm64] [--device cpu] [--threads N]
 

@@ -7,7 +7,9 @@ Trains a tiny conv U-Net denoiser with the EDM preconditioning and loss (Karras 
 
     train.h5     /images float32 [N,1,S,S] in [-1,1]  (the training images; /index = digit ids)
     heldout.h5   /images float32 [M,1,S,S]             (images never trained on)
-    model.ts     the architecture in diffmon's model contract (diffmon.export, features = "mid")
+    model.ts     the architecture in diffmon's model contract (diffmon.export, features = "mid");
+                 ``--model-out PATH`` writes it there instead (a sweep's runs share one, beside
+                 them, and no run folder holds a file the watcher would warn about)
     ckpt_{step:06d}.pt | .safetensors | .ts            one per --ckpt-every steps, written atomically
 
 After every checkpoint it checks diffmon's stop file (``--stop-file``, default EARLY_STOP) and
@@ -243,6 +245,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="EMA decay of the weights (0 = off); checkpoints hold the EMA weights when on")
     ap.add_argument("--seed", type=int, default=0, help="seeds the train/held-out split, init and noise")
     ap.add_argument("--stop-file", default="EARLY_STOP", help="diffmon's stop file name in the run dir")
+    ap.add_argument("--model-out", type=Path, default=None,
+                    help="where to export the architecture (default: RUN_DIR/model.ts; written atomically)")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds to pause after each checkpoint (demos)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (default 1: leaves a core to diffmon running beside it)")
@@ -275,7 +279,9 @@ def main(argv=None) -> int:
 
     model = ToyDenoiser(1, args.width)
     example_shape = (1, 1, args.size, args.size)
-    export(model, FEATURE_LAYER, run_dir / "model.ts", example_shape=example_shape)
+    model_out = args.model_out if args.model_out is not None else run_dir / "model.ts"
+    model_out.parent.mkdir(parents=True, exist_ok=True)
+    export(model, FEATURE_LAYER, model_out, example_shape=example_shape)
     if args.ema > 0:
         ema = copy.deepcopy(model).eval()
         for p in ema.parameters():

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """How ICR depends on the number of view pairs n, on one checkpoint (docs/design.md §2; the table
-in README "Reading the numbers").
+in docs/guide/formulas.md, "ICR and the number of view pairs").
 
     .venv/bin/python scripts/icr_samples_study.py OUT_DIR [--ns 256,512,...,16384]
         [--seeds 0,1,2,3,4] [--run-dir DIR --checkpoint CKPT] [--threads 2]

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The early-stop study of README "The early stop": does the default detector fire on every
-data-limited toy run, before the model memorizes, and never on a data-rich one?
+"""The early-stop study (docs/guide/early-stop.md, "The detector study"): does the default
+detector fire on every data-limited toy run, before the model memorizes, and never on a data-rich one?
 
     .venv/bin/python scripts/noise_study.py OUT_DIR [--sizes 32,64,128,256,full] [--seeds 0,1,2]
         [--weights ema,raw] [--lanes 2] [--phase train|evaluate|decide|all] [--bin DIFFMON]

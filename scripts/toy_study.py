@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The toy study behind the README's measured curves: data-limited and data-rich runs of the toy
-trainer, every checkpoint evaluated by `diffmon watch` with the default detector (ICR,
+"""The toy study behind the measured curves of
+docs/guide/early-stop.md, "What to expect on the toy runs": data-limited and data-rich runs of the
+toy trainer, every checkpoint evaluated by `diffmon watch` with the default detector (ICR,
 generalization gap, E_gen against a data-rich teacher, E_mem, memorization ratio).
 
     .venv/bin/python scripts/toy_study.py OUT_DIR [--seeds 0,1,2] [--rich-seeds 0] [--steps 1600]

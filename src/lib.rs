@@ -1,8 +1,8 @@
 //! diffmon: a monitoring daemon for diffusion-model training. What it computes and promises is
 //! `docs/design.md` (cited as `docs/design.md §N`); how it is built is `ARCHITECTURE.md`; the
-//! README is the user guide. The tree: the science in `engine`, the daemon's stages in `daemon`,
-//! the checkpoint readers in `weights`, the files it keeps and how it touches run folders in
-//! `store` (ARCHITECTURE.md, "Modules").
+//! README and `docs/guide/` are the user guide. The tree: the science in `engine`, the daemon's
+//! stages in `daemon`, the checkpoint readers in `weights`, the files it keeps and how it touches
+//! run folders in `store` (ARCHITECTURE.md, "Modules").
 
 pub mod alerts;
 pub mod cli;

@@ -96,10 +96,12 @@ code); only the timestep handed to the network is derived from the schedule:
 
 Command line
 ------------
-``diffmon-export`` (installed by ``pip install ./python``) and ``python -m diffmon.export`` are the
-same program. ``--factory module:attr.attr`` names a callable (dotted attributes after the colon
-are followed) that returns the module, called with the JSON ``--factory-kwargs``; ``--weights``
-then loads a state_dict into it, read by content: a safetensors file (with the ``safetensors``
+``diffmon-export`` (installed with the ``diffmon`` binary by ``pip install ./``; ``pip install
+./python`` installs the helpers alone, only for environments that never run the daemon, and
+replaces the binary) and ``python -m diffmon.export`` are the same program.
+``--factory module:attr.attr`` names a callable (dotted attributes after the colon are followed)
+that returns the module, called with the JSON ``--factory-kwargs``; ``--weights`` then loads a
+state_dict into it, read by content: a safetensors file (with the ``safetensors``
 package) or a ``torch.save`` file (``torch.load(weights_only=True)``, optionally nested under
 ``--weights-key``), with ``--strip-prefix`` removed from the names.
 

@@ -52,6 +52,18 @@ def test_data_files_and_model(tmp_path):
     assert d.shape == (3, 1, 8, 8) and f.shape == (3, 8, 2, 2)
 
 
+def test_model_out_puts_the_architecture_beside_the_run(tmp_path):
+    # A sweep's runs share one architecture beside them: nothing but data and checkpoints in
+    # the run folder, so the watcher has no extra file to warn about.
+    shared = tmp_path / "sweep" / "model.ts"
+    run(tmp_path / "sweep" / "lr-1", "--model-out", str(shared))
+    names = sorted(p.name for p in (tmp_path / "sweep" / "lr-1").iterdir())
+    assert names == ["ckpt_000002.pt", "ckpt_000004.pt", "heldout.h5", "train.h5"]
+    arch = torch.jit.load(str(shared))
+    arch.load_state_dict(torch.load(tmp_path / "sweep" / "lr-1" / "ckpt_000004.pt", weights_only=True))
+    assert sorted(p.name for p in shared.parent.iterdir()) == ["lr-1", "model.ts"]
+
+
 def test_default_size_is_16_and_split_is_seeded(tmp_path):
     a = run(tmp_path / "a", "--size", "16")
     b = run(tmp_path / "b", "--size", "16")

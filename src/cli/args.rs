@@ -8,8 +8,9 @@ use std::path::PathBuf;
 /// The top-level help's epilogue: the workflow, logging and exit codes (the table [`Exit`](super::Exit)).
 pub(super) const AFTER_HELP: &str = "\
 Workflow, for a training run saving checkpoints into runs/exp1:
-  1. diffmon-export (pip install ./python) writes the model's architecture as TorchScript,
-     e.g. runs/exp1/model.ts (README, \"Your training stack\")
+  1. diffmon-export writes the model's architecture as TorchScript, e.g. runs/exp1/model.ts
+     (README, \"Your own run\"); pip install ./ installs it with diffmon (pip install ./python,
+     the helpers alone, only where the daemon never runs: it replaces the binary)
   2. diffmon init --run-dir runs/exp1 --out diffmon.yaml
                                     a config for what the run folder holds; edit it
   3. diffmon check-config --config diffmon.yaml

@@ -171,13 +171,13 @@ pub fn describe(dir: &Path, s: &Survey) -> Vec<String> {
     match &s.architecture {
         Some(a) => out.push(format!("architecture: {}", a.display())),
         None => out.push(
-            "no exported architecture (*.ts) found: export one with diffmon-export (README, \"Your training stack\") and set model.architecture".into(),
+            "no exported architecture (*.ts) found: export one with diffmon-export (docs/guide/training-stacks.md, \"Exporting the architecture\") and set model.architecture".into(),
         ),
     }
     match &s.train {
         Some(t) => out.push(format!("training images: {}", t.display())),
         None => out.push(
-            "no training images (*.h5) found: write them as HDF5 (README, \"Configuration\") and set data.path".into(),
+            "no training images (*.h5) found: write them as HDF5 (docs/guide/configuration.md, \"Training images\") and set data.path".into(),
         ),
     }
     out

@@ -167,7 +167,8 @@ fn pinned_device_problems(config: &Config, runs: &[Config]) -> Vec<config::Probl
 }
 
 /// The exit statuses of `diffmon`: the one table behind the help's "Exit codes"
-/// ([`AFTER_HELP`](args::AFTER_HELP)) and the README's list ("Commands"). Each row has its test.
+/// ([`AFTER_HELP`](args::AFTER_HELP)) and the guide's list
+/// (docs/guide/configuration.md, "Exit codes"). Each row has its test.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Exit {
     /// 0: the command worked; also `--help` and `--version` ([`Exit::of_parse`]).

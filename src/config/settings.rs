@@ -159,7 +159,7 @@ impl Config {
             });
         }
         format!(
-            "network calls per checkpoint: {} (README, \"Cost and GPU\")",
+            "network calls per checkpoint: {} (docs/guide/cost-and-gpu.md, \"Cost per checkpoint\")",
             parts.join(", ")
         )
     }
@@ -253,7 +253,7 @@ impl Config {
                 data-rich training (about 2% on the full digits set, with no memorization)"
                 .to_string(),
         };
-        format!("early stop: {rule}; {confirm} (README, \"The early stop\")")
+        format!("early stop: {rule}; {confirm} (docs/guide/early-stop.md, \"The detector\")")
     }
 
     pub fn state_dir(&self) -> PathBuf {
@@ -388,7 +388,7 @@ mod tests {
         let c = settings(MINIMAL);
         assert_eq!(
             c.cost_summary(),
-            "network calls per checkpoint: ICR 8192 (2 x icr.samples) (README, \"Cost and GPU\")"
+            "network calls per checkpoint: ICR 8192 (2 x icr.samples) (docs/guide/cost-and-gpu.md, \"Cost per checkpoint\")"
         );
         let text = format!(
             "{MINIMAL}icr: {{samples: 100, sigmas: [0.1, 1.0]}}\n\
@@ -403,7 +403,7 @@ mod tests {
             c.cost_summary(),
             "network calls per checkpoint: ICR 600 (2 x icr.samples x 3 sigmas), gap up to 200 \
              (train and held-out images), PFD 350000 (35 x pfd.samples, every 5th checkpoint) \
-             (README, \"Cost and GPU\")"
+             (docs/guide/cost-and-gpu.md, \"Cost per checkpoint\")"
         );
     }
 
@@ -530,7 +530,7 @@ mod tests {
             c.cost_summary(),
             "network calls per checkpoint: ICR 8192 (2 x icr.samples), memorization ratio 4480 \
              (35 x 128 latents, every checkpoint, for early_stop.confirm: auto without \
-             data.heldout_path) (README, \"Cost and GPU\")"
+             data.heldout_path) (docs/guide/cost-and-gpu.md, \"Cost per checkpoint\")"
         );
         assert!(
             c.early_stop_summary()

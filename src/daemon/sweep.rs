@@ -438,7 +438,7 @@ impl Finder {
         };
         tracing::warn!(
             glob = %glob.pattern.display(),
-            "the sweep is at max_runs ({max} runs): {} run folder{} left out, not watched: {}{more}. Raise max_runs to watch them (each run costs threads and an inotify watch: README, \"Sweeps\")",
+            "the sweep is at max_runs ({max} runs): {} run folder{} left out, not watched: {}{more}. Raise max_runs to watch them (each run costs threads and an inotify watch: docs/guide/sweeps-and-slurm.md, \"How many runs, and what each costs\")",
             left_out.len(),
             if left_out.len() == 1 { " is" } else { "s are" },
             named.join(", ")

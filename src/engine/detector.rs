@@ -711,7 +711,7 @@ mod tests {
         fired as f64 / series.len() as f64
     }
 
-    /// The documented false-alarm rate (README, "The early stop"; docs/design.md §9): on
+    /// The documented false-alarm rate (docs/guide/early-stop.md, "The detector"; docs/design.md §9): on
     /// series of pure Gaussian noise, the default rule fires on fewer than 1.5% of 60-checkpoint
     /// runs and 2% of 120-checkpoint runs (measured on these 2000 seeded series each: 1.1% and
     /// 1.4%; the binomial standard error of such a rate is 0.25%). Without the noise rule

@@ -362,34 +362,80 @@ fn init_of_a_toy_training_run_passes_check_config() {
     assert!(check.contains(&format!("(run `{name}`")), "{check}");
 }
 
-/// The sections cited as `README, "Section"` in `text`; any other mention of the README is
-/// returned as an error, so that every citation can be checked.
-fn cited_sections(text: &str) -> Result<Vec<String>, String> {
+/// The sections cited in `text`, as (file, section): `README, "Section"` (README.md) and
+/// `docs/guide/NAME.md, "Section"` (a page of the user guide). Any other mention of the README
+/// or of a guide page is returned as an error, so that every citation can be checked.
+fn cited_sections(text: &str) -> Result<Vec<(String, String)>, String> {
     let mut sections = Vec::new();
-    for (i, _) in text.match_indices("README") {
-        let rest = &text[i + "README".len()..];
-        let section = rest
-            .strip_prefix(", \"")
-            .and_then(|r| r.split_once('"'))
-            .map(|(s, _)| s.to_string())
-            .ok_or_else(|| {
+    let mut mentions: Vec<(usize, &str)> = text.match_indices("README").collect();
+    mentions.extend(text.match_indices("docs/guide/"));
+    mentions.sort();
+    for (i, what) in mentions {
+        let rest = &text[i + what.len()..];
+        let (file, rest) = if what == "README" {
+            (Some("README.md".to_string()), rest)
+        } else {
+            match rest.split_once(".md") {
+                Some((name, after))
+                    if !name.is_empty()
+                        && name
+                            .chars()
+                            .all(|c| c.is_ascii_alphanumeric() || "-_".contains(c)) =>
+                {
+                    (Some(format!("docs/guide/{name}.md")), after)
+                }
+                _ => (None, rest),
+            }
+        };
+        let section = file.as_ref().and_then(|_| {
+            rest.strip_prefix(", \"")
+                .and_then(|r| r.split_once('"'))
+                .map(|(s, _)| s.to_string())
+                .filter(|s| !s.contains('\n'))
+        });
+        match (file, section) {
+            (Some(file), Some(section)) => sections.push((file, section)),
+            _ => {
                 let line = text[..i].rsplit('\n').next().unwrap_or("");
                 let end = rest.split('\n').next().unwrap_or("");
-                format!("`{line}README{end}` does not cite a section as README, \"Section\"")
-            })?;
-        sections.push(section);
+                return Err(format!(
+                    "`{line}{what}{end}` does not cite a section as README, \"Section\" or \
+                     docs/guide/NAME.md, \"Section\""
+                ));
+            }
+        }
     }
     Ok(sections)
 }
 
+/// The headings of the Markdown file `file` (relative to the repository): for README.md its
+/// sections (`##`, `###`), for a guide page every heading.
+fn headings_of(file: &str) -> Option<Vec<String>> {
+    let text = fs::read_to_string(root().join(file)).ok()?;
+    let mut in_code = false;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        if line.starts_with("```") {
+            in_code = !in_code;
+        }
+        if in_code {
+            continue;
+        }
+        let heading = if file == "README.md" {
+            line.strip_prefix("## ")
+                .or_else(|| line.strip_prefix("### "))
+        } else {
+            line.trim_start_matches('#')
+                .strip_prefix(' ')
+                .filter(|_| line.starts_with('#'))
+        };
+        out.extend(heading.map(|h| h.trim().to_string()));
+    }
+    Some(out)
+}
+
 #[test]
 fn readme_sections_cited_by_the_config_and_init_exist() {
-    let readme = fs::read_to_string(root().join("README.md")).unwrap();
-    let headings: Vec<&str> = readme
-        .lines()
-        .filter_map(|l| l.strip_prefix("## ").or_else(|| l.strip_prefix("### ")))
-        .map(str::trim)
-        .collect();
     let example = fs::read_to_string(root().join("config/diffmon.example.yaml")).unwrap();
     let empty = tempfile::tempdir().unwrap();
     let full = run_dir();
@@ -408,25 +454,37 @@ fn readme_sections_cited_by_the_config_and_init_exist() {
     let mut cited = 0;
     for (what, text) in &texts {
         let sections = cited_sections(text).unwrap_or_else(|e| panic!("{what}: {e}"));
-        for section in sections {
+        for (file, section) in sections {
+            let headings = headings_of(&file)
+                .unwrap_or_else(|| panic!("{what} cites {file}, which does not exist"));
             assert!(
-                headings.contains(&section.as_str()),
-                "{what} cites README section \"{section}\", which is not a heading of README.md ({headings:?})"
+                headings.contains(&section),
+                "{what} cites {file}, \"{section}\", which is not a heading of it ({headings:?})"
             );
             cited += 1;
         }
     }
-    // The example cites two, init's notes for an empty folder two more, --help one.
-    assert!(cited >= 5, "{cited}");
+    // The example cites five, init's notes for an empty folder two more, --help one.
+    assert!(cited >= 8, "{cited}");
 }
 
 #[test]
 fn a_citation_not_in_the_form_is_refused() {
+    let cite = |file: &str, section: &str| (file.to_string(), section.to_string());
     assert_eq!(
-        cited_sections("a (README, \"The early stop\") b README, \"X\""),
-        Ok(vec!["The early stop".to_string(), "X".to_string()])
+        cited_sections(
+            "a (README, \"The early stop\") b README, \"X\" c docs/guide/early-stop.md, \"Y\""
+        ),
+        Ok(vec![
+            cite("README.md", "The early stop"),
+            cite("README.md", "X"),
+            cite("docs/guide/early-stop.md", "Y")
+        ])
     );
     assert!(cited_sections("# required: the model contract (README)").is_err());
+    assert!(cited_sections("see docs/guide/early-stop.md for more").is_err());
+    assert!(cited_sections("see docs/guide/, \"Y\"").is_err());
+    assert!(cited_sections("docs/guide/x.md, \"two\nlines\"").is_err());
 }
 
 /// A config in `dir` naming files that exist (empty: nothing is loaded), plus `extra`.

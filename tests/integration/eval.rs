@@ -205,9 +205,10 @@ fn noise_level_sweep_reports_each_sigma_and_marks_the_lowest() {
 }
 
 /// `icr.bias_correction: jackknife` (docs/design.md §2): at 256 pairs of the toy's 64-dimensional
-/// features the plain ICR is biased low by several standard errors (the README's table), so the
-/// corrected value must be higher by more than one; the spectrum and the standard error are the
-/// plain estimate's, and the sweep's point at icr.sigma carries the corrected value too.
+/// features the plain ICR is biased low by several standard errors (the table of
+/// docs/guide/formulas.md, "ICR and the number of view pairs"), so the corrected value must be
+/// higher by more than one; the spectrum and the standard error are the plain estimate's, and the
+/// sweep's point at icr.sigma carries the corrected value too.
 #[test]
 fn jackknife_bias_correction_raises_icr_and_keeps_the_spectrum() {
     let dir = toy_run();

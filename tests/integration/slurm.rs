@@ -3,7 +3,7 @@
 //! and the faults of a real cluster (a cancelled job, a job over its time limit, `slurmd`
 //! stopped and restarted, the daemon killed with jobs in flight).
 
-use crate::common::toy_run;
+use crate::common::{diffmon, root, stderr, stdout, toy_run};
 use crate::daemon::{Daemon, empty_run, free_port, journal, journal_entries};
 use crate::early_stop::{checkpoints_by_icr, detector_config, place, write_base_config};
 use crate::slurm_cluster::Cluster;
@@ -526,4 +526,105 @@ fn a_run_folder_that_appears_is_evaluated_through_slurm() {
         assert!(script.contains("--run 'run-1'"), "{script}");
     }
     assert!(d.log().contains("a new run joins the sweep"), "{}", d.log());
+}
+
+/// The config of the user guide's sweep-on-Slurm example: the only `yaml` block of its section
+/// (docs/guide/sweeps-and-slurm.md, "A sweep on Slurm, end to end").
+fn guide_sweep_config() -> String {
+    let page = fs::read_to_string(root().join("docs/guide/sweeps-and-slurm.md")).unwrap();
+    let section = page
+        .split("\n## A sweep on Slurm, end to end\n")
+        .nth(1)
+        .expect("the guide's section \"A sweep on Slurm, end to end\"");
+    let section = section.split("\n## ").next().unwrap();
+    let blocks: Vec<&str> = section
+        .split("```yaml\n")
+        .skip(1)
+        .map(|b| b.split("```").next().unwrap())
+        .collect();
+    assert_eq!(
+        blocks.len(),
+        1,
+        "the section has one yaml block, the config"
+    );
+    blocks[0].to_string()
+}
+
+/// The user guide's sweep on Slurm: its config, as written, passes `check-config` in a folder
+/// laid out as the page says (`sweep/` holding the config, `model.ts`, `train.h5` and
+/// `heldout.h5`, and a folder per run); then, on the test cluster, with the changes the page
+/// gives for it (`partition: debug`, `device: cpu`, no `gres`) and a free port, every
+/// checkpoint of both runs is evaluated once, by one job of its own run.
+#[test]
+fn the_sweep_example_of_the_guide_is_a_valid_config_and_runs_on_a_test_cluster() {
+    let yaml = guide_sweep_config();
+    let at = tempfile::tempdir().unwrap();
+    let sweep = at.path().join("sweep");
+    fs::create_dir(&sweep).unwrap();
+    for f in ["model.ts", "train.h5", "heldout.h5"] {
+        fs::copy(toy_run().join(f), sweep.join(f)).unwrap();
+    }
+    let runs = ["lr-1e-3", "lr-2e-3"];
+    for (run, s) in runs.iter().zip([30, 60]) {
+        let dir = sweep.join(run);
+        fs::create_dir(&dir).unwrap();
+        for step in [50, 100] {
+            place(&dir, &toy_run().join(format!("ckpt_{s:06}.pt")), step);
+        }
+    }
+    let config = sweep.join("diffmon.yaml");
+    fs::write(&config, &yaml).unwrap();
+    let out = diffmon(&["check-config", config.to_str().unwrap()]);
+    assert!(out.status.success(), "{yaml}\n{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("runs now: `lr-1e-3`, `lr-2e-3`"),
+        "{}",
+        stdout(&out)
+    );
+
+    let Some(cluster) = Cluster::start() else {
+        return;
+    };
+    let port = free_port();
+    let on_cluster: Vec<String> = yaml
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("gres:"))
+        .map(|l| {
+            l.replace("partition: gpu", "partition: debug")
+                .replace("device: cuda", "device: cpu")
+        })
+        .collect();
+    let on_cluster = on_cluster.join("\n") + &format!("\nhttp: {{listen: \"127.0.0.1:{port}\"}}\n");
+    assert!(
+        on_cluster.contains("partition: debug")
+            && on_cluster.contains("device: cpu")
+            && !on_cluster.contains("gres"),
+        "{on_cluster}"
+    );
+    fs::write(&config, &on_cluster).unwrap();
+    let mut d = daemon(&cluster, config, port);
+    d.wait_for(
+        Duration::from_secs(300),
+        "both checkpoints of both runs",
+        |_| {
+            runs.iter()
+                .all(|r| journal_entries(&sweep.join(r)).len() >= 2)
+        },
+    );
+    for run in runs {
+        let dir = sweep.join(run);
+        assert_eq!(journal(&dir), (vec![50, 100], vec![]), "{run}");
+        assert_eq!(
+            submissions(&dir),
+            HashMap::from([(50, 1), (100, 1)]),
+            "{run}: one job per checkpoint"
+        );
+        for e in fs::read_dir(dir.join(".diffmon/jobs")).unwrap() {
+            let folder = e.unwrap().path();
+            assert!(folder.join("record.json").is_file(), "{}", folder.display());
+            let script = fs::read_to_string(folder.join("job.sh")).unwrap();
+            assert!(script.contains(&format!("--run '{run}'")), "{script}");
+        }
+    }
+    d.terminate();
 }
