@@ -148,3 +148,15 @@ def test_every_cited_section_is_a_heading_of_the_file_it_names():
                 wrong.append(f'{source} cites {doc}, "{section}", which is not a heading there')
     assert not wrong, "\n".join(wrong)
     assert cited >= 20, cited
+
+
+def test_every_source_path_the_docs_name_exists():
+    """`src/...`, `tests/...`, `scripts/...` paths in the Markdown files name files or folders
+    that exist (the tree moves; ARCHITECTURE.md, "Modules")."""
+    missing = []
+    for doc in files("**/*.md"):
+        for m in re.finditer(r"`((?:src|tests|scripts|python)/[A-Za-z0-9_./-]+)`", (ROOT / doc).read_text()):
+            path = m.group(1).rstrip(".")
+            if not (ROOT / path).exists():
+                missing.append(f"{doc}: {path}")
+    assert not missing, "\n".join(missing)
