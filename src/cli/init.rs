@@ -212,7 +212,7 @@ impl InitError {
 pub fn written_dir(dir: &Path, out: Option<&Path>) -> Result<PathBuf, InitError> {
     let absolute = |p: &Path| {
         std::path::absolute(p)
-            .map(|a| normalized(&a))
+            .map(|a| crate::config::normalize(&a))
             .map_err(|e| InitError::Path(p.to_path_buf(), e))
     };
     let dir = absolute(dir)?;
@@ -234,22 +234,6 @@ pub fn written_dir(dir: &Path, out: Option<&Path>) -> Result<PathBuf, InitError>
     } else {
         rel
     })
-}
-
-/// `p` (absolute) with `.` dropped and each `..` taking off the component before it.
-fn normalized(p: &Path) -> PathBuf {
-    use std::path::Component;
-    let mut out = PathBuf::new();
-    for c in p.components() {
-        match c {
-            Component::CurDir => {}
-            Component::ParentDir => {
-                out.pop();
-            }
-            other => out.push(other),
-        }
-    }
-    out
 }
 
 /// Writes `text` to `out`, a new file (an existing one, or a link there, is refused).
