@@ -18,8 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SKIP_DIRS = {".git", ".venv", "target", "node_modules", "__pycache__", ".pytest_cache", "corpus",
-             "artifacts", "dist",
-             "runs"}
+             "artifacts", "dist", "runs"}
 # The two checkers hold made-up citations as examples of what they refuse.
 CHECKERS = {Path("python/tests/test_docs.py"), Path("tests/integration/cli.rs")}
 
