@@ -20,11 +20,24 @@ pub fn bias_variance(config_path: &Path, students: &[PathBuf]) -> Result<()> {
     }
     let device = crate::engine::model::select_device(config.device)?;
     let train = crate::engine::data::ImageSet::open(&config.data.path, &config.data.dataset)?;
-    let shape: Vec<i64> = train.image_shape().iter().map(|&d| d as i64).collect();
+    let vae = match &config.model.vae {
+        Some(p) => Some(crate::engine::latent::Vae::load(
+            p,
+            device,
+            config.pfd.batch_size,
+        )?),
+        None => None,
+    };
+    let shape: Vec<i64> = crate::engine::latent::input_shape(&config, vae.as_ref(), &train)?
+        .iter()
+        .map(|&d| d as i64)
+        .collect();
     let mut model = Model::load(&config.model.architecture, device)?;
     model.check_contract(&shape)?;
-    // A teacher-only probe needs the image shape, not the training set.
-    let first = train.read(0, 1)?.to_device(device);
+    // A teacher-only probe needs the network's input shape, not the training set.
+    let mut one = vec![1];
+    one.extend_from_slice(&shape);
+    let first = tch::Tensor::zeros(one.as_slice(), (tch::Kind::Float, device));
     let probe = PfdProbe::teacher_only(&config, &first, device)?;
     let opts = crate::engine::eval::read_options(&config.checkpoints);
     let mut features = Vec::new();

@@ -13,6 +13,7 @@
 
 mod args;
 mod bias_variance;
+mod describe;
 mod eval;
 mod icr_features;
 pub mod init;
@@ -309,6 +310,7 @@ pub fn run(command: Command) -> Result<()> {
                 }
             };
             println!("{}: ok ({what})", file.display());
+            println!("{}", describe::model_summary(&config));
             println!("{}", config.cost_summary());
             println!("{}", config.early_stop_summary());
             Ok(())

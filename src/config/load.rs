@@ -154,7 +154,10 @@ impl ConfigFile {
             }
             if let Some(data) = entry.data.as_mut() {
                 fix(&mut data.path);
-                if let Some(p) = data.heldout_path.as_mut() {
+                for p in [data.heldout_path.as_mut(), data.latents_path.as_mut()]
+                    .into_iter()
+                    .flatten()
+                {
                     fix(p);
                 }
             }
@@ -162,7 +165,9 @@ impl ConfigFile {
         fix(&mut self.model.architecture);
         fix(&mut self.data.path);
         for p in [
+            self.model.vae.as_mut(),
             self.data.heldout_path.as_mut(),
+            self.data.latents_path.as_mut(),
             self.pfd.teacher.as_mut(),
             self.pfd.descriptor.as_mut(),
             self.pfd.latents.as_mut(),

@@ -12,6 +12,11 @@ use std::path::PathBuf;
 pub struct ModelConfig {
     /// TorchScript file of the model contract (docs/design.md §11).
     pub architecture: PathBuf,
+    /// A latent model's autoencoder: a TorchScript file with `encode(x) → z` (pixels in
+    /// [-1, 1] to scaled latents) as `diffmon-export --vae` writes it. With it the network
+    /// works on latents: ICR encodes its augmented views, the gap and PFD the images.
+    #[serde(default)]
+    pub vae: Option<PathBuf>,
 }
 
 /// `auto` (CUDA when available), `cpu`, `cuda` (device 0) or `cuda:N`.
@@ -74,16 +79,62 @@ pub struct DataConfig {
     pub heldout_path: Option<PathBuf>,
     #[serde(default = "default_dataset")]
     pub heldout_dataset: String,
+    /// Precomputed latents of the training images `[N,c,h,w]` (a latent model), used by PFD,
+    /// E_mem, the memorization ratio and the tail metrics instead of encoding `path` with the
+    /// VAE.
+    #[serde(default)]
+    pub latents_path: Option<PathBuf>,
+    #[serde(default = "default_latents_dataset")]
+    pub latents_dataset: String,
 }
 
 fn default_dataset() -> String {
     "images".into()
 }
 
+fn default_latents_dataset() -> String {
+    "latents".into()
+}
+
+impl DataConfig {
+    /// Whether the network works on latents rather than on the images themselves.
+    pub fn is_latent(&self, model: &ModelConfig) -> bool {
+        model.vae.is_some() || self.latents_path.is_some()
+    }
+}
+
 /// The `model` and `data` sections' values: their files exist and the dataset is named (the
 /// problems are in `v`).
-pub(super) fn check_model_data(v: &mut Validator, model: &ModelConfig, data: &DataConfig) {
+pub(super) fn check_model_data(
+    v: &mut Validator,
+    model: &ModelConfig,
+    data: &DataConfig,
+    icr_enabled: bool,
+) {
     v.file("model.architecture", &model.architecture);
+    if let Some(p) = &model.vae {
+        v.file("model.vae", p);
+    }
+    if let Some(p) = &data.latents_path {
+        v.file("data.latents_path", p);
+        v.check(
+            !data.latents_dataset.is_empty(),
+            "data.latents_dataset",
+            "must not be empty",
+        );
+        // The latents stand in for the encoder only where no view is augmented.
+        v.check(
+            model.vae.is_some() || !icr_enabled,
+            "data.latents_path",
+            "ICR augments the images and encodes each view, so it needs model.vae too \
+             (or icr.enabled: false)",
+        );
+        v.check(
+            model.vae.is_some() || data.heldout_path.is_none(),
+            "data.heldout_path",
+            "the held-out images of a latent model are encoded with model.vae: set it",
+        );
+    }
     v.file("data.path", &data.path);
     v.check(
         !data.dataset.is_empty(),
@@ -99,6 +150,53 @@ pub(super) fn check_model_data(v: &mut Validator, model: &ModelConfig, data: &Da
 mod tests {
     use super::super::pfd::Observable;
     use super::*;
+
+    /// A latent model's keys: the files must exist, and precomputed latents without the
+    /// autoencoder cannot feed ICR (its views are augmented images) or the held-out gap.
+    #[test]
+    fn latent_keys_need_their_files_and_the_autoencoder_where_images_are_encoded() {
+        use super::super::file::ConfigFile;
+        use super::super::test_support::MINIMAL;
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["m.ts", "d.h5", "h.h5", "vae.ts", "lat.h5"] {
+            std::fs::write(dir.path().join(f), b"").unwrap();
+        }
+        let problems = |extra: &str, data: &str| -> Vec<String> {
+            let text = MINIMAL.replace("{path: d.h5}", data).replace(
+                "{architecture: m.ts}",
+                &format!("{{architecture: m.ts{extra}}}"),
+            );
+            let mut file = ConfigFile::parse(&text, "c.yaml").unwrap();
+            file.resolve_paths(dir.path());
+            file.validate().into_iter().map(|p| p.to_string()).collect()
+        };
+        assert!(problems(", vae: vae.ts", "{path: d.h5, latents_path: lat.h5}").is_empty());
+        let missing = problems(", vae: nope.ts", "{path: d.h5}");
+        assert!(
+            missing.iter().any(|p| p.starts_with("model.vae names")),
+            "{missing:?}"
+        );
+        let no_vae = problems("", "{path: d.h5, latents_path: lat.h5, heldout_path: h.h5}");
+        assert!(
+            no_vae
+                .iter()
+                .any(|p| p.starts_with("data.latents_path") && p.contains("model.vae")),
+            "{no_vae:?}"
+        );
+        assert!(
+            no_vae.iter().any(|p| p.starts_with("data.heldout_path")),
+            "{no_vae:?}"
+        );
+        let text = format!(
+            "{MINIMAL}icr: {{enabled: false}}\npfd: {{enabled: true, teacher: m.ts}}\nearly_stop: {{metric: pfd_generalization}}\n"
+        )
+            .replace("{path: d.h5}", "{path: d.h5, latents_path: lat.h5}");
+        let mut file = ConfigFile::parse(&text, "c.yaml").unwrap();
+        file.resolve_paths(dir.path());
+        let c = file.settings(false).unwrap();
+        assert!(c.data.is_latent(&c.model));
+        assert_eq!(c.data.latents_dataset, "latents");
+    }
 
     #[test]
     fn observables_and_devices_parse() {

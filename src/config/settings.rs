@@ -90,7 +90,9 @@ impl Config {
         ];
         v.extend(
             [
+                &self.model.vae,
                 &self.data.heldout_path,
+                &self.data.latents_path,
                 &self.pfd.teacher,
                 &self.pfd.descriptor,
                 &self.pfd.latents,
@@ -295,7 +297,7 @@ impl ConfigFile {
             self.shutdown_drain_secs,
             0.1..=86_400.0,
         );
-        check_model_data(&mut v, &self.model, &self.data);
+        check_model_data(&mut v, &self.model, &self.data, self.icr.enabled);
         check_icr(&mut v, &self.icr);
         check_pfd(&mut v, &self.pfd);
         check_memorization(&mut v, &self.memorization, &self.pfd);

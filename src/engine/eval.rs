@@ -5,6 +5,7 @@
 use crate::config::{BiasCorrection, Config};
 use crate::engine::data::{DataError, ImageSet};
 use crate::engine::icr::{IcrError, IcrResult, ViewProbe};
+use crate::engine::latent::{self, LatentError, Vae};
 use crate::engine::model::{ContractInfo, Model, ModelError};
 use crate::engine::pfd::{PfdError, PfdProbe};
 use crate::metrics;
@@ -27,6 +28,8 @@ pub enum EvalError {
     Icr(#[from] IcrError),
     #[error(transparent)]
     Pfd(#[from] PfdError),
+    #[error(transparent)]
+    Latent(#[from] LatentError),
     #[error("{checkpoint}: {message}")]
     Invalid {
         checkpoint: PathBuf,
@@ -57,16 +60,28 @@ impl EvalError {
 /// σ_data of the EDM loss weighting.
 const SIGMA_DATA: f64 = 0.5;
 
-/// Fixed, seeded inputs of the denoising loss: the same images and noise at every checkpoint.
+/// Fixed, seeded inputs of the denoising loss: the same images (a latent model's: their
+/// latents) and noise at every checkpoint.
 struct LossProbe {
     images: Tensor,
     noise: Tensor,
 }
 
 impl LossProbe {
-    /// `n` images of `set` chosen by `seed`, with fixed noise.
-    fn new(set: &ImageSet, n: usize, seed: u64, device: Device) -> Result<LossProbe, DataError> {
+    /// `n` images of `set` chosen by `seed`, encoded by `vae` when there is one, with fixed
+    /// noise.
+    fn new(
+        set: &ImageSet,
+        n: usize,
+        seed: u64,
+        device: Device,
+        vae: Option<&Vae>,
+    ) -> Result<LossProbe, EvalError> {
         let images = set.gather(&seeded_subset(set.len(), n, seed))?;
+        let images = match vae {
+            Some(vae) => vae.encode(&images)?.to_device(Device::Cpu),
+            None => images,
+        };
         let noise = Tensor::randn(images.size(), (Kind::Float, Device::Cpu));
         Ok(LossProbe {
             images: images.to_device(device),
@@ -210,13 +225,19 @@ impl Evaluator {
         let device = crate::engine::model::select_device(config.device)?;
         let train = ImageSet::open(&config.data.path, &config.data.dataset)?;
         let (model, shared) = architectures.get(&config.model.architecture, device)?;
-        let shape: Vec<i64> = train.image_shape().iter().map(|&d| d as i64).collect();
+        let vae = match &config.model.vae {
+            Some(path) => Some(Vae::load(path, device, config.icr.batch_size)?),
+            None => None,
+        };
+        let input_shape = latent::input_shape(config, vae.as_ref(), &train)?;
+        let shape: Vec<i64> = input_shape.iter().map(|&d| d as i64).collect();
         let contract = model.borrow().check_contract(&shape)?;
         tracing::info!(
             architecture = %config.model.architecture.display(),
             ?device,
             images = train.len(),
             image_shape = ?train.image_shape(),
+            latent_shape = ?config.data.is_latent(&config.model).then_some(input_shape),
             feature_shape = ?contract.feature_shape,
             "{}",
             if shared { "model shared with an earlier run" } else { "model loaded" }
@@ -240,7 +261,11 @@ impl Evaluator {
                     "icr.samples is below 8 times the feature dimension: the jackknife's bias correction may overshoot there (docs/design.md §2)"
                 );
             }
-            Some(ViewProbe::new(images.to_device(device), &config.icr))
+            let images = images.to_device(device);
+            Some(match &vae {
+                Some(vae) => ViewProbe::latent(images, &config.icr, vae)?,
+                None => ViewProbe::new(images, &config.icr),
+            })
         } else {
             None
         };
@@ -257,16 +282,23 @@ impl Evaluator {
                 }
                 let n = config.icr.samples.min(train.len()).min(heldout.len());
                 let seed = config.icr.seed;
+                let vae = vae.as_ref();
                 (
-                    Some(LossProbe::new(&train, n, seed, device)?),
-                    Some(LossProbe::new(&heldout, n, seed.wrapping_add(1), device)?),
+                    Some(LossProbe::new(&train, n, seed, device, vae)?),
+                    Some(LossProbe::new(
+                        &heldout,
+                        n,
+                        seed.wrapping_add(1),
+                        device,
+                        vae,
+                    )?),
                 )
             }
             None => (None, None),
         };
         let pfd = if config.pfd.enabled {
-            let images = train.read_all()?.to_device(device);
-            Some(PfdProbe::new(config, &images, device)?)
+            let set = latent::training_set(config, vae.as_ref(), &train, device)?;
+            Some(PfdProbe::new(config, &set.tensor, set.id, device)?)
         } else {
             None
         };

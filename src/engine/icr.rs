@@ -402,24 +402,80 @@ pub fn icr_of_features(
 /// augmentation settings; views and noise are drawn from `seed` afresh for every computation,
 /// so every checkpoint sees the very same views. They are drawn on the CPU (libtorch's CPU
 /// generator) and moved to the model's device, so every device sees the same ones.
+///
+/// A latent model's views ([`ViewProbe::latent`]) are drawn the same way, in the same order,
+/// but once: each augmented view is encoded by the autoencoder (which does not change between
+/// checkpoints) and the noise, drawn in the latents' shape, is kept beside it.
 pub struct ViewProbe {
-    images: Tensor,
+    views: Views,
     samples: usize,
     seed: u64,
     batch_pairs: usize,
     augment: AugmentConfig,
 }
 
+enum Views {
+    /// The images `[m,C,H,W]`; pair `i` uses image `i mod m`.
+    Pixel(Tensor),
+    /// Encoded views and their unit noise, `[samples,c,h,w]` each: pair `i` is
+    /// `(z1[i] + σ·n1[i], z2[i] + σ·n2[i])`.
+    Latent {
+        z1: Tensor,
+        n1: Tensor,
+        z2: Tensor,
+        n2: Tensor,
+    },
+}
+
 impl ViewProbe {
     /// `images`: the fixed subset `[m,C,H,W]`; pair `i` uses image `i mod m`.
     pub fn new(images: Tensor, config: &IcrConfig) -> ViewProbe {
         ViewProbe {
-            images,
+            views: Views::Pixel(images),
             samples: config.samples,
             seed: config.seed,
             batch_pairs: (config.batch_size / 2).max(1),
             augment: config.augment.clone(),
         }
+    }
+
+    /// The views of a latent model: for each batch of pairs, in this order, the first view
+    /// augmented in pixel space and encoded by `vae`, its noise (standard normal, the latents'
+    /// shape), the second view, its noise — the draws of [`ViewProbe::new`]'s views, with the
+    /// noise in latent space ("augmentations first, then the noise", docs/design.md §20).
+    pub fn latent(
+        images: Tensor,
+        config: &IcrConfig,
+        vae: &crate::engine::latent::Vae,
+    ) -> Result<ViewProbe, crate::engine::latent::LatentError> {
+        let mut probe = ViewProbe::new(images, config);
+        let Views::Pixel(images) = &probe.views else {
+            unreachable!("a new probe holds images")
+        };
+        let device = images.device();
+        tch::manual_seed(probe.seed as i64);
+        let m = images.size()[0];
+        let (mut z1, mut n1, mut z2, mut n2) = (vec![], vec![], vec![], vec![]);
+        let mut done = 0usize;
+        while done < probe.samples {
+            let b = probe.batch_pairs.min(probe.samples - done) as i64;
+            let idx = Tensor::arange_start(done as i64, done as i64 + b, (Kind::Int64, device))
+                .remainder(m);
+            let x0 = images.index_select(0, &idx);
+            for (z, n) in [(&mut z1, &mut n1), (&mut z2, &mut n2)] {
+                let encoded = vae.encode(&augment(&x0, &probe.augment))?;
+                n.push(Tensor::randn(encoded.size(), (Kind::Float, Device::Cpu)).to_device(device));
+                z.push(encoded.to_device(device));
+            }
+            done += b as usize;
+        }
+        probe.views = Views::Latent {
+            z1: Tensor::cat(&z1, 0),
+            n1: Tensor::cat(&n1, 0),
+            z2: Tensor::cat(&z2, 0),
+            n2: Tensor::cat(&n2, 0),
+        };
+        Ok(probe)
     }
 
     /// ICR of `model` at noise level `sigma`.
@@ -432,17 +488,28 @@ impl ViewProbe {
     ) -> Result<IcrResult, IcrError> {
         let device = model.device();
         tch::manual_seed(self.seed as i64);
-        let m = self.images.size()[0];
         let mut moments: Option<Moments> = None;
         let mut done = 0usize;
         while done < self.samples {
             let b = self.batch_pairs.min(self.samples - done) as i64;
-            let idx = (Tensor::arange_start(done as i64, done as i64 + b, (Kind::Int64, device)))
-                .remainder(m);
-            let x0 = self.images.index_select(0, &idx);
-            let noise = || Tensor::randn(x0.size(), (Kind::Float, Device::Cpu)).to_device(device);
-            let v1 = augment(&x0, &self.augment) + noise() * sigma;
-            let v2 = augment(&x0, &self.augment) + noise() * sigma;
+            let (v1, v2) = match &self.views {
+                Views::Pixel(images) => {
+                    let m = images.size()[0];
+                    let idx =
+                        Tensor::arange_start(done as i64, done as i64 + b, (Kind::Int64, device))
+                            .remainder(m);
+                    let x0 = images.index_select(0, &idx);
+                    let noise =
+                        || Tensor::randn(x0.size(), (Kind::Float, Device::Cpu)).to_device(device);
+                    let v1 = augment(&x0, &self.augment) + noise() * sigma;
+                    let v2 = augment(&x0, &self.augment) + noise() * sigma;
+                    (v1, v2)
+                }
+                Views::Latent { z1, n1, z2, n2 } => {
+                    let at = |t: &Tensor| t.narrow(0, done as i64, b).to_device(device);
+                    (at(z1) + at(n1) * sigma, at(z2) + at(n2) * sigma)
+                }
+            };
             let x = Tensor::cat(&[v1, v2], 0);
             let s = Tensor::full([2 * b], sigma, (Kind::Float, device));
             let (_, features) = model.forward(&x, &s)?;

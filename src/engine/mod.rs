@@ -3,7 +3,8 @@
 //!
 //! - [`model`]: the network's runtime (libtorch through `tch`): the model contract, the device,
 //!   weights swapped in per checkpoint;
-//! - [`data`]: the training (and held-out) images, from HDF5;
+//! - [`data`]: the training (and held-out) images, from HDF5; [`latent`]: a latent model's
+//!   autoencoder and the training set's latents;
 //! - [`icr`]: the ICR of the model's own features on augmented views (§1.1);
 //! - [`sampler`]: the probability-flow ODE (Heun) of a model or of the training set's empirical
 //!   flow; [`pfd`]: PFD against the teacher (E_gen) and the empirical flow (E_mem), the
@@ -16,6 +17,7 @@ pub mod data;
 pub mod detector;
 pub mod eval;
 pub mod icr;
+pub mod latent;
 pub mod model;
 pub mod pfd;
 pub mod progress;

@@ -51,28 +51,35 @@ pub struct Model {
 /// The exporter's note inside the architecture archive (`extra/diffmon.json`).
 const EXPORT_NOTE: &str = "extra/diffmon.json";
 
+/// The exporter's note of a TorchScript file (`diffmon.json`: what `diffmon-export` recorded,
+/// e.g. the condition held fixed), `None` for a file made otherwise. The file is trusted, but
+/// the note is still read bounded (1 MiB).
+pub fn export_note(path: &Path) -> Option<serde_json::Value> {
+    let mut zip = zip::ZipArchive::new(std::fs::File::open(path).ok()?).ok()?;
+    let name = zip
+        .file_names()
+        .find(|n| n.ends_with(EXPORT_NOTE))?
+        .to_string();
+    let entry = zip.by_name(&name).ok()?;
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut std::io::Read::take(entry, 1 << 20), &mut text).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
 /// The names of the non-persistent buffers the exporter listed in the architecture file (none
-/// for a file made otherwise). The architecture is trusted, but the note is still read bounded.
+/// for a file made otherwise).
 fn non_persistent_buffers(path: &Path) -> Vec<String> {
-    let read = || -> Option<Vec<String>> {
-        let mut zip = zip::ZipArchive::new(std::fs::File::open(path).ok()?).ok()?;
-        let name = zip
-            .file_names()
-            .find(|n| n.ends_with(EXPORT_NOTE))?
-            .to_string();
-        let entry = zip.by_name(&name).ok()?;
-        let mut text = String::new();
-        std::io::Read::read_to_string(&mut std::io::Read::take(entry, 1 << 20), &mut text).ok()?;
-        let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-        Some(
-            v.get("non_persistent_buffers")?
-                .as_array()?
-                .iter()
-                .filter_map(|n| n.as_str().map(String::from))
-                .collect(),
-        )
-    };
-    read().unwrap_or_default()
+    export_note(path)
+        .and_then(|v| {
+            Some(
+                v.get("non_persistent_buffers")?
+                    .as_array()?
+                    .iter()
+                    .filter_map(|n| n.as_str().map(String::from))
+                    .collect(),
+            )
+        })
+        .unwrap_or_default()
 }
 
 impl Model {

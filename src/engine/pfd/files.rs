@@ -34,24 +34,19 @@ pub(super) fn hex(bytes: &[u8]) -> String {
 }
 
 /// Where cached flows and latents live: `<state_dir>/cache`.
-pub(super) struct Cache {
-    pub(super) dir: PathBuf,
+pub struct Cache {
+    pub dir: PathBuf,
 }
 
 impl Cache {
-    pub(super) fn path(&self, kind: &str, key: &serde_json::Value) -> PathBuf {
+    pub fn path(&self, kind: &str, key: &serde_json::Value) -> PathBuf {
         let digest = hex(&Sha256::digest(key.to_string().as_bytes()));
         self.dir.join(format!("{kind}-{}.h5", &digest[..16]))
     }
 
     /// The datasets of a cache file whose recorded key is `key`; `None` (with a log line) when
     /// the file is absent, unreadable, or was built for another key.
-    pub(super) fn load(
-        &self,
-        kind: &str,
-        key: &serde_json::Value,
-        names: &[&str],
-    ) -> Option<Vec<Tensor>> {
+    pub fn load(&self, kind: &str, key: &serde_json::Value, names: &[&str]) -> Option<Vec<Tensor>> {
         let path = self.path(kind, key);
         if !path.exists() {
             return None;
@@ -69,7 +64,7 @@ impl Cache {
     }
 
     /// Writes datasets atomically (temporary file, fsync, rename).
-    pub(super) fn store(
+    pub fn store(
         &self,
         kind: &str,
         key: &serde_json::Value,

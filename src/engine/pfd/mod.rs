@@ -19,10 +19,9 @@ mod flow;
 
 pub use bias_variance::{BiasVariance, StudentError, bias_variance};
 pub use error::PfdError;
-pub use files::{file_sha256, read_latents, write_samples};
+pub use files::{Cache, file_sha256, read_latents, write_samples};
 pub use flow::{Descriptor, Flow};
 
-use files::Cache;
 use flow::{compute_flow, describe, latents, reference_flow};
 
 use crate::config::{Config, MemorizationConfig, MemorizationCriterion, TailConfig, TailReference};
@@ -91,9 +90,15 @@ fn flow_key(
 
 impl PfdProbe {
     /// Prepares latents, the descriptor, the teacher flow (when `pfd.teacher` is set) and the
-    /// empirical flow of the training images `train` (`[N,C,H,W]` f32 on `device`).
-    pub fn new(config: &Config, train: &Tensor, device: Device) -> Result<PfdProbe, PfdError> {
-        Self::build(config, train, device, true)
+    /// empirical flow of the training set `train` (`[N,C,H,W]` f32 on `device`: the images, or
+    /// a latent model's training latents), which `train_id` identifies in the cache keys.
+    pub fn new(
+        config: &Config,
+        train: &Tensor,
+        train_id: serde_json::Value,
+        device: Device,
+    ) -> Result<PfdProbe, PfdError> {
+        Self::build(config, train, Some(train_id), device)
     }
 
     /// Latents, descriptor and teacher flow only (for the offline bias–variance decomposition).
@@ -102,15 +107,17 @@ impl PfdProbe {
         train: &Tensor,
         device: Device,
     ) -> Result<PfdProbe, PfdError> {
-        Self::build(config, train, device, false)
+        Self::build(config, train, None, device)
     }
 
+    /// The full probe with `train_id`, the teacher-only one without.
     fn build(
         config: &Config,
         train: &Tensor,
+        train_id: Option<serde_json::Value>,
         device: Device,
-        full: bool,
     ) -> Result<PfdProbe, PfdError> {
+        let full = train_id.is_some();
         let pfd = &config.pfd;
         let size = train.size();
         let shape = [size[1] as usize, size[2] as usize, size[3] as usize];
@@ -162,11 +169,7 @@ impl PfdProbe {
         let mut empirical_calls = 0;
         // The training set as a denoiser (the empirical flow) and for nearest-neighbour queries.
         let mut train_set = EmpiricalDenoiser::new(train, &data.path.display().to_string());
-        let empirical = if full {
-            let source = json!({
-                "data_sha256": file_sha256(&data.path)?,
-                "dataset": data.dataset,
-            });
+        let empirical = if let Some(source) = train_id {
             let key = flow_key(source, &latents_id, &schedule, &descriptor_id, shape);
             Some(reference_flow(
                 "empirical",
