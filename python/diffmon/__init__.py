@@ -1,13 +1,13 @@
 """Python helpers for diffmon: export a network to the model contract, obey the early stop.
 
-    from diffmon import export, should_stop, read_stop_event, DiffmonEarlyStopping
+    from diffmon import export, export_vae, should_stop, read_stop_event, DiffmonEarlyStopping
 """
 
 import sys as _sys
 
 from .stop import DEFAULT_STOP_FILE, DiffmonEarlyStopping, read_stop_event, should_stop
 
-__all__ = ["export", "ExportError", "should_stop", "read_stop_event", "DiffmonEarlyStopping",
+__all__ = ["export", "export_vae", "ExportError", "should_stop", "read_stop_event", "DiffmonEarlyStopping",
            "DEFAULT_STOP_FILE"]
 __version__ = "0.1.0"
 
@@ -15,11 +15,12 @@ if _sys.argv[:1] == ["-m"]:
     # `python -m diffmon.export` is being located: importing the submodule here would make runpy
     # warn that it is already imported. Resolve the names on first use instead.
     def __getattr__(name):
-        if name in ("export", "ExportError"):
+        if name in ("export", "export_vae", "ExportError"):
             from . import export as _module
 
-            globals().update(export=_module.export, ExportError=_module.ExportError)
+            globals().update(export=_module.export, export_vae=_module.export_vae,
+                             ExportError=_module.ExportError)
             return globals()[name]
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 else:
-    from .export import ExportError, export
+    from .export import ExportError, export, export_vae

@@ -8,7 +8,9 @@ The exported TorchScript file has one method::
 ``denoised`` is the EDM denoiser D(x; sigma) ~ E[x0 | x] for ``x = x0 + sigma * n``, whatever the
 network's own parameterization; ``features`` is the output of the submodule named
 ``feature_layer`` (a dotted name as listed by ``module.named_modules()``), captured during the
-same forward pass.
+same forward pass. A conditional network is exported with its condition held fixed (a class
+label, the null class, or a fixed embedding: "Conditional networks" below); :func:`export_vae`
+writes a VAE's ``encode``/``decode`` into a file of its own ("The VAE file").
 
 How the feature layer is captured
 ---------------------------------
@@ -30,11 +32,104 @@ Limits (the usual ones of tracing): Python control flow that depends on tensor *
 batch size is frozen at the traced example (B=2); ``export`` re-runs the reloaded file at B=3 on
 different noise levels and compares it with the eager module, so such a freeze is normally caught
 and raised as :class:`ExportError`, but a branch that the check inputs happen to take the same
-way as the trace is not. The network must be callable as ``module(x, sigma_or_t)`` (wrap
-conditional models so that the extra inputs are fixed); its output may be a tensor, a tuple/list
-whose first item is the tensor, or an object with a ``.sample`` attribute (diffusers). The feature
-layer must run exactly once per forward and return a tensor; a ``[B,L,D]`` token output is
-mean-pooled over ``L`` to ``[B,D]``.
+way as the trace is not. The network must be callable as ``module(x, sigma_or_t)``, plus the
+one keyword argument of a fixed condition ("Conditional networks"); its output may be a tensor, a
+tuple/list whose first item is the tensor, or an object with a ``.sample`` attribute (diffusers).
+The feature layer must run exactly once per forward and return a tensor; a ``[B,L,D]`` token
+output (a transformer block's) is mean-pooled over ``L`` to ``[B,D]``.
+
+Learned sigma. A DiT-style network trained with ``learn_sigma`` outputs ``2C`` channels for a
+``C``-channel input: the prediction, then the variance interpolation (as diffusers' DiT pipeline
+and the DiT/iDDPM code split it). Such an output is cut to its first ``C`` channels before the
+conversion below, and the note records ``"learned_sigma": true``. Any other channel count that
+differs from the input's is an :class:`ExportError`.
+
+Conditional networks
+--------------------
+The exported file keeps the two inputs ``(x, sigma)``: a condition is held fixed in it, and
+ICR and PFD then describe the model under that condition. ``export(..., condition=...)``:
+
+* ``"auto"`` (the default): the null class if the module is class-conditional, i.e. has a
+  ``class_embedding`` that is not None (diffusers ``UNet2DModel(num_class_embeds=K)``) or contains
+  a diffusers ``LabelEmbedding`` (``DiTTransformer2DModel``), and its ``forward`` takes the class
+  keyword (so a wrapper whose ``forward(x, t)`` fixes the label itself is left alone); nothing
+  otherwise. The ICR paper evaluates class-conditional models "using the null class". The
+  default, when taken, is printed and recorded (``"default": true``).
+* ``None``: the network is called with no condition (``--no-condition``).
+* ``"null"``: the null class, an error if it cannot be found (``--null-class``).
+* an ``int``: that class index (``--class-label N``).
+* an :class:`Embedding`: a fixed tensor, e.g. the empty-prompt embedding of a text-conditional
+  ``UNet2DConditionModel`` (``--embedding FILE``).
+
+Class labels are passed as ``module(x_net, t, class_labels=labels)`` (``class_keyword``,
+``--class-keyword``), ``labels`` an int64 ``[B]`` tensor made as ``zeros_like(t, dtype=long) +
+index``: it follows the batch size and device of the input, in the trace too.
+
+The null class is found by :func:`null_class`, in this order: (1) a diffusers ``LabelEmbedding``
+with ``dropout_prob > 0`` (DiT's, in ``CombinedTimestepLabelEmbeddings``) has ``num_classes + 1``
+rows and training replaces dropped labels by ``num_classes``: the null index is ``num_classes``;
+(2) otherwise a ``class_embedding`` attribute that is an ``nn.Embedding`` of ``K`` rows: the null
+index is ``K - 1``, by the convention of reserving the last embedding for the unconditional case.
+This is a convention, not something diffusers enforces: a ``UNet2DModel(num_class_embeds=K)``
+trained on ``K`` real classes without label dropout has no null class, and ``K - 1`` is then an
+ordinary class (pass ``--class-label`` or ``--no-condition``). When neither rule applies, asking
+for the null class (or taking the default) is an :class:`ExportError` asking for the index. The
+printed line and the note name the rule used.
+
+An :class:`Embedding` holds a ``[L,D]`` or ``[1,L,D]`` float tensor (``Embedding.from_file``:
+a ``torch.save`` file read with ``torch.load(weights_only=True)`` holding a tensor or a dict of
+tensors, or a safetensors file; ``key`` / ``--embedding-key`` names the tensor when the file holds
+more than one). It is passed as ``encoder_hidden_states`` (``keyword``, ``--embedding-keyword``),
+expanded to ``[B,L,D]``; in the file it is a graph constant, like the VP schedule table, and
+follows the load device. One condition is fixed per export; a network that needs more (a class
+and a prompt) is wrapped by hand, its ``forward(x, t)`` supplying them.
+
+Choosing the feature layer
+--------------------------
+:func:`suggest_feature_layer` returns ``mid_block`` (a U-Net's bottleneck) when the module has
+one, else the middle block, index ``(n-1)//2``, of the longest ``nn.ModuleList`` named like
+``*blocks`` (``transformer_blocks.13`` of a 28-block DiT: block 14 of 28, the ICR paper's choice
+for SiT-XL/2). ``--list-layers`` prints ``name<TAB>Type`` for every submodule and appends
+``<TAB>(mark)`` to the marked ones: ``middle of N`` on the middle block of each ModuleList of
+blocks (of at least 2), ``U-Net middle block`` on ``mid_block``, ``suggested`` on the suggestion,
+e.g. ``transformer_blocks.5<TAB>BasicTransformerBlock<TAB>(middle of 12, suggested)``.
+
+The note
+--------
+The file holds ``extra/diffmon.json``::
+
+    {"non_persistent_buffers": [...], "device_independent": true, "torch": "2.13.0",
+     "feature_layer": "mid_block", "parameterization": "eps", "learned_sigma": false,
+     "condition": null}
+
+``condition`` is ``null`` (no condition), or ``{"kind": "class", "keyword": "class_labels",
+"label": 10, "null_class": true, "rule": "<how the null index was found>", "default": true}``
+(``null_class``: the label is the null class as :func:`null_class` finds it; ``rule``: null when
+it is not; ``default``: the condition was taken by default), or ``{"kind": "embedding",
+"keyword": "encoder_hidden_states", "file": "<basename>", "sha256": "<hex of the file>", "shape":
+[1, L, D]}`` (``file`` and ``sha256`` are null for an :class:`Embedding` made from a tensor).
+
+The VAE file
+------------
+``export_vae(vae, path, example_shape, scaling_factor=None, shift_factor=None)`` exports a
+diffusers ``AutoencoderKL`` (or anything with its ``encode(x).latent_dist`` / ``decode(z).sample``
+interface) to one TorchScript file with the methods
+
+* ``encode(x [B,C,H,W] float32 pixels in [-1,1]) -> [B,c,h,w]`` =
+  ``(posterior mean - shift_factor) * scaling_factor``;
+* ``decode(z) -> [B,C,H,W]`` = ``vae.decode(z / scaling_factor + shift_factor).sample``;
+* ``forward`` = ``encode``.
+
+``encode`` is the posterior *mean*, not a sample: the same image gives the same latent at every
+checkpoint and on every call, so the latent data set is fixed; diffusers' pipelines and training
+scripts draw ``latent_dist.sample()``, which adds ``std * noise``. ``scaling_factor`` and
+``shift_factor`` default to ``vae.config.scaling_factor`` / ``vae.config.shift_factor`` (missing
+or None: 1.0 / 0.0). The methods are traced with ``torch.jit.trace_module`` at batch 2 on the
+VAE itself (parameter names are those of ``vae.state_dict()``), every method graph gets the
+device rewrite below, and the reloaded file is compared with the eager VAE at batch 3, both
+methods. Its note: ``{"kind": "vae", "scaling_factor": 0.18215, "shift_factor": 0.0, "encode":
+"posterior mean", "image_shape": [C,H,W], "latent_shape": [c,h,w], "non_persistent_buffers":
+[...], "device_independent": true, "torch": "2.13.0"}``.
 
 Device independence
 -------------------
@@ -121,13 +216,34 @@ DDPMScheduler's) and ``--T`` = ``num_train_timesteps`` (1000); ``"scaled_linear"
 ``"squaredcos_cap_v2"`` are ``--schedule scaled_linear`` and ``cosine``. The exported file's
 parameter names are those of ``unet.state_dict()``, so every later ``checkpoint-N`` of the run
 loads into it.
+
+Conditions (one of): ``--class-label N``, ``--null-class``, ``--no-condition``, ``--embedding
+FILE [--embedding-key KEY] [--embedding-keyword encoder_hidden_states]``; ``--class-keyword
+class_labels`` names the class keyword. Without one, a class-conditional network gets its null
+class. A text-conditional UNet held at its empty-prompt embedding (saved with
+``torch.save(pipe.encode_prompt("", ...)[0], "empty_prompt.pt")`` or as a one-tensor safetensors
+file)::
+
+    diffmon-export --factory diffusers:UNet2DConditionModel.from_pretrained \
+        --factory-kwargs '{"pretrained_model_name_or_path": "run/checkpoint-500/unet"}' \
+        --embedding empty_prompt.pt --feature-layer mid_block --shape 4 32 32 \
+        --out run/model.ts --parameterization eps --schedule scaled_linear
+
+``--vae`` exports a VAE instead (``--feature-layer``, ``--parameterization``, the schedule and the
+condition options are refused)::
+
+    diffmon-export --vae --factory diffusers:AutoencoderKL.from_pretrained \
+        --factory-kwargs '{"pretrained_model_name_or_path": "models/sd/vae"}' \
+        --shape 3 256 256 --out vae.ts [--scaling-factor F] [--shift-factor F]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import importlib
+import inspect
 import json
 import math
 import os
@@ -141,7 +257,13 @@ from torch import Tensor, nn
 
 __all__ = [
     "export",
+    "export_vae",
     "ExportError",
+    "Embedding",
+    "load_embedding",
+    "null_class",
+    "is_class_conditional",
+    "suggest_feature_layer",
     "device_constants",
     "PARAMETERIZATIONS",
     "SCHEDULES",
@@ -340,6 +462,272 @@ def _non_persistent_buffers(net: nn.Module) -> list:
 
 
 # ---------------------------------------------------------------------------------------------
+# Conditions held fixed (module docstring, "Conditional networks")
+# ---------------------------------------------------------------------------------------------
+
+def _label_embeddings(module: nn.Module) -> list:
+    """``(name, m)`` of the diffusers ``LabelEmbedding``s in ``module`` (recognized by class name
+    and attributes, so diffusers need not be importable)."""
+    return [(n, m) for n, m in module.named_modules()
+            if type(m).__name__ == "LabelEmbedding" and hasattr(m, "num_classes") and hasattr(m, "dropout_prob")]
+
+
+def is_class_conditional(module: nn.Module) -> bool:
+    """Whether ``module`` has a class embedding: a ``class_embedding`` attribute that is not None
+    (diffusers ``UNet2DModel``/``UNet2DConditionModel`` built with ``num_class_embeds`` or
+    ``class_embed_type``) or a diffusers ``LabelEmbedding`` anywhere inside (``DiTTransformer2DModel``)."""
+    return getattr(module, "class_embedding", None) is not None or bool(_label_embeddings(module))
+
+
+def null_class(module: nn.Module) -> tuple:
+    """``(index, rule)``: the class index that ``module`` was trained to treat as "no class" (the
+    unconditional branch of classifier-free guidance), and a sentence saying how it was found.
+
+    1. a diffusers ``LabelEmbedding`` with ``dropout_prob > 0`` (DiT's, inside
+       ``CombinedTimestepLabelEmbeddings``): its table has ``num_classes + 1`` rows and training
+       replaces dropped labels by ``num_classes``, so the null index is ``num_classes``;
+    2. otherwise a ``class_embedding`` attribute that is an ``nn.Embedding`` of ``K`` rows
+       (diffusers ``UNet2DModel(num_class_embeds=K)``): ``K - 1``, by the convention of reserving
+       the last embedding for the unconditional case. diffusers itself reserves none: for a network
+       trained on ``K`` real classes this is an ordinary class.
+
+    Raises ExportError when neither applies (pass the class index explicitly)."""
+    drop = [(n, m) for n, m in _label_embeddings(module) if float(m.dropout_prob) > 0]
+    if drop:
+        counts = sorted({int(m.num_classes) for _, m in drop})
+        if len(counts) != 1:
+            raise ExportError(f"{type(module).__name__} has LabelEmbeddings with different num_classes "
+                              f"{counts}: pass the class index explicitly (condition=N / --class-label N)")
+        k = counts[0]
+        return k, (f"LabelEmbedding rule: {drop[0][0]} has dropout_prob {float(drop[0][1].dropout_prob):g} > 0, "
+                   f"so its table has num_classes + 1 = {k + 1} rows and the null class is index "
+                   f"num_classes = {k}")
+    emb = getattr(module, "class_embedding", None)
+    if isinstance(emb, nn.Embedding):
+        k = int(emb.num_embeddings)
+        return k - 1, (f"class_embedding rule: class_embedding is an nn.Embedding of {k} rows; the last, "
+                       f"index {k - 1}, is taken as the reserved unconditional class")
+    what = ("its LabelEmbedding has dropout_prob 0 (no null row)" if _label_embeddings(module) else
+            "no class_embedding nn.Embedding" if emb is None else
+            f"its class_embedding is a {type(emb).__name__}, not an nn.Embedding")
+    raise ExportError(f"cannot find the null class of {type(module).__name__}: no diffusers LabelEmbedding "
+                      f"with dropout_prob > 0 and {what}; pass the class index explicitly "
+                      "(condition=N / --class-label N)")
+
+
+def _sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_embedding(path, key: Optional[str] = None) -> Tensor:
+    """The one tensor in ``path``: a safetensors file (detected by content) or a ``torch.save``
+    file (``torch.load(weights_only=True)``) holding a tensor or a dict of tensors. ``key`` names
+    the tensor when the file holds several (dots for nested dicts). Raises ValueError otherwise."""
+    path = str(path)
+    if _is_safetensors(path):
+        try:
+            from safetensors.torch import load_file
+        except ImportError as e:
+            raise ValueError(f"{path} is a safetensors file: pip install safetensors") from e
+        obj: Any = load_file(path, device="cpu")
+    else:
+        with open(path, "rb") as f:
+            try:
+                obj = torch.load(f, map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise ValueError(f"cannot read {path} as a tensor file (safetensors or torch.save): {e}") from e
+    if key:
+        for part in key.split("."):
+            if not isinstance(obj, dict) or part not in obj:
+                have = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+                raise ValueError(f"{path}: no key {key!r} (at {part!r}; found {have})")
+            obj = obj[part]
+    elif isinstance(obj, dict):
+        tensors = [k for k, v in obj.items() if isinstance(v, Tensor)]
+        if len(tensors) != 1:
+            raise ValueError(f"{path} holds {len(tensors)} tensors ({', '.join(map(str, tensors)) or 'none'}); "
+                             "name the one to use with key= (--embedding-key KEY)")
+        obj = obj[tensors[0]]
+    if not isinstance(obj, Tensor):
+        raise ValueError(f"{path}: expected a tensor, found {type(obj).__name__}")
+    return obj
+
+
+class Embedding:
+    """A conditioning tensor held fixed in the export (the empty-prompt embedding of a
+    text-conditional network, ...): passed to the network as keyword ``keyword`` expanded to the
+    batch. ``tensor`` is ``[L,D]`` or ``[1,L,D]`` (stored float32 as ``[1,L,D]``); ``file`` and
+    ``sha256`` only describe its origin in the file's note (:meth:`from_file` sets them)."""
+
+    def __init__(self, tensor: Tensor, keyword: str = "encoder_hidden_states", *,
+                 file: Optional[str] = None, sha256: Optional[str] = None):
+        t = torch.as_tensor(tensor).detach()
+        if not t.is_floating_point():
+            raise ValueError(f"the embedding must be a floating-point tensor, got {t.dtype}")
+        if t.dim() == 2:
+            t = t.unsqueeze(0)
+        if t.dim() != 3 or t.shape[0] != 1:
+            raise ValueError(f"the embedding must have shape [L,D] or [1,L,D], got {list(tensor.shape)}")
+        if not keyword or not str(keyword).isidentifier():
+            raise ValueError(f"keyword must be a Python identifier, got {keyword!r}")
+        self.tensor = t.to(device="cpu", dtype=torch.float32).contiguous()
+        self.keyword = str(keyword)
+        self.file = file
+        self.sha256 = sha256
+
+    @classmethod
+    def from_file(cls, path, key: Optional[str] = None,
+                  keyword: str = "encoder_hidden_states") -> "Embedding":
+        """:func:`load_embedding` of ``path``; the note records its basename and sha256."""
+        return cls(load_embedding(path, key), keyword, file=os.path.basename(str(path)), sha256=_sha256(path))
+
+    def note(self) -> dict:
+        return {"kind": "embedding", "keyword": self.keyword, "file": self.file, "sha256": self.sha256,
+                "shape": list(self.tensor.shape)}
+
+    def __repr__(self) -> str:
+        src = f" from {self.file}" if self.file else ""
+        return f"Embedding({list(self.tensor.shape)}{src}, keyword={self.keyword!r})"
+
+
+def _accepts_keyword(module: nn.Module, keyword: str) -> Optional[bool]:
+    """Whether ``module.forward`` takes ``keyword`` (by name or ``**kwargs``); None if unknown."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return any(p.name == keyword and p.kind != p.POSITIONAL_ONLY or p.kind == p.VAR_KEYWORD for p in params)
+
+
+class _Condition:
+    """What the exported file passes to the network besides (x, t): ``kwargs(t)`` and the note."""
+
+    def __init__(self, keyword: Optional[str] = None, label: Optional[int] = None,
+                 embedding: Optional[Embedding] = None, note: Optional[dict] = None, line: str = ""):
+        self.keyword = keyword
+        self.label = label
+        self.embedding = embedding
+        self.note = note
+        self.line = line
+        self._emb: Optional[Tensor] = None
+
+    def to(self, device: torch.device) -> "_Condition":
+        if self.embedding is not None:
+            # A graph constant of the trace, like the VP schedule table: it follows the load device.
+            self._emb = self.embedding.tensor.to(device)
+        return self
+
+    def kwargs(self, x: Tensor, t: Tensor) -> dict:
+        if self.label is not None:
+            # Made from the [B] time tensor, so it follows the batch size and device under tracing.
+            return {self.keyword: torch.zeros_like(t, dtype=torch.long) + self.label}
+        if self._emb is not None:
+            return {self.keyword: self._emb.expand(x.shape[0], -1, -1)}
+        return {}
+
+
+def _resolve_condition(module: nn.Module, condition: Any, class_keyword: str) -> _Condition:
+    """The condition ``export`` applies (module docstring, "Conditional networks")."""
+    if not class_keyword or not str(class_keyword).isidentifier():
+        raise ValueError(f"class_keyword must be a Python identifier, got {class_keyword!r}")
+    name = type(module).__name__
+    if condition is None:
+        return _Condition()
+    if isinstance(condition, Embedding):
+        if _accepts_keyword(module, condition.keyword) is False:
+            raise ExportError(f"{name}.forward takes no keyword {condition.keyword!r}; name the network's "
+                              "keyword with Embedding(..., keyword=...) (--embedding-keyword)")
+        shape = "x".join(str(v) for v in condition.tensor.shape)
+        src = f" from {condition.file} (sha256 {condition.sha256[:12]}...)" if condition.file else ""
+        return _Condition(keyword=condition.keyword, embedding=condition, note=condition.note(),
+                          line=f"condition: {condition.keyword} = the [{shape}] embedding{src}, expanded to the batch")
+    default = False
+    if isinstance(condition, str) and condition == "auto":
+        if not is_class_conditional(module) or not _accepts_keyword(module, class_keyword):
+            return _Condition()  # not class-conditional, or a wrapper that fixes the label itself
+        default, condition = True, "null"
+    if isinstance(condition, str) and condition == "null":
+        try:
+            label, rule = null_class(module)
+        except ExportError as e:
+            if default:
+                raise ExportError(f"{name} is class-conditional and the null class is the default "
+                                  f"condition, but {e}; or refuse the default with condition=None "
+                                  "(--no-condition)") from None
+            raise
+        null = True
+    elif isinstance(condition, int) and not isinstance(condition, bool):
+        label = int(condition)
+        if label < 0:
+            raise ValueError(f"a class index must be >= 0, got {label}")
+        try:
+            null_label, null_rule = null_class(module)
+        except ExportError:
+            null_label, null_rule = None, None
+        null = label == null_label
+        rule = null_rule if null else None
+    else:
+        raise ValueError("condition must be 'auto', None, 'null', a class index (int) or an Embedding, "
+                         f"got {condition!r}")
+    if _accepts_keyword(module, class_keyword) is False:
+        raise ExportError(f"{name}.forward takes no keyword {class_keyword!r}; name the network's class "
+                          "keyword with class_keyword= (--class-keyword)")
+    note = {"kind": "class", "keyword": class_keyword, "label": label, "null_class": null, "rule": rule,
+            "default": default}
+    line = f"condition: {class_keyword}={label}"
+    if null:
+        line += f", the null class ({rule})"
+    if default:
+        line += ("; taken by default because the network is class-conditional "
+                 "(condition=N / --class-label N for a class, condition=None / --no-condition for none)")
+    return _Condition(keyword=class_keyword, label=label, note=note, line=line)
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing the feature layer (module docstring)
+# ---------------------------------------------------------------------------------------------
+
+def _block_lists(module: nn.Module) -> list:
+    """``(name, ModuleList)`` of every ModuleList whose last name component ends in ``blocks``."""
+    return [(n, m) for n, m in module.named_modules()
+            if n and isinstance(m, nn.ModuleList) and n.rsplit(".", 1)[-1].endswith("blocks") and len(m) > 0]
+
+
+def suggest_feature_layer(module: nn.Module) -> Optional[str]:
+    """The suggested feature layer: ``mid_block`` (a U-Net's bottleneck) if ``module`` has one,
+    else the middle block, index ``(n-1)//2``, of the longest ModuleList named like ``*blocks``
+    (the first of the longest; ``transformer_blocks.13`` of a 28-block DiT/SiT: block 14 of 28,
+    the ICR paper's choice for SiT-XL/2). None when there is neither."""
+    if dict(module.named_modules()).get("mid_block") is not None:
+        return "mid_block"
+    lists = _block_lists(module)
+    if not lists:
+        return None
+    name, blocks = max(lists, key=lambda p: len(p[1]))  # max keeps the first of equals
+    return f"{name}.{(len(blocks) - 1) // 2}"
+
+
+def layer_marks(module: nn.Module) -> dict:
+    """``{name: mark}`` for ``--list-layers``: ``middle of N`` on the middle block of each
+    ModuleList of blocks (of at least 2), ``U-Net middle block`` on ``mid_block``, and
+    ``suggested`` on :func:`suggest_feature_layer`'s choice."""
+    marks: dict = {}
+    for name, blocks in _block_lists(module):
+        if len(blocks) >= 2:
+            marks.setdefault(f"{name}.{(len(blocks) - 1) // 2}", []).append(f"middle of {len(blocks)}")
+    if dict(module.named_modules()).get("mid_block") is not None:
+        marks.setdefault("mid_block", []).append("U-Net middle block")
+    best = suggest_feature_layer(module)
+    if best is not None:
+        marks.setdefault(best, []).append("suggested")
+    return {k: ", ".join(v) for k, v in marks.items()}
+
+
+# ---------------------------------------------------------------------------------------------
 # Device independence (module docstring)
 # ---------------------------------------------------------------------------------------------
 
@@ -438,7 +826,8 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
            beta_min: Optional[float] = None, beta_max: Optional[float] = None, T: int = 1000,
            alphas_cumprod=None, timestep: str = "nearest", t_scale: Optional[float] = None,
            timestep_dtype: Optional[torch.dtype] = None, device="cpu", atol: float = 1e-5,
-           check: bool = True) -> torch.jit.ScriptModule:
+           check: bool = True, condition: Any = "auto", class_keyword: str = "class_labels",
+           verbose: bool = True) -> torch.jit.ScriptModule:
     """Wrap ``module`` into the diffmon model contract and save it as TorchScript at ``path``.
 
     Args:
@@ -456,6 +845,12 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
         atol: largest allowed max-abs difference between the reloaded file and the eager
             module, on both outputs.
         check: reload and compare (on by default).
+        condition: what the network gets besides (x, t), held fixed (module docstring,
+            "Conditional networks"): ``"auto"`` (default: the null class if the module is
+            class-conditional, else nothing), ``None`` (nothing), ``"null"`` (the null class, see
+            :func:`null_class`), a class index ``int``, or an :class:`Embedding`.
+        class_keyword: the keyword the class labels are passed as (``class_labels``, diffusers').
+        verbose: print the condition applied (one line), if any.
 
     Returns the reloaded ``torch.jit.ScriptModule``.
     Raises ValueError for bad arguments and ExportError when tracing fails or the check differs.
@@ -469,6 +864,7 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
                       timestep, t_scale, timestep_dtype, device)
     if not feature_layer:
         raise ValueError("feature_layer must name a submodule (not the whole module)")
+    cond = _resolve_condition(module, condition, class_keyword).to(device)
     names = dict(module.named_modules())
     if feature_layer not in names:
         listing = ", ".join(n for n in names if n) or "(none)"
@@ -494,8 +890,16 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
     handle = layer.register_forward_hook(hook)
     inner_forward = type(net).forward
 
+    channels = shape[0]
+    learned_sigma: list = []  # set by the eager run before the trace
+
     def net_call(a, b):
-        return inner_forward(net, a, b)
+        out = _as_tensor(inner_forward(net, a, b, **cond.kwargs(a, b)))
+        if not torch.jit.is_tracing():
+            learned_sigma[:] = [out.dim() == 4 and out.shape[1] == 2 * channels]
+        if learned_sigma[0]:
+            out = out[:, :channels]  # learned sigma: the first C channels are the prediction
+        return out
 
     def contract_forward(x: Tensor, sigma: Tensor):
         captured.clear()
@@ -514,11 +918,15 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
                 raise ExportError(f"feature layer {feature_layer!r} output has shape {tuple(feats.shape)}; "
                                   "expected [B,C,H,W], [B,d] or [B,L,d]")
             if denoised.shape != x.shape:
-                raise ExportError(f"denoised output has shape {tuple(denoised.shape)}, input {tuple(x.shape)}")
+                raise ExportError(f"denoised output has shape {tuple(denoised.shape)}, input {tuple(x.shape)} "
+                                  "(a network output of 2*C channels is taken as learned sigma; any other "
+                                  "mismatch is an error)")
         return denoised.to(torch.float32), feats.to(torch.float32)
 
     # Tracing `net` itself (with an instance-level forward) keeps its parameter names unprefixed.
     net.forward = contract_forward
+    if verbose and cond.line:
+        print(cond.line)
     x2, s2 = _example_inputs(shape, 2, 0, device)
     try:
         with torch.no_grad():
@@ -551,7 +959,9 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
             # Non-persistent buffers are part of the module but never of a state_dict(): the
             # note tells diffmon not to expect them in checkpoints (they keep these values).
             note = {"non_persistent_buffers": _non_persistent_buffers(net),
-                    "device_independent": True, "torch": torch.__version__}
+                    "device_independent": True, "torch": torch.__version__,
+                    "feature_layer": feature_layer, "parameterization": parameterization,
+                    "learned_sigma": bool(learned_sigma[0]), "condition": cond.note}
             torch.jit.save(traced, str(tmp), _extra_files={"diffmon.json": json.dumps(note)})
             loaded = torch.jit.load(str(tmp), map_location=device)
         pins = device_constants(loaded)
@@ -580,6 +990,146 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
         os.replace(tmp, path)
     finally:
         handle.remove()
+        if tmp.exists():
+            tmp.unlink()
+    return loaded
+
+
+def _posterior_mean(out: Any) -> Tensor:
+    """The posterior mean of an ``encode`` result: ``.latent_dist.mean`` (diffusers'
+    ``DiagonalGaussianDistribution``), or its ``mode()``."""
+    dist = getattr(out, "latent_dist", None)
+    if dist is None and isinstance(out, (tuple, list)) and out:
+        dist = out[0]
+    mean = getattr(dist, "mean", None)
+    if isinstance(mean, Tensor):
+        return mean
+    mode = getattr(dist, "mode", None)
+    if callable(mode):
+        return mode()
+    raise ExportError(f"encode(x) returned {type(out).__name__}; expected an object whose .latent_dist "
+                      "has a .mean tensor (diffusers' AutoencoderKLOutput)")
+
+
+def _config_value(vae: nn.Module, key: str):
+    config = getattr(vae, "config", None)
+    if isinstance(config, dict):
+        return config.get(key)
+    return getattr(config, key, None)
+
+
+def export_vae(vae: nn.Module, path, example_shape, scaling_factor: Optional[float] = None,
+               shift_factor: Optional[float] = None, device="cpu", *, atol: float = 1e-5,
+               check: bool = True) -> torch.jit.ScriptModule:
+    """Export a VAE (diffusers ``AutoencoderKL`` or anything with its ``encode(x).latent_dist`` /
+    ``decode(z).sample`` interface) to one TorchScript file with the methods ``encode`` (=
+    ``forward``) and ``decode`` (module docstring, "The VAE file").
+
+    Args:
+        vae: the autoencoder; not modified (a float32 deep copy is traced in eval mode).
+        path: output file; written atomically.
+        example_shape: ``(C,H,W)`` or ``(B,C,H,W)`` of the images (any B is ignored).
+        scaling_factor, shift_factor: the latent scaling, ``z = (mean - shift) * scale``; default
+            ``vae.config.scaling_factor`` / ``vae.config.shift_factor`` (missing or None: 1.0 / 0.0).
+        device: where the trace is made; atol, check: as for :func:`export` (both methods).
+
+    Returns the reloaded ``torch.jit.ScriptModule``.
+    """
+    if not isinstance(vae, nn.Module):
+        raise TypeError(f"vae must be a torch.nn.Module, got {type(vae).__name__}")
+    for meth in ("encode", "decode"):
+        if not callable(getattr(vae, meth, None)):
+            raise ValueError(f"{type(vae).__name__} has no {meth}() method: not a VAE")
+    shape = _parse_shape(example_shape)
+    device = torch.device(device)
+    path = Path(path)
+    if scaling_factor is None:
+        scaling_factor = _config_value(vae, "scaling_factor")
+    if shift_factor is None:
+        shift_factor = _config_value(vae, "shift_factor")
+    scale = 1.0 if scaling_factor is None else float(scaling_factor)
+    shift = 0.0 if shift_factor is None else float(shift_factor)
+    if not (math.isfinite(scale) and scale != 0 and math.isfinite(shift)):
+        raise ValueError(f"need a finite non-zero scaling_factor and a finite shift_factor, got {scale}, {shift}")
+
+    try:
+        net = copy.deepcopy(vae)
+    except Exception as e:  # pragma: no cover - exotic modules
+        raise ExportError(f"cannot deep-copy the VAE for tracing: {e}") from e
+    net = net.to(device).eval()
+    if any(p.is_floating_point() and p.dtype != torch.float32 for p in net.parameters()):
+        net = net.float()
+    for p in net.parameters():
+        p.requires_grad_(False)
+    enc, dec = type(net).encode, type(net).decode
+
+    def encode(x: Tensor) -> Tensor:
+        return ((_posterior_mean(enc(net, x)) - shift) * scale).to(torch.float32)
+
+    def decode(z: Tensor) -> Tensor:
+        return _as_tensor(dec(net, z / scale + shift)).to(torch.float32)
+
+    def forward(x: Tensor) -> Tensor:
+        return encode(x)
+
+    # Instance attributes: the traced file's parameter names stay those of vae.state_dict().
+    net.encode, net.decode, net.forward = encode, decode, forward
+    g = torch.Generator().manual_seed(0)
+    c, h, w = shape
+    x2 = (torch.rand(2, c, h, w, generator=g) * 2 - 1).to(device)
+    x3 = (torch.rand(3, c, h, w, generator=g) * 2 - 1).to(device)
+    with torch.no_grad():
+        z2 = encode(x2)
+        if z2.dim() != 4 or z2.shape[0] != 2:
+            raise ExportError(f"encode returned shape {tuple(z2.shape)} for {tuple(x2.shape)}; expected [B,c,h,w]")
+        back = decode(z2)
+        if back.shape != x2.shape:
+            raise ExportError(f"decode returned shape {tuple(back.shape)} for latents {tuple(z2.shape)}; "
+                              f"expected {tuple(x2.shape)}")
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning, message=r".*torch\.jit")
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r"torch\.nn\.functional")
+            traced = torch.jit.trace_module(net, {"forward": (x2,), "encode": (x2,), "decode": (z2,)},
+                                            check_trace=False)
+    except Exception as e:
+        raise ExportError(f"torch.jit.trace_module failed: {e}") from e
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _atomic_tmp(path)
+    try:
+        _make_device_independent(traced)
+        note = {"kind": "vae", "scaling_factor": scale, "shift_factor": shift, "encode": "posterior mean",
+                "image_shape": list(shape), "latent_shape": list(z2.shape[1:]),
+                "non_persistent_buffers": _non_persistent_buffers(net),
+                "device_independent": True, "torch": torch.__version__}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning, message=r".*torch\.jit")
+            torch.jit.save(traced, str(tmp), _extra_files={"diffmon.json": json.dumps(note)})
+            loaded = torch.jit.load(str(tmp), map_location=device)
+        pins = device_constants(loaded)
+        if pins:
+            raise ExportError(f"the exported file is not device-independent: {_format_pins(pins)}; it "
+                              "would fail on any other device")
+        if check:
+            with torch.no_grad():
+                z3 = encode(x3)
+                checks = (("encode", lambda: loaded.encode(x3), z3), ("forward", lambda: loaded(x3), z3),
+                          ("decode", lambda: loaded.decode(z3), decode(z3)))
+                for what, run, want in checks:
+                    try:
+                        got = run()
+                    except Exception as e:
+                        raise ExportError(f"the exported {what} fails at batch 3 (the trace used batch 2): {e}") from e
+                    if got.shape != want.shape:
+                        raise ExportError(f"exported {what} has shape {tuple(got.shape)} at batch 3, eager "
+                                          f"{tuple(want.shape)}: the batch dimension is not dynamic")
+                    diff = float((got - want).abs().max()) if got.numel() else 0.0
+                    if not diff <= atol:
+                        raise ExportError(f"exported {what} differs from the eager VAE by {diff:.3g} "
+                                          f"(> {atol:g}) at batch 3")
+        os.replace(tmp, path)
+    finally:
         if tmp.exists():
             tmp.unlink()
     return loaded
@@ -642,7 +1192,31 @@ num_train_timesteps 1000) is --parameterization eps --schedule linear --T 1000, 
 --beta-min/--beta-max = the scheduler's beta_start/beta_end when not 1e-4/0.02
 ("v_prediction" is v, "sample" is x0; "scaled_linear" and "squaredcos_cap_v2" are
 --schedule scaled_linear and cosine).
+
+Conditional networks: the condition is held fixed in the file. A class-conditional network
+(class_embedding, or a DiT's LabelEmbedding) gets its null class by default; --class-label N
+fixes class N, --no-condition passes no label. A text-conditional UNet2DConditionModel:
+  %(prog)s --factory diffusers:UNet2DConditionModel.from_pretrained \\
+      --factory-kwargs '{"pretrained_model_name_or_path": "run/checkpoint-500/unet"}' \\
+      --embedding empty_prompt.pt --feature-layer mid_block --shape 4 32 32 \\
+      --out run/model.ts --parameterization eps --schedule scaled_linear
+--list-layers marks the middle block of each list of blocks and the suggested layer.
+
+A VAE (AutoencoderKL), for latent models: one file with encode (posterior mean, scaled)
+and decode:
+  %(prog)s --vae --factory diffusers:AutoencoderKL.from_pretrained \\
+      --factory-kwargs '{"pretrained_model_name_or_path": "models/sd/vae"}' \\
+      --shape 3 256 256 --out vae.ts
 """
+
+# Options of the denoiser export that --vae does not take (dest, flag).
+_DENOISER_ONLY = (("feature_layer", "--feature-layer"), ("parameterization", "--parameterization"),
+                  ("sigma_data", "--sigma-data"), ("schedule", "--schedule"), ("beta_min", "--beta-min"),
+                  ("beta_max", "--beta-max"), ("T", "--T"), ("timestep", "--timestep"),
+                  ("t_scale", "--t-scale"), ("class_label", "--class-label"), ("null_class", "--null-class"),
+                  ("no_condition", "--no-condition"), ("embedding", "--embedding"),
+                  ("embedding_key", "--embedding-key"), ("embedding_keyword", "--embedding-keyword"),
+                  ("class_keyword", "--class-keyword"))
 
 
 def main(argv=None) -> int:
@@ -650,7 +1224,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog=prog if prog.startswith("diffmon-export") else "python -m diffmon.export",
         description="Export a PyTorch network to diffmon's TorchScript model contract "
-                    "(forward(x, sigma) -> (EDM denoised, features)).",
+                    "(forward(x, sigma) -> (EDM denoised, features)), or with --vae a VAE "
+                    "(encode, decode).",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--factory", required=True,
                     help="module:callable returning the nn.Module (importable from the current folder); "
@@ -662,34 +1237,102 @@ def main(argv=None) -> int:
     ap.add_argument("--weights-key", help="key under which the state_dict is nested (e.g. ema, model; "
                                           "dots for deeper levels)")
     ap.add_argument("--strip-prefix", default="", help="key prefix to strip, e.g. module.")
-    ap.add_argument("--list-layers", action="store_true", help="print the submodule names and exit")
+    ap.add_argument("--list-layers", action="store_true",
+                    help="print the submodule names (name<TAB>type[<TAB>(mark)]) and exit; the mark names "
+                         "the middle block of each list of blocks, mid_block, and the suggested layer")
     ap.add_argument("--feature-layer", help="dotted submodule name of the feature layer")
     ap.add_argument("--shape", type=int, nargs=3, metavar=("C", "H", "W"), help="input image shape")
-    ap.add_argument("--parameterization", default="edm", choices=PARAMETERIZATIONS)
-    ap.add_argument("--sigma-data", type=float, default=0.5)
-    ap.add_argument("--schedule", default="linear", choices=SCHEDULES)
+    ap.add_argument("--parameterization", choices=PARAMETERIZATIONS, help="default edm")
+    ap.add_argument("--sigma-data", type=float, help="default 0.5 (edm_raw)")
+    ap.add_argument("--schedule", choices=SCHEDULES, help="default linear")
     ap.add_argument("--beta-min", type=float)
     ap.add_argument("--beta-max", type=float)
-    ap.add_argument("--T", type=int, default=1000, help="number of discrete timesteps")
-    ap.add_argument("--timestep", default="nearest", choices=("nearest", "interp"))
+    ap.add_argument("--T", type=int, help="number of discrete timesteps (default 1000)")
+    ap.add_argument("--timestep", choices=("nearest", "interp"), help="default nearest")
     ap.add_argument("--t-scale", type=float)
+    cond = ap.add_argument_group(
+        "condition held fixed (default: the null class of a class-conditional network, else none)")
+    one = cond.add_mutually_exclusive_group()
+    one.add_argument("--class-label", type=int, metavar="N", help="pass class index N")
+    one.add_argument("--null-class", action="store_true",
+                     help="pass the null class (error if it cannot be found)")
+    one.add_argument("--no-condition", action="store_true",
+                     help="pass no class label, even to a class-conditional network")
+    one.add_argument("--embedding", metavar="FILE",
+                     help="pass this [L,D] or [1,L,D] tensor (torch.save or safetensors file), "
+                          "expanded to the batch")
+    cond.add_argument("--embedding-key", metavar="KEY", help="the tensor's key, if FILE holds several")
+    cond.add_argument("--embedding-keyword", metavar="NAME",
+                      help="keyword the embedding is passed as (default encoder_hidden_states)")
+    cond.add_argument("--class-keyword", metavar="NAME", help="keyword of the class labels (default class_labels)")
+    vae = ap.add_argument_group("VAE export (--vae)")
+    vae.add_argument("--vae", action="store_true",
+                     help="export a VAE (encode: posterior mean, scaled; decode) instead of a denoiser")
+    vae.add_argument("--scaling-factor", type=float, help="default the VAE's config.scaling_factor")
+    vae.add_argument("--shift-factor", type=float, help="default the VAE's config.shift_factor, or 0")
     ap.add_argument("--out", help="output TorchScript file")
     args = ap.parse_args(argv)
 
+    if args.vae:
+        given = [flag for dest, flag in _DENOISER_ONLY if getattr(args, dest) not in (None, False)]
+        if given:
+            ap.error(f"{', '.join(given)}: not used with --vae")
+    else:
+        for flag in ("scaling_factor", "shift_factor"):
+            if getattr(args, flag) is not None:
+                ap.error(f"--{flag.replace('_', '-')} is used with --vae only")
+        if (args.embedding_key or args.embedding_keyword) and not args.embedding:
+            ap.error("--embedding-key and --embedding-keyword go with --embedding")
+        if args.class_keyword and (args.embedding or args.no_condition):
+            ap.error("--class-keyword goes with class labels, not with --embedding or --no-condition")
+
     module = _load_factory(args.factory)(**json.loads(args.factory_kwargs))
     if args.list_layers:
+        marks = layer_marks(module)
         for name, m in module.named_modules():
             if name:
-                print(f"{name}\t{type(m).__name__}")
+                mark = f"\t({marks[name]})" if name in marks else ""
+                print(f"{name}\t{type(m).__name__}{mark}")
         return 0
-    if not (args.feature_layer and args.shape and args.out):
-        ap.error("--feature-layer, --shape and --out are required (or use --list-layers)")
+    if args.vae:
+        if not (args.shape and args.out):
+            ap.error("--shape and --out are required (or use --list-layers)")
+    elif not (args.feature_layer and args.shape and args.out):
+        hint = ""
+        if not args.feature_layer:
+            best = suggest_feature_layer(module)
+            hint = f" (suggested feature layer: {best})" if best else ""
+        ap.error(f"--feature-layer, --shape and --out are required (or use --list-layers){hint}")
     if args.weights:
         module.load_state_dict(load_weights(args.weights, args.weights_key, args.strip_prefix))
-    export(module, args.feature_layer, args.out, parameterization=args.parameterization,
-           example_shape=tuple(args.shape), sigma_data=args.sigma_data, schedule=args.schedule,
-           beta_min=args.beta_min, beta_max=args.beta_max, T=args.T, timestep=args.timestep,
-           t_scale=args.t_scale)
+    if args.vae:
+        export_vae(module, args.out, tuple(args.shape), scaling_factor=args.scaling_factor,
+                   shift_factor=args.shift_factor)
+        print(f"wrote {args.out}")
+        return 0
+    if args.embedding:
+        try:
+            condition: Any = Embedding.from_file(args.embedding, args.embedding_key,
+                                                 args.embedding_keyword or "encoder_hidden_states")
+        except (OSError, ValueError) as e:
+            ap.error(f"--embedding: {e}")
+    elif args.class_label is not None:
+        condition = args.class_label
+    elif args.null_class:
+        condition = "null"
+    elif args.no_condition:
+        condition = None
+    else:
+        condition = "auto"
+
+    def given(value, default):
+        return default if value is None else value
+
+    export(module, args.feature_layer, args.out, parameterization=given(args.parameterization, "edm"),
+           example_shape=tuple(args.shape), sigma_data=given(args.sigma_data, 0.5),
+           schedule=given(args.schedule, "linear"), beta_min=args.beta_min, beta_max=args.beta_max,
+           T=given(args.T, 1000), timestep=given(args.timestep, "nearest"), t_scale=args.t_scale,
+           condition=condition, class_keyword=given(args.class_keyword, "class_labels"))
     print(f"wrote {args.out}")
     return 0
 
