@@ -15,6 +15,7 @@ mod hostile_files;
 mod hostile_process;
 mod icr;
 mod keep_best;
+mod latent;
 mod model;
 mod monitoring;
 mod multifile;
