@@ -28,6 +28,8 @@ pub struct Found {
 pub struct Survey {
     pub checkpoints: Vec<Found>,
     pub architecture: Option<PathBuf>,
+    /// A latent model's autoencoder: a `*.ts` whose exporter note says `"kind": "vae"`.
+    pub vae: Option<PathBuf>,
     pub train: Option<PathBuf>,
     pub heldout: Option<PathBuf>,
     /// A pattern matching exactly the checkpoints' names (digits as `*`), when they share one.
@@ -98,7 +100,13 @@ pub fn survey(dir: &Path) -> std::io::Result<Survey> {
                     Ok(CheckpointFormat::TorchScript)
                 )
             {
-                s.architecture.get_or_insert(path);
+                let is_vae = crate::engine::model::export_note(&path)
+                    .is_some_and(|n| n.get("kind").and_then(|k| k.as_str()) == Some("vae"));
+                if is_vae {
+                    s.vae.get_or_insert(path);
+                } else {
+                    s.architecture.get_or_insert(path);
+                }
             }
             continue;
         }
@@ -173,6 +181,12 @@ pub fn describe(dir: &Path, s: &Survey) -> Vec<String> {
         None => out.push(
             "no exported architecture (*.ts) found: export one with diffmon-export (docs/guide/training-stacks.md, \"Exporting the architecture\") and set model.architecture".into(),
         ),
+    }
+    if let Some(v) = &s.vae {
+        out.push(format!(
+            "autoencoder of a latent model (diffmon-export --vae): {}",
+            v.display()
+        ));
     }
     match &s.train {
         Some(t) => out.push(format!("training images: {}", t.display())),
@@ -298,6 +312,13 @@ pub fn config_for(dir: &Path, written: &Path, s: &Survey) -> String {
             &text,
             "  architecture: ",
             &yaml_scalar(&rebase(a).display().to_string()),
+        );
+    }
+    if let Some(v) = &s.vae {
+        text = replace_value(
+            &text.replacen("  # vae: ", "  vae: ", 1),
+            "  vae: ",
+            &yaml_scalar(&rebase(v).display().to_string()),
         );
     }
     if let Some(t) = &s.train {
