@@ -108,9 +108,14 @@ case("text", text, "mid_block", (4, 8, 8), 3,
 print(json.dumps(result))
 "#
     );
-    let reference: Value =
-        serde_json::from_str(stdout(&run_python(&["-c", &script])).trim().lines().last().unwrap())
-            .unwrap();
+    let reference: Value = serde_json::from_str(
+        stdout(&run_python(&["-c", &script]))
+            .trim()
+            .lines()
+            .last()
+            .unwrap(),
+    )
+    .unwrap();
     for (name, described) in [
         ("unet", "held at the null class 10 (`class_labels`)"),
         ("dit", "held at the null class 10 (`class_labels`)"),
@@ -139,4 +144,170 @@ print(json.dumps(result))
             reference[name].as_f64().unwrap(),
         );
     }
+}
+
+/// A latent run as a user has it: `python/train_latent_toy.py` trains a diffusers
+/// `AutoencoderKL` and a class-conditional `DiTTransformer2DModel` on the digits and saves
+/// `checkpoint-N/transformer/` folders with `save_pretrained`; `diffmon-export` exports the VAE
+/// (`--vae`) and the DiT (the null class by default); `diffmon watch` evaluates the run with ICR,
+/// the gap and PFD with the memorization ratio. Each checkpoint is evaluated once; ICR of one
+/// equals the reference's (pixel augmentation, the eager VAE's scaled posterior mean, latent
+/// noise, the eager DiT at the null class); the training latents PFD ran against are the cached
+/// encodings of the training images.
+#[test]
+fn a_latent_run_is_watched_end_to_end_and_matches_the_reference() {
+    use crate::daemon::{Daemon, free_port};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let run = d.join("run");
+    let run_s = run.to_str().unwrap();
+    run_python(&[
+        "python/train_latent_toy.py",
+        "--run-dir",
+        run_s,
+        "--vae-steps",
+        "150",
+        "--steps",
+        "200",
+        "--ckpt-every",
+        "50",
+    ]);
+    let factory = |folder: &str| {
+        format!(
+            "{{\"pretrained_model_name_or_path\": {:?}}}",
+            run.join(folder).display().to_string()
+        )
+    };
+    let (vae, model) = (d.join("vae.ts"), d.join("model.ts"));
+    #[rustfmt::skip]
+    run_python(&[
+        "-m", "diffmon.export", "--vae", "--factory", "diffusers:AutoencoderKL.from_pretrained",
+        "--factory-kwargs", &factory("vae"), "--shape", "3", "16", "16",
+        "--out", vae.to_str().unwrap(),
+    ]);
+    #[rustfmt::skip]
+    run_python(&[
+        "-m", "diffmon.export", "--factory", "diffusers:DiTTransformer2DModel.from_pretrained",
+        "--factory-kwargs", &factory("checkpoint-50/transformer"),
+        "--feature-layer", "transformer_blocks.1", "--shape", "4", "8", "8",
+        "--parameterization", "eps", "--schedule", "linear", "--T", "1000",
+        "--out", model.to_str().unwrap(),
+    ]);
+    let port = free_port();
+    let config = d.join("latent.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "run: {{dir: {run:?}, name: latent}}\nstate_dir: {state:?}\n\
+             model: {{architecture: {model:?}, vae: {vae:?}}}\ndevice: cpu\ncpu_threads: 1\n\
+             data: {{path: {run_s}/train.h5, heldout_path: {run_s}/heldout.h5}}\n\
+             http: {{listen: \"127.0.0.1:{port}\"}}\n\
+             checkpoints: {{settle_secs: 0.5, poll_secs: 0.5}}\n{ICR}\n\
+             pfd: {{enabled: true, samples: 32, batch_size: 32}}\nmemorization: {{enabled: true}}\n",
+            state = d.join("state"),
+        ),
+    )
+    .unwrap();
+    let check = diffmon(&["check-config", config.to_str().unwrap()]);
+    assert!(check.status.success(), "{}", stderr(&check));
+    let said = stdout(&check);
+    assert!(
+        said.contains("held at the null class 10 (`class_labels`)")
+            && said.contains("latent, autoencoder")
+            && said.contains("latents [4,8,8] of images [3,16,16]"),
+        "{said}"
+    );
+
+    let daemon = Daemon::spawn(config.clone(), port);
+    let journal = d.join("state/history.jsonl");
+    let evaluations = || -> Vec<Value> {
+        let text = std::fs::read_to_string(&journal).unwrap_or_default();
+        let complete = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+        complete
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .filter(|e| e["kind"] == "evaluation")
+            .map(|e| e["record"].clone())
+            .collect()
+    };
+    daemon.wait_for(std::time::Duration::from_secs(240), "4 evaluations", |_| {
+        evaluations().len() >= 4
+    });
+    std::thread::sleep(std::time::Duration::from_millis(1500)); // rescans: nothing comes twice
+    let records = evaluations();
+    drop(daemon);
+    let steps: Vec<i64> = records
+        .iter()
+        .map(|r| r["step"].as_i64().unwrap())
+        .collect();
+    assert_eq!(
+        steps,
+        [50, 100, 150, 200],
+        "each checkpoint once: {records:?}"
+    );
+    for r in &records {
+        for key in ["icr", "loss_train", "loss_heldout", "pfd_memorization"] {
+            assert!(r[key].as_f64().is_some_and(f64::is_finite), "{key}: {r}");
+        }
+        let ratio = r["memorization_ratio"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&ratio), "{r}");
+    }
+
+    let cached: Vec<_> = std::fs::read_dir(d.join("state/cache"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let name = p.file_name().unwrap().to_string_lossy();
+            name.starts_with("latents-train-") && name.ends_with(".h5")
+        })
+        .collect();
+    assert_eq!(cached.len(), 1, "one cache of the training latents");
+    let script = format!(
+        r#"
+import json, sys
+import h5py, torch
+sys.path.insert(0, "tests/integration")
+import latent_reference as ref
+from diffusers import AutoencoderKL, DiTTransformer2DModel
+
+torch.set_num_threads(1)
+run = {run_s:?}
+vae = AutoencoderKL.from_pretrained(run + "/vae").eval()
+scale, shift = vae.config.scaling_factor, vae.config.shift_factor or 0.0
+def encode(x):
+    with torch.no_grad():
+        return (vae.encode(x).latent_dist.mean - shift) * scale
+dit = DiTTransformer2DModel.from_pretrained(run + "/checkpoint-100/transformer").eval()
+images = torch.from_numpy(h5py.File(run + "/train.h5")["images"][:])
+icr = ref.icr_of(dit, "transformer_blocks.1", images, samples=128, seed=3, sigma=0.29,
+                 batch_size=32, encode=encode,
+                 class_labels=lambda n: torch.full((n,), 10, dtype=torch.long))
+cached = torch.from_numpy(h5py.File({cache:?})["latents"][:])
+print(json.dumps({{"icr": icr, "cache_error": (cached - encode(images)).abs().max().item(),
+                  "latent_scale": encode(images).abs().max().item()}}))
+"#,
+        cache = cached[0].display().to_string()
+    );
+    let reference: Value = serde_json::from_str(
+        stdout(&run_python(&["-c", &script]))
+            .trim()
+            .lines()
+            .last()
+            .unwrap(),
+    )
+    .unwrap();
+    close(
+        "checkpoint-100",
+        records[1]["icr"].as_f64().unwrap(),
+        reference["icr"].as_f64().unwrap(),
+    );
+    // The cache holds the VAE's float32 encodings, made in other batches than the reference's:
+    // equal to float32 rounding of values of order `latent_scale`.
+    let error = reference["cache_error"].as_f64().unwrap();
+    let scale = reference["latent_scale"].as_f64().unwrap();
+    assert!(
+        error <= 1e-5 * scale,
+        "cache differs by {error} (scale {scale})"
+    );
 }
