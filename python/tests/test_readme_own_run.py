@@ -30,10 +30,16 @@ BINARY = ROOT / "target" / "release" / "diffmon"
 STEPS = [50, 100, 150, 200]
 
 
-def own_run_blocks() -> list[tuple[str, str]]:
+LATENT = "\n### A latent model: steps 1 to 3\n"
+
+
+def own_run_blocks(latent: bool = False) -> list[tuple[str, str]]:
+    """The blocks of "Your own run"'s seven steps, or (``latent``) of its latent variant."""
     text = (ROOT / "README.md").read_text()
     start = text.index("\n## Your own run\n")
     end = text.index("\n## ", start + 1)
+    split = text.index(LATENT, start, end)
+    start, end = (split, end) if latent else (start, split)
     return re.findall(r"```(sh|python)\n(.*?)```", text[start:end], re.S)
 
 
