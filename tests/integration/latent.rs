@@ -203,7 +203,8 @@ fn a_latent_run_is_watched_end_to_end_and_matches_the_reference() {
              data: {{path: {run_s}/train.h5, heldout_path: {run_s}/heldout.h5}}\n\
              http: {{listen: \"127.0.0.1:{port}\"}}\n\
              checkpoints: {{settle_secs: 0.5, poll_secs: 0.5}}\n{ICR}\n\
-             pfd: {{enabled: true, samples: 32, batch_size: 32}}\nmemorization: {{enabled: true}}\n",
+             pfd: {{enabled: true, samples: 32, batch_size: 32}}\nmemorization: {{enabled: true}}\n\
+             tail: {{enabled: true, reference: training}}\n",
             state = d.join("state"),
         ),
     )
@@ -246,7 +247,14 @@ fn a_latent_run_is_watched_end_to_end_and_matches_the_reference() {
         "each checkpoint once: {records:?}"
     );
     for r in &records {
-        for key in ["icr", "loss_train", "loss_heldout", "pfd_memorization"] {
+        for key in [
+            "icr",
+            "loss_train",
+            "loss_heldout",
+            "pfd_memorization",
+            "tail_rmsqe",
+            "tail_loader",
+        ] {
             assert!(r[key].as_f64().is_some_and(f64::is_finite), "{key}: {r}");
         }
         let ratio = r["memorization_ratio"].as_f64().unwrap();
@@ -310,4 +318,52 @@ print(json.dumps({{"icr": icr, "cache_error": (cached - encode(images)).abs().ma
         error <= 1e-5 * scale,
         "cache differs by {error} (scale {scale})"
     );
+
+    // The same training latents from a file (`data.latents_path`), without the autoencoder (so
+    // without ICR and the held-out gap): PFD gives the watched numbers; latents twice as large
+    // (values far beyond [-1, 1], which latents need not respect) give others.
+    let copy = format!(
+        r#"
+import h5py
+z = h5py.File({cache:?})["latents"][:]
+for name, factor in (("latents.h5", 1.0), ("doubled.h5", 2.0)):
+    with h5py.File({d:?} + "/" + name, "w") as f:
+        f.create_dataset("latents", data=z * factor)
+"#,
+        cache = cached[0].display().to_string(),
+        d = d.display().to_string()
+    );
+    run_python(&["-c", &copy]);
+    let pfd_only = |file: &str| {
+        let config = d.join(format!("{file}.yaml"));
+        std::fs::write(
+            &config,
+            format!(
+                "run: {{dir: {run:?}}}\nstate_dir: {state:?}\nmodel: {{architecture: {model:?}}}\n\
+                 device: cpu\ncpu_threads: 1\n\
+                 data: {{path: {run_s}/train.h5, latents_path: {d}/{file}}}\n\
+                 icr: {{enabled: false}}\npfd: {{enabled: true, samples: 32, batch_size: 32, teacher: {model:?}}}\n\
+                 memorization: {{enabled: true}}\nearly_stop: {{metric: pfd_generalization}}\n",
+                state = d.join(format!("{file}.state")),
+                d = d.display(),
+            ),
+        )
+        .unwrap();
+        eval(&config, &run.join("checkpoint-100"))
+    };
+    let same = pfd_only("latents.h5");
+    let watched = &records[1];
+    for key in ["pfd_memorization", "memorization_ratio"] {
+        let (a, b) = (same[key].as_f64().unwrap(), watched[key].as_f64().unwrap());
+        assert!(
+            (a - b).abs() <= 1e-9 * b.abs().max(1e-12),
+            "{key}: {a} against {b}"
+        );
+    }
+    assert!(
+        same.get("icr").is_none() && same.get("loss_train").is_none(),
+        "{same}"
+    );
+    let doubled = pfd_only("doubled.h5");
+    assert_ne!(doubled["pfd_memorization"], same["pfd_memorization"]);
 }
