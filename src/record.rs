@@ -85,6 +85,8 @@ pub enum FailureReason {
     NonFinite,
     /// The checkpoint was deleted or rewritten while it was evaluated.
     Vanished,
+    /// The checkpoint was deleted before its turn (the training job's rotation), unpinned.
+    Rotated,
     /// Anything else.
     Error,
     /// The process died (a fatal signal) while evaluating it; recorded after the restart.
@@ -102,11 +104,12 @@ pub enum FailureReason {
 
 impl FailureReason {
     /// Every reason, in the order the metric's series are created (each at 0).
-    pub const ALL: [FailureReason; 10] = [
+    pub const ALL: [FailureReason; 11] = [
         FailureReason::Unreadable,
         FailureReason::Mismatch,
         FailureReason::NonFinite,
         FailureReason::Vanished,
+        FailureReason::Rotated,
         FailureReason::Error,
         FailureReason::Crashed,
         FailureReason::JobFailed,
@@ -122,6 +125,7 @@ impl FailureReason {
             FailureReason::Mismatch => "mismatch",
             FailureReason::NonFinite => "non_finite",
             FailureReason::Vanished => "vanished",
+            FailureReason::Rotated => "rotated",
             FailureReason::Error => "error",
             FailureReason::Crashed => "crashed",
             FailureReason::JobFailed => "job_failed",
@@ -722,6 +726,7 @@ mod tests {
                 "mismatch",
                 "non_finite",
                 "vanished",
+                "rotated",
                 "error",
                 "crashed",
                 "job_failed",

@@ -57,11 +57,7 @@ pub fn eval(
                 if failure_lines {
                     let reason = match &key {
                         Some(key) => crate::daemon::failure_reason(
-                            &crate::daemon::watcher::WorkItem {
-                                path: path.clone(),
-                                step,
-                                key: key.clone(),
-                            },
+                            &crate::daemon::watcher::WorkItem::new(path.clone(), step, key.clone()),
                             &e,
                         ),
                         None => crate::record::FailureReason::Unreadable,

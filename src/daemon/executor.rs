@@ -56,7 +56,24 @@ pub struct Lane {
     pub outcomes: Sender<Outcome>,
 }
 
-/// Is the unit on disk still the version the item names?
+/// Is the unit on disk still the version the item names? A pinned item's files are its pin's.
 pub(super) fn unchanged(item: &WorkItem) -> bool {
-    crate::store::unit::key(&item.path).ok().as_ref() == Some(&item.key)
+    match &item.pin {
+        Some(pin) => pin.unchanged(),
+        None => crate::store::unit::key(&item.path).ok().as_ref() == Some(&item.key),
+    }
+}
+
+/// The outcome of an item deleted before its turn without a pin: a `rotated` failure, with no
+/// evaluation.
+pub(super) fn rotated(item: &WorkItem) -> Option<Outcome> {
+    item.rotated.then(|| {
+        Outcome::Failed(
+            item.clone(),
+            FailureReason::Rotated,
+            "deleted before its evaluation (the training job's checkpoint rotation?), and not \
+             pinned (docs/guide/watching.md, \"Rotation\")"
+                .into(),
+        )
+    })
 }

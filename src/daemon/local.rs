@@ -2,7 +2,7 @@
 //! [`start_shared`], the one evaluator thread of a sweep; both evaluate one item at a time with
 //! the crash marker naming it.
 
-use super::executor::{Executor, ExecutorError, Lane, Outcome, unchanged};
+use super::executor::{Executor, ExecutorError, Lane, Outcome, rotated, unchanged};
 use crate::config::Config;
 use crate::daemon::watcher::WorkItem;
 use crate::engine::eval::{Architectures, EvalError, Evaluator};
@@ -181,13 +181,16 @@ fn round_robin<'a, T: 'a>(
 
 /// Evaluates one item with the crash marker naming it (docs/design.md §10).
 fn evaluate(evaluator: &mut Evaluator, item: WorkItem) -> Outcome {
+    if let Some(outcome) = rotated(&item) {
+        return outcome;
+    }
     crate::store::crash::evaluating(Some(&InFlight {
         key: item.key.clone(),
         step: item.step,
     }));
     // Logged once a crash would be recorded against this checkpoint.
     tracing::debug!(checkpoint = %untrusted(&item.path), step = item.step, "evaluating");
-    let evaluated = evaluator.evaluate(&item.path, item.step);
+    let evaluated = evaluator.evaluate_from(&item.path, item.files(), item.step);
     crate::store::crash::evaluating(None);
     match evaluated {
         // A file deleted or rewritten while it was read may not be what was evaluated.
@@ -230,11 +233,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ckpt_1.pt");
         std::fs::write(&path, b"weights").unwrap();
-        let item = WorkItem {
-            key: crate::store::unit::key(&path).unwrap(),
-            path: path.clone(),
-            step: 1,
-        };
+        let item = WorkItem::new(path.clone(), 1, crate::store::unit::key(&path).unwrap());
         let invalid = || EvalError::Invalid {
             checkpoint: path.clone(),
             message: "ICR is NaN".into(),

@@ -94,6 +94,7 @@ pub fn run(config: Config) -> Result<()> {
     let watcher = Watcher::new(&config.run.dir, &config.checkpoints, done, metrics.clone())
         .with_excluded(config.named_files())
         .with_crash_marker(lock.state().path())
+        .with_pins(lock.state().path(), lock.state().shown())
         .following(lock.state().clone());
     let watcher = std::thread::Builder::new()
         .name("diffmon-watch".into())
@@ -136,14 +137,14 @@ pub(super) mod tests {
     /// A work item for `ckpt_<step>.pt` (the stages' tests share it).
     pub(super) fn item(step: i64) -> WorkItem {
         let path = format!("ckpt_{step}.pt");
-        WorkItem {
-            path: path.clone().into(),
+        WorkItem::new(
+            path.clone().into(),
             step,
-            key: CheckpointKey {
+            CheckpointKey {
                 path,
                 size: 1000 + step as u64,
                 mtime_ns: step,
             },
-        }
+        )
     }
 }

@@ -93,11 +93,7 @@ impl Recorder {
             FailureReason::Crashed
         );
         let message = format!("the process died ({}) while evaluating it", crash.cause);
-        let item = WorkItem {
-            path: key.path.clone().into(),
-            step,
-            key,
-        };
+        let item = WorkItem::new(key.path.clone().into(), step, key);
         self.record(
             Outcome::Failed(item, FailureReason::Crashed, message),
             recorded,

@@ -17,6 +17,7 @@ use crate::record::Evaluation;
 use crate::report::Snapshot;
 use crate::store::history::{CheckpointKey, Entry};
 use crate::store::keep_best::Keeper;
+use crate::store::pin::Pin;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -39,6 +40,11 @@ pub struct RunState {
     snapshot: Arc<Mutex<Snapshot>>,
     /// Keeps the best checkpoint safe from rotation (`early_stop.keep_best`).
     keeper: Option<Keeper>,
+    /// The pin ([`crate::store::pin`]) of the evaluation being observed, by checkpoint.
+    observed_pin: Option<(String, Arc<Pin>)>,
+    /// The pin of the best checkpoint, held while it is the best: the keeper links from it
+    /// once rotation deleted the original.
+    best_pin: Option<(String, Arc<Pin>)>,
     /// With a keeper: each evaluated checkpoint's key when it was evaluated, so that what is
     /// kept is what was measured (`keep_best::keep`).
     evaluated: HashMap<String, CheckpointKey>,
@@ -78,6 +84,8 @@ impl RunState {
             snapshot: Arc::new(Mutex::new(Snapshot::new(run, metric))),
             evaluated: HashMap::new(),
             keeper,
+            observed_pin: None,
+            best_pin: None,
         };
         if state.keeper.is_some() {
             for entry in entries {
@@ -119,7 +127,11 @@ impl RunState {
                 }
                 self.metrics.record(record);
                 self.metrics.evaluated(record);
-                self.decide(record, at)
+                // Its pin, should it be the new best: the keeper links from it.
+                self.observed_pin = item.pin.clone().map(|p| (record.checkpoint.clone(), p));
+                let event = self.decide(record, at);
+                self.observed_pin = None;
+                event
             }
             Outcome::Failed(_, reason, _) => {
                 self.metrics.failure(*reason);
@@ -129,11 +141,18 @@ impl RunState {
         }
     }
 
-    /// Asks the keeper (if any) to keep the best checkpoint, as it was evaluated.
-    fn keep_best(&self) {
+    /// Asks the keeper (if any) to keep the best checkpoint, as it was evaluated, from its pin
+    /// while there is one (the best's pin is held until another checkpoint is the best).
+    fn keep_best(&mut self) {
         if let (Some(keeper), Some(best)) = (&self.keeper, &self.detector.state.best) {
             let evaluated = self.evaluated.get(&best.checkpoint).cloned();
-            keeper.keep(Path::new(&best.checkpoint), evaluated);
+            let pin = [&self.observed_pin, &self.best_pin]
+                .into_iter()
+                .flatten()
+                .find(|(c, _)| *c == best.checkpoint)
+                .map(|(_, p)| p.clone());
+            self.best_pin = pin.clone().map(|p| (best.checkpoint.clone(), p));
+            keeper.keep(Path::new(&best.checkpoint), evaluated, pin);
         }
     }
 

@@ -304,6 +304,7 @@ impl Started {
         .with_excluded(config.named_files())
         .with_notifications(self.notifications.clone())
         .with_crash_marker(lock.state().path())
+        .with_pins(lock.state().path(), lock.state().shown())
         .following(lock.state().clone());
         let stopped = stopped.clone();
         self.watchers.push(

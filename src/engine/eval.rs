@@ -332,9 +332,20 @@ impl Evaluator {
     /// Loads the weights of `checkpoint` (a file, or a checkpoint folder: see [`crate::store::unit`])
     /// and computes the enabled metrics. The record names `checkpoint` itself.
     pub fn evaluate(&mut self, checkpoint: &Path, step: i64) -> Result<Evaluation, EvalError> {
+        self.evaluate_from(checkpoint, checkpoint, step)
+    }
+
+    /// [`Evaluator::evaluate`] of `checkpoint`, its files read from `files` (its pin,
+    /// [`crate::store::pin`], when rotation may delete it).
+    pub fn evaluate_from(
+        &mut self,
+        checkpoint: &Path,
+        files: &Path,
+        step: i64,
+    ) -> Result<Evaluation, EvalError> {
         let started = Instant::now();
         let opts = read_options(&self.config.checkpoints);
-        let weights = crate::store::unit::weights_path(checkpoint, &self.config.checkpoints)?;
+        let weights = crate::store::unit::weights_path(files, &self.config.checkpoints)?;
         let mut model = self.model.borrow_mut();
         let loaded = model.load_weights(&weights, &opts);
         // What the checkpoint itself makes the process take is spent: a death from here on is

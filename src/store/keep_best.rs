@@ -31,6 +31,7 @@
 //! must not wait for it.
 
 use crate::store::history::CheckpointKey;
+use crate::store::pin::Pin;
 use crate::store::safe_fs::{TEMP_SUFFIX, is_temp_name, sync_dir, untrusted};
 use crate::store::unit::{MAX_DEPTH, MAX_ENTRIES};
 use std::ffi::OsStr;
@@ -99,9 +100,46 @@ pub fn keep(
     checkpoint: &Path,
     evaluated: Option<&CheckpointKey>,
 ) -> Result<Kept, KeepBestError> {
-    keep_with(state_dir, checkpoint, evaluated, &|from, to| {
+    keep_from(state_dir, checkpoint, checkpoint, evaluated)
+}
+
+/// [`keep`], with the files read from `source`, a copy of `checkpoint` (its pin,
+/// [`crate::store::pin`]: links to the same files, there after rotation deleted the original).
+pub fn keep_from(
+    state_dir: &Path,
+    checkpoint: &Path,
+    source: &Path,
+    evaluated: Option<&CheckpointKey>,
+) -> Result<Kept, KeepBestError> {
+    keep_with(state_dir, checkpoint, source, evaluated, &|from, to| {
         fs::hard_link(from, to)
     })
+}
+
+/// Makes the new path `to` a copy of the checkpoint unit `from` whose regular files are all
+/// hard links (never copies: a link is refused, e.g. across file systems, and it fails), bounded
+/// and following no link as [`keep`] does. Links share the files' blocks and times.
+pub fn link_unit(from: &Path, to: &Path) -> Result<(), KeepBestError> {
+    let meta = fs::symlink_metadata(from).map_err(io_error(from))?;
+    let mut kept = Kept {
+        path: to.to_path_buf(),
+        linked: 0,
+        copied: 0,
+    };
+    let link = |a: &Path, b: &Path| fs::hard_link(a, b);
+    if meta.file_type().is_symlink() {
+        Err(KeepBestError::Link {
+            path: from.to_path_buf(),
+        })
+    } else if meta.is_dir() {
+        copy_tree(from, &meta, to, &link, false, &mut kept)
+    } else if meta.is_file() {
+        link_or_copy(from, to, &link, false, &mut kept)
+    } else {
+        Err(KeepBestError::NotRegular {
+            path: from.to_path_buf(),
+        })
+    }
 }
 
 /// The kept copy of `checkpoint`, if `<state_dir>/best/` holds a complete one: the same files,
@@ -127,6 +165,7 @@ fn is_kept(path: &Path) -> bool {
 fn keep_with(
     state_dir: &Path,
     checkpoint: &Path,
+    source: &Path,
     evaluated: Option<&CheckpointKey>,
     link: &dyn Fn(&Path, &Path) -> io::Result<()>,
 ) -> Result<Kept, KeepBestError> {
@@ -140,23 +179,23 @@ fn keep_with(
         copied: 0,
     };
     // Deleted by rotation after it was kept (a restart): the kept copy is what is left of it.
-    let meta = match fs::symlink_metadata(checkpoint) {
+    let meta = match fs::symlink_metadata(source) {
         Err(e) if e.kind() == io::ErrorKind::NotFound && is_kept(&target) => None,
-        other => Some(other.map_err(io_error(checkpoint))?),
+        other => Some(other.map_err(io_error(source))?),
     };
-    if let Some(meta) = meta.filter(|_| !same(&target, checkpoint)) {
+    if let Some(meta) = meta.filter(|_| !same(&target, source)) {
         let tmp = temp_name(&dir, name);
         let built = if meta.file_type().is_symlink() {
             Err(KeepBestError::Link {
-                path: checkpoint.to_path_buf(),
+                path: source.to_path_buf(),
             })
         } else if meta.is_dir() {
-            copy_tree(checkpoint, &meta, &tmp, link, &mut kept)
+            copy_tree(source, &meta, &tmp, link, true, &mut kept)
         } else if meta.is_file() {
-            link_or_copy(checkpoint, &tmp, link, &mut kept)
+            link_or_copy(source, &tmp, link, true, &mut kept)
         } else {
             Err(KeepBestError::NotRegular {
-                path: checkpoint.to_path_buf(),
+                path: source.to_path_buf(),
             })
         }
         .and_then(|()| match evaluated {
@@ -254,11 +293,13 @@ fn remove_entry(path: &Path) {
     }
 }
 
-/// Links the regular file `from` at the new name `to`, or copies it when a link is not possible.
+/// Links the regular file `from` at the new name `to`, or, with `copy`, copies it when a link is
+/// not possible.
 fn link_or_copy(
     from: &Path,
     to: &Path,
     link: &dyn Fn(&Path, &Path) -> io::Result<()>,
+    copy: bool,
     kept: &mut Kept,
 ) -> Result<(), KeepBestError> {
     match link(from, to) {
@@ -278,10 +319,11 @@ fn link_or_copy(
         // Another file system, a file system without links, or links refused (Linux's
         // protected_hardlinks, for a file of another user): a copy.
         Err(e)
-            if matches!(
-                e.raw_os_error(),
-                Some(libc::EXDEV | libc::EPERM | libc::EMLINK | libc::EOPNOTSUPP)
-            ) =>
+            if copy
+                && matches!(
+                    e.raw_os_error(),
+                    Some(libc::EXDEV | libc::EPERM | libc::EMLINK | libc::EOPNOTSUPP)
+                ) =>
         {
             copy_file(from, to)?;
             kept.copied += 1;
@@ -334,6 +376,7 @@ fn copy_tree(
     meta: &fs::Metadata,
     to: &Path,
     link: &dyn Fn(&Path, &Path) -> io::Result<()>,
+    copy: bool,
     kept: &mut Kept,
 ) -> Result<(), KeepBestError> {
     let mkdir = |p: &Path| {
@@ -398,7 +441,7 @@ fn copy_tree(
                 mkdir(&d)?;
                 stack.push((dir.clone(), Some(entry.file_name()), d, depth + 1));
             } else if ft.is_file() {
-                link_or_copy(&s, &d, link, kept)?;
+                link_or_copy(&s, &d, link, copy, kept)?;
             } else {
                 skipped += 1;
             }
@@ -511,8 +554,9 @@ fn same(kept: &Path, checkpoint: &Path) -> bool {
 /// What [`Keeper`]'s thread and its callers share.
 #[derive(Default)]
 struct Slot {
-    /// The newest checkpoint asked for, not started yet.
-    wanted: Option<(PathBuf, Option<CheckpointKey>)>,
+    /// The newest checkpoint asked for, not started yet: its path, its key when evaluated, and
+    /// its pin (the files to link from; held until the keep is done or replaced).
+    wanted: Option<(PathBuf, Option<CheckpointKey>, Option<Arc<Pin>>)>,
     /// The one being kept now.
     busy: Option<PathBuf>,
     /// The last one kept, and where.
@@ -541,12 +585,13 @@ impl Keeper {
     }
 
     /// Asks for `checkpoint` to be kept, when it is still what was evaluated (`evaluated`, its
-    /// key then: see [`keep`]); a request not started yet is replaced.
-    pub fn keep(&self, checkpoint: &Path, evaluated: Option<CheckpointKey>) {
+    /// key then: see [`keep`]), read from its `pin` when it has one ([`keep_from`]); a request
+    /// not started yet is replaced.
+    pub fn keep(&self, checkpoint: &Path, evaluated: Option<CheckpointKey>, pin: Option<Arc<Pin>>) {
         self.start();
         let (slot, changed) = &*self.shared;
         let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
-        s.wanted = Some((checkpoint.to_path_buf(), evaluated));
+        s.wanted = Some((checkpoint.to_path_buf(), evaluated, pin));
         changed.notify_all();
     }
 
@@ -556,7 +601,7 @@ impl Keeper {
     pub fn kept(&self, checkpoint: &Path) -> Option<PathBuf> {
         let (slot, changed) = &*self.shared;
         let pending = |s: &Slot| {
-            s.wanted.as_ref().is_some_and(|(w, _)| w == checkpoint)
+            s.wanted.as_ref().is_some_and(|(w, _, _)| w == checkpoint)
                 || s.busy.as_deref() == Some(checkpoint)
         };
         let s = slot.lock().unwrap_or_else(|e| e.into_inner());
@@ -614,7 +659,7 @@ impl Drop for Keeper {
 fn run(state_dir: &Path, shared: &(Mutex<Slot>, Condvar)) {
     let (slot, changed) = shared;
     loop {
-        let (checkpoint, evaluated) = {
+        let (checkpoint, evaluated, pin) = {
             let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
             while s.wanted.is_none() && !s.stop {
                 s = changed.wait(s).unwrap_or_else(|e| e.into_inner());
@@ -622,12 +667,14 @@ fn run(state_dir: &Path, shared: &(Mutex<Slot>, Condvar)) {
             if s.stop {
                 return;
             }
-            let (c, evaluated) = s.wanted.take().expect("waited for it");
+            let (c, evaluated, pin) = s.wanted.take().expect("waited for it");
             s.busy = Some(c.clone());
-            (c, evaluated)
+            (c, evaluated, pin)
         };
         let started = std::time::Instant::now();
-        let result = keep(state_dir, &checkpoint, evaluated.as_ref());
+        let source = pin.as_ref().map_or(checkpoint.as_path(), |p| p.path());
+        let result = keep_from(state_dir, &checkpoint, source, evaluated.as_ref());
+        drop(pin);
         let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
         s.busy = None;
         match result {
@@ -780,7 +827,7 @@ mod tests {
         write(&ck.join("a/b/weights.bin"), &vec![7u8; 100_000]);
         write(&ck.join("optimizer.bin"), b"opt");
         let exdev = |_: &Path, _: &Path| Err(io::Error::from_raw_os_error(libc::EXDEV));
-        let kept = keep_with(&state, &ck, None, &exdev).unwrap();
+        let kept = keep_with(&state, &ck, &ck, None, &exdev).unwrap();
         assert_eq!((kept.linked, kept.copied), (0, 2));
         let copy = state.join("best/checkpoint-500/a/b/weights.bin");
         assert_eq!(fs::read(&copy).unwrap(), vec![7u8; 100_000]);
@@ -793,13 +840,13 @@ mod tests {
             0o600
         );
         // Recognized as complete: a second call copies nothing.
-        let again = keep_with(&state, &ck, None, &exdev).unwrap();
+        let again = keep_with(&state, &ck, &ck, None, &exdev).unwrap();
         assert_eq!((again.linked, again.copied), (0, 0));
         // Any other error of the link is an error, and leaves nothing behind.
         let denied = |_: &Path, _: &Path| Err(io::Error::from_raw_os_error(libc::EIO));
         let other = run.path().join("ckpt_600.pt");
         write(&other, b"x");
-        assert!(keep_with(&state, &other, None, &denied).is_err());
+        assert!(keep_with(&state, &other, &other, None, &denied).is_err());
         assert_eq!(kept_names(&state), ["checkpoint-500"]);
     }
 
@@ -858,7 +905,7 @@ mod tests {
         let keeper = Keeper::new(&state);
         assert_eq!(keeper.kept(&paths[0]), None);
         for p in &paths {
-            keeper.keep(p, None);
+            keeper.keep(p, None, None);
         }
         let kept = keeper.kept(&paths[4]).unwrap();
         assert_eq!(kept, state.join("best/ckpt_500.pt"));
@@ -921,7 +968,15 @@ mod tests {
             copied: 0,
         };
         let to = state.join("copy");
-        let e = copy_tree(&ck, &meta, &to, &|f, t| fs::hard_link(f, t), &mut kept).unwrap_err();
+        let e = copy_tree(
+            &ck,
+            &meta,
+            &to,
+            &|f, t| fs::hard_link(f, t),
+            true,
+            &mut kept,
+        )
+        .unwrap_err();
         assert!(matches!(e, KeepBestError::Link { .. }), "{e}");
         assert!(!to.join("id_rsa").exists());
         // A subfolder that is a link is skipped, not walked into.
@@ -932,7 +987,15 @@ mod tests {
         fs::remove_dir(ck.join("sub")).unwrap();
         std::os::unix::fs::symlink(&secret, ck.join("sub")).unwrap();
         let to = state.join("copy2");
-        copy_tree(&ck, &meta, &to, &|f, t| fs::hard_link(f, t), &mut kept).unwrap();
+        copy_tree(
+            &ck,
+            &meta,
+            &to,
+            &|f, t| fs::hard_link(f, t),
+            true,
+            &mut kept,
+        )
+        .unwrap();
         assert!(to.join("model.safetensors").is_file());
         assert!(!to.join("sub").exists(), "the linked folder was copied");
     }

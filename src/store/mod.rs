@@ -9,12 +9,14 @@
 //! - [`crash`]: the crash marker, so a checkpoint that killed the process is recorded, not
 //!   evaluated again;
 //! - [`unit`]: what a checkpoint is in a run folder (a file, or a folder and its weights);
-//! - [`keep_best`]: the keeper of the best checkpoints.
+//! - [`keep_best`]: the keeper of the best checkpoints; [`pin`]: checkpoints pinned against
+//!   rotation from when they are found complete until their outcome is recorded.
 
 pub mod crash;
 pub mod history;
 pub mod keep_best;
 pub mod lock;
+pub mod pin;
 pub mod safe_fs;
 pub mod state_dir;
 pub mod unit;

@@ -326,6 +326,20 @@ impl Runner {
                         }
                     }
                 };
+                if let Some(outcome) = crate::daemon::executor::rotated(&item) {
+                    // Never submitted: its outcome waits for its turn in the queue.
+                    jobs.push_back(Job {
+                        item,
+                        index: self.index,
+                        attempt: 0,
+                        folder: String::new(),
+                        state: State::Finished(outcome),
+                        slot: false,
+                        array: None,
+                    });
+                    self.index += 1;
+                    continue;
+                }
                 if self.journaled.contains_key(&item.key) {
                     // Adopted: in flight already, over the cap or not.
                     self.slots.take_anyway();

@@ -17,6 +17,27 @@ pub struct WorkItem {
     pub path: PathBuf,
     pub step: i64,
     pub key: CheckpointKey,
+    /// Its pin ([`crate::store::pin`]): the files to read, whatever rotation does to `path`.
+    pub pin: Option<Arc<crate::store::pin::Pin>>,
+    /// Deleted before its turn, unpinned: recorded as a `rotated` failure, never evaluated.
+    pub rotated: bool,
+}
+
+impl WorkItem {
+    pub fn new(path: PathBuf, step: i64, key: CheckpointKey) -> WorkItem {
+        WorkItem {
+            path,
+            step,
+            key,
+            pin: None,
+            rotated: false,
+        }
+    }
+
+    /// Where its files are read: the pin, else the checkpoint itself.
+    pub fn files(&self) -> &Path {
+        self.pin.as_ref().map_or(&self.path, |p| p.path())
+    }
 }
 
 /// A file seen in the run folder that has not been handed over yet.
@@ -68,6 +89,8 @@ pub struct Watcher {
     /// watcher's thread when it runs).
     pub(super) crash_dir: Option<PathBuf>,
     pub(super) marker: Option<crate::store::crash::ThreadMarker>,
+    /// Where complete checkpoints are pinned against rotation (`None`: not pinned).
+    pub(super) pins: Option<crate::store::pin::Pins>,
 }
 
 /// A name from `run.dir` for logs (control characters escaped).
@@ -104,7 +127,34 @@ impl Watcher {
             shared_notifications: None,
             crash_dir: None,
             marker: None,
+            pins: None,
         }
+    }
+
+    /// Pins complete checkpoints in `state_dir` until their outcome is recorded
+    /// ([`crate::store::pin`]); the pins a previous daemon left of checkpoints deleted since are
+    /// offered again, to be evaluated from the pin, unless the history has them.
+    pub fn with_pins(mut self, state_dir: &Path, configured: &Path) -> Watcher {
+        let pins = match crate::store::pin::Pins::open(state_dir, configured) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(state_dir = %state_dir.display(), "cannot make the folder for pins ({e}): checkpoints are not pinned against rotation");
+                return self;
+            }
+        };
+        for left in pins.leftovers(&self.dir) {
+            if self.offered.contains(&left.key) {
+                continue; // recorded before the restart; dropping the pin removes it
+            }
+            let path = PathBuf::from(&left.key.path);
+            tracing::info!(checkpoint = %shown(&path), step = left.step,
+                "deleted while the daemon was stopped; evaluated from its pin");
+            let mut item = WorkItem::new(path.clone(), left.step, left.key);
+            item.pin = Some(left.pin);
+            self.ready.insert((left.step, path), item);
+        }
+        self.pins = Some(pins);
+        self
     }
 
     /// Notifications through a sweep's one inotify instance instead of one of its own.

@@ -220,9 +220,10 @@ impl Watcher {
             }
         }
         self.note_ignored(ignored);
-        // Files that vanished before evaluation are forgotten.
+        self.deleted_before_their_turn(&present);
         self.candidates.retain(|p, _| present.contains(p));
-        self.ready.retain(|(_, p), _| present.contains(p));
+        self.ready
+            .retain(|(_, p), w| present.contains(p) || w.pin.is_some() || w.rotated);
         self.warned_no_step.retain(|p| matching.contains(p));
         self.warned_not_regular.retain(|p| matching.contains(p));
         self.unreadable.retain(|p| present.contains(p));
@@ -293,10 +294,58 @@ impl Watcher {
             if !valid {
                 tracing::warn!(checkpoint = %shown(&path), "not a valid checkpoint container (renamed into place, or stable for {give_up:?}); handing it over to be recorded as a failure");
             }
-            self.ready
-                .insert((step, path.clone()), WorkItem { path, step, key });
+            let mut item = WorkItem::new(path.clone(), step, key);
+            if valid {
+                item.pin = self
+                    .pins
+                    .as_ref()
+                    .and_then(|pins| pins.pin(&path, &item.key, step));
+            }
+            self.ready.insert((step, path), item);
         }
         self.metrics.set_pending(self.ready.len());
+    }
+
+    /// Checkpoints deleted before their turn, found by a scan that listed `present` (those not
+    /// handed over): never forgotten. One waiting unpinned, or still settling, becomes a
+    /// `rotated` item, recorded as a failure in its turn; a pinned one stays, to be evaluated
+    /// from its pin. Only a name that no longer exists counts: one whose key could not be read
+    /// this time (a folder being written) is looked at again at the next scan.
+    fn deleted_before_their_turn(&mut self, present: &HashSet<PathBuf>) {
+        let gone = |p: &Path| {
+            matches!(std::fs::symlink_metadata(p),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+        };
+        let settling: Vec<(PathBuf, CheckpointKey)> = self
+            .candidates
+            .iter()
+            .filter(|(p, _)| !present.contains(*p) && gone(p))
+            .map(|(p, c)| {
+                let key = CheckpointKey {
+                    path: p.display().to_string(),
+                    size: c.size,
+                    mtime_ns: c.mtime_ns,
+                };
+                (p.clone(), key)
+            })
+            .collect();
+        for (path, key) in settling {
+            if let Some(step) = self.step(&path) {
+                let mut item = WorkItem::new(path.clone(), step, key);
+                item.rotated = true;
+                tracing::warn!(checkpoint = %shown(&path), step,
+                    "deleted before it was complete or evaluated (rotation?): recorded as `rotated`");
+                self.ready.insert((step, path), item);
+            }
+        }
+        for w in self.ready.values_mut() {
+            if present.contains(&w.path) || w.pin.is_some() || w.rotated || !gone(&w.path) {
+                continue;
+            }
+            w.rotated = true;
+            tracing::warn!(checkpoint = %shown(&w.path), step = w.step,
+                "deleted before its evaluation and not pinned (rotation?): recorded as `rotated`");
+        }
     }
 
     /// An entry whose name is not UTF-8: never a checkpoint (no pattern matches it, no record

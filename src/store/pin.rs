@@ -1,0 +1,333 @@
+//! Pins (docs/design.md §10, "Rotation takes nothing mid-evaluation"): a checkpoint the watcher
+//! has found complete is *pinned* — made a hard-linked copy in `<state_dir>/pins/<name>` — until
+//! its outcome is recorded, so that the training job's rotation (`checkpoints_total_limit`,
+//! `save_top_k`, `keep_latest_k`) cannot delete it while it waits for its turn or is evaluated:
+//! the evaluator reads the pin, the record names the checkpoint.
+//!
+//! - **Links only.** Every regular file of the unit is hard-linked ([`keep_best::link_unit`]:
+//!   bounded, no link followed); nothing is copied. A pin costs no disk while the original
+//!   exists, and the checkpoint's size once rotation deleted it, until its record. Where links
+//!   are not possible (the state folder on another file system) nothing is pinned, and one
+//!   warning says so: a checkpoint deleted before its turn is then counted as `rotated`.
+//! - **Bounded.** At most [`MAX_PINS`] pins per run at once (the queue of a run that falls
+//!   behind); beyond, checkpoints wait unpinned, as they did before pins.
+//! - **Released by dropping.** A [`Pin`] is shared (`Arc`) by the work item and whoever still
+//!   needs its files (the keeper of the best checkpoint); the last one to drop it removes it.
+//! - **Restarts.** Beside each pin, `<name>.key` records the checkpoint's key and step. At start,
+//!   [`Pins::leftovers`] lists the pins a previous daemon left: a checkpoint that rotation has
+//!   deleted since is evaluated from its pin; any other leftover is removed.
+
+use crate::store::history::CheckpointKey;
+use crate::store::keep_best;
+use crate::store::safe_fs::{is_temp_name, untrusted};
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+/// The folder of `state_dir` that holds the pins.
+pub const PINS_DIR: &str = "pins";
+/// The most checkpoints one run keeps pinned at once.
+pub const MAX_PINS: usize = 16;
+
+/// A pinned checkpoint: removed when the last holder drops it.
+#[derive(Debug)]
+pub struct Pin {
+    path: PathBuf,
+    /// `path` under the configured state folder, for other processes (a Slurm job).
+    shown: PathBuf,
+    /// The pin's own key when it was made (its folders are new, so not the checkpoint's).
+    key: CheckpointKey,
+    live: Arc<AtomicUsize>,
+}
+
+impl Pin {
+    /// Where the pinned files are, for this process.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Where the pinned files are under the configured state folder, for other processes.
+    pub fn shown(&self) -> &Path {
+        &self.shown
+    }
+
+    /// Are the pinned files still those pinned? Links share the files with the original: a
+    /// checkpoint rewritten in place changes its pin too, and is not what was found complete.
+    pub fn unchanged(&self) -> bool {
+        crate::store::unit::key(&self.path).ok().as_ref() == Some(&self.key)
+    }
+}
+
+impl PartialEq for Pin {
+    fn eq(&self, other: &Pin) -> bool {
+        self.path == other.path
+    }
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        remove(&self.path);
+        remove(&sidecar(&self.path));
+        self.live.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A pin a previous daemon left whose checkpoint is gone: what it recorded.
+#[derive(Debug)]
+pub struct Leftover {
+    pub pin: Arc<Pin>,
+    /// The checkpoint's key when it was pinned.
+    pub key: CheckpointKey,
+    pub step: i64,
+}
+
+/// The pins of one run.
+pub struct Pins {
+    dir: PathBuf,
+    /// `dir` under the configured state folder.
+    shown: PathBuf,
+    live: Arc<AtomicUsize>,
+    /// Linking failed once (another file system): no more tries, one warning.
+    unavailable: AtomicBool,
+}
+
+impl Pins {
+    /// The pins of the run whose state folder is `state_dir` (the folder is made, mode 0700),
+    /// configured as `shown` (the daemon writes through a handle on it:
+    /// [`crate::store::state_dir`]).
+    pub fn open(state_dir: &Path, shown: &Path) -> std::io::Result<Pins> {
+        let dir = state_dir.join(PINS_DIR);
+        crate::store::safe_fs::create_private_dir(&dir)?;
+        Ok(Pins {
+            dir,
+            shown: shown.join(PINS_DIR),
+            live: Arc::new(AtomicUsize::new(0)),
+            unavailable: AtomicBool::new(false),
+        })
+    }
+
+    /// Pins the checkpoint unit `unit` (found complete with key `key` at `step`); `None` when it
+    /// cannot be (links not possible, [`MAX_PINS`] reached, a name that cannot be pinned).
+    pub fn pin(&self, unit: &Path, key: &CheckpointKey, step: i64) -> Option<Arc<Pin>> {
+        if self.unavailable.load(Ordering::SeqCst) || self.live.load(Ordering::SeqCst) >= MAX_PINS {
+            return None;
+        }
+        let name = unit.file_name()?;
+        if name.as_encoded_bytes().starts_with(b".") {
+            return None;
+        }
+        let target = self.dir.join(name);
+        remove(&target); // a pin of an earlier version of the same name
+        let tmp = self.dir.join(format!(
+            ".{}.{}{}",
+            name.to_string_lossy(),
+            std::process::id(),
+            crate::store::safe_fs::TEMP_SUFFIX
+        ));
+        remove(&tmp);
+        let made = keep_best::link_unit(unit, &tmp)
+            .map_err(|e| e.to_string())
+            .and_then(|()| fs::rename(&tmp, &target).map_err(|e| e.to_string()))
+            .and_then(|()| crate::store::unit::key(&target).map_err(|e| e.to_string()));
+        let pin_key = match made {
+            Ok(k) => k,
+            Err(e) => {
+                remove(&tmp);
+                remove(&target);
+                let no_links = !fs::symlink_metadata(unit).is_err_and(|e| {
+                    e.kind() == std::io::ErrorKind::NotFound // rotated meanwhile: not the folder's fault
+                });
+                if no_links && !self.unavailable.swap(true, Ordering::SeqCst) {
+                    tracing::warn!(checkpoint = %untrusted(unit), pins = %self.dir.display(),
+                        "cannot pin checkpoints ({}): the state folder must be on the run \
+                         folder's file system for hard links; checkpoints are evaluated in \
+                         place, and one that rotation deletes before its turn is counted as \
+                         `rotated`", crate::store::safe_fs::untrusted_text(&e));
+                }
+                return None;
+            }
+        };
+        let note = serde_json::json!({"key": key, "step": step}).to_string();
+        if let Err(e) = crate::store::safe_fs::atomic_write(&sidecar(&target), note.as_bytes()) {
+            tracing::debug!("cannot record the pin's key: {e}");
+        }
+        self.live.fetch_add(1, Ordering::SeqCst);
+        Some(Arc::new(Pin {
+            shown: self.shown.join(name),
+            path: target,
+            key: pin_key,
+            live: self.live.clone(),
+        }))
+    }
+
+    /// The pins a previous daemon left whose checkpoint is gone from `run_dir` (deleted since:
+    /// evaluated from the pin, which the returned [`Pin`] owns); every other leftover (its
+    /// checkpoint still there, or no readable record) is removed, as are temporary names.
+    pub fn leftovers(&self, run_dir: &Path) -> Vec<Leftover> {
+        let Ok(entries) = fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        let mut found = Vec::new();
+        for entry in entries.flatten().take(crate::store::unit::MAX_ENTRIES) {
+            let name = entry.file_name();
+            let text = name.to_string_lossy().into_owned();
+            let path = entry.path();
+            if is_temp_name(&text, None) {
+                remove(&path);
+                continue;
+            }
+            if text.ends_with(".key") {
+                continue; // read with its pin
+            }
+            let recorded = fs::read(sidecar(&path))
+                .ok()
+                .filter(|b| b.len() < 64 << 10)
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+                .and_then(|v| {
+                    let key: CheckpointKey = serde_json::from_value(v.get("key")?.clone()).ok()?;
+                    Some((key, v.get("step")?.as_i64()?))
+                });
+            let original = run_dir.join(&name);
+            let gone = matches!(fs::symlink_metadata(&original),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound);
+            let pin_key = crate::store::unit::key(&path).ok();
+            match (recorded, gone, pin_key) {
+                (Some((key, step)), true, Some(pin_key)) if Path::new(&key.path) == original => {
+                    self.live.fetch_add(1, Ordering::SeqCst);
+                    found.push(Leftover {
+                        pin: Arc::new(Pin {
+                            shown: self.shown.join(&name),
+                            path,
+                            key: pin_key,
+                            live: self.live.clone(),
+                        }),
+                        key,
+                        step,
+                    });
+                }
+                _ => {
+                    remove(&path);
+                    remove(&sidecar(&path));
+                }
+            }
+        }
+        found
+    }
+}
+
+/// `<pin>.key`, the record beside a pin.
+fn sidecar(pin: &Path) -> PathBuf {
+    let mut name = pin.file_name().unwrap_or_default().to_os_string();
+    name.push(".key");
+    pin.with_file_name(name)
+}
+
+/// Removes `path` without following links: a folder with its tree.
+fn remove(path: &Path) {
+    let removed = match fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => fs::remove_dir_all(path),
+        Ok(_) => fs::remove_file(path),
+        Err(_) => return,
+    };
+    if let Err(e) = removed {
+        tracing::warn!(path = %untrusted(path), "cannot remove a pin: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key_of(p: &Path) -> CheckpointKey {
+        crate::store::unit::key(p).unwrap()
+    }
+
+    /// A pinned folder survives the deletion of its original, shares its files (links), is
+    /// removed when dropped, and a restart finds it again only while the original is gone.
+    #[test]
+    fn a_pin_outlives_rotation_and_goes_when_dropped() {
+        let run = tempfile::tempdir().unwrap();
+        let state = tempfile::tempdir().unwrap();
+        let ck = run.path().join("checkpoint-500");
+        fs::create_dir_all(ck.join("unet")).unwrap();
+        fs::write(ck.join("unet/model.safetensors"), b"weights").unwrap();
+        let key = key_of(&ck);
+        let pins = Pins::open(state.path(), state.path()).unwrap();
+        let pin = pins.pin(&ck, &key, 500).unwrap();
+        let linked = pin.path().join("unet/model.safetensors");
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(
+            fs::metadata(&linked).unwrap().ino(),
+            fs::metadata(ck.join("unet/model.safetensors"))
+                .unwrap()
+                .ino()
+        );
+        fs::remove_dir_all(&ck).unwrap(); // rotation
+        assert_eq!(fs::read(&linked).unwrap(), b"weights");
+        assert!(pin.unchanged());
+
+        // A restart: the checkpoint is gone, the pin is what is left of it.
+        let again = Pins::open(state.path(), state.path()).unwrap();
+        let left = again.leftovers(run.path());
+        assert_eq!(left.len(), 1);
+        assert_eq!((left[0].key.clone(), left[0].step), (key, 500));
+        drop(left);
+        drop(pin);
+        assert!(
+            fs::read_dir(state.path().join(PINS_DIR))
+                .unwrap()
+                .next()
+                .is_none()
+        );
+    }
+
+    /// A pin of a checkpoint that is still there is removed at the restart (it is pinned again
+    /// when found); a file rewritten in place changes its pin too.
+    #[test]
+    fn leftovers_of_present_checkpoints_are_removed_and_rewrites_show() {
+        let run = tempfile::tempdir().unwrap();
+        let state = tempfile::tempdir().unwrap();
+        let ck = run.path().join("ckpt_10.pt");
+        fs::write(&ck, b"weights").unwrap();
+        let pins = Pins::open(state.path(), state.path()).unwrap();
+        let pin = pins.pin(&ck, &key_of(&ck), 10).unwrap();
+        std::mem::forget(pin); // a daemon that died holding it
+        assert!(
+            Pins::open(state.path(), state.path())
+                .unwrap()
+                .leftovers(run.path())
+                .is_empty()
+        );
+        assert!(
+            fs::read_dir(state.path().join(PINS_DIR))
+                .unwrap()
+                .next()
+                .is_none()
+        );
+
+        let pin = pins.pin(&ck, &key_of(&ck), 10).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        fs::write(&ck, b"other weights").unwrap(); // in place: the same inode
+        assert!(!pin.unchanged());
+    }
+
+    /// At most MAX_PINS at once; a dropped pin frees its place.
+    #[test]
+    fn pins_are_bounded() {
+        let run = tempfile::tempdir().unwrap();
+        let state = tempfile::tempdir().unwrap();
+        let pins = Pins::open(state.path(), state.path()).unwrap();
+        let mut held = Vec::new();
+        for i in 0..=MAX_PINS {
+            let ck = run.path().join(format!("ckpt_{i}.pt"));
+            fs::write(&ck, b"w").unwrap();
+            held.push(pins.pin(&ck, &key_of(&ck), i as i64));
+        }
+        assert!(held[..MAX_PINS].iter().all(Option::is_some));
+        assert!(held[MAX_PINS].is_none());
+        held.remove(0);
+        let ck = run.path().join(format!("ckpt_{MAX_PINS}.pt"));
+        assert!(pins.pin(&ck, &key_of(&ck), MAX_PINS as i64).is_some());
+    }
+}
