@@ -152,7 +152,11 @@ impl RunState {
                 .find(|(c, _)| *c == best.checkpoint)
                 .map(|(_, p)| p.clone());
             self.best_pin = pin.clone().map(|p| (best.checkpoint.clone(), p));
-            keeper.keep(Path::new(&best.checkpoint), evaluated, pin);
+            let source = pin.map(|p| crate::store::keep_best::Source {
+                path: p.path().to_path_buf(),
+                hold: p,
+            });
+            keeper.keep(Path::new(&best.checkpoint), evaluated, source);
         }
     }
 

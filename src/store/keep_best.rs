@@ -31,7 +31,6 @@
 //! must not wait for it.
 
 use crate::store::history::CheckpointKey;
-use crate::store::pin::Pin;
 use crate::store::safe_fs::{TEMP_SUFFIX, is_temp_name, sync_dir, untrusted};
 use crate::store::unit::{MAX_DEPTH, MAX_ENTRIES};
 use std::ffi::OsStr;
@@ -551,12 +550,19 @@ fn same(kept: &Path, checkpoint: &Path) -> bool {
     }
 }
 
+/// Where to read a checkpoint's files when not at its own path (its pin,
+/// [`crate::store::pin`]), and what keeps them there until the keep is done (dropped then).
+pub struct Source {
+    pub path: PathBuf,
+    pub hold: Arc<dyn std::any::Any + Send + Sync>,
+}
+
 /// What [`Keeper`]'s thread and its callers share.
 #[derive(Default)]
 struct Slot {
     /// The newest checkpoint asked for, not started yet: its path, its key when evaluated, and
     /// its pin (the files to link from; held until the keep is done or replaced).
-    wanted: Option<(PathBuf, Option<CheckpointKey>, Option<Arc<Pin>>)>,
+    wanted: Option<(PathBuf, Option<CheckpointKey>, Option<Source>)>,
     /// The one being kept now.
     busy: Option<PathBuf>,
     /// The last one kept, and where.
@@ -587,7 +593,7 @@ impl Keeper {
     /// Asks for `checkpoint` to be kept, when it is still what was evaluated (`evaluated`, its
     /// key then: see [`keep`]), read from its `pin` when it has one ([`keep_from`]); a request
     /// not started yet is replaced.
-    pub fn keep(&self, checkpoint: &Path, evaluated: Option<CheckpointKey>, pin: Option<Arc<Pin>>) {
+    pub fn keep(&self, checkpoint: &Path, evaluated: Option<CheckpointKey>, pin: Option<Source>) {
         self.start();
         let (slot, changed) = &*self.shared;
         let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
@@ -672,7 +678,9 @@ fn run(state_dir: &Path, shared: &(Mutex<Slot>, Condvar)) {
             (c, evaluated, pin)
         };
         let started = std::time::Instant::now();
-        let source = pin.as_ref().map_or(checkpoint.as_path(), |p| p.path());
+        let source = pin
+            .as_ref()
+            .map_or(checkpoint.as_path(), |p| p.path.as_path());
         let result = keep_from(state_dir, &checkpoint, source, evaluated.as_ref());
         drop(pin);
         let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
