@@ -7,7 +7,8 @@ When diffmon detects the turn of the ICR curve it writes ``<run_dir>/<stop_file>
      "best_value", "current_step", "current_value", "fired_at"}
 
 ``best_checkpoint_kept`` is diffmon's copy of the best checkpoint in its state folder (safe from
-the training job's checkpoint rotation), or null.
+the training job's checkpoint rotation), or null: then the original is the only copy.
+``describe_event`` (and the Lightning callback's message) names both.
 
 Plain loop::
 
@@ -79,13 +80,27 @@ def should_stop(run_dir: PathLike, stop_file: str = DEFAULT_STOP_FILE) -> bool:
     return not (event is not None and event.get("event") == "resolved")
 
 
+NOT_KEPT = "not kept: the original is the only copy"
+
+
+def _best_checkpoint(event: dict) -> str:
+    """The best checkpoint and its kept copy, as diffmon's own messages name them:
+    ``<checkpoint> (kept as <copy>)``, or that the original is the only copy. An event without
+    the field (from a diffmon before it) names the checkpoint alone."""
+    checkpoint = event.get("best_checkpoint")
+    if "best_checkpoint_kept" not in event:
+        return f"{checkpoint}"
+    kept = event.get("best_checkpoint_kept")
+    return f"{checkpoint} (kept as {kept})" if kept else f"{checkpoint} ({NOT_KEPT})"
+
+
 def describe_event(event: Optional[dict]) -> str:
-    """One human-readable line about a stop event."""
+    """One human-readable line about a stop event, naming the best checkpoint's kept copy."""
     if not event:
         return "diffmon early-stop file present (no readable event)"
     return (f"diffmon {event.get('event', 'early_stop')} on run {event.get('run')!s}: "
             f"{event.get('metric', 'metric')} best {event.get('best_value')} at step "
-            f"{event.get('best_step')} ({event.get('best_checkpoint')}); now "
+            f"{event.get('best_step')}: {_best_checkpoint(event)}; now "
             f"{event.get('current_value')} at step {event.get('current_step')}")
 
 

@@ -10,12 +10,13 @@ import pytest
 
 import diffmon
 from diffmon import stop
-from diffmon.stop import DiffmonEarlyStopping, read_stop_event, should_stop
+from diffmon.stop import DiffmonEarlyStopping, describe_event, read_stop_event, should_stop
 
 EVENT = {
     "id": "3f2a9c", "event": "early_stop", "run": "toy", "metric": "icr", "best_step": 400,
-    "best_checkpoint": "ckpt_000400.pt", "best_value": 0.41, "current_step": 550,
-    "current_value": 0.45, "fired_at": "2026-01-01T00:00:00Z",
+    "best_checkpoint": "runs/exp1/ckpt_000400.pt",
+    "best_checkpoint_kept": "runs/exp1/.diffmon/best/ckpt_000400.pt", "best_value": 0.41,
+    "current_step": 550, "current_value": 0.45, "fired_at": "2026-01-01T00:00:00Z",
 }
 HAS_LIGHTNING = any(importlib.util.find_spec(m) is not None for m in ("lightning", "pytorch_lightning"))
 
@@ -47,6 +48,19 @@ def test_resolved_event_withdraws_the_stop(tmp_path):
     (tmp_path / "EARLY_STOP").write_text(json.dumps(dict(EVENT, event="resolved")))
     assert should_stop(tmp_path) is False
     assert read_stop_event(tmp_path)["event"] == "resolved"
+
+
+def test_describe_event_names_the_kept_copy_or_the_only_copy():
+    assert describe_event(EVENT) == (
+        "diffmon early_stop on run toy: icr best 0.41 at step 400: runs/exp1/ckpt_000400.pt "
+        "(kept as runs/exp1/.diffmon/best/ckpt_000400.pt); now 0.45 at step 550")
+    # Keeping failed, or early_stop.keep_best is off: the original is the only copy.
+    assert ("at step 400: runs/exp1/ckpt_000400.pt (not kept: the original is the only copy); "
+            in describe_event(dict(EVENT, best_checkpoint_kept=None)))
+    # An event from a diffmon without the field names the checkpoint alone.
+    older = {k: v for k, v in EVENT.items() if k != "best_checkpoint_kept"}
+    assert "at step 400: runs/exp1/ckpt_000400.pt; now" in describe_event(older)
+    assert describe_event(None) == "diffmon early-stop file present (no readable event)"
 
 
 def test_package_exports():
@@ -94,7 +108,10 @@ def test_callback_sets_should_stop_when_the_file_appears(tmp_path, fake_lightnin
     (tmp_path / "EARLY_STOP").write_text(json.dumps(EVENT))
     cb.on_train_batch_end(trainer, None, None, None, 1)
     assert trainer.should_stop is True and cb.event == EVENT
-    assert "ckpt_000400.pt" in capsys.readouterr().out
+    # The message names the kept copy beside the original, which rotation may have deleted.
+    assert ("best 0.41 at step 400: runs/exp1/ckpt_000400.pt "
+            "(kept as runs/exp1/.diffmon/best/ckpt_000400.pt); now 0.45 at step 550; "
+            "stopping training") in capsys.readouterr().out
     trainer2 = FakeTrainer()
     cb.on_validation_end(trainer2, None)
     assert trainer2.should_stop is True

@@ -3,6 +3,7 @@
 
 use super::event::{Event, EventKind};
 use crate::config::WebhookFormat;
+use crate::store::keep_best::NOT_KEPT;
 use serde_json::{Map, Value, json};
 
 /// `alertname` label of the alert diffmon raises in Alertmanager.
@@ -16,20 +17,38 @@ const ZERO_TIME: &str = "0001-01-01T00:00:00Z";
 pub fn webhook_body(format: WebhookFormat, event: &Event) -> Vec<u8> {
     let value = match format {
         WebhookFormat::Json => serde_json::to_value(event).unwrap_or(Value::Null),
-        WebhookFormat::Slack => json!({ "text": summary(event) }),
+        WebhookFormat::Slack => json!({ "text": slack_escape(&summary(event)) }),
         WebhookFormat::Alertmanager => alertmanager_webhook_payload(event),
     };
     serde_json::to_vec(&value).unwrap_or_default()
 }
 
-/// A readable one-line summary: run, metric, best step/value, current step/value.
+/// Slack's escaping of a message's text: `&`, `<` and `>` (its control characters, which a
+/// checkpoint's name may hold), and nothing else.
+fn slack_escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// The best checkpoint and its kept copy, as every message names them (docs/design.md §17):
+/// `<checkpoint> (kept as <copy>)`, or, without a copy, that the original is the only one.
+pub fn best_checkpoint(event: &Event) -> String {
+    match &event.best_checkpoint_kept {
+        Some(kept) => format!("{} (kept as {kept})", event.best_checkpoint),
+        None => format!("{} ({NOT_KEPT})", event.best_checkpoint),
+    }
+}
+
+/// A readable one-line summary: run, metric, best step/value and checkpoint (with its kept
+/// copy), current step/value.
 pub fn summary(event: &Event) -> String {
     let best = format!(
-        "best {} = {} at step {} ({})",
+        "best {} = {} at step {}: {}",
         event.metric,
         fmt_value(event.best_value),
         event.best_step,
-        event.best_checkpoint
+        best_checkpoint(event)
     );
     let now = format!(
         "now {} at step {}",
@@ -53,10 +72,10 @@ pub fn summary(event: &Event) -> String {
 /// grouped notification (Slack lists its alerts' descriptions) keeps them apart.
 pub fn description(event: &Event) -> String {
     let best = format!(
-        "Its best value, {}, was at step {} (checkpoint {})",
+        "Its best value, {}, was at step {}: checkpoint {}",
         fmt_value(event.best_value),
         event.best_step,
-        event.best_checkpoint
+        best_checkpoint(event)
     );
     let now = format!(
         "at step {} it is {}",
@@ -65,14 +84,8 @@ pub fn description(event: &Event) -> String {
     );
     match event.event {
         EventKind::EarlyStop => format!(
-            "Run {}: the early-stop metric {} has turned up (the model starts to memorize). {best}; {now}. The stop file has been written: stop the training and keep the checkpoint of step {}{}.",
-            event.run,
-            event.metric,
-            event.best_step,
-            match &event.best_checkpoint_kept {
-                Some(kept) => format!(" (diffmon keeps a copy at {kept})"),
-                None => String::new(),
-            }
+            "Run {}: the early-stop metric {} has turned up (the model starts to memorize). {best}; {now}. The stop file has been written: stop the training and keep the checkpoint of step {}.",
+            event.run, event.metric, event.best_step,
         ),
         EventKind::Resolved => format!(
             "Run {}: the early stop is resolved: the metric {} went below its previous best again. {best}; {now}.",
@@ -307,12 +320,77 @@ mod tests {
         let k = parse(&alertmanager_api_body(&kept));
         let k = &k.as_array().unwrap()[0]["annotations"];
         assert_eq!(k["best_checkpoint_kept"], "/r/.diffmon/best/ckpt-001000.pt");
+        for text in ["summary", "description"] {
+            assert!(
+                k[text]
+                    .as_str()
+                    .unwrap()
+                    .contains("ckpt-001000.pt (kept as /r/.diffmon/best/ckpt-001000.pt)"),
+                "{k}"
+            );
+            // Without a copy, the original is named the only one.
+            assert!(
+                a["annotations"][text]
+                    .as_str()
+                    .unwrap()
+                    .contains("ckpt-001000.pt (not kept: the original is the only copy)"),
+                "{a}"
+            );
+        }
+    }
+
+    /// Every text format names the kept copy beside the checkpoint (issue #33), and Slack's
+    /// text escapes `&`, `<` and `>` of the paths, its only control characters.
+    #[test]
+    fn every_text_names_the_kept_copy_and_slack_escapes_the_paths() {
+        let kept = Event {
+            best_checkpoint: "/r/ckpt<1000>&.pt".into(),
+            best_checkpoint_kept: Some("/r/.diffmon/best/ckpt<1000>&.pt".into()),
+            ..event(EventKind::EarlyStop)
+        };
+        let text = parse(&webhook_body(WebhookFormat::Slack, &kept))["text"]
+            .as_str()
+            .unwrap()
+            .to_string();
         assert!(
-            k["description"]
+            text.contains(
+                "at step 1000: /r/ckpt&lt;1000&gt;&amp;.pt (kept as \
+                 /r/.diffmon/best/ckpt&lt;1000&gt;&amp;.pt), now"
+            ),
+            "{text}"
+        );
+        assert!(!text.contains(['<', '>']), "{text}");
+        assert_eq!(text.matches('&').count(), 6, "{text}");
+        let resolved = Event {
+            event: EventKind::Resolved,
+            ..kept.clone()
+        };
+        assert!(summary(&resolved).contains("(kept as /r/.diffmon/best/ckpt<1000>&.pt)"));
+        assert!(description(&resolved).contains("(kept as /r/.diffmon/best/ckpt<1000>&.pt)"));
+        // The alertmanager format carries the raw paths (Alertmanager's templates escape).
+        let am = parse(&webhook_body(WebhookFormat::Alertmanager, &kept));
+        let ann = &am["alerts"][0]["annotations"];
+        assert_eq!(
+            ann["best_checkpoint_kept"],
+            "/r/.diffmon/best/ckpt<1000>&.pt"
+        );
+        assert!(
+            ann["summary"]
                 .as_str()
                 .unwrap()
-                .contains("keeps a copy at /r/.diffmon/best/ckpt-001000.pt)."),
-            "{k}"
+                .contains("(kept as /r/.diffmon/best/ckpt<1000>&.pt)")
+        );
+        // Without a copy: the original is the only one.
+        let text = parse(&webhook_body(
+            WebhookFormat::Slack,
+            &event(EventKind::EarlyStop),
+        ))["text"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(
+            text.contains("ckpt-001000.pt (not kept: the original is the only copy)"),
+            "{text}"
         );
     }
 

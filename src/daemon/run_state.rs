@@ -14,7 +14,7 @@ use crate::daemon::http::EarlyStopStatus;
 use crate::engine::detector::{Best, Decision, Detector, DetectorState, Observation, Signal};
 use crate::metrics::Metrics;
 use crate::record::Evaluation;
-use crate::report::Snapshot;
+use crate::report::{KeptCopy, Snapshot};
 use crate::store::history::{CheckpointKey, Entry};
 use crate::store::keep_best::Keeper;
 use crate::store::pin::Pin;
@@ -75,13 +75,24 @@ impl RunState {
         keeper: Option<Keeper>,
     ) -> (RunState, Replayed) {
         let metric = early_stop.metric;
+        let snapshot = Arc::new(Mutex::new(Snapshot::new(run, metric)));
+        // The live page names the kept copy once the keeper's thread has made it, even when no
+        // evaluation follows (the training job stopped).
+        let keeper = keeper.map(|k| {
+            let shown = snapshot.clone();
+            k.on_kept(Arc::new(move |checkpoint: &Path, kept: Option<&Path>| {
+                let copy =
+                    kept.map_or(KeptCopy::NotKept, |p| KeptCopy::At(p.display().to_string()));
+                lock(&shown).kept = Some((checkpoint.display().to_string(), copy));
+            }))
+        });
         let mut state = RunState {
             run: run.to_string(),
             instance: instance.to_string(),
             detector: Detector::new(early_stop.clone(), DetectorState::default()),
             metrics,
             status: Arc::new(Mutex::new(EarlyStopStatus::default())),
-            snapshot: Arc::new(Mutex::new(Snapshot::new(run, metric))),
+            snapshot,
             evaluated: HashMap::new(),
             keeper,
             observed_pin: None,
@@ -156,6 +167,8 @@ impl RunState {
                 path: p.path().to_path_buf(),
                 hold: p,
             });
+            // Before the request: the keeper's answer may come at once, and must stand.
+            lock(&self.snapshot).kept = Some((best.checkpoint.clone(), KeptCopy::Keeping));
             keeper.keep(Path::new(&best.checkpoint), evaluated, source);
         }
     }
@@ -524,6 +537,57 @@ mod tests {
         assert_eq!(lock(&state.snapshot).failures, 1);
         assert_eq!(sample(&state, EARLY_STOP_TRIGGERED, run), Some(0.0));
         assert_eq!(sample(&state, BEST_STEP, run), Some(800.0));
+    }
+
+    /// With a keeper, the live snapshot names the best's kept copy once the keeper's thread has
+    /// made it, with no evaluation after it (a stopped training job sends none); a new best that
+    /// cannot be kept is named the only copy.
+    #[test]
+    fn the_snapshot_names_the_kept_copy_once_it_is_made() {
+        let run = tempfile::tempdir().unwrap();
+        let state_dir = run.path().join("state");
+        std::fs::create_dir(&state_dir).unwrap();
+        let entries: Vec<Entry> = [(100, 5.0), (200, 4.0), (300, 6.0)]
+            .into_iter()
+            .map(|(step, icr)| {
+                let path = run.path().join(format!("ckpt_{step}.pt"));
+                std::fs::write(&path, format!("weights {step}")).unwrap();
+                Entry::Evaluation {
+                    key: CheckpointKey::of(&path).unwrap(),
+                    at: at(step),
+                    record: Box::new(Evaluation {
+                        step,
+                        checkpoint: path.display().to_string(),
+                        icr: Some(icr),
+                        ..Evaluation::default()
+                    }),
+                }
+            })
+            .collect();
+        let (mut state, _) = RunState::replay(
+            "r",
+            "",
+            settings(),
+            &entries,
+            Arc::new(Metrics::new("r")),
+            Some(Keeper::new(&state_dir)),
+        );
+        let wait_for = |state: &RunState, want: KeptCopy| {
+            let start = std::time::Instant::now();
+            while lock(&state.snapshot).best_kept() != Some(want.clone()) {
+                assert!(
+                    start.elapsed() < std::time::Duration::from_secs(10),
+                    "{:?}, not {want:?}",
+                    lock(&state.snapshot).kept
+                );
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        };
+        let copy = state_dir.join("best/ckpt_200.pt").display().to_string();
+        wait_for(&state, KeptCopy::At(copy));
+        // `ckpt_400.pt` does not exist: nothing to keep.
+        state.observe(&done(400, 1.0), &at(400));
+        wait_for(&state, KeptCopy::NotKept);
     }
 
     /// `diffmon report` draws what the live page of a restarted daemon shows.

@@ -117,7 +117,7 @@ fn early_stop_line(e: &Event, threshold: Option<f64>) -> String {
         e.best_step,
         match &e.best_checkpoint_kept {
             Some(kept) => format!(", kept as {}", escaped(kept)),
-            None => String::new(),
+            None => format!(", {}", crate::store::keep_best::NOT_KEPT),
         }
     )
 }
@@ -236,6 +236,14 @@ pub(super) mod tests {
             "EARLY STOP: icr turned at step 9 (smoothed 0.5000 > best 0.2500 + 0.0100); best \
              checkpoint: /r/ckpt_\\u{1b}[31m\\nforged_1.pt (step 1), kept as \
              /r/best/ckpt_\\u{1b}[31m\\nforged_1.pt"
+        );
+        // Without a copy, the line says the original is the only one.
+        e.best_checkpoint_kept = None;
+        assert!(
+            early_stop_line(&e, Some(0.01))
+                .ends_with("(step 1), not kept: the original is the only copy"),
+            "{}",
+            early_stop_line(&e, Some(0.01))
         );
     }
 

@@ -3,8 +3,9 @@
 
 use super::layout::PAGE_PLOT;
 use super::plot::{Plot, early_stop_note, metric_names};
-use super::snapshot::{Row, Snapshot};
+use super::snapshot::{KeptCopy, Row, Snapshot};
 use super::svg::{escape, plot_body, summary, x_range};
+use crate::store::keep_best::NOT_KEPT;
 use std::fmt::Write as _;
 use std::path::Path;
 
@@ -63,9 +64,24 @@ td.path {{ text-align: left; }}
         escape(&note)
     );
     if let Some(b) = &s.best {
+        // Its kept copy beside it: rotation may have deleted the original (docs/design.md §17).
+        let kept = match s.best_kept() {
+            Some(KeptCopy::At(path)) => format!(
+                r#"kept as <span class="path" id="best-checkpoint-kept">{}</span>"#,
+                escape(&path)
+            ),
+            Some(KeptCopy::Keeping) => {
+                r#"<span id="best-checkpoint-kept">a copy is being kept (early_stop.keep_best)</span>"#
+                    .into()
+            }
+            Some(KeptCopy::NotKept) | None => format!(
+                r#"<span id="best-checkpoint-kept">{}</span>"#,
+                escape(NOT_KEPT)
+            ),
+        };
         let _ = writeln!(
             o,
-            r#"<p class="status">best checkpoint: <span class="path" id="best-checkpoint">{}</span> (step {})</p>"#,
+            r#"<p class="status">best checkpoint: <span class="path" id="best-checkpoint">{}</span> (step {}), {kept}</p>"#,
             escape(&b.checkpoint),
             b.step
         );

@@ -35,7 +35,7 @@ use html::html;
 pub use plot::PLOTS;
 use plot::plots;
 use png::rasterize;
-pub use snapshot::{Marker, Row, Snapshot};
+pub use snapshot::{KeptCopy, Marker, Row, Snapshot};
 use std::path::Path;
 pub use svg::escape;
 use svg::standalone_svg;
@@ -86,12 +86,22 @@ pub fn write(config: &crate::config::Config, out: &Path) -> Result<(), ReportErr
         return Err(ReportError::NoHistory { path: journal });
     }
     let entries = History::read(&state_dir)?;
-    let snapshot = Snapshot::replay(
+    let mut snapshot = Snapshot::replay(
         &config.run_name(),
         config.early_stop.metric,
         config.early_stop_resolved(),
         &entries,
     );
+    // The kept copy is what the state folder holds now (the daemon may still be making it).
+    if let Some(best) = snapshot
+        .best
+        .as_ref()
+        .filter(|_| config.early_stop.keep_best)
+    {
+        let copy = crate::store::keep_best::lookup(&state_dir, Path::new(&best.checkpoint))
+            .map_or(KeptCopy::NotKept, |p| KeptCopy::At(p.display().to_string()));
+        snapshot.kept = Some((best.checkpoint.clone(), copy));
+    }
     let bytes = render(&snapshot, format)?;
     std::fs::write(out, bytes).map_err(|source| ReportError::Write {
         path: out.to_path_buf(),
@@ -478,6 +488,43 @@ mod tests {
         let html =
             String::from_utf8(render(&s, Format::Html { refresh_secs: None }).unwrap()).unwrap();
         assert!(!html.contains("data-band"));
+    }
+
+    /// The page names the best checkpoint's kept copy beside it (escaped), says while it is
+    /// being made, and says when the original is the only copy (issue #33).
+    #[test]
+    fn the_page_names_the_kept_copy_of_the_best_checkpoint() {
+        let page = |s: &Snapshot| {
+            String::from_utf8(render(s, Format::Html { refresh_secs: None }).unwrap()).unwrap()
+        };
+        let mut s = u_curve("/runs/x/ckpt_300.pt");
+        let best = "/runs/x/ckpt_300.pt".to_string();
+        let line = |tail: &str| {
+            format!(r#"id="best-checkpoint">/runs/x/ckpt_300.pt</span> (step 300), {tail}</p>"#)
+        };
+        // Without keep_best.
+        let only = line(
+            r#"<span id="best-checkpoint-kept">not kept: the original is the only copy</span>"#,
+        );
+        assert!(page(&s).contains(&only), "{}", page(&s));
+        s.kept = Some((best.clone(), KeptCopy::NotKept));
+        assert!(page(&s).contains(&only));
+        s.kept = Some((best.clone(), KeptCopy::Keeping));
+        assert!(page(&s).contains(&line(
+            r#"<span id="best-checkpoint-kept">a copy is being kept (early_stop.keep_best)</span>"#
+        )));
+        s.kept = Some((
+            best.clone(),
+            KeptCopy::At("/runs/x/.diffmon/best/ckpt_<300>.pt".into()),
+        ));
+        assert!(page(&s).contains(&line(r#"kept as <span class="path" id="best-checkpoint-kept">/runs/x/.diffmon/best/ckpt_&lt;300&gt;.pt</span>"#)), "{}", page(&s));
+        // What the keeper said of another checkpoint (an older best) is not this one's.
+        s.kept = Some((
+            "/runs/x/ckpt_999.pt".into(),
+            KeptCopy::At("/k/ckpt_999.pt".into()),
+        ));
+        assert!(!page(&s).contains("/k/ckpt_999.pt"));
+        assert!(page(&s).contains("a copy is being kept"));
     }
 
     #[test]

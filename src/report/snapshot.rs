@@ -31,6 +31,17 @@ pub struct Marker {
     pub value: f64,
 }
 
+/// What `early_stop.keep_best` made of a checkpoint (docs/design.md §9).
+#[derive(Debug, Clone, PartialEq)]
+pub enum KeptCopy {
+    /// Asked for, not done yet (a copy across file systems takes a while).
+    Keeping,
+    /// Kept at this path.
+    At(String),
+    /// Not kept (`keep_best` off, or keeping it failed): the original is the only copy.
+    NotKept,
+}
+
 /// Everything the plots show: plain data, cheap to clone, safe to send between threads.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Snapshot {
@@ -50,6 +61,9 @@ pub struct Snapshot {
     pub failures: usize,
     /// When the last evaluation was recorded (RFC 3339).
     pub last_at: Option<String>,
+    /// With `early_stop.keep_best`: the checkpoint last asked to be kept, and what became of
+    /// it; `None` without (see [`Snapshot::best_kept`]).
+    pub kept: Option<(String, KeptCopy)>,
 }
 
 impl Snapshot {
@@ -64,7 +78,19 @@ impl Snapshot {
             unconfirmed: false,
             failures: 0,
             last_at: None,
+            kept: None,
         }
+    }
+
+    /// The kept copy of the best checkpoint: [`KeptCopy::Keeping`] while the keeper has not
+    /// answered for it yet, [`KeptCopy::NotKept`] without `keep_best`; `None` without a best.
+    pub fn best_kept(&self) -> Option<KeptCopy> {
+        let best = self.best.as_ref()?;
+        Some(match &self.kept {
+            None => KeptCopy::NotKept,
+            Some((checkpoint, copy)) if *checkpoint == best.checkpoint => copy.clone(),
+            Some(_) => KeptCopy::Keeping,
+        })
     }
 
     /// Adds one evaluation, with what the detector decided on it and its state afterwards.

@@ -47,6 +47,15 @@ pub const KEPT_DIR: &str = "best";
 /// How long [`Keeper::kept`] waits for a keep in progress.
 const WAIT_FOR_KEEP: Duration = Duration::from_secs(120);
 
+/// What every output says beside the best checkpoint when no copy of it is kept
+/// (`early_stop.keep_best` off, or keeping it failed); with a copy they say `kept as <path>`
+/// (docs/design.md §17).
+pub const NOT_KEPT: &str = "not kept: the original is the only copy";
+
+/// Called on the keeper's thread when a keep ends: the checkpoint, and where it is kept (as
+/// [`Keeper::kept`] names it), or `None` when keeping it failed.
+pub type OnKept = Arc<dyn Fn(&Path, Option<&Path>) + Send + Sync>;
+
 #[derive(Debug, thiserror::Error)]
 pub enum KeepBestError {
     #[error("{path}: {source}")]
@@ -575,6 +584,8 @@ pub struct Keeper {
     state_dir: PathBuf,
     /// See [`Keeper::showing`].
     shown: Option<PathBuf>,
+    /// See [`Keeper::on_kept`].
+    on_kept: Option<OnKept>,
     shared: Arc<(Mutex<Slot>, Condvar)>,
     started: Mutex<bool>,
 }
@@ -585,6 +596,7 @@ impl Keeper {
         Keeper {
             state_dir: state_dir.to_path_buf(),
             shown: None,
+            on_kept: None,
             shared: Arc::new((Mutex::new(Slot::default()), Condvar::new())),
             started: Mutex::new(false),
         }
@@ -619,18 +631,21 @@ impl Keeper {
             _ if pending(&s) => None,
             _ => lookup(&self.state_dir, checkpoint),
         }?;
-        // Named for people and other programs: under the configured state folder, not the
-        // daemon's handle on it.
-        Some(match (&self.shown, kept.strip_prefix(&self.state_dir)) {
-            (Some(shown), Ok(rest)) => shown.join(rest),
-            _ => kept,
-        })
+        Some(show(&self.state_dir, self.shown.as_deref(), kept))
     }
 
     /// Names the kept copies under `shown` (the configured state folder) when the keeper writes
     /// through another path to it (the daemon's handle, `crate::store::state_dir`).
     pub fn showing(mut self, shown: &Path) -> Keeper {
         self.shown = Some(shown.to_path_buf());
+        self
+    }
+
+    /// Calls `hook` on the keeper's thread whenever a keep ends (after [`Keeper::kept`]'s
+    /// waiters are woken), so that what shows the kept copy follows it without asking: the live
+    /// page learns of a copy finished after the last evaluation. Set before the first request.
+    pub fn on_kept(mut self, hook: OnKept) -> Keeper {
+        self.on_kept = Some(hook);
         self
     }
 
@@ -641,9 +656,11 @@ impl Keeper {
         }
         let shared = self.shared.clone();
         let state_dir = self.state_dir.clone();
+        let shown = self.shown.clone();
+        let on_kept = self.on_kept.clone();
         let spawned = std::thread::Builder::new()
             .name("diffmon-keep".into())
-            .spawn(move || run(&state_dir, &shared));
+            .spawn(move || run(&state_dir, shown.as_deref(), on_kept.as_ref(), &shared));
         match spawned {
             Ok(_) => *started = true,
             Err(e) => tracing::warn!("cannot start the thread that keeps the best checkpoint: {e}"),
@@ -661,8 +678,23 @@ impl Drop for Keeper {
     }
 }
 
-/// The keeper thread: keeps the newest request, until stopped.
-fn run(state_dir: &Path, shared: &(Mutex<Slot>, Condvar)) {
+/// `kept` (a path under `state_dir`) named under `shown`, the configured state folder, when
+/// there is one: for people and other programs, not the daemon's handle on it.
+fn show(state_dir: &Path, shown: Option<&Path>, kept: PathBuf) -> PathBuf {
+    match (shown, kept.strip_prefix(state_dir)) {
+        (Some(shown), Ok(rest)) => shown.join(rest),
+        _ => kept,
+    }
+}
+
+/// The keeper thread: keeps the newest request, until stopped; tells `on_kept` how each keep
+/// ended.
+fn run(
+    state_dir: &Path,
+    shown: Option<&Path>,
+    on_kept: Option<&OnKept>,
+    shared: &(Mutex<Slot>, Condvar),
+) {
     let (slot, changed) = shared;
     loop {
         let (checkpoint, evaluated, pin) = {
@@ -685,7 +717,7 @@ fn run(state_dir: &Path, shared: &(Mutex<Slot>, Condvar)) {
         drop(pin);
         let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
         s.busy = None;
-        match result {
+        let ended = match result {
             Ok(kept) => {
                 if kept.linked + kept.copied > 0 {
                     tracing::info!(
@@ -697,7 +729,8 @@ fn run(state_dir: &Path, shared: &(Mutex<Slot>, Condvar)) {
                         "best checkpoint kept (early_stop.keep_best)"
                     );
                 }
-                s.done = Some((checkpoint, kept.path));
+                s.done = Some((checkpoint.clone(), kept.path.clone()));
+                Some(show(state_dir, shown, kept.path))
             }
             Err(e) => {
                 tracing::warn!(
@@ -705,9 +738,15 @@ fn run(state_dir: &Path, shared: &(Mutex<Slot>, Condvar)) {
                     crate::store::safe_fs::untrusted_text(&e.to_string())
                 );
                 s.done = None;
+                None
             }
-        }
+        };
         changed.notify_all();
+        // Outside the lock: the hook may take locks that a waiter in `kept` holds.
+        drop(s);
+        if let Some(hook) = on_kept {
+            hook(&checkpoint, ended.as_deref());
+        }
     }
 }
 
@@ -922,6 +961,49 @@ mod tests {
         // A new keeper (a restart) finds it in the folder.
         drop(keeper);
         assert_eq!(Keeper::new(&state).kept(&paths[4]), Some(kept));
+    }
+
+    /// The hook hears how each keep ended, with the kept copy named under the shown state
+    /// folder, and `None` for one that failed (what the live page shows).
+    #[test]
+    fn the_keeper_tells_its_hook_how_each_keep_ended() {
+        let run = tempfile::tempdir().unwrap();
+        let state = state_in(run.path());
+        let a = run.path().join("ckpt_100.pt");
+        write(&a, b"weights");
+        let heard = Arc::new(Mutex::new(Vec::new()));
+        let h = heard.clone();
+        let keeper = Keeper::new(&state)
+            .showing(Path::new("shown/state"))
+            .on_kept(Arc::new(move |c: &Path, k: Option<&Path>| {
+                h.lock()
+                    .unwrap()
+                    .push((c.to_path_buf(), k.map(Path::to_path_buf)));
+            }));
+        let wait_for = |n: usize| {
+            let start = std::time::Instant::now();
+            while heard.lock().unwrap().len() < n {
+                assert!(start.elapsed() < Duration::from_secs(10), "no call");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        };
+        keeper.keep(&a, None, None);
+        assert_eq!(
+            keeper.kept(&a),
+            Some(PathBuf::from("shown/state/best/ckpt_100.pt"))
+        );
+        wait_for(1);
+        let missing = run.path().join("ckpt_200.pt");
+        keeper.keep(&missing, None, None);
+        assert_eq!(keeper.kept(&missing), None);
+        wait_for(2);
+        assert_eq!(
+            *heard.lock().unwrap(),
+            [
+                (a, Some(PathBuf::from("shown/state/best/ckpt_100.pt"))),
+                (missing, None)
+            ]
+        );
     }
 
     #[test]

@@ -1,12 +1,15 @@
 //! `early_stop.keep_best` end to end: a trainer that rotates its checkpoints (accelerate's
 //! `checkpoints_total_limit: 2`: checkpoint folders, the newest two kept) while `diffmon watch`
 //! evaluates them. The best checkpoint survives in `<state_dir>/best/`, one kept copy at a time,
-//! the event names both paths, and `diffmon replay` over the recorded history decides what the
-//! daemon decided.
+//! every output names both paths (the stop file, `/v1/early-stop`, each webhook format as a real
+//! receiver gets it, the alert in a real Alertmanager, the live page, the report), and
+//! `diffmon replay` over the recorded history decides what the daemon decided.
 
 use crate::common::{diffmon, stdout};
-use crate::daemon::{Daemon, empty_run, journal};
-use crate::early_stop::{checkpoints_by_icr, detector_config, write_base_config};
+use crate::daemon::{Daemon, empty_run, free_port, journal};
+use crate::early_stop::{
+    Alertmanager, Receiver, SECRET, checkpoints_by_icr, detector_config, write_base_config,
+};
 use serde_json::Value;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -60,10 +63,29 @@ fn the_best_checkpoint_survives_rotation_and_one_copy_is_kept() {
     let dir = run.path();
     write_base_config(dir, "");
     let (hi, lo, rise) = checkpoints_by_icr(dir);
+    // Every webhook format, to one real receiver (the JSON one signed), and a real Alertmanager.
+    let receiver = Receiver::start(dir, free_port(), "");
+    let am = Alertmanager::start_on(dir, free_port());
+    // SAFETY of the tests: every test that sets it sets the same value.
+    unsafe { std::env::set_var("DIFFMON_TEST_SECRET", SECRET) };
+    let hook = |path: &str, format: &str| {
+        format!(
+            "    - {{url: \"http://127.0.0.1:{}/{path}\", format: {format}}}\n",
+            receiver.port
+        )
+    };
+    let alerts = format!(
+        "alerts:\n  webhooks:\n    - {{url: \"http://127.0.0.1:{}/json\", format: json, \
+         secret_env: DIFFMON_TEST_SECRET}}\n{}{}  alertmanager: {{url: \"{}\"}}\n",
+        receiver.port,
+        hook("slack", "slack"),
+        hook("alertmanager", "alertmanager"),
+        am.url
+    );
     let mut d = Daemon::start(
         dir,
         &format!(
-            "checkpoints: {{pattern: \"checkpoint-*\", settle_secs: 0.2, poll_secs: 0.5}}\n{}",
+            "checkpoints: {{pattern: \"checkpoint-*\", settle_secs: 0.2, poll_secs: 0.5}}\n{}{alerts}",
             detector_config(rise)
         ),
     );
@@ -128,6 +150,81 @@ fn the_best_checkpoint_survives_rotation_and_one_copy_is_kept() {
             .contains("best checkpoint kept (early_stop.keep_best)")
     );
 
+    // Every other output names the kept copy beside the original, which rotation deleted.
+    let original = stop["best_checkpoint"].as_str().unwrap().to_string();
+    let copy = copy.display().to_string();
+    let named = format!("{original} (kept as {copy})");
+    let page_names_it =
+        format!(r#"kept as <span class="path" id="best-checkpoint-kept">{copy}</span>"#);
+    let page = d.get("/").unwrap();
+    assert!(page.contains(&page_names_it), "{page}");
+    d.wait_for(Duration::from_secs(60), "the three webhooks", |_| {
+        let paths: Vec<Value> = receiver
+            .requests()
+            .iter()
+            .map(|r| r["path"].clone())
+            .collect();
+        ["/json", "/slack", "/alertmanager"]
+            .iter()
+            .all(|p| paths.contains(&Value::from(*p)))
+    });
+    let body = |path: &str| -> Value {
+        let r = receiver
+            .requests()
+            .into_iter()
+            .find(|r| r["path"] == path)
+            .unwrap();
+        assert_eq!(r["status"], 200, "{r}");
+        r["body"].clone()
+    };
+    let json = receiver
+        .requests()
+        .into_iter()
+        .find(|r| r["path"] == "/json")
+        .unwrap();
+    assert_eq!(json["valid"], true, "Standard Webhooks signature: {json}");
+    assert_eq!(
+        json["body"]["best_checkpoint_kept"],
+        copy.as_str(),
+        "{json}"
+    );
+    let slack = body("/slack");
+    assert!(slack["text"].as_str().unwrap().contains(&named), "{slack}");
+    let webhook = body("/alertmanager");
+    let annotations = &webhook["alerts"][0]["annotations"];
+    assert_eq!(
+        annotations["best_checkpoint_kept"],
+        copy.as_str(),
+        "{webhook}"
+    );
+    for text in ["summary", "description"] {
+        let t = annotations[text].as_str().unwrap();
+        assert!(t.contains(&named), "{text}: {t}");
+    }
+    let alert = {
+        let start = std::time::Instant::now();
+        loop {
+            if let Some(a) = am.active_alerts().into_iter().next() {
+                break a;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "no alert in Alertmanager"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    let annotations = &alert["annotations"];
+    assert_eq!(
+        annotations["best_checkpoint_kept"],
+        copy.as_str(),
+        "{alert}"
+    );
+    for text in ["summary", "description"] {
+        let t = annotations[text].as_str().unwrap();
+        assert!(t.contains(&named), "{text}: {t}");
+    }
+
     // A restart finds the kept copy in the state folder and keeps it: still one.
     d.terminate();
     d.restart();
@@ -137,10 +234,29 @@ fn the_best_checkpoint_survives_rotation_and_one_copy_is_kept() {
     });
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(kept(dir), ["checkpoint-2"]);
+    // The restarted daemon's live page names it again, from the state folder.
+    d.wait_for(
+        Duration::from_secs(60),
+        "the kept copy on the live page",
+        |d| d.get("/").is_some_and(|p| p.contains(&page_names_it)),
+    );
     d.terminate();
 
-    // `diffmon replay` over the recorded history decides what the daemon decided.
+    // So does the report, from the state folder.
     let config = dir.join("diffmon.yaml");
+    let html = dir.join("report.html");
+    let out = diffmon(&[
+        "report",
+        "--config",
+        config.to_str().unwrap(),
+        "--out",
+        html.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", crate::common::stderr(&out));
+    let report = fs::read_to_string(&html).unwrap();
+    assert!(report.contains(&page_names_it), "{report}");
+
+    // `diffmon replay` over the recorded history decides what the daemon decided.
     let out = diffmon(&["replay", "--config", config.to_str().unwrap(), "--json"]);
     assert!(out.status.success(), "{}", crate::common::stderr(&out));
     let lines: Vec<Value> = stdout(&out)

@@ -351,12 +351,23 @@ fn report_in_every_format_from_a_real_history() {
     let html = fs::read_to_string(&html_file).unwrap();
     assert!(!html.contains("http-equiv=\"refresh\""));
     assert_eq!(polyline_points(&html, "icr"), 5);
+    // The best checkpoint's kept copy (`early_stop.keep_best`, on by default) beside it.
+    let kept = format!(
+        r#"kept as <span class="path" id="best-checkpoint-kept">{}</span>"#,
+        finished
+            .dir
+            .path()
+            .join(".diffmon/best/ckpt_2.pt")
+            .display()
+    );
+    assert!(html.contains(&kept), "{html}");
     fs::copy(&html_file, artifacts().join("report.html")).unwrap();
     let url = format!("file://{}", html_file.display());
     let dom = rendered_dom(&url);
     assert_eq!(polyline_points(&dom, "icr"), 5, "{dom}");
     assert_eq!(dots(&dom, "icr"), 5, "{dom}");
     assert_eq!(marker_step(&dom, "best-point"), Some(2), "{dom}");
+    assert!(dom.contains(&kept), "{dom}");
     screenshot(&url, "report-html.png", (1000, 1200));
 
     // An unknown extension is a usage error naming it; nothing is written.
