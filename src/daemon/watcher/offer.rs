@@ -68,6 +68,8 @@ pub struct Watcher {
     /// watcher's thread when it runs).
     pub(super) crash_dir: Option<PathBuf>,
     pub(super) marker: Option<crate::store::crash::ThreadMarker>,
+    /// The run's pace, told the checkpoints offered (see [`Watcher::pacing`]).
+    pub(super) pace: Option<Arc<crate::daemon::pace::Pace>>,
 }
 
 /// A name from `run.dir` for logs (control characters escaped).
@@ -104,7 +106,15 @@ impl Watcher {
             shared_notifications: None,
             crash_dir: None,
             marker: None,
+            pace: None,
         }
+    }
+
+    /// Tells `pace` the steps and modification times of the checkpoints ready at each offer,
+    /// from which it measures the interval between checkpoints (`daemon/pace.rs`).
+    pub fn pacing(mut self, pace: Arc<crate::daemon::pace::Pace>) -> Watcher {
+        self.pace = Some(pace);
+        self
     }
 
     /// Notifications through a sweep's one inotify instance instead of one of its own.
@@ -167,6 +177,10 @@ impl Watcher {
 
     /// Marks `item` as handed over; with `latest`, drops the older pending items.
     pub(super) fn taken(&mut self, item: &WorkItem) {
+        if let Some(pace) = &self.pace {
+            let ready = self.ready.values().chain([item]);
+            pace.offered(ready.map(|w| (w.step, w.key.mtime_ns)));
+        }
         self.offered.insert(item.key.clone());
         self.ready.remove(&(item.step, item.path.clone()));
         if self.config.backlog == Backlog::Latest && !self.ready.is_empty() {
