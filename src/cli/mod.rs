@@ -5,11 +5,11 @@
 //! `bias_variance`, `replay`); `watch` is [`crate::daemon::run`], `report`
 //! [`crate::report::write`].
 //!
-//! Files: `mod.rs` the entry point, the commands' dispatch, `check-config`'s extra checks,
-//! [`Exit`] and logging; `args.rs` the command line as clap parses it ([`Cli`], [`Command`],
-//! [`SampleArgs`], the help's epilogue); `eval.rs` `diffmon eval` and its usage error
-//! [`NoStep`]; `init.rs`, `icr_features.rs`, `sample.rs`, `bias_variance.rs`, `replay.rs` the
-//! command each is named after.
+//! Files: `mod.rs` the entry point, the commands' dispatch, `check-config`'s extra checks and
+//! measured cost per checkpoint, [`Exit`] and logging; `args.rs` the command line as clap
+//! parses it ([`Cli`], [`Command`], [`SampleArgs`], the help's epilogue); `eval.rs` `diffmon
+//! eval` and its usage error [`NoStep`]; `init.rs`, `icr_features.rs`, `sample.rs`,
+//! `bias_variance.rs`, `replay.rs` the command each is named after.
 
 mod args;
 mod bias_variance;
@@ -167,6 +167,47 @@ fn pinned_device_problems(config: &Config, runs: &[Config]) -> Vec<config::Probl
     problems
 }
 
+/// `check-config`'s measured seconds per checkpoint, a line per run whose state folder holds a
+/// history with evaluations (a restarted run), measured as the daemon measures its own
+/// (`crate::daemon::measured_in_history`); nothing for a run without one. The journal is read as
+/// `diffmon report` reads it, beside a running daemon, without its lock and without changing it.
+fn measured_lines(config: &Config, runs: &[Config]) -> Vec<String> {
+    use crate::store::history::{History, JOURNAL};
+    let mut lines = Vec::new();
+    for run in runs {
+        let state_dir = run.state_dir();
+        if !state_dir.join(JOURNAL).is_file() {
+            continue;
+        }
+        let entries = match History::read(&state_dir) {
+            Ok(entries) => entries,
+            Err(e) => {
+                tracing::debug!("{e}");
+                continue;
+            }
+        };
+        let every = crate::daemon::pf_ode_every(run);
+        let Some((seconds, n)) = crate::daemon::measured_in_history(&entries, every) else {
+            continue;
+        };
+        let who = if config.is_sweep() {
+            format!(" (run `{}`)", run.run_name())
+        } else {
+            String::new()
+        };
+        let spread = if every > 1 {
+            format!(", the PF-ODE probe's time spread over pfd.every = {every}")
+        } else {
+            String::new()
+        };
+        lines.push(format!(
+            "measured{who}: {seconds:.1} s per checkpoint (median of the last {n} evaluations in {}{spread})",
+            state_dir.display()
+        ));
+    }
+    lines
+}
+
 /// The exit statuses of `diffmon`: the one table behind the help's "Exit codes"
 /// ([`AFTER_HELP`](args::AFTER_HELP)) and the guide's list
 /// (docs/guide/configuration.md, "Exit codes"). Each row has its test.
@@ -312,6 +353,9 @@ pub fn run(command: Command) -> Result<()> {
             println!("{}: ok ({what})", file.display());
             println!("{}", describe::model_summary(&config));
             println!("{}", config.cost_summary());
+            for line in measured_lines(&config, &runs) {
+                println!("{line}");
+            }
             println!("{}", config.early_stop_summary());
             Ok(())
         }

@@ -35,6 +35,7 @@
 mod executor;
 pub mod http;
 mod local;
+mod pace;
 mod pipeline;
 mod recorder;
 mod run_state;
@@ -51,6 +52,7 @@ use anyhow::Result;
 use executor::{Executor, Outcome};
 use local::Local;
 pub(crate) use local::failure_reason;
+pub use pace::{measured_in_history, pf_ode_every};
 use pipeline::{OUTCOMES_BOUND, Opened, bind, open, serve};
 use std::time::Duration;
 
@@ -92,6 +94,7 @@ pub fn run(config: Config) -> Result<()> {
     let (stop, stopped) = shutdown::stop_channel();
     let done = recorder.entries().iter().map(|e| e.key().clone()).collect();
     let watcher = Watcher::new(&config.run.dir, &config.checkpoints, done, metrics.clone())
+        .pacing(published.pace.clone())
         .with_excluded(config.named_files())
         .with_crash_marker(lock.state().path())
         .with_pins(lock.state().path(), lock.state().shown())

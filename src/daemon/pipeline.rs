@@ -4,6 +4,7 @@
 //! and the daemon's HTTP port and tokio runtime ([`bind`], [`serve`]).
 
 use super::executor::Outcome;
+use super::pace::Pace;
 use super::recorder::Recorder;
 use super::run_state::RunState;
 use super::sinks::{Alerts, Console, Sinks};
@@ -19,10 +20,12 @@ use std::sync::Arc;
 /// How many outcomes may wait between the executor and the recorder.
 pub(super) const OUTCOMES_BOUND: usize = 16;
 
-/// A run's state and its sinks: what a recorded outcome goes to, in order.
+/// A run's state, its sinks and its pace: what a recorded outcome goes to, in order.
 pub(super) struct Published {
     pub(super) state: RunState,
     pub(super) sinks: Sinks,
+    /// Shared with the run's watcher, which tells it the checkpoints it offers.
+    pub(super) pace: Arc<Pace>,
 }
 
 impl Published {
@@ -30,6 +33,7 @@ impl Published {
         let event = self.state.observe(&outcome, at);
         if let Outcome::Done(_, record) = &outcome {
             self.sinks.evaluation(record, self.state.detector());
+            self.pace.evaluated(record);
         }
         if let Some(event) = event {
             self.sinks.event(&event);
@@ -122,6 +126,7 @@ pub(super) fn open(
     let mut published = Published {
         state: run_state,
         sinks,
+        pace: Arc::new(Pace::new(config, view.metrics.clone())),
     };
     if let Some(crash) = crash {
         recorder.record_crash(crash, &mut |outcome, at| published.recorded(outcome, at));
@@ -202,9 +207,12 @@ mod tests {
             lines: lines.clone(),
         };
         let status = state.status();
+        let metrics = Arc::new(Metrics::new("r"));
+        let config = crate::daemon::pace::tests::config();
         let mut published = Published {
             state,
             sinks: Sinks::new(vec![Box::new(log)]),
+            pace: Arc::new(Pace::new(&config, metrics)),
         };
         let at = "2024-05-01T12:00:00.000Z";
         for (step, icr) in [(1, 3.0), (2, 1.0), (3, 2.0)] {

@@ -301,6 +301,7 @@ impl Started {
             done,
             view.metrics.clone(),
         )
+        .pacing(published.pace.clone())
         .with_excluded(config.named_files())
         .with_notifications(self.notifications.clone())
         .with_crash_marker(lock.state().path())

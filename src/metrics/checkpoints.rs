@@ -1,5 +1,5 @@
 //! The watcher's and the evaluator's counts of checkpoints: failures by reason, pending, ignored
-//! and skipped.
+//! and skipped; and the interval between checkpoints.
 
 use super::registry::Metrics;
 use crate::record::FailureReason;
@@ -16,6 +16,18 @@ impl Metrics {
         self.checkpoints_pending
             .get_or_create(&self.label())
             .set(n as i64);
+    }
+
+    /// Complete checkpoints waiting for evaluation, as last set.
+    pub fn pending(&self) -> i64 {
+        self.checkpoints_pending.get_or_create(&self.label()).get()
+    }
+
+    /// The interval between the run's checkpoints (`daemon/pace.rs`).
+    pub fn set_checkpoint_interval(&self, seconds: f64) {
+        self.checkpoint_interval
+            .get_or_create(&self.label())
+            .set(seconds);
     }
 
     pub fn set_ignored(&self, n: usize) {

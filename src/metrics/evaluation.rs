@@ -37,6 +37,13 @@ impl Metrics {
         }
     }
 
+    /// The run's measured seconds per checkpoint (`daemon/pace.rs`).
+    pub fn set_evaluation_seconds(&self, seconds: f64) {
+        self.evaluation_seconds
+            .get_or_create(&self.label())
+            .set(seconds);
+    }
+
     pub fn observe_stage(&self, stage: &str, seconds: f64) {
         self.evaluation_duration
             .get_or_create(&self.stage_labels(stage))

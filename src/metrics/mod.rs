@@ -16,9 +16,9 @@
 //! Files, by family: `names.rs` the metric names, the known label values and
 //! [`exported_names`]; `labels.rs` the families' label sets; `registry.rs` a run's [`Metrics`]
 //! (its families, their registration, the series at zero from the start); `evaluation.rs` what
-//! each evaluation publishes (the record's gauges, durations, the detector's state and its
-//! timestamps); `checkpoints.rs` the counts of checkpoints (failures, pending, ignored,
-//! skipped); `slurm.rs` the Slurm executor's jobs; `delivery.rs` alert deliveries;
+//! each evaluation publishes (the record's gauges, durations, the seconds per checkpoint, the
+//! detector's state and its timestamps); `checkpoints.rs` the counts of checkpoints (failures,
+//! pending, ignored, skipped) and their interval; `slurm.rs` the Slurm executor's jobs; `delivery.rs` alert deliveries;
 //! `process.rs` the `process_*` metrics; `sweep.rs` a sweep's own [`SweepMetrics`];
 //! `exposition.rs` the two formats and the encoding of a run, of several runs and of a sweep;
 //! `time.rs` the clock and the RFC 3339 parser.

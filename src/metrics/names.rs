@@ -18,6 +18,9 @@ pub const CHECKPOINTS_PENDING: &str = "diffmon_checkpoints_pending";
 pub const CHECKPOINTS_SKIPPED: &str = "diffmon_checkpoints_skipped";
 pub const CHECKPOINTS_IGNORED: &str = "diffmon_checkpoints_ignored";
 pub const EVALUATION_DURATION: &str = "diffmon_evaluation_duration_seconds";
+// The run's pace (`daemon/pace.rs`): absent until measured.
+pub const EVALUATION_SECONDS: &str = "diffmon_evaluation_seconds";
+pub const CHECKPOINT_INTERVAL: &str = "diffmon_checkpoint_interval_seconds";
 pub const WEBHOOK_DELIVERIES: &str = "diffmon_webhook_deliveries";
 pub const BUILD_INFO: &str = "diffmon_build_info";
 pub const LAST_EVALUATION_TIMESTAMP: &str = "diffmon_last_evaluation_timestamp_seconds";
@@ -79,6 +82,8 @@ pub fn exported_names() -> Vec<String> {
             CHECKPOINTS_PENDING,
             CHECKPOINTS_IGNORED,
             EVALUATION_DURATION,
+            EVALUATION_SECONDS,
+            CHECKPOINT_INTERVAL,
             BUILD_INFO,
             LAST_EVALUATION_TIMESTAMP,
             BEST_STEP_TIMESTAMP,

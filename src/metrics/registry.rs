@@ -34,6 +34,8 @@ pub struct Metrics {
     pub(super) checkpoints_ignored: Family<RunLabel, Gauge>,
     pub(super) checkpoints_skipped: Family<RunLabel, Counter>,
     pub(super) evaluation_duration: Family<StageLabels, Histogram>,
+    pub(super) evaluation_seconds: Family<RunLabel, FGauge>,
+    pub(super) checkpoint_interval: Family<RunLabel, FGauge>,
     pub(super) webhook_deliveries: Family<OutcomeLabels, Counter>,
     pub(super) last_evaluation_timestamp: Family<RunLabel, FGauge>,
     pub(super) best_step_timestamp: Family<RunLabel, FGauge>,
@@ -80,6 +82,8 @@ impl Metrics {
             checkpoints_ignored: Family::default(),
             checkpoints_skipped: Family::default(),
             evaluation_duration: Family::new_with_constructor(duration_histogram),
+            evaluation_seconds: Family::default(),
+            checkpoint_interval: Family::default(),
             webhook_deliveries: Family::default(),
             last_evaluation_timestamp: Family::default(),
             best_step_timestamp: Family::default(),
@@ -166,6 +170,16 @@ impl Metrics {
             EVALUATION_DURATION,
             "Evaluation time per stage",
             m.evaluation_duration.clone(),
+        );
+        registry.register(
+            EVALUATION_SECONDS,
+            "Seconds per checkpoint: the median of this process's last evaluations, the PF-ODE probe's time spread over pfd.every (absent before the first)",
+            m.evaluation_seconds.clone(),
+        );
+        registry.register(
+            CHECKPOINT_INTERVAL,
+            "Seconds between checkpoints: the median gap between the modification times of the last checkpoints offered, by step (absent before two gaps)",
+            m.checkpoint_interval.clone(),
         );
         registry.register(
             WEBHOOK_DELIVERIES,
@@ -323,6 +337,8 @@ mod tests {
         );
         m.failure(FailureReason::Mismatch);
         m.delivery(Receiver::Webhook, DeliveryOutcome::Delivered);
+        m.set_evaluation_seconds(59.2);
+        m.set_checkpoint_interval(9.0);
         let text = m.encode();
         for name in exported_names() {
             let series =

@@ -359,3 +359,91 @@ fn eval_and_watch_agree() {
     assert_eq!(from_watch["record"]["loss_train"], from_eval["loss_train"]);
     assert!(d.log().contains("stopped"), "{}", d.log());
 }
+
+/// Issue 33: checkpoints written 0.05 s apart (by their modification times) against evaluations
+/// of a second or so: the daemon warns once, naming the run, both numbers and the remedies, and
+/// exports both gauges; `check-config` then gives the measured seconds per checkpoint from the
+/// history, and says nothing of it before there is one.
+#[test]
+fn a_daemon_slower_than_the_checkpoints_warns_once_that_it_falls_behind() {
+    let run = empty_run();
+    let dir = run.path();
+    let mut d = Daemon::start(
+        dir,
+        "checkpoints: {pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}\n\
+         icr: {samples: 1024, batch_size: 256}\n",
+    );
+    let config = d.config.to_str().unwrap().to_string();
+    let check = diffmon(&["check-config", &config]);
+    assert!(check.status.success(), "{}", stderr(&check));
+    assert!(!stdout(&check).contains("measured"), "{}", stdout(&check));
+
+    // Written a minute ago, 0.05 s apart, then renamed into place together.
+    let steps = [100, 200, 300, 400];
+    let written = std::time::SystemTime::now() - Duration::from_secs(60);
+    for (k, step) in steps.iter().enumerate() {
+        let tmp = dir.join(format!("ckpt_{step:06}.pt.tmp"));
+        fs::copy(toy_run().join("ckpt_000030.pt"), &tmp).unwrap();
+        let f = fs::File::options().write(true).open(&tmp).unwrap();
+        f.set_modified(written + Duration::from_millis(50 * k as u64))
+            .unwrap();
+    }
+    for step in steps {
+        let name = format!("ckpt_{step:06}.pt");
+        fs::rename(dir.join(format!("{name}.tmp")), dir.join(name)).unwrap();
+    }
+    d.wait_for(Duration::from_secs(300), "four evaluations", |d| {
+        d.evaluated() >= 4.0
+    });
+
+    let log = d.log();
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("evaluation falls behind"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{log}");
+    let warning = warnings[0];
+    for part in [
+        "WARN",
+        "run=test",
+        "a checkpoint every 0.050 s",
+        "checkpoints wait",
+        "Remedies (docs/guide/watching.md, \"When diffmon falls behind\"): lower icr.samples (now 1024)",
+        "checkpoints.backlog: latest",
+        "device: cuda",
+        "or evaluate on Slurm (evaluation.executor: slurm)",
+        "now network calls per checkpoint: ICR 2048",
+    ] {
+        assert!(warning.contains(part), "{part:?} not in {warning}");
+    }
+    assert!(!log.contains("keeps pace"), "{log}");
+    let interval = d
+        .metric("diffmon_checkpoint_interval_seconds{run=\"test\"}")
+        .expect("the interval gauge");
+    assert!((interval - 0.05).abs() < 0.005, "{interval}");
+    let seconds = d
+        .metric("diffmon_evaluation_seconds{run=\"test\"}")
+        .expect("the seconds gauge");
+    assert!(seconds > 4.0 * interval, "{seconds}");
+
+    d.terminate();
+    let check = diffmon(&["check-config", &config]);
+    assert!(check.status.success(), "{}", stderr(&check));
+    let out = stdout(&check);
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("measured: "))
+        .unwrap_or_else(|| panic!("no measured line in\n{out}"));
+    assert!(
+        line.contains(" s per checkpoint (median of the last 4 evaluations in ")
+            && line.ends_with(".diffmon)"),
+        "{line}"
+    );
+    let measured: f64 = line["measured: ".len()..]
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(measured > 4.0 * interval, "{line}");
+}

@@ -91,6 +91,8 @@ pub struct Watcher {
     pub(super) marker: Option<crate::store::crash::ThreadMarker>,
     /// Where complete checkpoints are pinned against rotation (`None`: not pinned).
     pub(super) pins: Option<crate::store::pin::Pins>,
+    /// The run's pace, told the checkpoints offered (see [`Watcher::pacing`]).
+    pub(super) pace: Option<Arc<crate::daemon::pace::Pace>>,
 }
 
 /// A name from `run.dir` for logs (control characters escaped).
@@ -128,6 +130,7 @@ impl Watcher {
             crash_dir: None,
             marker: None,
             pins: None,
+            pace: None,
         }
     }
 
@@ -154,6 +157,13 @@ impl Watcher {
             self.ready.insert((left.step, path), item);
         }
         self.pins = Some(pins);
+        self
+    }
+
+    /// Tells `pace` the steps and modification times of the checkpoints ready at each offer,
+    /// from which it measures the interval between checkpoints (`daemon/pace.rs`).
+    pub fn pacing(mut self, pace: Arc<crate::daemon::pace::Pace>) -> Watcher {
+        self.pace = Some(pace);
         self
     }
 
@@ -217,6 +227,10 @@ impl Watcher {
 
     /// Marks `item` as handed over; with `latest`, drops the older pending items.
     pub(super) fn taken(&mut self, item: &WorkItem) {
+        if let Some(pace) = &self.pace {
+            let ready = self.ready.values().chain([item]);
+            pace.offered(ready.map(|w| (w.step, w.key.mtime_ns)));
+        }
         self.offered.insert(item.key.clone());
         self.ready.remove(&(item.step, item.path.clone()));
         if self.config.backlog == Backlog::Latest && !self.ready.is_empty() {

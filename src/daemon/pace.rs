@@ -1,0 +1,540 @@
+//! A run's pace: the seconds an evaluation takes per checkpoint against the interval at which the
+//! training job writes checkpoints (docs/design.md §16, "Pace"). The watcher tells it the
+//! checkpoints it offers (their steps and modification times), the recorder thread each
+//! evaluation; each publishes its gauge. When evaluation is found slower than the interval, one
+//! WARN per run says so with the remedies; when it keeps up again, one INFO.
+//!
+//! - The interval is the median of the gaps between the modification times of successive
+//!   checkpoints (by step), over the newest [`INTERVAL_GAPS`]` + 1` the watcher has offered or
+//!   held ready at an offer. A median of mtimes, not of arrival times: a rescan or a restart finds
+//!   many checkpoints at once, but their mtimes are when training wrote them; and checkpoints a
+//!   rotation deleted before their turn make a few long gaps, which the median ignores.
+//! - The seconds per checkpoint are the median of the `seconds` of this process's last
+//!   [`RECENT`] evaluations without the PF-ODE probe, plus the median PF-ODE time of its last
+//!   [`RECENT_PF_ODE`] evaluations with it over `pfd.every` (the probe runs on one checkpoint in
+//!   `pfd.every`). Live evaluations only: a restart after a change of `icr.samples` must not be
+//!   judged by the old cost.
+//! - Behind: the seconds per checkpoint, over the evaluations at once (`evaluation.max_in_flight`
+//!   on Slurm, else 1), exceed the interval; judged once there are an evaluation and two gaps.
+
+use crate::config::{Backlog, Config, DeviceSpec, ExecutorKind};
+use crate::metrics::{Metrics, STAGE_PFD};
+use crate::record::Evaluation;
+use crate::store::history::Entry;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+/// Gaps between successive checkpoints the interval is the median of.
+pub const INTERVAL_GAPS: usize = 8;
+/// Evaluations without the PF-ODE probe whose median is the plain cost of a checkpoint.
+pub const RECENT: usize = 9;
+/// Evaluations with the PF-ODE probe whose median is its cost.
+pub const RECENT_PF_ODE: usize = 3;
+
+/// The median of `xs` (the mean of the two middle values for an even count); `None` for none.
+fn median(mut xs: Vec<f64>) -> Option<f64> {
+    xs.retain(|x| x.is_finite());
+    if xs.is_empty() {
+        return None;
+    }
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    Some(if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    })
+}
+
+/// Seconds as the log shows them: 59.2, 0.050.
+fn secs(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.1} s")
+    } else {
+        format!("{s:.3} s")
+    }
+}
+
+/// The interval between checkpoints from their modification times (ns) by step: the median of
+/// the positive gaps between successive steps' mtimes, and how many gaps it is the median of;
+/// `None` below two. (A gap of 0 or less, checkpoints written at once or out of step order,
+/// says nothing of the training's pace.)
+pub fn interval(mtimes: &BTreeMap<i64, i64>) -> Option<(f64, usize)> {
+    let times: Vec<i64> = mtimes.values().copied().collect();
+    let gaps: Vec<f64> = times
+        .windows(2)
+        .map(|w| (w[1] - w[0]) as f64 / 1e9)
+        .filter(|g| *g > 0.0)
+        .collect();
+    let n = gaps.len();
+    if n < 2 {
+        return None;
+    }
+    Some((median(gaps)?, n))
+}
+
+/// One evaluation's time, as far as the pace needs it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timed {
+    /// The record's `seconds`.
+    pub seconds: f64,
+    /// The PF-ODE probe ran (one checkpoint in `pfd.every`).
+    pub pf_ode: bool,
+    /// Its seconds, where known: a live evaluation's stage (the history keeps no stages).
+    pub pf_ode_seconds: Option<f64>,
+}
+
+impl Timed {
+    pub fn of(r: &Evaluation) -> Timed {
+        let stage = r.stages.iter().find(|(s, _)| *s == STAGE_PFD).map(|s| s.1);
+        let values = [
+            r.pfd_generalization,
+            r.pfd_memorization,
+            r.memorization_ratio,
+        ];
+        Timed {
+            seconds: r.seconds,
+            pf_ode: stage.is_some() || values.iter().any(Option::is_some),
+            pf_ode_seconds: stage,
+        }
+    }
+}
+
+/// The last evaluations' times: [`RECENT`] without the PF-ODE probe, [`RECENT_PF_ODE`] with it.
+#[derive(Debug, Default, Clone)]
+pub struct Recent {
+    plain: VecDeque<Timed>,
+    pf_ode: VecDeque<Timed>,
+}
+
+impl Recent {
+    pub fn push(&mut self, t: Timed) {
+        let (kept, bound) = if t.pf_ode {
+            (&mut self.pf_ode, RECENT_PF_ODE)
+        } else {
+            (&mut self.plain, RECENT)
+        };
+        kept.push_back(t);
+        if kept.len() > bound {
+            kept.pop_front();
+        }
+    }
+
+    /// How many evaluations the estimate is made of.
+    pub fn len(&self) -> usize {
+        self.plain.len() + self.pf_ode.len()
+    }
+
+    /// Seconds per checkpoint, with the PF-ODE probe run on one checkpoint in `every`: the
+    /// median plain cost plus the probe's median cost over `every`. The plain cost of an
+    /// evaluation with the probe is its seconds less the probe's, where known; with no plain
+    /// cost known at all (one evaluation, from the history), the median of the seconds.
+    pub fn seconds_per_checkpoint(&self, every: usize) -> Option<f64> {
+        let every = every.max(1);
+        let all = || {
+            median(
+                self.plain
+                    .iter()
+                    .chain(&self.pf_ode)
+                    .map(|t| t.seconds)
+                    .collect(),
+            )
+        };
+        if every == 1 || self.pf_ode.is_empty() {
+            return all();
+        }
+        let plain = self.plain.iter().map(|t| Some(t.seconds)).chain(
+            self.pf_ode
+                .iter()
+                .map(|t| t.pf_ode_seconds.map(|p| t.seconds - p)),
+        );
+        let Some(plain) = median(plain.flatten().collect()) else {
+            return all();
+        };
+        let probe = self.pf_ode.iter().map(|t| {
+            t.pf_ode_seconds
+                .unwrap_or_else(|| (t.seconds - plain).max(0.0))
+        });
+        Some(plain + median(probe.collect())? / every as f64)
+    }
+}
+
+/// `pfd.every` where the PF-ODE probe runs (`pfd.enabled`, or the memorization ratio that
+/// `early_stop.confirm: auto` implies), else 1.
+pub fn pf_ode_every(config: &Config) -> usize {
+    if config.pfd.enabled {
+        config.pfd.every.max(1)
+    } else {
+        1
+    }
+}
+
+/// Seconds per checkpoint measured by a run's history (a restarted run's, for `check-config`),
+/// as the daemon measures its own: (seconds, evaluations it is made of). `None` without an
+/// evaluation.
+pub fn measured_in_history(entries: &[Entry], every: usize) -> Option<(f64, usize)> {
+    let mut recent = Recent::default();
+    for e in entries {
+        if let Entry::Evaluation { record, .. } = e {
+            recent.push(Timed::of(record));
+        }
+    }
+    Some((recent.seconds_per_checkpoint(every)?, recent.len()))
+}
+
+/// Is evaluation slower than the training's checkpoints?
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    KeepsUp,
+    Behind,
+}
+
+/// The verdict on `seconds` per checkpoint, `parallel` evaluations at once, against a checkpoint
+/// every `interval` seconds.
+pub fn verdict(seconds: f64, parallel: usize, interval: f64) -> Verdict {
+    if seconds / parallel.max(1) as f64 > interval {
+        Verdict::Behind
+    } else {
+        Verdict::KeepsUp
+    }
+}
+
+/// What has been said of the pace so far: each line at most once per run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Told {
+    #[default]
+    Nothing,
+    /// It kept pace when first judged (INFO).
+    KeepsUp,
+    /// The warning (WARN).
+    Behind,
+    /// It kept up again after the warning (INFO); nothing more is said.
+    CaughtUp,
+}
+
+/// What a verdict makes the pace say, having said `told`: the new state, and the line to log
+/// (the state it announces), if any.
+pub fn tell(told: Told, verdict: Verdict) -> (Told, Option<Told>) {
+    let next = match (told, verdict) {
+        (Told::Nothing, Verdict::KeepsUp) => Told::KeepsUp,
+        (Told::Nothing | Told::KeepsUp, Verdict::Behind) => Told::Behind,
+        (Told::Behind, Verdict::KeepsUp) => Told::CaughtUp,
+        _ => return (told, None),
+    };
+    (next, Some(next))
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// Modification times (ns) of the newest checkpoints offered, by step.
+    mtimes: BTreeMap<i64, i64>,
+    recent: Recent,
+    told: Told,
+}
+
+/// A run's pace, shared by its watcher and its recorder thread.
+pub struct Pace {
+    metrics: Arc<Metrics>,
+    every: usize,
+    parallel: usize,
+    /// The remedies, for the warning.
+    remedies: String,
+    inner: Mutex<Inner>,
+}
+
+impl Pace {
+    pub fn new(config: &Config, metrics: Arc<Metrics>) -> Pace {
+        let parallel = match config.evaluation.executor {
+            ExecutorKind::Local => 1,
+            ExecutorKind::Slurm => config.evaluation.max_in_flight.max(1),
+        };
+        Pace {
+            metrics,
+            every: pf_ode_every(config),
+            parallel,
+            remedies: remedies(config),
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    /// The watcher offers a checkpoint: `checkpoints` are (step, mtime in ns) of those it offers
+    /// and holds ready.
+    pub fn offered(&self, checkpoints: impl IntoIterator<Item = (i64, i64)>) {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let before = interval(&inner.mtimes);
+        inner.mtimes.extend(checkpoints);
+        while inner.mtimes.len() > INTERVAL_GAPS + 1 {
+            inner.mtimes.pop_first();
+        }
+        let now = interval(&inner.mtimes);
+        if now != before
+            && let Some((seconds, _)) = now
+        {
+            self.metrics.set_checkpoint_interval(seconds);
+            self.judge(&mut inner);
+        }
+    }
+
+    /// An evaluation was recorded, live.
+    pub fn evaluated(&self, record: &Evaluation) {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.recent.push(Timed::of(record));
+        if let Some(seconds) = inner.recent.seconds_per_checkpoint(self.every) {
+            self.metrics.set_evaluation_seconds(seconds);
+        }
+        self.judge(&mut inner);
+    }
+
+    /// Says what the pace is now, if that was not said yet.
+    fn judge(&self, inner: &mut Inner) {
+        let (Some(seconds), Some((interval, gaps))) = (
+            inner.recent.seconds_per_checkpoint(self.every),
+            interval(&inner.mtimes),
+        ) else {
+            return;
+        };
+        let (told, say) = tell(inner.told, verdict(seconds, self.parallel, interval));
+        inner.told = told;
+        let run = self.metrics.run();
+        let pending = self.metrics.pending();
+        let at_once = match self.parallel {
+            1 => String::new(),
+            n => format!(" ({n} at once: {})", secs(seconds / n as f64)),
+        };
+        let (each, every) = (secs(seconds), secs(interval));
+        let n = match inner.recent.len() {
+            1 => "1 evaluation".to_string(),
+            n => format!("{n} evaluations"),
+        };
+        match say {
+            Some(Told::KeepsUp) => tracing::info!(
+                run = %run, seconds_per_checkpoint = seconds, checkpoint_interval = interval,
+                "evaluation keeps pace: {each} per checkpoint{at_once} (median of {n}), a checkpoint every {every} (median of {gaps} gaps)"
+            ),
+            Some(Told::Behind) => tracing::warn!(
+                run = %run, seconds_per_checkpoint = seconds, checkpoint_interval = interval, pending,
+                "evaluation falls behind: {each} per checkpoint{at_once} (median of {n}), a checkpoint every {every} (median of {gaps} gaps); {pending} checkpoints wait, and rotation may delete them before their turn. {}",
+                self.remedies
+            ),
+            Some(Told::CaughtUp) => tracing::info!(
+                run = %run, seconds_per_checkpoint = seconds, checkpoint_interval = interval, pending,
+                "evaluation keeps pace again: {each} per checkpoint{at_once}, a checkpoint every {every}; {pending} checkpoints wait"
+            ),
+            _ => {}
+        }
+    }
+}
+
+/// What makes a checkpoint cheaper or evaluation faster, as the config stands: the warning's
+/// second half.
+fn remedies(config: &Config) -> String {
+    let mut r = Vec::new();
+    if config.icr.enabled {
+        r.push(format!("lower icr.samples (now {})", config.icr.samples));
+    }
+    if config.pfd.enabled {
+        r.push(format!("raise pfd.every (now {})", config.pfd.every));
+    }
+    if config.checkpoints.backlog == Backlog::All {
+        r.push("set checkpoints.backlog: latest (evaluate the newest, skip the rest)".into());
+    }
+    if !matches!(config.device, DeviceSpec::Cuda(_)) {
+        r.push("evaluate on a GPU (device: cuda)".into());
+    }
+    match config.evaluation.executor {
+        ExecutorKind::Local => r.push("evaluate on Slurm (evaluation.executor: slurm)".into()),
+        ExecutorKind::Slurm => r.push(format!(
+            "raise evaluation.max_in_flight (now {})",
+            config.evaluation.max_in_flight
+        )),
+    }
+    let last = r.pop().expect("one remedy at least");
+    let listed = if r.is_empty() {
+        last
+    } else {
+        format!("{}, or {last}", r.join(", "))
+    };
+    format!(
+        "Remedies (docs/guide/watching.md, \"When diffmon falls behind\"): {listed}; now {}",
+        config.cost_summary()
+    )
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+
+    const S: i64 = 1_000_000_000;
+
+    /// A minimal valid config (its files made, then removed).
+    pub(in crate::daemon) fn config() -> Config {
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["m.ts", "d.h5"] {
+            std::fs::write(dir.path().join(f), b"").unwrap();
+        }
+        let text = format!(
+            "run: {{dir: r}}\nmodel: {{architecture: {}}}\ndata: {{path: {}}}\n",
+            dir.path().join("m.ts").display(),
+            dir.path().join("d.h5").display()
+        );
+        let file = crate::config::ConfigFile::parse(&text, "t.yaml").unwrap();
+        file.settings(false).unwrap()
+    }
+
+    fn mtimes(pairs: &[(i64, f64)]) -> BTreeMap<i64, i64> {
+        pairs
+            .iter()
+            .map(|&(step, t)| (step, (t * S as f64) as i64))
+            .collect()
+    }
+
+    fn plain(seconds: f64) -> Timed {
+        Timed {
+            seconds,
+            pf_ode: false,
+            pf_ode_seconds: None,
+        }
+    }
+
+    /// The interval is the median of the positive gaps by step; rotation's long gaps and
+    /// checkpoints written at once do not move it; below two gaps it is not known.
+    #[test]
+    fn the_interval_is_the_median_gap_between_successive_mtimes() {
+        assert_eq!(interval(&mtimes(&[])), None);
+        assert_eq!(interval(&mtimes(&[(10, 0.0), (20, 9.0)])), None);
+        assert_eq!(
+            interval(&mtimes(&[(10, 0.0), (20, 9.0), (30, 18.0)])),
+            Some((9.0, 2))
+        );
+        // Seen three at a time, a rotation deleting the rest: gaps 9, 9, 41, 9, 9.
+        let rotated = mtimes(&[
+            (10, 0.0),
+            (20, 9.0),
+            (30, 18.0),
+            (80, 59.0),
+            (90, 68.0),
+            (100, 77.0),
+        ]);
+        assert_eq!(interval(&rotated), Some((9.0, 5)));
+        // Written at once (a copy), or out of step order: those gaps are left out.
+        let copied = mtimes(&[(1, 5.0), (2, 5.0), (3, 5.0), (4, 7.0), (5, 6.0), (6, 8.0)]);
+        assert_eq!(interval(&copied), Some((2.0, 2)));
+        // An even count: the mean of the two middle gaps.
+        let even = mtimes(&[(1, 0.0), (2, 1.0), (3, 3.0), (4, 6.0), (5, 10.0)]);
+        assert_eq!(interval(&even), Some((2.5, 4)));
+    }
+
+    /// Seconds per checkpoint: the median; with `pfd.every`, the plain median plus the PF-ODE
+    /// probe's median over `every`, from the stage where known, else from the plain cost.
+    #[test]
+    fn seconds_per_checkpoint_spread_the_pf_ode_over_pfd_every() {
+        let mut r = Recent::default();
+        assert_eq!(r.seconds_per_checkpoint(1), None);
+        for s in [59.0, 61.0, 1000.0, 58.0, 60.0] {
+            r.push(plain(s));
+        }
+        assert_eq!(r.seconds_per_checkpoint(1), Some(60.0));
+        // Only the last RECENT plain evaluations count.
+        for _ in 0..RECENT {
+            r.push(plain(2.0));
+        }
+        assert_eq!(r.seconds_per_checkpoint(1), Some(2.0));
+        assert_eq!(r.len(), RECENT);
+
+        // Live: the first evaluation ran the probe, 100 s of its 102 s.
+        let mut live = Recent::default();
+        live.push(Timed {
+            seconds: 102.0,
+            pf_ode: true,
+            pf_ode_seconds: Some(100.0),
+        });
+        assert_eq!(live.seconds_per_checkpoint(10), Some(12.0));
+        assert_eq!(live.seconds_per_checkpoint(1), Some(102.0));
+        // From a history (no stages): the probe's share from the plain ones.
+        let mut history = Recent::default();
+        for s in [102.0, 2.0, 2.0, 2.0] {
+            history.push(Timed {
+                seconds: s,
+                pf_ode: s > 50.0,
+                pf_ode_seconds: None,
+            });
+        }
+        assert_eq!(history.seconds_per_checkpoint(10), Some(12.0));
+        // One evaluation with the probe and nothing else known: its seconds.
+        let mut one = Recent::default();
+        one.push(Timed {
+            seconds: 102.0,
+            pf_ode: true,
+            pf_ode_seconds: None,
+        });
+        assert_eq!(one.seconds_per_checkpoint(10), Some(102.0));
+    }
+
+    /// The issue's run: a checkpoint every 9 s, 59 s an evaluation. Behind; four Slurm jobs at
+    /// once are not enough, seven are.
+    #[test]
+    fn evaluation_slower_than_the_interval_is_behind() {
+        assert_eq!(verdict(59.0, 1, 9.0), Verdict::Behind);
+        assert_eq!(verdict(5.0, 1, 9.0), Verdict::KeepsUp);
+        assert_eq!(verdict(9.0, 1, 9.0), Verdict::KeepsUp);
+        assert_eq!(verdict(59.0, 4, 9.0), Verdict::Behind);
+        assert_eq!(verdict(59.0, 7, 9.0), Verdict::KeepsUp);
+        assert_eq!(verdict(59.0, 0, 9.0), Verdict::Behind);
+    }
+
+    /// Each line at most once per run: the first verdict, the warning, keeping up again; then
+    /// nothing, however the pace swings.
+    #[test]
+    fn the_warning_is_told_once_and_keeping_up_again_once() {
+        use Verdict::*;
+        let said = |verdicts: &[Verdict]| {
+            let mut told = Told::Nothing;
+            let mut lines = Vec::new();
+            for &v in verdicts {
+                let (next, say) = tell(told, v);
+                told = next;
+                lines.extend(say);
+            }
+            lines
+        };
+        assert_eq!(said(&[]), []);
+        assert_eq!(said(&[KeepsUp, KeepsUp]), [Told::KeepsUp]);
+        assert_eq!(said(&[Behind, Behind, Behind]), [Told::Behind]);
+        assert_eq!(
+            said(&[KeepsUp, Behind, Behind, KeepsUp, Behind, KeepsUp, Behind]),
+            [Told::KeepsUp, Told::Behind, Told::CaughtUp]
+        );
+    }
+
+    /// The pace as the threads drive it: the gauges appear once known, and the verdict waits
+    /// for two gaps and an evaluation.
+    #[test]
+    fn the_pace_publishes_its_gauges_and_judges_once_both_are_known() {
+        let config = config();
+        let metrics = Arc::new(Metrics::new("r"));
+        let pace = Pace::new(&config, metrics.clone());
+        let text = || metrics.encode();
+        pace.offered([(100, 0), (200, S / 5)]);
+        assert!(!text().contains("diffmon_checkpoint_interval_seconds{"));
+        pace.evaluated(&Evaluation {
+            step: 100,
+            seconds: 3.0,
+            ..Evaluation::default()
+        });
+        assert!(text().contains("diffmon_evaluation_seconds{run=\"r\"} 3.0"));
+        assert_eq!(lock(&pace).told, Told::Nothing, "one gap only");
+        pace.offered([(200, S / 5), (300, 2 * S / 5), (400, 3 * S / 5)]);
+        assert!(
+            text().contains("diffmon_checkpoint_interval_seconds{run=\"r\"} 0.2"),
+            "{}",
+            text()
+        );
+        assert_eq!(lock(&pace).told, Told::Behind);
+        assert!(pace.remedies.contains("icr.samples"), "{}", pace.remedies);
+        assert!(pace.remedies.contains("network calls per checkpoint"));
+    }
+
+    fn lock(p: &Pace) -> std::sync::MutexGuard<'_, Inner> {
+        p.inner.lock().unwrap()
+    }
+}
