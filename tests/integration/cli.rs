@@ -46,6 +46,20 @@ fn init_output_passes_check_config() {
     let dir = run_dir();
     let out = diffmon(&["init", "--run-dir", dir.path().to_str().unwrap()]);
     assert!(out.status.success());
+    // Each file it filled in is named, with its key, on stderr and in the config's header.
+    let d = dir.path().display();
+    for filled in [
+        format!("model.architecture: {d}/model.ts ("),
+        format!("data.path: {d}/train.h5 ("),
+        format!("data.heldout_path: {d}/heldout.h5 ("),
+    ] {
+        assert!(stderr(&out).contains(&filled), "{filled}: {}", stderr(&out));
+        assert!(
+            stdout(&out).contains(&format!("\n# {filled}")),
+            "{filled}: {}",
+            stdout(&out)
+        );
+    }
     let config = dir.path().join("diffmon.yaml");
     fs::write(&config, stdout(&out)).unwrap();
     let out = diffmon(&["check-config", config.to_str().unwrap()]);
@@ -181,6 +195,11 @@ fn init_without_heldout_data_passes_check_config() {
     let text = fs::read_to_string(&config).unwrap();
     assert!(
         text.lines().any(|l| l.starts_with("  # heldout_path: ")),
+        "{text}"
+    );
+    // The header says so, naming the key.
+    assert!(
+        text.contains("found: data.heldout_path is left out"),
         "{text}"
     );
     assert!(
