@@ -38,6 +38,21 @@ tuple/list whose first item is the tensor, or an object with a ``.sample`` attri
 The feature layer must run exactly once per forward and return a tensor; a ``[B,L,D]`` token
 output (a transformer block's) is mean-pooled over ``L`` to ``[B,D]``.
 
+Tracer warnings. ``torch.jit.trace`` warns (``torch.jit.TracerWarning``) wherever Python reads a
+tensor's value, since the trace keeps the value it saw, not how it was computed. The export
+filters the warnings it knows to be harmless (:data:`_HARMLESS_TRACER_WARNINGS`) and keeps every
+other one, in particular those of the network's own code, which can point at a real freeze:
+
+* from ``torch.nn.functional``: its own batch-size sanity checks (``group_norm``, ...);
+* from diffusers' modules (``diffusers.*``), "Converting a tensor to a Python boolean/integer":
+  its checks of the channel count (``assert hidden_states.shape[1] == self.channels`` in the
+  down- and upsamplers) and of the spatial size (``PatchEmbed``'s positional-embedding size, a
+  ``UNet2DConditionModel``'s upsample size, a DiT's unpatchify size), and its memory-layout
+  workarounds (``.contiguous()`` for a batch of 64 or more: the same values either way). The
+  channels and the spatial size are the example shape's, which the file is made for, and the
+  export re-runs the reloaded file at batch 3 on other noise levels and compares it with the
+  eager module, so a frozen branch that changes the result is still an :class:`ExportError`.
+
 Learned sigma. A DiT-style network trained with ``learn_sigma`` outputs ``2C`` channels for a
 ``C``-channel input: the prediction, then the variance interpolation (as diffusers' DiT pipeline
 and the DiT/iDDPM code split it). Such an output is cut to its first ``C`` channels before the
@@ -215,7 +230,9 @@ with ``--beta-min``/``--beta-max`` = ``beta_start``/``beta_end`` (defaults 1e-4,
 DDPMScheduler's) and ``--T`` = ``num_train_timesteps`` (1000); ``"scaled_linear"`` and
 ``"squaredcos_cap_v2"`` are ``--schedule scaled_linear`` and ``cosine``. The exported file's
 parameter names are those of ``unet.state_dict()``, so every later ``checkpoint-N`` of the run
-loads into it.
+loads into it. Before the run has saved one, the class itself is the factory, called with the
+config training builds it with (``--factory diffusers:UNet2DModel --factory-kwargs
+'{"sample_size": 64, ...}'``; docs/guide/training-stacks.md, "Before the first checkpoint").
 
 Conditions (one of): ``--class-label N``, ``--null-class``, ``--no-condition``, ``--embedding
 FILE [--embedding-key KEY] [--embedding-keyword encoder_hidden_states]``; ``--class-keyword
@@ -240,6 +257,7 @@ condition options are refused)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import importlib
@@ -821,6 +839,30 @@ def _make_device_independent(script_module) -> int:
     return replaced
 
 
+# The TracerWarnings a trace filters, as (module, message) regular expressions matched from the
+# start of the warning's module name and message (module docstring, "Tracer warnings").
+_HARMLESS_TRACER_WARNINGS = (
+    # torch.nn.functional's batch-size sanity checks (group_norm, ...).
+    (r"torch\.nn\.functional", ""),
+    # diffusers' checks of the channel count and the spatial size, and its .contiguous()
+    # workarounds for large batches.
+    (r"diffusers\.", r"Converting a tensor to a Python (boolean|integer)"),
+)
+
+
+@contextlib.contextmanager
+def _quiet_trace():
+    """The warnings filters of a trace: torch's deprecation notices about TorchScript (the
+    contract: libtorch loads it) and :data:`_HARMLESS_TRACER_WARNINGS`; any other TracerWarning,
+    one from the network's own code in particular, is shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, message=r".*torch\.jit")
+        for module, message in _HARMLESS_TRACER_WARNINGS:
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=module,
+                                    message=message)
+        yield
+
+
 def export(module: nn.Module, feature_layer: str, path, parameterization: str = "edm",
            example_shape=None, sigma_data: float = 0.5, *, schedule: str = "linear",
            beta_min: Optional[float] = None, beta_max: Optional[float] = None, T: int = 1000,
@@ -935,12 +977,7 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
         handle.remove()
         raise
     try:
-        with torch.no_grad(), warnings.catch_warnings():
-            # TorchScript is the contract (libtorch loads it); its deprecation notices are noise here.
-            warnings.filterwarnings("ignore", category=DeprecationWarning, message=r".*torch\.jit")
-            # torch.nn.functional's own batch-size sanity checks (group_norm, ...) are frozen
-            # harmlessly; warnings about the user's code are kept.
-            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r"torch\.nn\.functional")
+        with torch.no_grad(), _quiet_trace():
             traced = torch.jit.trace(net, (x2, s2), check_trace=False)
     except ExportError:
         handle.remove()
@@ -1087,9 +1124,7 @@ def export_vae(vae: nn.Module, path, example_shape, scaling_factor: Optional[flo
             raise ExportError(f"decode returned shape {tuple(back.shape)} for latents {tuple(z2.shape)}; "
                               f"expected {tuple(x2.shape)}")
     try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=DeprecationWarning, message=r".*torch\.jit")
-            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r"torch\.nn\.functional")
+        with torch.no_grad(), _quiet_trace():
             traced = torch.jit.trace_module(net, {"forward": (x2,), "encode": (x2,), "decode": (z2,)},
                                             check_trace=False)
     except Exception as e:

@@ -1,8 +1,14 @@
 """diffmon.export's command line on a diffusers UNet2DModel: built by ``from_pretrained`` through
 ``--factory diffusers:UNet2DModel.from_pretrained``, weights from a safetensors file, epsilon
-prediction on DDPMScheduler's linear schedule; the exported file reproduces the eager UNet."""
+prediction on DDPMScheduler's linear schedule; the exported file reproduces the eager UNet. Built
+from its constructor before training has saved anything (the guide's command), checkpoints saved
+later load into it. diffusers' harmless TracerWarnings are filtered, the network's own kept."""
 
 import json
+import re
+import shlex
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -102,3 +108,99 @@ def test_readme_conditional_example_exports_with_the_checkpoints_names(tmp_path)
         other = base(x / torch.sqrt(1 + sigma**2).view(-1, 1, 1, 1), t,
                      class_labels=torch.ones(3, dtype=torch.long)).sample
     assert float((other - eps).abs().max()) > 1e-4
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tracer_warnings(export_call):
+    """The TracerWarnings ``export_call()`` shows."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export_call()
+    return [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
+
+
+def test_diffusers_tracer_warnings_are_filtered_and_the_networks_own_kept(tmp_path, monkeypatch):
+    import importlib
+
+    from diffmon.export import export
+
+    exporter = importlib.import_module("diffmon.export")  # the module; diffmon.export is the function
+
+    def unet():
+        export(tiny_unet(), "mid_block", tmp_path / "unet.ts", parameterization="eps", example_shape=(1, 8, 8))
+
+    shown = _tracer_warnings(unet)
+    assert not shown, [f"{w.filename}:{w.lineno}: {w.message}" for w in shown]
+    # Not for want of warnings: without the diffusers entry, its shape checks are shown.
+    monkeypatch.setattr(exporter, "_HARMLESS_TRACER_WARNINGS",
+                        tuple(f for f in exporter._HARMLESS_TRACER_WARNINGS if "diffusers" not in f[0]))
+    unfiltered = _tracer_warnings(unet)
+    assert unfiltered and all("/diffusers/" in Path(w.filename).as_posix() for w in unfiltered), \
+        [f"{w.filename}:{w.lineno}: {w.message}" for w in unfiltered]
+    monkeypatch.undo()
+
+    class Gated(torch.nn.Module):
+        """Reads a tensor's value in its own forward: the trace keeps the branch it took."""
+
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(1, 1, 3, padding=1)
+
+        def forward(self, x, t):
+            if bool((t >= 0).all()):
+                return self.conv(x)
+            return x
+
+    mine = _tracer_warnings(lambda: export(Gated(), "conv", tmp_path / "gated.ts", parameterization="eps",
+                                           example_shape=(1, 8, 8)))
+    assert mine, "the network's own TracerWarning was filtered"
+    assert all(Path(w.filename) == Path(__file__) for w in mine), [w.filename for w in mine]
+    assert "Converting a tensor to a Python boolean" in str(mine[0].message)
+
+
+def _guide_command():
+    """The diffmon-export command line of the guide's "Before the first checkpoint", as arguments."""
+    guide = (ROOT / "docs" / "guide" / "training-stacks.md").read_text()
+    section = guide[guide.index("\n### Before the first checkpoint"):guide.index("\n## Names and entries")]
+    (command,) = [b for b in re.findall(r"```sh\n(.*?)```", section, re.S) if "diffmon-export" in b]
+    return shlex.split(command.replace("\\\n", " "))
+
+
+def test_the_guides_export_before_the_first_checkpoint(tmp_path):
+    # The guide's command line as written, but for the network's size: the tiny config of the
+    # stacks, one channel of 8x8, written under tmp_path. Then training saves a checkpoint with
+    # save_pretrained, which loads into the exported file by name.
+    from diffusers import UNet2DModel
+    from safetensors.torch import load_file
+    from stacks import UNET_CONFIG
+
+    args = _guide_command()
+    assert args[0] == "diffmon-export"
+    args = args[1:]
+    assert args[args.index("--factory") + 1] == "diffusers:UNet2DModel"
+    kwargs = args.index("--factory-kwargs") + 1
+    shape = args.index("--shape") + 1
+    documented = json.loads(args[kwargs])
+    with torch.device("meta"):  # the documented config builds, without its memory
+        network = UNet2DModel(**documented)
+    c, h, w = (int(v) for v in args[shape:shape + 3])
+    assert (network.config.in_channels, network.config.sample_size) == (c, h) and h == w
+
+    args[kwargs] = json.dumps(UNET_CONFIG)
+    args[shape:shape + 3] = ["1", "8", "8"]
+    out = tmp_path / "model.ts"
+    args[args.index("--out") + 1] = str(out)
+    assert main(args) == 0
+
+    torch.manual_seed(5)
+    unet = UNet2DModel(**UNET_CONFIG)  # as training builds it, then trains and saves it
+    unet.save_pretrained(tmp_path / "checkpoint-500" / "unet")
+    saved = load_file(str(tmp_path / "checkpoint-500" / "unet" / "diffusion_pytorch_model.safetensors"))
+    ts = torch.jit.load(str(out))
+    names = ts.state_dict()
+    assert set(names) == set(unet.state_dict()) == set(saved)
+    assert all(names[k].shape == saved[k].shape for k in saved)
+    ts.load_state_dict(saved)  # strict
+    assert torch.equal(ts.state_dict()["conv_in.weight"], unet.state_dict()["conv_in.weight"])

@@ -28,7 +28,8 @@ Logging goes to stderr, filtered by the DIFFMON_LOG environment variable (defaul
 DIFFMON_LOG=debug, or DIFFMON_LOG=warn).
 
 Exit codes:
-  0  success (also --help and --version)
+  0  success (also --help and --version, and a standard output that its reader closed,
+     as `| head -1` does)
   2  bad usage or config: a command-line error, a config file that cannot be read or is
      invalid, an eval checkpoint with no step in its path, a report file of unknown format,
      a device that is not there, a TorchScript file that pins another device

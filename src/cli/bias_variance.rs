@@ -51,6 +51,6 @@ pub fn bias_variance(config_path: &Path, students: &[PathBuf]) -> Result<()> {
         .expect("a teacher is configured")
         .to_device(tch::Device::Cpu);
     let bv = pfd::bias_variance(&teacher, &features)?;
-    println!("{}", serde_json::to_string(&bv)?);
+    super::output::line(serde_json::to_string(&bv)?)?;
     Ok(())
 }

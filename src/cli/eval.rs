@@ -34,7 +34,7 @@ pub fn eval(
         .collect::<Result<Vec<i64>, NoStep>>()?;
     let mut evaluator = Evaluator::new(&config)?;
     evaluator.set_evaluated(evaluated_before);
-    let mut out = std::io::stdout().lock();
+    let mut out = super::output::stdout();
     let mut failures = 0;
     for (path, step) in checkpoints.iter().zip(steps) {
         // The version evaluated: a failure's reason is `vanished` if it changes meanwhile.

@@ -49,6 +49,6 @@ pub fn icr_features(input: &Path, ridge: f64) -> Result<()> {
         // The moments and the linear algebra, without reading the file.
         "seconds": started.elapsed().as_secs_f64(),
     });
-    println!("{json}");
+    super::output::line(json)?;
     Ok(())
 }

@@ -140,9 +140,12 @@ pub fn survey(dir: &Path) -> std::io::Result<Survey> {
     Ok(s)
 }
 
-/// A sentence per finding, for the config's header and the terminal.
+/// A sentence per finding, for the config's header and the terminal: the checkpoints, and each
+/// key [`config_for`] fills in from the folder, named with its value (or why it was not found).
 pub fn describe(dir: &Path, s: &Survey) -> Vec<String> {
     let mut out = Vec::new();
+    let filled = |key: &str, value: &str, what: &str| format!("{key}: {value} ({what})");
+    let path = |p: &PathBuf| p.display().to_string();
     match (s.checkpoints.first(), s.checkpoints.last()) {
         (Some(first), Some(last)) => {
             let kind = if first.is_dir { "folders" } else { "files" };
@@ -164,6 +167,14 @@ pub fn describe(dir: &Path, s: &Survey) -> Vec<String> {
                     "{unreadable} of them cannot be read yet (still being written, or see checkpoints.weights_files)"
                 ));
             }
+            out.push(match &s.pattern {
+                Some(p) => filled(
+                    "checkpoints.pattern",
+                    &quoted(p),
+                    "their names, each number as *",
+                ),
+                None => "checkpoints.pattern: the default (the checkpoints' names share no one pattern)".into(),
+            });
             if s.ema_folders() {
                 out.push(
                     "EMA weights (the *_ema/ folders) are evaluated: checkpoints.prefer_ema"
@@ -177,21 +188,36 @@ pub fn describe(dir: &Path, s: &Survey) -> Vec<String> {
         )),
     }
     match &s.architecture {
-        Some(a) => out.push(format!("architecture: {}", a.display())),
+        Some(a) => out.push(filled(
+            "model.architecture",
+            &path(a),
+            "the exported architecture",
+        )),
         None => out.push(
             "no exported architecture (*.ts) found: export one with diffmon-export (docs/guide/training-stacks.md, \"Exporting the architecture\") and set model.architecture".into(),
         ),
     }
     if let Some(v) = &s.vae {
-        out.push(format!(
-            "autoencoder of a latent model (diffmon-export --vae): {}",
-            v.display()
+        out.push(filled(
+            "model.vae",
+            &path(v),
+            "a latent model's autoencoder, diffmon-export --vae",
         ));
     }
     match &s.train {
-        Some(t) => out.push(format!("training images: {}", t.display())),
+        Some(t) => out.push(filled("data.path", &path(t), "training images")),
         None => out.push(
             "no training images (*.h5) found: write them as HDF5 (docs/guide/configuration.md, \"Training images\") and set data.path".into(),
+        ),
+    }
+    match &s.heldout {
+        Some(h) => out.push(filled(
+            "data.heldout_path",
+            &path(h),
+            "held-out images, for the generalization gap",
+        )),
+        None => out.push(
+            "no held-out images (*.h5 named *heldout* or *val*) found: data.heldout_path is left out (set it for the generalization gap)".into(),
         ),
     }
     out
@@ -446,6 +472,91 @@ mod tests {
         }
         assert_eq!(yaml_scalar("runs/exp1/model.ts"), "runs/exp1/model.ts");
         assert_eq!(quoted("ckpt\\[1\\]_*.pt"), r#""ckpt\\[1\\]_*.pt""#);
+    }
+
+    /// The keys of a written config whose value is not the example's, but for `run.dir` (the
+    /// folder given, not something found in it): key → value as written. Comments are left out.
+    fn filled_keys(text: &str) -> std::collections::BTreeMap<String, String> {
+        let example: std::collections::HashSet<&str> = EXAMPLE.lines().collect();
+        let mut section = "";
+        let mut keys = std::collections::BTreeMap::new();
+        for line in text.lines() {
+            let code = line.split(" #").next().unwrap_or("").trim_end();
+            if !line.starts_with([' ', '#']) && code.ends_with(':') {
+                section = code.trim_end_matches(':');
+            }
+            let entry = line.trim_start();
+            if !line.starts_with("  ") || entry.starts_with('#') || example.contains(line) {
+                continue;
+            }
+            let (leaf, value) = code.trim_start().split_once(": ").expect("key: value");
+            let key = format!("{section}.{leaf}");
+            if key != "run.dir" {
+                keys.insert(key, value.trim().to_string());
+            }
+        }
+        keys
+    }
+
+    /// Every value `config_for` fills in from what the folder holds is named in the report
+    /// (stderr and the config's header) with that value; a key it could not fill is named too.
+    #[test]
+    fn the_report_names_every_value_filled_in() {
+        let dir = Path::new("/runs/exp1");
+        let everything = Survey {
+            checkpoints: vec![Found {
+                name: "ckpt_500.pt".into(),
+                step: 500,
+                is_dir: false,
+                weights: "ckpt_500.pt".into(),
+                format: Ok(CheckpointFormat::TorchScript),
+            }],
+            architecture: Some(dir.join("model.ts")),
+            vae: Some(dir.join("vae.ts")),
+            train: Some(dir.join("train.h5")),
+            heldout: Some(dir.join("heldout.h5")),
+            pattern: Some("ckpt_*.pt".into()),
+        };
+        let text = config_for(dir, dir, &everything);
+        let keys = filled_keys(&text);
+        let names: Vec<&str> = keys.keys().map(String::as_str).collect();
+        assert_eq!(
+            names,
+            [
+                "checkpoints.pattern",
+                "data.heldout_path",
+                "data.path",
+                "model.architecture",
+                "model.vae"
+            ],
+            "{text}"
+        );
+        let report = describe(dir, &everything);
+        for (key, value) in &keys {
+            let named = format!("{key}: {value} (");
+            assert!(
+                report.iter().any(|l| l.starts_with(&named)),
+                "`{named}` is not in the report: {report:#?}"
+            );
+            assert!(text.contains(&format!("\n# {named}")), "{text}");
+        }
+
+        // Nothing found: the keys left at the example's paths (under the folder) and the
+        // held-out set, left out, are each named with why.
+        let nothing = Survey::default();
+        let text = config_for(dir, dir, &nothing);
+        let keys = filled_keys(&text);
+        let report = describe(dir, &nothing);
+        assert!(keys.contains_key("model.architecture"), "{text}");
+        assert!(!keys.contains_key("data.heldout_path"), "{text}");
+        for key in keys.keys().map(String::as_str).chain(["data.heldout_path"]) {
+            assert!(
+                report
+                    .iter()
+                    .any(|l| l.contains(" found: ") && l.contains(key)),
+                "{key} is not in the report: {report:#?}"
+            );
+        }
     }
 
     #[test]

@@ -9,7 +9,13 @@
 //! measured cost per checkpoint, [`Exit`] and logging; `args.rs` the command line as clap
 //! parses it ([`Cli`], [`Command`], [`SampleArgs`], the help's epilogue); `eval.rs` `diffmon
 //! eval` and its usage error [`NoStep`]; `init.rs`, `icr_features.rs`, `sample.rs`,
-//! `bias_variance.rs`, `replay.rs` the command each is named after.
+//! `bias_variance.rs`, `replay.rs` the command each is named after; `describe.rs` what
+//! `check-config` says of the model files; `output.rs` standard output, written through
+//! [`output::stdout`] (a reader that goes away ends a command quietly, status 0) and best
+//! effort for `watch`.
+
+// Results go through `output::stdout`, never `println!`, which panics when the reader has gone.
+#![deny(clippy::print_stdout)]
 
 mod args;
 mod bias_variance;
@@ -17,6 +23,7 @@ mod describe;
 mod eval;
 mod icr_features;
 pub mod init;
+mod output;
 mod replay;
 mod sample;
 
@@ -35,6 +42,7 @@ use eval::eval;
 pub use eval::sweep_table;
 use icr_features::icr_features;
 use sample::sample;
+use std::io::Write;
 use std::process::ExitCode;
 
 /// Entry point of the binary.
@@ -50,6 +58,8 @@ pub fn main() -> ExitCode {
     keep_freed_memory();
     match run(cli.command) {
         Ok(()) => Exit::Success.into(),
+        // The reader has all it wanted (`| head -1`): nothing to say.
+        Err(e) if output::is_stdout_closed(&e) => Exit::Success.into(),
         Err(e) => {
             eprintln!("error: {}", crate::store::safe_fs::unproc(&error_text(&e)));
             Exit::of_error(&e).into()
@@ -213,7 +223,8 @@ fn measured_lines(config: &Config, runs: &[Config]) -> Vec<String> {
 /// (docs/guide/configuration.md, "Exit codes"). Each row has its test.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Exit {
-    /// 0: the command worked; also `--help` and `--version` ([`Exit::of_parse`]).
+    /// 0: the command worked; also `--help` and `--version` ([`Exit::of_parse`]), and a
+    /// command whose standard output was closed by its reader ([`output::is_stdout_closed`]).
     Success = 0,
     /// 1: any other failure ([`Exit::of_error`]): a checkpoint that could not be evaluated (`eval`
     /// evaluates the others first), a model that cannot be loaded, a port in use, a locked state
@@ -350,13 +361,15 @@ pub fn run(command: Command) -> Result<()> {
                     None => format!("a sweep of {} runs: {listed}", names.len()),
                 }
             };
-            println!("{}: ok ({what})", file.display());
-            println!("{}", describe::model_summary(&config));
-            println!("{}", config.cost_summary());
+            let mut out = output::stdout();
+            writeln!(out, "{}: ok ({what})", file.display())?;
+            writeln!(out, "{}", describe::model_summary(&config))?;
+            writeln!(out, "{}", config.cost_summary())?;
             for line in measured_lines(&config, &runs) {
-                println!("{line}");
+                writeln!(out, "{line}")?;
             }
-            println!("{}", config.early_stop_summary());
+            writeln!(out, "{}", config.early_stop_summary())?;
+            out.flush()?;
             Ok(())
         }
         Command::Init { run_dir, out } => {
@@ -388,7 +401,11 @@ pub fn run(command: Command) -> Result<()> {
                     crate::cli::init::write_new(&file, &text)?;
                     eprintln!("wrote {}", file.display());
                 }
-                None => print!("{text}"),
+                None => {
+                    let mut out = output::stdout();
+                    out.write_all(text.as_bytes())?;
+                    out.flush()?;
+                }
             }
             Ok(())
         }
@@ -410,6 +427,12 @@ pub fn run(command: Command) -> Result<()> {
         Command::Watch { config } => {
             let mut config = Config::load(&config)?;
             config.imply_memorization();
+            // The console's lines are best effort: a reader that goes away (`watch | head`)
+            // does not end the daemon. Put back when the daemon returns.
+            let _stdout = output::BestEffort::install().unwrap_or_else(|e| {
+                tracing::warn!("standard output stays as it is: {e}");
+                None
+            });
             crate::daemon::run(config)
         }
         Command::IcrFeatures { input, ridge } => icr_features(&input, ridge),
@@ -435,14 +458,14 @@ pub fn run(command: Command) -> Result<()> {
             );
             let m = tail::tail_metrics(&p, &q, eta)
                 .with_context(|| format!("{} vs {}", samples.display(), reference.display()))?;
-            println!("{}", serde_json::to_string(&m)?);
+            output::line(serde_json::to_string(&m)?)?;
             Ok(())
         }
         Command::BiasVariance { config, students } => bias_variance(&config, &students),
         Command::Replay { config, set, json } => replay::replay(&config, &set, json),
         Command::Report { config, out } => {
             crate::report::write(&Config::load_without_secrets(&config)?, &out)?;
-            println!("{}", out.display());
+            output::line(out.display())?;
             Ok(())
         }
     }

@@ -182,7 +182,7 @@ pub fn replay(config_path: &Path, set: &[String], json: bool) -> Result<()> {
     let patience = settings.patience;
     let confirm = settings.confirm;
     let mut detector = Detector::new(settings.clone(), DetectorState::default());
-    let mut out = std::io::stdout().lock();
+    let mut out = super::output::stdout();
     if !json {
         writeln!(
             out,
@@ -284,9 +284,10 @@ pub fn replay(config_path: &Path, set: &[String], json: bool) -> Result<()> {
     };
     if json {
         writeln!(out, "{}", serde_json::to_string(&summary)?)?;
-        return Ok(());
+    } else {
+        writeln!(out, "{}", summary_text(&summary, confirm_seen))?;
     }
-    writeln!(out, "{}", summary_text(&summary, confirm_seen))?;
+    out.flush()?;
     Ok(())
 }
 

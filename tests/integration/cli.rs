@@ -46,6 +46,20 @@ fn init_output_passes_check_config() {
     let dir = run_dir();
     let out = diffmon(&["init", "--run-dir", dir.path().to_str().unwrap()]);
     assert!(out.status.success());
+    // Each file it filled in is named, with its key, on stderr and in the config's header.
+    let d = dir.path().display();
+    for filled in [
+        format!("model.architecture: {d}/model.ts ("),
+        format!("data.path: {d}/train.h5 ("),
+        format!("data.heldout_path: {d}/heldout.h5 ("),
+    ] {
+        assert!(stderr(&out).contains(&filled), "{filled}: {}", stderr(&out));
+        assert!(
+            stdout(&out).contains(&format!("\n# {filled}")),
+            "{filled}: {}",
+            stdout(&out)
+        );
+    }
     let config = dir.path().join("diffmon.yaml");
     fs::write(&config, stdout(&out)).unwrap();
     let out = diffmon(&["check-config", config.to_str().unwrap()]);
@@ -181,6 +195,11 @@ fn init_without_heldout_data_passes_check_config() {
     let text = fs::read_to_string(&config).unwrap();
     assert!(
         text.lines().any(|l| l.starts_with("  # heldout_path: ")),
+        "{text}"
+    );
+    // The header says so, naming the key.
+    assert!(
+        text.contains("found: data.heldout_path is left out"),
         "{text}"
     );
     assert!(
@@ -667,4 +686,186 @@ fn replay_prints_what_the_detector_decides_over_a_recorded_history() {
         assert_eq!(out.status.code(), Some(2), "{set}: {}", stderr(&out));
         assert!(stderr(&out).contains(says), "{set}: {}", stderr(&out));
     }
+}
+
+/// `diffmon ARGS` whose standard output is a pipe whose reader has already gone (closed before
+/// the command starts, as when `| head -1` has read its line and exited): every write to it
+/// fails with EPIPE.
+fn diffmon_into_closed_pipe(args: &[&str]) -> Output {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    Command::new(env!("CARGO_BIN_EXE_diffmon"))
+        .args(args)
+        .env("DIFFMON_LOG", "warn")
+        .stdout(writer)
+        .output()
+        .expect("run diffmon")
+}
+
+/// A command whose reader has gone ends quietly with status 0: no panic, no error message.
+fn assert_quiet_exit(out: &Output, what: &str) {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(0), "{what}: {err}");
+    for said in ["panicked", "Broken pipe", "error:"] {
+        assert!(!err.contains(said), "{what} says `{said}`: {err}");
+    }
+}
+
+#[test]
+fn a_closed_stdout_ends_each_command_quietly() {
+    let run = run_dir();
+    let init = diffmon(&["init", "--run-dir", run.path().to_str().unwrap()]);
+    assert!(init.status.success(), "{}", stderr(&init));
+    let config = run.path().join("diffmon.yaml");
+    fs::write(&config, stdout(&init)).unwrap();
+    let config = config.to_str().unwrap();
+    let history = tempfile::tempdir().unwrap();
+    let replayed = config_with(history.path(), "early_stop: {confirm: none}\n");
+    recorded_history(history.path());
+    let replayed = replayed.to_str().unwrap();
+    let report = history.path().join("report.svg");
+    let commands: [&[&str]; 8] = [
+        &["check-config", config],
+        &["check-config", "--config", config],
+        &["init"],
+        &["init", "--run-dir", run.path().to_str().unwrap()],
+        &["replay", "--config", replayed],
+        &["replay", "--config", replayed, "--json"],
+        &[
+            "report",
+            "--config",
+            replayed,
+            "--out",
+            report.to_str().unwrap(),
+        ],
+        &["--help"],
+    ];
+    for args in commands {
+        assert_quiet_exit(&diffmon_into_closed_pipe(args), &args.join(" "));
+    }
+    assert!(report.is_file(), "the report was written before its path");
+}
+
+/// The reader reads the first line, then closes the pipe while `init` is still writing: a
+/// one-page pipe holds less than the example config, so the rest meets the closed pipe.
+#[test]
+fn init_stops_quietly_when_its_reader_stops_after_one_line() {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    let (mut reader, writer) = std::io::pipe().unwrap();
+    // SAFETY: fcntl on a pipe this test owns.
+    let size = unsafe { libc::fcntl(writer.as_raw_fd(), libc::F_SETPIPE_SZ, 4096) };
+    assert!(
+        (4096..8192).contains(&size),
+        "pipe size {size}: {}",
+        std::io::Error::last_os_error()
+    );
+    let child = Command::new(env!("CARGO_BIN_EXE_diffmon"))
+        .arg("init")
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = Vec::new();
+    let mut byte = [0u8];
+    while first.last() != Some(&b'\n') {
+        reader.read_exact(&mut byte).unwrap();
+        first.push(byte[0]);
+    }
+    assert!(
+        first.starts_with(b"#"),
+        "{}",
+        String::from_utf8_lossy(&first)
+    );
+    drop(reader);
+    let out = child.wait_with_output().unwrap();
+    assert_quiet_exit(&out, "init");
+}
+
+/// As people run it: `bash -o pipefail` fails the pipeline if diffmon's status is not 0.
+#[test]
+fn check_config_piped_into_head_exits_0() {
+    let run = run_dir();
+    let init = diffmon(&["init", "--run-dir", run.path().to_str().unwrap()]);
+    let config = run.path().join("diffmon.yaml");
+    fs::write(&config, stdout(&init)).unwrap();
+    let out = Command::new("bash")
+        .args([
+            "-o",
+            "pipefail",
+            "-c",
+            "\"$0\" check-config \"$1\" | head -1",
+        ])
+        .arg(env!("CARGO_BIN_EXE_diffmon"))
+        .arg(&config)
+        .env("DIFFMON_LOG", "warn")
+        .output()
+        .unwrap();
+    assert_quiet_exit(&out, "check-config | head -1");
+    assert!(stdout(&out).contains(": ok ("), "{}", stdout(&out));
+    assert_eq!(stdout(&out).lines().count(), 1, "{}", stdout(&out));
+}
+
+/// `watch` whose standard output's reader has gone runs on (its console lines are best effort):
+/// it evaluates each checkpoint, printing its summary line into the closed pipe, and ends on
+/// SIGTERM with status 0. Before, the first summary line panicked the daemon (status 1).
+#[test]
+fn watch_runs_on_when_its_stdout_is_closed() {
+    use crate::daemon::{empty_run, free_port, journal};
+    use std::time::{Duration, Instant};
+    let run = empty_run();
+    let dir = run.path();
+    let port = free_port();
+    let config = dir.join("diffmon.yaml");
+    fs::write(
+        &config,
+        format!(
+            "run: {{dir: ., name: test}}\nmodel: {{architecture: model.ts}}\ndevice: cpu\n\
+             data: {{path: train.h5, heldout_path: heldout.h5}}\n\
+             http: {{listen: \"127.0.0.1:{port}\"}}\nicr: {{samples: 256, batch_size: 256}}\n\
+             checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n"
+        ),
+    )
+    .unwrap();
+    let log = dir.join("watch.log");
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_diffmon"))
+        .args(["watch", "--config", config.to_str().unwrap()])
+        .env("DIFFMON_LOG", "info")
+        .stdin(std::process::Stdio::null())
+        .stdout(writer)
+        .stderr(fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let log = || fs::read_to_string(&log).unwrap_or_default();
+    for (from, to) in [
+        ("ckpt_000030.pt", "ckpt_000100.pt"),
+        ("ckpt_000060.pt", "ckpt_000200.pt"),
+    ] {
+        let tmp = dir.join(format!("{to}.tmp"));
+        fs::copy(toy_run().join(from), &tmp).unwrap();
+        fs::rename(&tmp, dir.join(to)).unwrap();
+    }
+    // Both evaluations recorded: the recorder printed the first one's line before taking the
+    // second. A daemon that exits meanwhile fails the test at once.
+    let start = Instant::now();
+    while journal(dir).0.len() < 2 {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the daemon exited ({status}):\n{}", log());
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(300),
+            "no two evaluations after 300 s:\n{}",
+            log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // SAFETY: a signal to the child this test started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    let log = log();
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+    assert_eq!(journal(dir).0, [100, 200], "{log}");
 }
