@@ -62,54 +62,6 @@ def test_from_pretrained_factory_and_safetensors_weights(tmp_path):
     assert torch.equal(ts.state_dict()["conv_in.weight"], trained.state_dict()["conv_in.weight"])
 
 
-def test_readme_conditional_example_exports_with_the_checkpoints_names(tmp_path):
-    # The README's class-conditional example ("Does it fit your setup?"), run as written: the
-    # subclass fixes the label, keeps the base class's parameter names (so checkpoints saved from
-    # the base class load), and its export is the base network called with that label.
-    import re
-    from pathlib import Path
-
-    from diffusers import UNet2DModel
-    from diffmon.export import export
-    from stacks import UNET_CONFIG
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme[readme.index("\n## Does it fit your setup?"):readme.index("\n## Install")]
-    (snippet,) = re.findall(r"```python\n(.*?)```", section, re.S)
-    scope = {}
-    exec(snippet, scope)
-    torch.manual_seed(3)
-    base = UNet2DModel(**UNET_CONFIG, num_class_embeds=4)
-    fixed = scope["FixedLabel"](**UNET_CONFIG, num_class_embeds=4)
-    fixed.load_state_dict(base.state_dict())  # a checkpoint of the base class loads as it is
-    out = tmp_path / "model.ts"
-    export(fixed, "mid_block", out, parameterization="eps", example_shape=(1, 1, 8, 8),
-           schedule="linear")
-    ts = torch.jit.load(str(out))
-    assert set(ts.state_dict()) == set(base.state_dict())
-
-    g = torch.Generator().manual_seed(0)
-    sigma = torch.tensor([0.1, 1.0, 10.0])
-    x = torch.randn(3, 1, 8, 8, generator=g) * (1 + sigma.view(-1, 1, 1, 1))
-    ab = torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64)
-    ab = torch.cumprod(1 - ab, 0)
-    sig_t = ((1 - ab) / ab).sqrt()
-    t = torch.stack([(sig_t.log() - s.double().log()).abs().argmin() for s in sigma])
-    base.eval()
-    with torch.no_grad():
-        eps = base(x / torch.sqrt(1 + sigma**2).view(-1, 1, 1, 1), t,
-                   class_labels=torch.zeros(3, dtype=torch.long)).sample
-        want = x - sigma.view(-1, 1, 1, 1) * eps
-        got, _ = ts(x, sigma)
-    # float32 round-off only, relative to 1 + sigma.
-    assert float(((got - want).abs() / (1 + sigma.view(-1, 1, 1, 1))).max()) < 1e-5
-    # The label matters: another class gives another output, so the wrapper really fixes it.
-    with torch.no_grad():
-        other = base(x / torch.sqrt(1 + sigma**2).view(-1, 1, 1, 1), t,
-                     class_labels=torch.ones(3, dtype=torch.long)).sample
-    assert float((other - eps).abs().max()) > 1e-4
-
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
