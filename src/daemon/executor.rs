@@ -56,11 +56,22 @@ pub struct Lane {
     pub outcomes: Sender<Outcome>,
 }
 
-/// Is the unit on disk still the version the item names? A pinned item's files are its pin's.
+/// Is the unit on disk still the version the item names? A pinned item's files are its pin's,
+/// which must be unchanged (a rewrite in place changes both); and its name must still be that
+/// version, or gone (rotation: the pin is what is left of it). A checkpoint saved again under
+/// its name (renamed over) is a new version, evaluated in its turn: the old one is `vanished`.
 pub(super) fn unchanged(item: &WorkItem) -> bool {
+    let at_its_name = crate::store::unit::key(&item.path);
     match &item.pin {
-        Some(pin) => pin.unchanged(),
-        None => crate::store::unit::key(&item.path).ok().as_ref() == Some(&item.key),
+        Some(pin) => {
+            pin.unchanged()
+                && match at_its_name {
+                    Ok(key) => key == item.key,
+                    Err(_) => matches!(std::fs::symlink_metadata(&item.path),
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound),
+                }
+        }
+        None => at_its_name.ok().as_ref() == Some(&item.key),
     }
 }
 

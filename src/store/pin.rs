@@ -1,5 +1,7 @@
 //! Pins (docs/design.md §10, "Rotation takes nothing mid-evaluation"): a checkpoint the watcher
-//! has found complete is *pinned* — made a hard-linked copy in `<state_dir>/pins/<name>` — until
+//! has found complete is *pinned* — made a hard-linked copy in `<state_dir>/pins/<id>/<name>`,
+//! one folder per pinned version (a checkpoint saved again under its name while the old version
+//! is still pinned gets a folder of its own) — until
 //! its outcome is recorded, so that the training job's rotation (`checkpoints_total_limit`,
 //! `save_top_k`, `keep_latest_k`) cannot delete it while it waits for its turn or is evaluated:
 //! the evaluator reads the pin, the record names the checkpoint.
@@ -13,13 +15,14 @@
 //!   behind); beyond, checkpoints wait unpinned, as they did before pins.
 //! - **Released by dropping.** A [`Pin`] is shared (`Arc`) by the work item and whoever still
 //!   needs its files (the keeper of the best checkpoint); the last one to drop it removes it.
-//! - **Restarts.** Beside each pin, `<name>.key` records the checkpoint's key and step. At start,
-//!   [`Pins::leftovers`] lists the pins a previous daemon left: a checkpoint that rotation has
-//!   deleted since is evaluated from its pin; any other leftover is removed.
+//! - **Restarts.** Beside each pin, `<id>/key.json` records the checkpoint's key and step. A daemon
+//!   that stops leaves the pins of the checkpoints still waiting ([`Pin::leave_on_disk`]), as
+//!   does one that dies. At start, [`Pins::leftovers`] lists them: a checkpoint that rotation
+//!   has deleted since is evaluated from its pin; any other leftover is removed.
 
 use crate::store::history::CheckpointKey;
 use crate::store::keep_best;
-use crate::store::safe_fs::{is_temp_name, untrusted};
+use crate::store::safe_fs::untrusted;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -33,15 +36,26 @@ pub const MAX_PINS: usize = 16;
 /// A pinned checkpoint: removed when the last holder drops it.
 #[derive(Debug)]
 pub struct Pin {
+    /// `<state_dir>/pins/<id>`, removed with the pin.
+    folder: PathBuf,
+    /// `<folder>/<name>`: the checkpoint's files.
     path: PathBuf,
     /// `path` under the configured state folder, for other processes (a Slurm job).
     shown: PathBuf,
     /// The pin's own key when it was made (its folders are new, so not the checkpoint's).
     key: CheckpointKey,
     live: Arc<AtomicUsize>,
+    /// Left on disk when dropped: the daemon stops with this checkpoint still waiting.
+    kept_on_disk: AtomicBool,
 }
 
 impl Pin {
+    /// Leaves the pin on disk when it is dropped (the daemon stops before its outcome is
+    /// recorded): the next start finds it ([`Pins::leftovers`]).
+    pub fn leave_on_disk(&self) {
+        self.kept_on_disk.store(true, Ordering::SeqCst);
+    }
+
     /// Where the pinned files are, for this process.
     pub fn path(&self) -> &Path {
         &self.path
@@ -67,8 +81,9 @@ impl PartialEq for Pin {
 
 impl Drop for Pin {
     fn drop(&mut self) {
-        remove(&self.path);
-        remove(&sidecar(&self.path));
+        if !self.kept_on_disk.load(Ordering::SeqCst) {
+            remove(&self.folder);
+        }
         self.live.fetch_sub(1, Ordering::SeqCst);
     }
 }
@@ -117,24 +132,15 @@ impl Pins {
         if name.as_encoded_bytes().starts_with(b".") {
             return None;
         }
-        let target = self.dir.join(name);
-        remove(&target); // a pin of an earlier version of the same name
-        let tmp = self.dir.join(format!(
-            ".{}.{}{}",
-            name.to_string_lossy(),
-            std::process::id(),
-            crate::store::safe_fs::TEMP_SUFFIX
-        ));
-        remove(&tmp);
-        let made = keep_best::link_unit(unit, &tmp)
+        let folder = self.new_folder()?;
+        let target = folder.join(name);
+        let made = keep_best::link_unit(unit, &target)
             .map_err(|e| e.to_string())
-            .and_then(|()| fs::rename(&tmp, &target).map_err(|e| e.to_string()))
             .and_then(|()| crate::store::unit::key(&target).map_err(|e| e.to_string()));
         let pin_key = match made {
             Ok(k) => k,
             Err(e) => {
-                remove(&tmp);
-                remove(&target);
+                remove(&folder);
                 let no_links = !fs::symlink_metadata(unit).is_err_and(|e| {
                     e.kind() == std::io::ErrorKind::NotFound // rotated meanwhile: not the folder's fault
                 });
@@ -149,38 +155,58 @@ impl Pins {
             }
         };
         let note = serde_json::json!({"key": key, "step": step}).to_string();
-        if let Err(e) = crate::store::safe_fs::atomic_write(&sidecar(&target), note.as_bytes()) {
+        if let Err(e) = crate::store::safe_fs::atomic_write(&folder.join(KEY_FILE), note.as_bytes())
+        {
             tracing::debug!("cannot record the pin's key: {e}");
         }
         self.live.fetch_add(1, Ordering::SeqCst);
+        let id = folder.file_name().expect("a folder of pins/").to_owned();
         Some(Arc::new(Pin {
-            shown: self.shown.join(name),
+            shown: self.shown.join(id).join(name),
+            folder,
             path: target,
             key: pin_key,
             live: self.live.clone(),
+            kept_on_disk: AtomicBool::new(false),
         }))
+    }
+
+    /// A new, empty folder `pins/<id>` (mode 0700) for one pin.
+    fn new_folder(&self) -> Option<PathBuf> {
+        use rand::Rng;
+        use std::os::unix::fs::DirBuilderExt;
+        for _ in 0..16 {
+            let id: String = (0..12)
+                .map(|_| char::from(b'a' + rand::thread_rng().gen_range(0..26u8)))
+                .collect();
+            let folder = self.dir.join(id);
+            match fs::DirBuilder::new().mode(0o700).create(&folder) {
+                Ok(()) => return Some(folder),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => {
+                    tracing::debug!(pins = %self.dir.display(), "cannot make a pin folder: {e}");
+                    return None;
+                }
+            }
+        }
+        None
     }
 
     /// The pins a previous daemon left whose checkpoint is gone from `run_dir` (deleted since:
     /// evaluated from the pin, which the returned [`Pin`] owns); every other leftover (its
-    /// checkpoint still there, or no readable record) is removed, as are temporary names.
+    /// checkpoint still there, or no readable record) is removed.
     pub fn leftovers(&self, run_dir: &Path) -> Vec<Leftover> {
         let Ok(entries) = fs::read_dir(&self.dir) else {
             return Vec::new();
         };
         let mut found = Vec::new();
         for entry in entries.flatten().take(crate::store::unit::MAX_ENTRIES) {
-            let name = entry.file_name();
-            let text = name.to_string_lossy().into_owned();
-            let path = entry.path();
-            if is_temp_name(&text, None) {
-                remove(&path);
+            let folder = entry.path();
+            if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+                remove(&folder);
                 continue;
             }
-            if text.ends_with(".key") {
-                continue; // read with its pin
-            }
-            let recorded = fs::read(sidecar(&path))
+            let recorded = fs::read(folder.join(KEY_FILE))
                 .ok()
                 .filter(|b| b.len() < 64 << 10)
                 .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
@@ -188,40 +214,43 @@ impl Pins {
                     let key: CheckpointKey = serde_json::from_value(v.get("key")?.clone()).ok()?;
                     Some((key, v.get("step")?.as_i64()?))
                 });
-            let original = run_dir.join(&name);
+            let Some((key, step)) = recorded else {
+                remove(&folder);
+                continue;
+            };
+            let original = PathBuf::from(&key.path);
+            let name = original.file_name().map(|n| n.to_owned());
+            let in_run = original.parent() == Some(run_dir);
             let gone = matches!(fs::symlink_metadata(&original),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound);
-            let pin_key = crate::store::unit::key(&path).ok();
-            match (recorded, gone, pin_key) {
-                (Some((key, step)), true, Some(pin_key)) if Path::new(&key.path) == original => {
+            let path = name.as_ref().map(|n| folder.join(n));
+            let pin_key = path.as_ref().and_then(|p| crate::store::unit::key(p).ok());
+            match (name, path, pin_key) {
+                (Some(name), Some(path), Some(pin_key)) if in_run && gone => {
                     self.live.fetch_add(1, Ordering::SeqCst);
+                    let id = entry.file_name();
                     found.push(Leftover {
                         pin: Arc::new(Pin {
-                            shown: self.shown.join(&name),
+                            shown: self.shown.join(id).join(name),
+                            folder,
                             path,
                             key: pin_key,
                             live: self.live.clone(),
+                            kept_on_disk: AtomicBool::new(false),
                         }),
                         key,
                         step,
                     });
                 }
-                _ => {
-                    remove(&path);
-                    remove(&sidecar(&path));
-                }
+                _ => remove(&folder),
             }
         }
         found
     }
 }
 
-/// `<pin>.key`, the record beside a pin.
-fn sidecar(pin: &Path) -> PathBuf {
-    let mut name = pin.file_name().unwrap_or_default().to_os_string();
-    name.push(".key");
-    pin.with_file_name(name)
-}
+/// The record in a pin's folder: the checkpoint's key and step.
+const KEY_FILE: &str = "key.json";
 
 /// Removes `path` without following links: a folder with its tree.
 fn remove(path: &Path) {
@@ -292,7 +321,8 @@ mod tests {
         fs::write(&ck, b"weights").unwrap();
         let pins = Pins::open(state.path(), state.path()).unwrap();
         let pin = pins.pin(&ck, &key_of(&ck), 10).unwrap();
-        std::mem::forget(pin); // a daemon that died holding it
+        pin.leave_on_disk(); // a daemon that stopped holding it
+        drop(pin);
         assert!(
             Pins::open(state.path(), state.path())
                 .unwrap()
@@ -310,6 +340,27 @@ mod tests {
         std::thread::sleep(std::time::Duration::from_millis(20));
         fs::write(&ck, b"other weights").unwrap(); // in place: the same inode
         assert!(!pin.unchanged());
+    }
+
+    /// A checkpoint saved again under its name while its old version is pinned: each version
+    /// has its own pin, and dropping the old one leaves the new one whole.
+    #[test]
+    fn two_versions_of_one_name_have_pins_of_their_own() {
+        let run = tempfile::tempdir().unwrap();
+        let state = tempfile::tempdir().unwrap();
+        let ck = run.path().join("ckpt_1.pt");
+        fs::write(&ck, b"old").unwrap();
+        let pins = Pins::open(state.path(), state.path()).unwrap();
+        let old = pins.pin(&ck, &key_of(&ck), 1).unwrap();
+        let tmp = run.path().join("ckpt_1.pt.tmp");
+        fs::write(&tmp, b"new weights").unwrap();
+        fs::rename(&tmp, &ck).unwrap(); // renamed over: another inode
+        let new = pins.pin(&ck, &key_of(&ck), 1).unwrap();
+        assert_ne!(old.path(), new.path());
+        assert_eq!(old.path().file_name(), new.path().file_name());
+        drop(old);
+        assert!(new.unchanged());
+        assert_eq!(fs::read(new.path()).unwrap(), b"new weights");
     }
 
     /// At most MAX_PINS at once; a dropped pin frees its place.

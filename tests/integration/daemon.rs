@@ -283,22 +283,34 @@ fn each_complete_checkpoint_is_evaluated_exactly_once() {
         d.evaluated() >= 2.0
     });
 
-    // 3. Deleted during its evaluation (ICR takes a while with many samples).
+    // 3. Deleted during its evaluation (ICR takes a while with many samples), as rotation
+    //    does: it was pinned when found complete, so it is evaluated from its pin and recorded
+    //    under its name (docs/guide/watching.md, "Rotation").
     fs::copy(&ckpt, dir.join("ckpt_000300.pt.tmp")).unwrap();
     fs::rename(dir.join("ckpt_000300.pt.tmp"), dir.join("ckpt_000300.pt")).unwrap();
     d.wait_for_evaluation_of("ckpt_000300.pt");
     fs::remove_file(dir.join("ckpt_000300.pt")).unwrap();
+    d.wait_for(Duration::from_secs(180), "the deleted one's record", |d| {
+        d.evaluated() >= 3.0
+    });
+
+    // 3b. Rewritten in place during its evaluation: the pin shares its file, so what was read
+    //     is no longer there: a `vanished` failure (the new version is evaluated in its turn).
+    fs::copy(&ckpt, dir.join("ckpt_000350.pt.tmp")).unwrap();
+    fs::rename(dir.join("ckpt_000350.pt.tmp"), dir.join("ckpt_000350.pt")).unwrap();
+    d.wait_for_evaluation_of("ckpt_000350.pt");
+    fs::copy(toy_run().join("ckpt_000060.pt"), dir.join("ckpt_000350.pt")).unwrap();
     d.wait_for(Duration::from_secs(180), "the failure to be counted", |d| {
         d.metric("diffmon_checkpoint_failures_total{run=\"test\",reason=\"vanished\"}") == Some(1.0)
     });
 
-    // 4. The daemon is still alive and evaluates the next one.
+    // 4. The daemon is still alive and evaluates the next ones (the rewritten file, then 400).
     fs::copy(&ckpt, dir.join("ckpt_000400.pt.tmp")).unwrap();
     fs::rename(dir.join("ckpt_000400.pt.tmp"), dir.join("ckpt_000400.pt")).unwrap();
     d.wait_for(
         Duration::from_secs(180),
-        "the evaluation after the failure",
-        |d| d.evaluated() >= 3.0,
+        "the evaluations after the failure",
+        |d| d.evaluated() >= 5.0,
     );
 
     std::thread::sleep(Duration::from_secs(2)); // a later rescan must not evaluate anything twice
@@ -306,9 +318,12 @@ fn each_complete_checkpoint_is_evaluated_exactly_once() {
     // The renamed file is complete at once, the slowly written one only once it settles: the
     // order may vary, the count may not.
     evals.sort();
-    assert_eq!(evals, vec![100, 200, 400], "{}", d.log());
-    assert_eq!(failures, vec![(300, "vanished".to_string())]);
-    assert_eq!(d.evaluated(), 3.0);
+    assert_eq!(evals, vec![100, 200, 300, 350, 400], "{}", d.log());
+    assert_eq!(failures, vec![(350, "vanished".to_string())]);
+    assert_eq!(d.evaluated(), 5.0);
+    // No pin outlives its record (the best's is held while it is the best).
+    let pins = fs::read_dir(dir.join(".diffmon/pins")).unwrap().count();
+    assert!(pins <= 1, "{pins} pins");
 }
 
 #[test]

@@ -95,6 +95,16 @@ pub struct Watcher {
     pub(super) pace: Option<Arc<crate::daemon::pace::Pace>>,
 }
 
+/// A daemon that stops leaves the pins of the checkpoints still waiting on disk: the next start
+/// evaluates those that rotation deletes meanwhile ([`crate::store::pin::Pins::leftovers`]).
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        for pin in self.ready.values().filter_map(|w| w.pin.as_ref()) {
+            pin.leave_on_disk();
+        }
+    }
+}
+
 /// A name from `run.dir` for logs (control characters escaped).
 pub(super) fn shown(path: &Path) -> String {
     crate::store::safe_fs::untrusted(path)
