@@ -97,7 +97,7 @@ pub fn run(config: Config) -> Result<()> {
         .pacing(published.pace.clone())
         .with_excluded(config.named_files())
         .with_crash_marker(lock.state().path())
-        .with_pins(lock.state().path(), lock.state().shown())
+        .with_pins(lock.state().path())
         .following(lock.state().clone());
     let watcher = std::thread::Builder::new()
         .name("diffmon-watch".into())

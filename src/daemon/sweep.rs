@@ -305,7 +305,7 @@ impl Started {
         .with_excluded(config.named_files())
         .with_notifications(self.notifications.clone())
         .with_crash_marker(lock.state().path())
-        .with_pins(lock.state().path(), lock.state().shown())
+        .with_pins(lock.state().path())
         .following(lock.state().clone());
         let stopped = stopped.clone();
         self.watchers.push(

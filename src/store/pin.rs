@@ -4,7 +4,8 @@
 //! is still pinned gets a folder of its own) — until
 //! its outcome is recorded, so that the training job's rotation (`checkpoints_total_limit`,
 //! `save_top_k`, `keep_latest_k`) cannot delete it while it waits for its turn or is evaluated:
-//! the evaluator reads the pin, the record names the checkpoint.
+//! the evaluator reads the pin, the record names the checkpoint. (A Slurm job reads the
+//! checkpoint in place: it may outlive the daemon that submitted it, and its pins.)
 //!
 //! - **Links only.** Every regular file of the unit is hard-linked ([`keep_best::link_unit`]:
 //!   bounded, no link followed); nothing is copied. A pin costs no disk while the original
@@ -40,8 +41,6 @@ pub struct Pin {
     folder: PathBuf,
     /// `<folder>/<name>`: the checkpoint's files.
     path: PathBuf,
-    /// `path` under the configured state folder, for other processes (a Slurm job).
-    shown: PathBuf,
     /// The pin's own key when it was made (its folders are new, so not the checkpoint's).
     key: CheckpointKey,
     live: Arc<AtomicUsize>,
@@ -59,11 +58,6 @@ impl Pin {
     /// Where the pinned files are, for this process.
     pub fn path(&self) -> &Path {
         &self.path
-    }
-
-    /// Where the pinned files are under the configured state folder, for other processes.
-    pub fn shown(&self) -> &Path {
-        &self.shown
     }
 
     /// Are the pinned files still those pinned? Links share the files with the original: a
@@ -100,23 +94,18 @@ pub struct Leftover {
 /// The pins of one run.
 pub struct Pins {
     dir: PathBuf,
-    /// `dir` under the configured state folder.
-    shown: PathBuf,
     live: Arc<AtomicUsize>,
     /// Linking failed once (another file system): no more tries, one warning.
     unavailable: AtomicBool,
 }
 
 impl Pins {
-    /// The pins of the run whose state folder is `state_dir` (the folder is made, mode 0700),
-    /// configured as `shown` (the daemon writes through a handle on it:
-    /// [`crate::store::state_dir`]).
-    pub fn open(state_dir: &Path, shown: &Path) -> std::io::Result<Pins> {
+    /// The pins of the run whose state folder is `state_dir` (the folder is made, mode 0700).
+    pub fn open(state_dir: &Path) -> std::io::Result<Pins> {
         let dir = state_dir.join(PINS_DIR);
         crate::store::safe_fs::create_private_dir(&dir)?;
         Ok(Pins {
             dir,
-            shown: shown.join(PINS_DIR),
             live: Arc::new(AtomicUsize::new(0)),
             unavailable: AtomicBool::new(false),
         })
@@ -160,9 +149,7 @@ impl Pins {
             tracing::debug!("cannot record the pin's key: {e}");
         }
         self.live.fetch_add(1, Ordering::SeqCst);
-        let id = folder.file_name().expect("a folder of pins/").to_owned();
         Some(Arc::new(Pin {
-            shown: self.shown.join(id).join(name),
             folder,
             path: target,
             key: pin_key,
@@ -226,12 +213,10 @@ impl Pins {
             let path = name.as_ref().map(|n| folder.join(n));
             let pin_key = path.as_ref().and_then(|p| crate::store::unit::key(p).ok());
             match (name, path, pin_key) {
-                (Some(name), Some(path), Some(pin_key)) if in_run && gone => {
+                (Some(_), Some(path), Some(pin_key)) if in_run && gone => {
                     self.live.fetch_add(1, Ordering::SeqCst);
-                    let id = entry.file_name();
                     found.push(Leftover {
                         pin: Arc::new(Pin {
-                            shown: self.shown.join(id).join(name),
                             folder,
                             path,
                             key: pin_key,
@@ -282,7 +267,7 @@ mod tests {
         fs::create_dir_all(ck.join("unet")).unwrap();
         fs::write(ck.join("unet/model.safetensors"), b"weights").unwrap();
         let key = key_of(&ck);
-        let pins = Pins::open(state.path(), state.path()).unwrap();
+        let pins = Pins::open(state.path()).unwrap();
         let pin = pins.pin(&ck, &key, 500).unwrap();
         let linked = pin.path().join("unet/model.safetensors");
         use std::os::unix::fs::MetadataExt;
@@ -297,7 +282,7 @@ mod tests {
         assert!(pin.unchanged());
 
         // A restart: the checkpoint is gone, the pin is what is left of it.
-        let again = Pins::open(state.path(), state.path()).unwrap();
+        let again = Pins::open(state.path()).unwrap();
         let left = again.leftovers(run.path());
         assert_eq!(left.len(), 1);
         assert_eq!((left[0].key.clone(), left[0].step), (key, 500));
@@ -319,12 +304,12 @@ mod tests {
         let state = tempfile::tempdir().unwrap();
         let ck = run.path().join("ckpt_10.pt");
         fs::write(&ck, b"weights").unwrap();
-        let pins = Pins::open(state.path(), state.path()).unwrap();
+        let pins = Pins::open(state.path()).unwrap();
         let pin = pins.pin(&ck, &key_of(&ck), 10).unwrap();
         pin.leave_on_disk(); // a daemon that stopped holding it
         drop(pin);
         assert!(
-            Pins::open(state.path(), state.path())
+            Pins::open(state.path())
                 .unwrap()
                 .leftovers(run.path())
                 .is_empty()
@@ -350,7 +335,7 @@ mod tests {
         let state = tempfile::tempdir().unwrap();
         let ck = run.path().join("ckpt_1.pt");
         fs::write(&ck, b"old").unwrap();
-        let pins = Pins::open(state.path(), state.path()).unwrap();
+        let pins = Pins::open(state.path()).unwrap();
         let old = pins.pin(&ck, &key_of(&ck), 1).unwrap();
         let tmp = run.path().join("ckpt_1.pt.tmp");
         fs::write(&tmp, b"new weights").unwrap();
@@ -368,7 +353,7 @@ mod tests {
     fn pins_are_bounded() {
         let run = tempfile::tempdir().unwrap();
         let state = tempfile::tempdir().unwrap();
-        let pins = Pins::open(state.path(), state.path()).unwrap();
+        let pins = Pins::open(state.path()).unwrap();
         let mut held = Vec::new();
         for i in 0..=MAX_PINS {
             let ck = run.path().join(format!("ckpt_{i}.pt"));

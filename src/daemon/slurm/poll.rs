@@ -219,10 +219,8 @@ impl Runner {
                     folder.display()
                 ),
             ),
-            Ok(mut record) => {
+            Ok(record) => {
                 tracing::debug!(checkpoint = %untrusted(&item.path), step = item.step, "record read from its Slurm job");
-                // The job read the pin: the record names the checkpoint.
-                record.checkpoint = item.path.display().to_string();
                 Outcome::Done(item, Box::new(record))
             }
             Err(e) => Outcome::Failed(

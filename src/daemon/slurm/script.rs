@@ -53,15 +53,9 @@ pub(super) fn script(
         step = item.step,
         bin = quoted(&binary.display().to_string()),
         config = quoted(&config.display().to_string()),
-        // The pin when there is one: the files rotation cannot delete (the record is renamed).
-        checkpoint = quoted(
-            &item
-                .pin
-                .as_ref()
-                .map_or(item.path.as_path(), |p| p.shown())
-                .display()
-                .to_string()
-        ),
+        // In place, not its pin: a job outlives the daemon that submitted it (it is adopted
+        // after a restart), its pins do not.
+        checkpoint = quoted(&item.path.display().to_string()),
     )
 }
 

@@ -147,8 +147,8 @@ impl Watcher {
     /// Pins complete checkpoints in `state_dir` until their outcome is recorded
     /// ([`crate::store::pin`]); the pins a previous daemon left of checkpoints deleted since are
     /// offered again, to be evaluated from the pin, unless the history has them.
-    pub fn with_pins(mut self, state_dir: &Path, configured: &Path) -> Watcher {
-        let pins = match crate::store::pin::Pins::open(state_dir, configured) {
+    pub fn with_pins(mut self, state_dir: &Path) -> Watcher {
+        let pins = match crate::store::pin::Pins::open(state_dir) {
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!(state_dir = %state_dir.display(), "cannot make the folder for pins ({e}): checkpoints are not pinned against rotation");
