@@ -193,9 +193,15 @@ impl Pins {
                 remove(&folder);
                 continue;
             }
-            let recorded = fs::read(folder.join(KEY_FILE))
+            // Read bounded: a record longer than 64 KiB is not one of ours.
+            let recorded = fs::File::open(folder.join(KEY_FILE))
                 .ok()
-                .filter(|b| b.len() < 64 << 10)
+                .and_then(|f| {
+                    let mut b = Vec::new();
+                    std::io::Read::read_to_end(&mut std::io::Read::take(f, 64 << 10), &mut b)
+                        .ok()?;
+                    Some(b)
+                })
                 .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
                 .and_then(|v| {
                     let key: CheckpointKey = serde_json::from_value(v.get("key")?.clone()).ok()?;
