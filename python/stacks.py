@@ -3,7 +3,7 @@
 
     python python/stacks.py --stack S[,S...] --out RUN --flat FLAT [--steps 6 --every 2]
         [--ema] [--limit L] [--pause SECS] [--data train.h5] [--export model.ts]
-        [--hostile MARKER]
+        [--hostile MARKER] [--resume-from CHECKPOINT] [--stop-on-early-stop]
 
 Every stack trains the same tiny diffusers ``UNet2DModel`` (:func:`tiny_unet`: 1x8x8 input,
 epsilon prediction, ``DDPMScheduler`` with its defaults: linear betas 1e-4..0.02, 1000 steps) on a
@@ -37,6 +37,23 @@ is on by default), saved with ``safetensors.torch.save_file`` under the names of
 ``state_dict()``. They are taken from the training objects (the model, ``EMAModel``, Lightning's
 averaged model), not read back from the checkpoint, so comparing the two checks the stack.
 
+``--resume-from PATH`` (one stack: ``accelerate``, ``diffusers`` or ``lightning``) resumes
+training from one of that stack's checkpoints with the library's own resume code and goes on to
+``--steps`` in all, saving at the same absolute steps as before (``--limit`` rotating as before):
+``accelerator.load_state(PATH)`` after ``prepare`` as ``train_unconditional.py``'s
+``--resume_from_checkpoint`` does (the step from the folder name ``checkpoint-N``, the batches of
+the resumed epoch that came before it skipped; the ``diffusers`` stack registers that script's load
+hook, which reads ``unet/``), or ``trainer.fit(..., ckpt_path=PATH)`` (``step=N.ckpt``; a step
+whose file exists is saved again as ``step=N-v1.ckpt``: ModelCheckpoint does not overwrite). Once the
+weights are loaded it checks them against the checkpoint file (``model.safetensors``,
+``unet/diffusion_pytorch_model.safetensors``, or the ``.ckpt``'s ``current_model_state`` when it
+has one, else its ``state_dict``) and prints ``{"resumed_from": PATH, "step": N, "exact": BOOL}``
+on stdout. ``--stop-on-early-stop`` makes the loop obey diffmon's stop file in ``--out`` as a
+user's loop would (``diffmon.stop``): ``should_stop(RUN)`` after every optimizer step (after that
+step's save) in the accelerate loop, ``DiffmonEarlyStopping(RUN)`` among Lightning's callbacks;
+when it stops training early it prints ``{"stopped_early_at": N}`` on stdout (the callback also
+prints its own sentence there).
+
 ``--data F.h5`` writes the training images (dataset ``images``, float32 ``[N,1,8,8]``) and
 ``--export F.ts`` the architecture (``diffmon.export`` of a fresh UNet, feature layer
 ``mid_block``, ``eps``, linear schedule, T=1000), so one call makes a complete fixture.
@@ -50,6 +67,7 @@ for the stack asked. Tested by ``python/tests/test_stacks.py`` and used by the R
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -143,6 +161,17 @@ def ema_state_dict(model, ema_model):
     return m.state_dict()
 
 
+def say(obj) -> None:
+    """One JSON line on stdout, flushed (the lines tests read: resumed_from, stopped_early_at)."""
+    print(json.dumps(obj), flush=True)
+
+
+def same_weights(got, want) -> bool:
+    """The same names and bit-identical tensors."""
+    return set(got) == set(want) and all(
+        torch.equal(got[k].detach().cpu(), want[k].detach().cpu()) for k in want)
+
+
 def rotate(run: Path, limit: int) -> None:
     """Before a save: delete the oldest checkpoint-* folders so that ``limit`` remain after it."""
     folders = sorted((d for d in os.listdir(run) if d.startswith("checkpoint-")),
@@ -228,6 +257,7 @@ def stack_accelerate(args, x):
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration, set_seed
     from diffusers import DDPMScheduler, UNet2DModel
+    from diffusers.training_utils import EMAModel
 
     set_seed(args.seed)
     accelerator = Accelerator(project_config=ProjectConfiguration(project_dir=str(args.out)), cpu=True)
@@ -244,18 +274,55 @@ def stack_accelerate(args, x):
                     m.save_pretrained(os.path.join(output_dir, "unet"))
                     weights.pop()  # saved above: accelerate must not write model.safetensors too
 
+        def load_model_hook(models, input_dir):
+            if use_ema:
+                loaded = EMAModel.from_pretrained(os.path.join(input_dir, "unet_ema"), UNet2DModel)
+                ema_model.load_state_dict(loaded.state_dict())
+                ema_model.to(accelerator.device)
+                del loaded
+            for _ in range(len(models)):
+                m = models.pop()  # popped: accelerate must not look for model.safetensors
+                loaded = UNet2DModel.from_pretrained(input_dir, subfolder="unet")
+                m.register_to_config(**loaded.config)
+                m.load_state_dict(loaded.state_dict())
+                del loaded
+
         accelerator.register_save_state_pre_hook(save_model_hook)
+        accelerator.register_load_state_pre_hook(load_model_hook)
 
     noise_scheduler = DDPMScheduler(num_train_timesteps=1000)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     loader = torch.utils.data.DataLoader(torch.from_numpy(x), batch_size=args.batch, shuffle=True,
                                          drop_last=True, generator=torch.Generator().manual_seed(args.seed))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    num_update_steps_per_epoch = len(loader)  # no gradient accumulation
     g = torch.Generator().manual_seed(args.seed + 1)
     step = 0
+    first_epoch = resume_step = 0
+    if args.resume_from:
+        # train_unconditional.py's --resume_from_checkpoint (a given folder, not "latest").
+        path = os.path.basename(os.path.normpath(args.resume_from))
+        accelerator.load_state(args.resume_from)
+        step = int(path.split("-")[1])
+        first_epoch = step // num_update_steps_per_epoch
+        resume_step = step % num_update_steps_per_epoch
+        from safetensors.torch import load_file
+
+        stored = load_file(os.path.join(args.resume_from, "unet", "diffusion_pytorch_model.safetensors")
+                           if args.stack == "diffusers" else
+                           os.path.join(args.resume_from, "model.safetensors"))
+        if accelerator.is_main_process:
+            say({"resumed_from": args.resume_from, "step": step,
+                 "exact": same_weights(accelerator.unwrap_model(model).state_dict(), stored)})
+    if args.stop_on_early_stop:
+        from diffmon.stop import should_stop
+    stopped = False
+    epoch = first_epoch
     model.train()
-    while step < args.steps:
-        for clean in loader:
+    while step < args.steps and not stopped:
+        for batch_idx, clean in enumerate(loader):
+            if args.resume_from and epoch == first_epoch and batch_idx < resume_step:
+                continue  # train_unconditional.py: skip the resumed epoch's batches up to the step
             with accelerator.accumulate(model):
                 loss = ddpm_loss(model, noise_scheduler, clean, g)
                 accelerator.backward(loss)
@@ -274,8 +341,14 @@ def stack_accelerate(args, x):
                     save_flat(args.flat, step,
                               ema_state_dict(unwrapped, ema_model) if use_ema else unwrapped.state_dict())
                     time.sleep(args.pause)
+                if args.stop_on_early_stop and should_stop(args.out):
+                    if accelerator.is_main_process:
+                        say({"stopped_early_at": step})
+                    stopped = True
+                    break
             if step >= args.steps:
                 break
+        epoch += 1
     accelerator.end_training()
 
 
@@ -317,9 +390,26 @@ def stack_lightning(args, x):
         def on_save_checkpoint(self, trainer, pl_module, checkpoint):
             time.sleep(args.pause)
 
+    class Resumed(pl.Callback):
+        """After Lightning has restored ``--resume-from`` (weights, optimizer, loops, callbacks):
+        are the module's weights the trained ones the checkpoint holds?"""
+
+        def on_train_start(self, trainer, pl_module):
+            ck = torch.load(args.resume_from, map_location="cpu", weights_only=True)
+            # With EMAWeightAveraging, state_dict holds the average and the trained weights, which
+            # it loads into the module, are current_model_state.
+            want = ck.get("current_model_state", ck["state_dict"])
+            say({"resumed_from": args.resume_from, "step": trainer.global_step,
+                 "exact": same_weights(pl_module.state_dict(), want)})
+
     ema = EMAWeightAveraging(decay=0.9) if args.ema else None
-    callbacks = ([ema] if ema else []) + [
-        Flat(ema),
+    stopper = None
+    if args.stop_on_early_stop:
+        from diffmon.stop import DiffmonEarlyStopping
+
+        stopper = DiffmonEarlyStopping(args.out)
+    callbacks = ([ema] if ema else []) + [Flat(ema)] + ([Resumed()] if args.resume_from else []) + (
+        [stopper] if stopper else []) + [
         ModelCheckpoint(dirpath=str(args.out), every_n_train_steps=args.every, save_top_k=-1,
                         filename="{step}"),
     ]
@@ -328,7 +418,9 @@ def stack_lightning(args, x):
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=args.steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
                          default_root_dir=str(args.out))
-    trainer.fit(Diffusion(), loader)
+    trainer.fit(Diffusion(), loader, ckpt_path=args.resume_from)
+    if stopper is not None and stopper.stopped:
+        say({"stopped_early_at": trainer.global_step})
 
 
 def main(argv=None) -> int:
@@ -348,6 +440,12 @@ def main(argv=None) -> int:
     ap.add_argument("--hostile", type=Path, help="module: a marker file that unpickling would create")
     ap.add_argument("--data", type=Path, help="also write the training images to this HDF5 file")
     ap.add_argument("--export", type=Path, help="also export the architecture to this TorchScript file")
+    ap.add_argument("--resume-from", metavar="PATH",
+                    help="accelerate/diffusers: a checkpoint-N folder; lightning: a step=N.ckpt file "
+                         "(one stack): resume from it with the library's own code, up to --steps in all")
+    ap.add_argument("--stop-on-early-stop", action="store_true",
+                    help="accelerate/diffusers/lightning: stop when diffmon's stop file appears in --out "
+                         "(diffmon.stop)")
     ap.add_argument("--n-images", type=int, default=48)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -366,6 +464,18 @@ def main(argv=None) -> int:
         ap.error("--limit applies to the accelerate and diffusers stacks")
     if args.hostile and "module" not in stacks:
         ap.error("--hostile applies to the module stack")
+    resumable = ("accelerate", "diffusers", "lightning")
+    if args.resume_from:
+        if len(stacks) > 1 or stacks[0] not in resumable:
+            ap.error("--resume-from applies to one stack: accelerate, diffusers or lightning")
+        if not os.path.exists(args.resume_from):
+            ap.error(f"--resume-from: {args.resume_from} does not exist")
+        name = os.path.basename(os.path.normpath(args.resume_from))
+        if stacks[0] != "lightning" and not (name.startswith("checkpoint-")
+                                             and name.split("-")[1].isdigit()):
+            ap.error("--resume-from: an accelerate checkpoint is a folder named checkpoint-N")
+    if args.stop_on_early_stop and not set(stacks) & set(resumable):
+        ap.error("--stop-on-early-stop applies to the accelerate, diffusers and lightning stacks")
     torch.set_num_threads(args.threads)
     x = images(args.n_images, args.seed)
     if args.data:
@@ -381,6 +491,7 @@ def main(argv=None) -> int:
         one.flat = Path(args.flat.replace("{stack}", s))
         one.limit = args.limit if s in ("accelerate", "diffusers") else 0
         one.hostile = args.hostile if s == "module" else None
+        one.stop_on_early_stop = args.stop_on_early_stop and s in resumable
         one.out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         run[s](one, x)

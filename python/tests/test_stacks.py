@@ -1,7 +1,10 @@
 """python/stacks.py writes what the real libraries write, and its flat copies are the weights the
 library itself loads back from each checkpoint (EMA where the stack has it)."""
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,9 +14,13 @@ pytest.importorskip("accelerate")
 pytest.importorskip("pytorch_lightning")
 
 import stacks  # noqa: E402
+from diffmon.stop import DEFAULT_STOP_FILE  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 STEPS = (2, 4, 6)
+EVENT = {"id": "3f2a9c", "event": "early_stop", "run": "run", "metric": "icr", "best_step": 0,
+         "best_checkpoint": None, "best_checkpoint_kept": None, "best_value": 0.4,
+         "current_step": 0, "current_value": 0.5, "fired_at": "2026-01-01T00:00:00Z"}
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +145,61 @@ def test_dcp_checkpoint(runs):
     dcp.load({"model": sd}, checkpoint_id=str(ck))
     model.load_state_dict(sd)
     assert_same(model.state_dict(), flat(runs, "dcp", 2))
+
+
+def json_lines(out):
+    """The JSON lines stacks.py prints on stdout (Lightning's callback also prints a sentence)."""
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def second_process(argv):
+    """stacks.py in a fresh process, as a resumed job starts: its JSON lines."""
+    p = subprocess.run([sys.executable, stacks.__file__, *argv], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json_lines(p.stdout)
+
+
+def mtimes(folder):
+    return {f: os.stat(folder / f).st_mtime_ns for f in os.listdir(folder)}
+
+
+def test_accelerate_resume_from_checkpoint(tmp_path):
+    run, fl = tmp_path / "run", tmp_path / "flat"
+    common = ["--stack", "accelerate", "--every", "2", "--out", str(run), "--flat", str(fl)]
+    assert stacks.main(common + ["--steps", "4"]) == 0
+    before = mtimes(run / "checkpoint-4")
+    ck2 = str(run / "checkpoint-2")
+    assert second_process(common + ["--steps", "6", "--resume-from", ck2]) == [
+        {"resumed_from": ck2, "step": 2, "exact": True}]
+    assert sorted(os.listdir(run)) == [f"checkpoint-{n}" for n in STEPS]
+    after = mtimes(run / "checkpoint-4")
+    assert set(after) == set(before) and all(after[f] > before[f] for f in before)  # saved again
+    assert_same(load_file(str(fl / "step_6.safetensors")),
+                load_file(str(run / "checkpoint-6" / "model.safetensors")))
+
+
+def test_lightning_resume_from_checkpoint(tmp_path):
+    run, fl = tmp_path / "run", tmp_path / "flat"
+    common = ["--stack", "lightning", "--every", "2", "--out", str(run), "--flat", str(fl)]
+    assert stacks.main(common + ["--steps", "4"]) == 0
+    ck2 = str(run / "step=2.ckpt")
+    assert second_process(common + ["--steps", "6", "--resume-from", ck2]) == [
+        {"resumed_from": ck2, "step": 2, "exact": True}]
+    # ModelCheckpoint does not overwrite the step=4.ckpt of the first run: it versions the name.
+    assert sorted(os.listdir(run)) == ["step=2.ckpt", "step=4-v1.ckpt", "step=4.ckpt", "step=6.ckpt"]
+    ck = torch.load(run / "step=6.ckpt", weights_only=True)
+    assert ck["global_step"] == 6
+    assert_same({k[len("model."):]: v for k, v in ck["state_dict"].items()},
+                load_file(str(fl / "step_6.safetensors")))
+
+
+@pytest.mark.parametrize("stack", ["accelerate", "lightning"])
+def test_stop_on_early_stop(tmp_path, capsys, stack):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / DEFAULT_STOP_FILE).write_text(json.dumps(EVENT))
+    assert stacks.main(["--stack", stack, "--stop-on-early-stop", "--steps", "6", "--every", "2",
+                        "--out", str(run), "--flat", str(tmp_path / "flat")]) == 0
+    assert json_lines(capsys.readouterr().out) == [{"stopped_early_at": 1}]
+    assert sorted(os.listdir(run)) == [DEFAULT_STOP_FILE]  # stopped before the first checkpoint
