@@ -324,6 +324,24 @@ impl Alerter {
     /// such error is returned (an entry that could not be persisted is still delivered while the
     /// process runs).
     pub fn send(&self, event: &Event) -> Result<(), AlertError> {
+        self.send_touching_stop_file(event, true)
+    }
+
+    /// Sends again the events a replay of the history found, oldest first: each to every
+    /// destination not yet delivered, and the stop file made what the last one wants, once (an
+    /// `early_stop` followed by its `resolved` never writes it for a moment). The first error is
+    /// returned, after every event was attempted.
+    pub fn send_replayed(&self, events: &[Event]) -> Result<(), AlertError> {
+        let mut first_error = None;
+        for (k, event) in events.iter().enumerate() {
+            if let Err(e) = self.send_touching_stop_file(event, k + 1 == events.len()) {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    fn send_touching_stop_file(&self, event: &Event, stop_file: bool) -> Result<(), AlertError> {
         let mut first_error = None;
         let action = match event.event {
             EventKind::EarlyStop => match serde_json::to_vec_pretty(event) {
@@ -332,7 +350,7 @@ impl Alerter {
             },
             EventKind::Resolved => StopAction::Remove,
         };
-        if let Err(e) = self.stop.set(action, &event.id) {
+        if stop_file && let Err(e) = self.stop.set(action, &event.id) {
             tracing::warn!(error = %e, event_id = %event.id, "cannot update the stop file; retrying with backoff until it is done");
             first_error = Some(e);
         }

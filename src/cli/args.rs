@@ -23,6 +23,9 @@ Workflow, for a training run saving checkpoints into runs/exp1:
   6. diffmon replay --config diffmon.yaml [--set early_stop.min_rise=0.01]
                                     what the early stop decided at each checkpoint, and
                                     would decide with other settings
+  7. diffmon resume --config diffmon.yaml
+                                    after the early stop, with the daemon stopped: the best
+                                    checkpoint back in the run folder, a new history segment
 
 Logging goes to stderr, filtered by the DIFFMON_LOG environment variable (default: info; e.g.
 DIFFMON_LOG=debug, or DIFFMON_LOG=warn).
@@ -156,6 +159,29 @@ pub enum Command {
         /// summary (`"kind": "summary"`: fired_at_step, best_step, ...).
         #[arg(long)]
         json: bool,
+    },
+    /// After the early stop: put the best checkpoint back where training resumes from (from
+    /// the copy early_stop.keep_best kept), move the abandoned branch's later checkpoints
+    /// aside, remove the stop file and start a new segment of the history. Run it with the
+    /// daemon stopped; it prints how each training stack resumes.
+    Resume {
+        /// The daemon's config.
+        #[arg(long, value_name = "FILE")]
+        config: PathBuf,
+        /// The run of a sweep config (`runs`), by its name.
+        #[arg(long, value_name = "NAME")]
+        run: Option<String>,
+        /// Resume from the checkpoint of this step (one evaluated on the run's current branch)
+        /// instead of the best the early stop named.
+        #[arg(long, value_name = "N")]
+        step: Option<i64>,
+        /// Leave the checkpoints after the resume step in the run folder (by default they are
+        /// moved to <state_dir>/set-aside/segment-<n>/, out of the training job's way).
+        #[arg(long)]
+        keep_later: bool,
+        /// Say what would be done; change nothing.
+        #[arg(long)]
+        dry_run: bool,
     },
     /// Validate a config file and report every problem (exit code 2 if there is one).
     CheckConfig {

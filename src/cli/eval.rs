@@ -94,7 +94,7 @@ pub struct NoStep {
 
 /// The settings of the run named `run`: of a sweep, the entry of `runs` with that name
 /// (required when it lists several); of a single run, its own, if `run` names it.
-fn select_run(config: Config, run: Option<&str>) -> Result<Config, String> {
+pub(super) fn select_run(config: Config, run: Option<&str>) -> Result<Config, String> {
     let runs = config.runs();
     let names = || {
         runs.iter()

@@ -25,6 +25,7 @@ mod icr_features;
 pub mod init;
 mod output;
 mod replay;
+mod resume;
 mod sample;
 
 use crate::config::{self, Config, ConfigError};
@@ -271,6 +272,8 @@ impl Exit {
                     .is_some_and(crate::cli::init::InitError::is_usage)
                 || c.downcast_ref::<ReportError>()
                     .is_some_and(ReportError::is_usage)
+                || c.downcast_ref::<resume::ResumeError>()
+                    .is_some_and(resume::ResumeError::is_usage)
                 || c.downcast_ref::<ModelError>()
                     .or_else(|| c.downcast_ref::<EvalError>().and_then(EvalError::model))
                     .or_else(|| c.downcast_ref::<PfdError>().and_then(PfdError::model))
@@ -463,6 +466,23 @@ pub fn run(command: Command) -> Result<()> {
         }
         Command::BiasVariance { config, students } => bias_variance(&config, &students),
         Command::Replay { config, set, json } => replay::replay(&config, &set, json),
+        Command::Resume {
+            config,
+            run,
+            step,
+            keep_later,
+            dry_run,
+        } => {
+            let report = resume::resume(&resume::Request {
+                config: &config,
+                run: run.as_deref(),
+                step,
+                keep_later,
+                dry_run,
+            })?;
+            output::line(report)?;
+            Ok(())
+        }
         Command::Report { config, out } => {
             crate::report::write(&Config::load_without_secrets(&config)?, &out)?;
             output::line(out.display())?;

@@ -3,7 +3,7 @@
 //! summary (docs/design.md §14). The same [`crate::engine::detector::replay`] as the daemon's start-up.
 
 use crate::config::{Config, ConfigError, EarlyStopConfig, Problem};
-use crate::engine::detector::{Decision, Detector, DetectorState, Signal};
+use crate::engine::detector::{Decision, Detector, DetectorState, Replayed, Signal};
 use crate::store::history::{History, JOURNAL};
 use anyhow::Result;
 use serde::Serialize;
@@ -210,62 +210,91 @@ pub fn replay(config_path: &Path, set: &[String], json: bool) -> Result<()> {
     let mut resolved_at = None;
     let mut confirm_seen = false;
     let mut written: std::io::Result<()> = Ok(());
-    let failures = crate::engine::detector::replay(
-        &mut detector,
-        metric,
-        &entries,
-        |record, _at, decision, state| {
-            evaluations += 1;
-            let value = metric.value(record).filter(|v| v.is_finite());
-            let best = state.best.as_ref();
-            let new_best = value.is_some() && best.map(|b| b.step) != best_step;
-            best_step = best.map(|b| b.step);
-            let verdict = Verdict::of(value, decision, new_best, state.wait);
-            if matches!(verdict, Verdict::EarlyStop | Verdict::Unconfirmed) {
-                turned_at.get_or_insert(record.step);
+    let failures = crate::engine::detector::replay(&mut detector, metric, &entries, |replayed| {
+        let (record, decision, state) = match replayed {
+            Replayed::Evaluation {
+                record,
+                decision,
+                state,
+                ..
+            } => (record, decision, state),
+            Replayed::Resume {
+                step,
+                checkpoint,
+                segment,
+                state,
+                ..
+            } => {
+                // The summary is the new segment's: what the detector decides from now on.
+                best_step = state.best.as_ref().map(|b| b.step);
+                (turned_at, resolved_at) = (None, None);
+                let line = if json {
+                    serde_json::json!({"kind": "resume", "step": step,
+                            "checkpoint": checkpoint, "segment": segment})
+                    .to_string()
+                } else {
+                    format!(
+                        "{:>9} resumed from {} (segment {segment}): the detector restarts on the steps up to {step}",
+                        step,
+                        crate::store::safe_fs::untrusted_text(checkpoint)
+                    )
+                };
+                if written.is_ok() {
+                    written = writeln!(out, "{line}");
+                }
+                return;
             }
-            if verdict == Verdict::Resolved {
-                resolved_at.get_or_insert(record.step);
-            }
-            let confirm_value = match confirm {
-                crate::config::Confirmation::None => None,
-                crate::config::Confirmation::GeneralizationGap => record.generalization_gap,
-                crate::config::Confirmation::MemorizationRatio => record.memorization_ratio,
-            };
-            confirm_seen |= confirm_value.is_some();
-            let line = if json {
-                serde_json::to_string(&Row {
-                    kind: "checkpoint",
-                    step: record.step,
-                    checkpoint: &record.checkpoint,
-                    value,
-                    smoothed: value.and(decision.smoothed),
-                    noise: decision.noise,
-                    threshold: decision.threshold,
-                    best_step: best.map(|b| b.step),
-                    best_value: best.map(|b| b.value),
-                    wait: state.wait,
-                    confirm_value,
-                    decision: verdict,
-                })
-                .expect("a row serializes")
-            } else {
-                let num = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.6}"));
-                format!(
-                    "{:>9} {:>10} {:>10} {:>10} {:>10}  {}",
-                    record.step,
-                    num(value),
-                    num(value.and(decision.smoothed)),
-                    num(decision.noise),
-                    num(decision.threshold),
-                    verdict.text(state.wait, patience)
-                )
-            };
-            if written.is_ok() {
-                written = writeln!(out, "{line}");
-            }
-        },
-    );
+        };
+        evaluations += 1;
+        let value = metric.value(record).filter(|v| v.is_finite());
+        let best = state.best.as_ref();
+        let new_best = value.is_some() && best.map(|b| b.step) != best_step;
+        best_step = best.map(|b| b.step);
+        let verdict = Verdict::of(value, decision, new_best, state.wait);
+        if matches!(verdict, Verdict::EarlyStop | Verdict::Unconfirmed) {
+            turned_at.get_or_insert(record.step);
+        }
+        if verdict == Verdict::Resolved {
+            resolved_at.get_or_insert(record.step);
+        }
+        let confirm_value = match confirm {
+            crate::config::Confirmation::None => None,
+            crate::config::Confirmation::GeneralizationGap => record.generalization_gap,
+            crate::config::Confirmation::MemorizationRatio => record.memorization_ratio,
+        };
+        confirm_seen |= confirm_value.is_some();
+        let line = if json {
+            serde_json::to_string(&Row {
+                kind: "checkpoint",
+                step: record.step,
+                checkpoint: &record.checkpoint,
+                value,
+                smoothed: value.and(decision.smoothed),
+                noise: decision.noise,
+                threshold: decision.threshold,
+                best_step: best.map(|b| b.step),
+                best_value: best.map(|b| b.value),
+                wait: state.wait,
+                confirm_value,
+                decision: verdict,
+            })
+            .expect("a row serializes")
+        } else {
+            let num = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.6}"));
+            format!(
+                "{:>9} {:>10} {:>10} {:>10} {:>10}  {}",
+                record.step,
+                num(value),
+                num(value.and(decision.smoothed)),
+                num(decision.noise),
+                num(decision.threshold),
+                verdict.text(state.wait, patience)
+            )
+        };
+        if written.is_ok() {
+            written = writeln!(out, "{line}");
+        }
+    });
     written?;
     let s = &detector.state;
     let best = s.fired.as_ref().or(s.best.as_ref());

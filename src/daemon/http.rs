@@ -263,6 +263,8 @@ pub struct EarlyStopStatus {
     pub last_step: Option<i64>,
     pub last_value: Option<f64>,
     pub event: Option<Event>,
+    /// The history segment the detector follows (1 until the first `diffmon resume`).
+    pub segment: u32,
 }
 
 /// The bounds of [`serve`], from `http.*` of the config.

@@ -92,12 +92,17 @@ pub fn run(config: Config) -> Result<()> {
     };
 
     let (stop, stopped) = shutdown::stop_channel();
-    let done = recorder.entries().iter().map(|e| e.key().clone()).collect();
+    let done = recorder
+        .entries()
+        .iter()
+        .filter_map(|e| e.done().cloned())
+        .collect();
     let watcher = Watcher::new(&config.run.dir, &config.checkpoints, done, metrics.clone())
         .pacing(published.pace.clone())
         .with_excluded(config.named_files())
         .with_crash_marker(lock.state().path())
         .with_pins(lock.state().path())
+        .recognizing_kept(lock.state().path())
         .following(lock.state().clone());
     let watcher = std::thread::Builder::new()
         .name("diffmon-watch".into())

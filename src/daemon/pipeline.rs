@@ -114,9 +114,7 @@ pub(super) fn open(
         Box::new(Console::default()),
         Box::new(Alerts(alerter)),
     ]);
-    for event in &replayed.events {
-        sinks.replayed(event)?;
-    }
+    sinks.replayed(&replayed.events)?;
     let view = RunView {
         name: run,
         metrics,

@@ -239,7 +239,7 @@ mod tests {
             .iter()
             .map(|e| match e {
                 Entry::Evaluation { record, .. } => record.step,
-                Entry::Failure { step, .. } => *step,
+                Entry::Failure { step, .. } | Entry::Resume { step, .. } => *step,
             })
             .collect()
     }

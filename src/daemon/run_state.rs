@@ -11,7 +11,7 @@ use super::executor::Outcome;
 use crate::alerts::{Event, EventKind, event_id};
 use crate::config::EarlyStopSettings;
 use crate::daemon::http::EarlyStopStatus;
-use crate::engine::detector::{Best, Decision, Detector, DetectorState, Observation, Signal};
+use crate::engine::detector::{self, Best, Decision, Detector, DetectorState, Observation, Signal};
 use crate::metrics::Metrics;
 use crate::record::Evaluation;
 use crate::report::{KeptCopy, Snapshot};
@@ -48,6 +48,8 @@ pub struct RunState {
     /// With a keeper: each evaluated checkpoint's key when it was evaluated, so that what is
     /// kept is what was measured (`keep_best::keep`).
     evaluated: HashMap<String, CheckpointKey>,
+    /// The history segment the detector follows (1 until the first resume).
+    segment: u32,
 }
 
 /// What a replay found besides the state.
@@ -91,12 +93,16 @@ impl RunState {
             instance: instance.to_string(),
             detector: Detector::new(early_stop.clone(), DetectorState::default()),
             metrics,
-            status: Arc::new(Mutex::new(EarlyStopStatus::default())),
+            status: Arc::new(Mutex::new(EarlyStopStatus {
+                segment: 1,
+                ..EarlyStopStatus::default()
+            })),
             snapshot,
             evaluated: HashMap::new(),
             keeper,
             observed_pin: None,
             best_pin: None,
+            segment: 1,
         };
         if state.keeper.is_some() {
             for entry in entries {
@@ -109,18 +115,28 @@ impl RunState {
         }
         let mut replayed = Replayed::default();
         let mut detector = Detector::new(early_stop, DetectorState::default());
-        let failures = crate::engine::detector::replay(
-            &mut detector,
-            metric,
-            entries,
-            |record, at, decision, s| {
-                replayed.evaluations += 1;
-                state.metrics.record(record);
-                replayed
-                    .events
-                    .extend(state.publish(record, at, decision, s));
-            },
-        );
+        let failures =
+            crate::engine::detector::replay(&mut detector, metric, entries, |entry| match entry {
+                detector::Replayed::Evaluation {
+                    record,
+                    at,
+                    decision,
+                    state: s,
+                } => {
+                    replayed.evaluations += 1;
+                    state.metrics.record(record);
+                    replayed
+                        .events
+                        .extend(state.publish(record, at, decision, s));
+                }
+                detector::Replayed::Resume {
+                    step,
+                    at,
+                    segment,
+                    state: s,
+                    ..
+                } => replayed.events.extend(state.resumed(step, segment, at, s)),
+            });
         state.detector = detector;
         lock(&state.snapshot).failures = failures;
         state.keep_best();
@@ -209,6 +225,64 @@ impl RunState {
         self.publish(r, at, &decision, &self.detector.state)
     }
 
+    /// A resume from `step` (recorded at `at`) starts `segment`; `s` is the detector's state,
+    /// restarted on the run's lineage (`detector::replay`). The live page, the metrics and the
+    /// status follow it. An early stop that stood is resolved: the returned event removes the
+    /// stop file and resolves the alert (its id is the new segment's).
+    fn resumed(&mut self, step: i64, segment: u32, at: &str, s: &DetectorState) -> Option<Event> {
+        let stood = {
+            let snapshot = lock(&self.snapshot);
+            snapshot.fired.clone().filter(|_| !snapshot.resolved)
+        };
+        self.segment = segment;
+        lock(&self.snapshot).resumed(step, segment, at, s);
+        let fired = s.fired.is_some() && !s.resolved;
+        let best_step = s.best.as_ref().map(|b| b.step);
+        self.metrics
+            .set_detector(s.last_smoothed, best_step, fired, s.unconfirmed, at);
+        self.metrics.set_segment(segment);
+        let mut status = lock(&self.status);
+        status.fired = fired;
+        status.best_step = best_step;
+        status.best_checkpoint = s.best.as_ref().map(|b| b.checkpoint.clone());
+        status.best_value = s.best.as_ref().map(|b| b.value);
+        status.last_step = Some(step);
+        status.last_value = s.last_smoothed;
+        status.segment = segment;
+        let (best, _) = stood.filter(|_| !fired)?;
+        let kind = EventKind::Resolved;
+        let event = Event {
+            id: event_id(&self.run, &self.event_instance(), kind, best.step, step),
+            event: kind,
+            run: self.run.clone(),
+            metric: self.detector.config().metric.as_str().to_string(),
+            best_step: best.step,
+            best_checkpoint: best.checkpoint.clone(),
+            best_checkpoint_kept: self.kept_copy(&best.checkpoint),
+            best_value: best.value,
+            current_step: step,
+            current_value: s.last_smoothed.unwrap_or(f64::NAN),
+            fired_at: at.to_string(),
+        };
+        status.event = Some(event.clone());
+        Some(event)
+    }
+
+    /// What tells this run's events apart in event ids: the run's instance, and the segment
+    /// after a resume (a resumed run that turns again at the same steps fires anew).
+    fn event_instance(&self) -> String {
+        match self.segment {
+            1 => self.instance.clone(),
+            n => format!("{}#segment-{n}", self.instance),
+        }
+    }
+
+    /// Where the keeper keeps `checkpoint`, if it does.
+    fn kept_copy(&self, checkpoint: &str) -> Option<String> {
+        let kept = self.keeper.as_ref()?.kept(Path::new(checkpoint))?;
+        Some(kept.display().to_string())
+    }
+
     /// Publishes what the detector decided on a record (`s`: its state afterwards) to the live
     /// page, the metrics and the status; returns the event to send, if any.
     fn publish(
@@ -226,6 +300,7 @@ impl RunState {
             decision.unconfirmed,
             at,
         );
+        self.metrics.set_segment(self.segment);
         let mut status = lock(&self.status);
         status.fired = s.fired.is_some() && !s.resolved;
         if let Some(b) = &s.best {
@@ -241,16 +316,13 @@ impl RunState {
             Signal::Resolved => (EventKind::Resolved, s.best.as_ref().expect("a best")),
         };
         let event = Event {
-            id: event_id(&self.run, &self.instance, kind, best.step, r.step),
+            id: event_id(&self.run, &self.event_instance(), kind, best.step, r.step),
             event: kind,
             run: self.run.clone(),
             metric: self.detector.config().metric.as_str().to_string(),
             best_step: best.step,
             best_checkpoint: best.checkpoint.clone(),
-            best_checkpoint_kept: self.keeper.as_ref().and_then(|k| {
-                let kept = k.kept(Path::new(&best.checkpoint))?;
-                Some(kept.display().to_string())
-            }),
+            best_checkpoint_kept: self.kept_copy(&best.checkpoint),
             best_value: best.value,
             current_step: r.step,
             current_value: decision.smoothed.unwrap_or(f64::NAN),
@@ -269,8 +341,8 @@ mod tests {
     use crate::daemon::watcher::WorkItem;
     use crate::metrics::{
         BEST_STEP, BEST_STEP_TIMESTAMP, CHECKPOINT_FAILURES, CHECKPOINTS_EVALUATED,
-        EARLY_STOP_TIMESTAMP, EARLY_STOP_TRIGGERED, EARLY_STOP_UNCONFIRMED, ICR, ICR_SMOOTHED,
-        LAST_EVALUATED_STEP,
+        EARLY_STOP_TIMESTAMP, EARLY_STOP_TRIGGERED, EARLY_STOP_UNCONFIRMED, HISTORY_SEGMENT, ICR,
+        ICR_SMOOTHED, LAST_EVALUATED_STEP,
     };
     use crate::record::FailureReason;
     use crate::report::Marker;
@@ -597,5 +669,77 @@ mod tests {
         let (state, _) = replayed(&entries);
         let report = Snapshot::replay("r", EarlyStopMetric::Icr, settings(), &entries);
         assert_eq!(*lock(&state.snapshot), report);
+    }
+
+    /// The turn of [`run_outcomes`] (fired at 600, best 400), then `diffmon resume` from 400.
+    fn resumed_at_400() -> Vec<Entry> {
+        let mut entries: Vec<Entry> = run_outcomes()[..6].iter().map(entry).collect();
+        entries.push(Entry::Resume {
+            at: at(650),
+            step: 400,
+            checkpoint: "ckpt_400.pt".into(),
+            restored: None,
+            set_aside: vec!["set-aside/segment-1/ckpt_500.pt".into()],
+        });
+        entries
+    }
+
+    /// After a resume the run is not stopped any more: the replay ends with a `resolved` event
+    /// for the early stop that stood (its id the new segment's, so the same steps turning again
+    /// fire anew), the status and metrics show the lineage's best and segment 2, and the live
+    /// page keeps the abandoned branch, marked.
+    #[test]
+    fn a_resume_resolves_the_early_stop_and_starts_a_segment() {
+        let entries = resumed_at_400();
+        let (mut state, replayed) = replayed(&entries);
+        let kinds: Vec<_> = replayed.events.iter().map(|e| e.event).collect();
+        assert_eq!(kinds, [EventKind::EarlyStop, EventKind::Resolved]);
+        let resolved = &replayed.events[1];
+        assert_eq!(
+            resolved.id,
+            event_id("r", "#segment-2", EventKind::Resolved, 400, 400)
+        );
+        assert_eq!((resolved.best_step, resolved.current_step), (400, 400));
+        let s = status(&state);
+        assert_eq!(s["fired"], false);
+        assert_eq!(s["segment"], 2);
+        assert_eq!(s["best_step"], 400);
+        assert_eq!(s["last_step"], 400);
+        let run = "run=\"r\"";
+        assert_eq!(sample(&state, EARLY_STOP_TRIGGERED, run), Some(0.0));
+        assert_eq!(sample(&state, HISTORY_SEGMENT, run), Some(2.0));
+        {
+            let snap = lock(&state.snapshot);
+            let abandoned: Vec<i64> = snap
+                .rows
+                .iter()
+                .filter(|r| r.abandoned)
+                .map(|r| r.step)
+                .collect();
+            assert_eq!(abandoned, [500, 600]);
+            assert_eq!(
+                (snap.segment, snap.resumes.as_slice()),
+                (2, &[(400, 2)][..])
+            );
+            assert_eq!(snap.fired, None);
+        }
+        // The new segment turns at the same steps: a new early stop, with a new id.
+        assert_eq!(state.observe(&done(500, 3.0), &at(700)), None);
+        let again = state
+            .observe(&done(600, 4.0), &at(800))
+            .expect("fires again");
+        assert_eq!(again.event, EventKind::EarlyStop);
+        assert_eq!(
+            again.id,
+            event_id("r", "#segment-2", EventKind::EarlyStop, 400, 600)
+        );
+        assert_ne!(again.id, replayed.events[0].id);
+        assert_eq!(lock(&state.snapshot).rows.last().unwrap().segment, 2);
+        // The report draws the same.
+        let mut all = entries.clone();
+        all.extend([done(500, 3.0), done(600, 4.0)].iter().map(entry));
+        let (restarted, _) = self::replayed(&all);
+        let report = Snapshot::replay("r", EarlyStopMetric::Icr, settings(), &all);
+        assert_eq!(*lock(&restarted.snapshot), report);
     }
 }

@@ -28,9 +28,9 @@ pub trait Sink: Send {
     /// [`Sink::evaluation`].
     fn event(&mut self, _event: &Event) {}
 
-    /// An event the replay of the history found at start-up, to be sent again; an error stops
-    /// the start.
-    fn replayed(&mut self, _event: &Event) -> Result<(), SinkError> {
+    /// The events the replay of the history found at start-up, oldest first, to be sent again;
+    /// an error stops the start.
+    fn replayed(&mut self, _events: &[Event]) -> Result<(), SinkError> {
         Ok(())
     }
 
@@ -58,8 +58,8 @@ impl Sinks {
         }
     }
 
-    pub fn replayed(&mut self, event: &Event) -> Result<(), SinkError> {
-        self.0.iter_mut().try_for_each(|sink| sink.replayed(event))
+    pub fn replayed(&mut self, events: &[Event]) -> Result<(), SinkError> {
+        self.0.iter_mut().try_for_each(|sink| sink.replayed(events))
     }
 
     pub fn close(self, runtime: &tokio::runtime::Runtime) {
@@ -143,8 +143,8 @@ impl Sink for Alerts {
         }
     }
 
-    fn replayed(&mut self, event: &Event) -> Result<(), SinkError> {
-        self.0.send(event).map_err(SinkError::Replayed)
+    fn replayed(&mut self, events: &[Event]) -> Result<(), SinkError> {
+        self.0.send_replayed(events).map_err(SinkError::Replayed)
     }
 
     /// Deliveries in progress get [`ALERTS_SHUTDOWN`]; what remains stays in the outbox.
@@ -210,7 +210,7 @@ pub(super) mod tests {
         };
         sinks.evaluation(&record, &DetectorState::default());
         sinks.event(&event(EventKind::EarlyStop, 5));
-        sinks.replayed(&event(EventKind::Resolved, 6)).unwrap();
+        sinks.replayed(&[event(EventKind::Resolved, 6)]).unwrap();
         assert_eq!(
             *lines.lock().unwrap(),
             [

@@ -294,7 +294,11 @@ impl Started {
             work,
             outcomes,
         } = pipeline;
-        let done = recorder.entries().iter().map(|e| e.key().clone()).collect();
+        let done = recorder
+            .entries()
+            .iter()
+            .filter_map(|e| e.done().cloned())
+            .collect();
         let watcher = Watcher::new(
             &config.run.dir,
             &config.checkpoints,
@@ -306,6 +310,7 @@ impl Started {
         .with_notifications(self.notifications.clone())
         .with_crash_marker(lock.state().path())
         .with_pins(lock.state().path())
+        .recognizing_kept(lock.state().path())
         .following(lock.state().clone());
         let stopped = stopped.clone();
         self.watchers.push(

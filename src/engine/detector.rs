@@ -414,25 +414,78 @@ fn median(points: &[Point]) -> (f64, Point) {
     }
 }
 
+/// What [`replay`] hands on for each entry of a history that is not a failure.
+pub enum Replayed<'a, 'b> {
+    /// An evaluation, with the detector's decision on it and its state afterwards.
+    Evaluation {
+        record: &'a Evaluation,
+        at: &'a str,
+        decision: &'b Decision,
+        state: &'b DetectorState,
+    },
+    /// A resume: the detector restarted on the resumed lineage; its state afterwards.
+    Resume {
+        step: i64,
+        checkpoint: &'a str,
+        at: &'a str,
+        /// The segment it starts (2 for the first resume).
+        segment: u32,
+        state: &'b DetectorState,
+    },
+}
+
 /// Replays a history (docs/design.md §9): feeds its evaluations, in journal order, to
 /// `detector` (a fresh one, for the state the journal implies) watching `metric`, and hands each
 /// to `each` with the detector's decision and its state afterwards. Failures are not observed;
 /// returns how many there were. The daemon rebuilds its state at start-up this way, `diffmon
 /// report` its plots, and `diffmon replay` prints what the detector decides.
+///
+/// A resume (`diffmon resume`) restarts the detector on the run's *lineage*: the evaluations
+/// of the branch training went on from, up to the resume step, fed to a fresh detector (their
+/// decisions are not handed on again); those after the step are the abandoned branch, which
+/// the detector never sees again. The new segment's evaluations follow.
 pub fn replay<'a>(
     detector: &mut Detector,
     metric: EarlyStopMetric,
     entries: &'a [Entry],
-    mut each: impl FnMut(&'a Evaluation, &'a str, &Decision, &DetectorState),
+    mut each: impl FnMut(Replayed<'a, '_>),
 ) -> usize {
     let mut failures = 0;
+    let mut lineage: Vec<&'a Evaluation> = Vec::new();
+    let mut segment = 1;
     for entry in entries {
         match entry {
             Entry::Evaluation { record, at, .. } => {
                 let decision = detector.observe(&Observation::of(record, metric));
-                each(record, at, &decision, &detector.state);
+                lineage.push(record);
+                each(Replayed::Evaluation {
+                    record,
+                    at,
+                    decision: &decision,
+                    state: &detector.state,
+                });
             }
             Entry::Failure { .. } => failures += 1,
+            Entry::Resume {
+                step,
+                checkpoint,
+                at,
+                ..
+            } => {
+                segment += 1;
+                lineage.retain(|r| r.step <= *step);
+                *detector = Detector::new(detector.config.clone(), DetectorState::default());
+                for r in &lineage {
+                    detector.observe(&Observation::of(r, metric));
+                }
+                each(Replayed::Resume {
+                    step: *step,
+                    checkpoint,
+                    at,
+                    segment,
+                    state: &detector.state,
+                });
+            }
         }
     }
     failures
@@ -670,20 +723,158 @@ mod tests {
         }
         let mut d = Detector::new(EarlyStopSettings::default(), DetectorState::default());
         let mut seen = Vec::new();
-        let failures = replay(
-            &mut d,
-            EarlyStopMetric::Icr,
-            &entries,
-            |r, at, decision, state| {
-                assert_eq!(at, format!("at {}", r.step / 50 - 1));
-                assert_eq!(state.last_step, Some(r.step));
-                seen.push((r.step, decision.clone()));
-            },
-        );
+        let failures = replay(&mut d, EarlyStopMetric::Icr, &entries, |replayed| {
+            let Replayed::Evaluation {
+                record: r,
+                at,
+                decision,
+                state,
+            } = replayed
+            else {
+                panic!("no resume in this history")
+            };
+            assert_eq!(at, format!("at {}", r.step / 50 - 1));
+            assert_eq!(state.last_step, Some(r.step));
+            seen.push((r.step, decision.clone()));
+        });
         assert_eq!(failures, 4);
         assert_eq!(seen, decisions);
         assert_eq!(d.state, direct.state);
         assert!(!fired_at(&seen, Signal::EarlyStop).is_empty());
+    }
+
+    /// A journal of `segments`: each a list of (step, value), every segment after the first
+    /// opened by a resume from its `resume` step.
+    fn segmented(segments: &[(i64, &[(i64, f64)])]) -> Vec<Entry> {
+        let mut entries = Vec::new();
+        for (k, &(resume, evaluations)) in segments.iter().enumerate() {
+            if k > 0 {
+                entries.push(Entry::Resume {
+                    at: format!("resume {k}"),
+                    step: resume,
+                    checkpoint: format!("ckpt_{resume}.pt"),
+                    restored: None,
+                    set_aside: Vec::new(),
+                });
+            }
+            for &(step, v) in evaluations {
+                entries.push(Entry::Evaluation {
+                    key: crate::store::history::CheckpointKey {
+                        path: format!("ckpt_{step}.pt"),
+                        size: k as u64,
+                        mtime_ns: step,
+                    },
+                    at: format!("at {step}"),
+                    record: Box::new(Evaluation {
+                        step,
+                        checkpoint: format!("ckpt_{step}.pt"),
+                        icr: Some(v),
+                        ..Evaluation::default()
+                    }),
+                });
+            }
+        }
+        entries
+    }
+
+    /// What a replay hands on: ("eval", step, signal) and ("resume", step, fired) rows.
+    fn replayed(entries: &[Entry], config: EarlyStopSettings) -> (Detector, Vec<String>) {
+        let mut d = Detector::new(config, DetectorState::default());
+        let mut seen = Vec::new();
+        replay(&mut d, EarlyStopMetric::Icr, entries, |r| match r {
+            Replayed::Evaluation {
+                record, decision, ..
+            } => seen.push(format!("{} {:?}", record.step, decision.signal)),
+            Replayed::Resume {
+                step,
+                segment,
+                state,
+                ..
+            } => seen.push(format!(
+                "resume {step} segment {segment} best {:?} fired {}",
+                state.best.as_ref().map(|b| b.step),
+                state.fired.is_some()
+            )),
+        });
+        (d, seen)
+    }
+
+    #[test]
+    fn a_resume_restarts_the_detector_on_the_lineage_and_it_fires_again_only_when_it_turns() {
+        // Window 1, warm-up 2, patience 2: a turn is two values above the best by min_rise.
+        let config = EarlyStopSettings {
+            window: 1,
+            warmup: 2,
+            patience: 2,
+            min_rise: 0.01,
+            noise_multiple: 0.0,
+            ..EarlyStopSettings::default()
+        };
+        let first: &[(i64, f64)] = &[(1, 0.9), (2, 0.5), (3, 0.6), (4, 0.7), (5, 0.8)];
+        // Resumed from step 2 (the best): 3 dips below it, 4 rises, 5 dips again (no turn yet),
+        // then 6 and 7 rise: the turn, with the best at 5.
+        let second: &[(i64, f64)] = &[(3, 0.45), (4, 0.6), (5, 0.44), (6, 0.5), (7, 0.55)];
+        let entries = segmented(&[(0, first), (2, second)]);
+        let (d, seen) = replayed(&entries, config.clone());
+        assert_eq!(
+            seen,
+            [
+                "1 None",
+                "2 None",
+                "3 None",
+                "4 Some(EarlyStop)",
+                "5 None",
+                // The lineage is steps 1 and 2: best 2, not fired.
+                "resume 2 segment 2 best Some(2) fired false",
+                "3 None",
+                "4 None",
+                "5 None",
+                "6 None",
+                "7 Some(EarlyStop)",
+            ]
+        );
+        let fired = d.state.fired.as_ref().unwrap();
+        assert_eq!((fired.step, d.state.fired_step), (5, Some(7)));
+        // The same as a detector fed the lineage and the new segment directly.
+        let (direct, _) = run_series(&[first[0], first[1]], second, config.clone());
+        assert_eq!(d.state, direct.state);
+
+        // A second resume, from step 4 of the second segment: the lineage is 1, 2 and the
+        // second segment's 3, 4 (the first segment's 3 to 5 were abandoned at the first resume).
+        // Its 4 is already one above the best (3): the next rise is the second, the turn.
+        let third: &[(i64, f64)] = &[(5, 0.7), (6, 0.8)];
+        let entries = segmented(&[(0, first), (2, second), (4, third)]);
+        let (d, seen) = replayed(&entries, config.clone());
+        assert_eq!(seen[11], "resume 4 segment 3 best Some(3) fired false");
+        assert_eq!(seen[12..], ["5 Some(EarlyStop)", "6 None"]);
+        assert_eq!(d.state.fired.as_ref().unwrap().step, 3);
+        let (direct, _) = run_series(&[first[0], first[1], second[0], second[1]], third, config);
+        assert_eq!(d.state, direct.state);
+    }
+
+    /// A detector fed `lineage`, then `after`, as one series.
+    fn run_series(
+        lineage: &[(i64, f64)],
+        after: &[(i64, f64)],
+        config: EarlyStopSettings,
+    ) -> (Detector, Vec<Decision>) {
+        let mut d = Detector::new(config, DetectorState::default());
+        let decisions = lineage
+            .iter()
+            .chain(after)
+            .map(|&(step, v)| {
+                d.observe(&Observation {
+                    step,
+                    checkpoint: format!("ckpt_{step}.pt"),
+                    value: Some(v),
+                    stderr: None,
+                    generalization_gap: None,
+                    loss_heldout: None,
+                    memorization_ratio: None,
+                })
+            })
+            .collect();
+        (d, decisions)
     }
 
     /// Standard-normal draws from a seeded generator (Box–Muller).

@@ -87,6 +87,13 @@ impl Metrics {
             .get_or_create(&l)
             .set(unconfirmed as i64);
     }
+
+    /// The history segment the detector follows (1, then one more at each resume).
+    pub fn set_segment(&self, segment: u32) {
+        self.history_segment
+            .get_or_create(&self.label())
+            .set(i64::from(segment));
+    }
 }
 
 #[cfg(test)]

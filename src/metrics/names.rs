@@ -12,6 +12,7 @@ pub const LAST_EVALUATED_STEP: &str = "diffmon_last_evaluated_step";
 pub const BEST_STEP: &str = "diffmon_best_step";
 pub const EARLY_STOP_TRIGGERED: &str = "diffmon_early_stop_triggered";
 pub const EARLY_STOP_UNCONFIRMED: &str = "diffmon_early_stop_unconfirmed";
+pub const HISTORY_SEGMENT: &str = "diffmon_history_segment";
 pub const CHECKPOINTS_EVALUATED: &str = "diffmon_checkpoints_evaluated";
 pub const CHECKPOINT_FAILURES: &str = "diffmon_checkpoint_failures";
 pub const CHECKPOINTS_PENDING: &str = "diffmon_checkpoints_pending";
@@ -79,6 +80,7 @@ pub fn exported_names() -> Vec<String> {
             BEST_STEP,
             EARLY_STOP_TRIGGERED,
             EARLY_STOP_UNCONFIRMED,
+            HISTORY_SEGMENT,
             CHECKPOINTS_PENDING,
             CHECKPOINTS_IGNORED,
             EVALUATION_DURATION,

@@ -28,6 +28,7 @@ pub struct Metrics {
     pub(super) best_step: Family<RunLabel, Gauge>,
     pub(super) early_stop_triggered: Family<RunLabel, Gauge>,
     pub(super) early_stop_unconfirmed: Family<RunLabel, Gauge>,
+    pub(super) history_segment: Family<RunLabel, Gauge>,
     pub(super) checkpoints_evaluated: Family<RunLabel, Counter>,
     pub(super) checkpoint_failures: Family<ReasonLabels, Counter>,
     pub(super) checkpoints_pending: Family<RunLabel, Gauge>,
@@ -82,6 +83,7 @@ impl Metrics {
             checkpoints_ignored: Family::default(),
             checkpoints_skipped: Family::default(),
             evaluation_duration: Family::new_with_constructor(duration_histogram),
+            history_segment: Family::default(),
             evaluation_seconds: Family::default(),
             checkpoint_interval: Family::default(),
             webhook_deliveries: Family::default(),
@@ -140,6 +142,11 @@ impl Metrics {
             EARLY_STOP_UNCONFIRMED,
             "1 while the curve has turned but the confirmation signal has not risen",
             m.early_stop_unconfirmed.clone(),
+        );
+        registry.register(
+            HISTORY_SEGMENT,
+            "Segment of the history the detector follows: 1, then one more at each `diffmon resume` (absent before the first evaluation)",
+            m.history_segment.clone(),
         );
         registry.register(
             CHECKPOINTS_EVALUATED,
@@ -339,6 +346,7 @@ mod tests {
         m.delivery(Receiver::Webhook, DeliveryOutcome::Delivered);
         m.set_evaluation_seconds(59.2);
         m.set_checkpoint_interval(9.0);
+        m.set_segment(1);
         let text = m.encode();
         for name in exported_names() {
             let series =

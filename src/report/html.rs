@@ -141,11 +141,20 @@ pub(super) fn table(s: &Snapshot, label: &str) -> String {
     for (name, _) in &columns {
         let _ = write!(o, "<th>{name}</th>");
     }
+    // After a resume: which segment each evaluation is from, and whether its branch was left.
+    let segmented = !s.resumes.is_empty();
+    if segmented {
+        o.push_str("<th>segment</th>");
+    }
     o.push_str("<th>checkpoint</th></tr>\n");
     for r in rows {
         let _ = write!(o, "<tr><td>{}</td><td>{}</td>", r.step, fmt_opt(r.value));
         for (_, get) in &columns {
             let _ = write!(o, "<td>{}</td>", fmt_opt(get(r)));
+        }
+        if segmented {
+            let left = if r.abandoned { " (abandoned)" } else { "" };
+            let _ = write!(o, "<td>{}{left}</td>", r.segment);
         }
         let name = Path::new(&r.checkpoint)
             .file_name()

@@ -117,17 +117,33 @@ pub const PLOTS: [(&str, &str, &str); 4] = [
     ("gap", "Generalization gap (held-out − train loss)", "gap"),
 ];
 
+/// The plots of a snapshot. Every series follows the run's lineage (the rows no resume
+/// abandoned); the early-stop plot also shows the abandoned branches' values, in grey, and a
+/// line at each resume.
 pub(super) fn plots(s: &Snapshot) -> Vec<Plot> {
-    let rows = &s.rows;
+    let rows: Vec<Row> = s.lineage().cloned().collect();
+    let rows = &rows;
     let (id, label) = metric_names(s.metric);
     let raw = series(rows, id, label, "#1f77b4", |r| r.value);
     let mut smoothed = series(rows, "smoothed", "smoothed", "#ff7f0e", |r| r.smoothed);
     smoothed.dots = false;
+    let abandoned: Vec<Row> = s.rows.iter().filter(|r| r.abandoned).cloned().collect();
+    let mut before_resume = series(
+        &abandoned,
+        "abandoned",
+        "before the resume",
+        "#aaaaaa",
+        |r| r.value,
+    );
+    before_resume.dashed = true;
     let mut main = Plot {
         id: "early-stop",
         title: format!("{label}: raw and smoothed"),
         y_label: label,
-        series: vec![raw, smoothed],
+        series: [raw, smoothed]
+            .into_iter()
+            .chain((!before_resume.points.is_empty()).then_some(before_resume))
+            .collect(),
         lines: Vec::new(),
         ring: None,
         band: None,
@@ -143,6 +159,15 @@ pub(super) fn plots(s: &Snapshot) -> Vec<Plot> {
                 .map(|r| (r.step, r.value.zip(r.stderr)))
                 .collect(),
         });
+    }
+    for &(step, segment) in &s.resumes {
+        main.lines.push((
+            "resume",
+            step,
+            format!("resumed {step} (segment {segment})"),
+            "#7f7f7f",
+            false,
+        ));
     }
     if let Some(b) = &s.best {
         main.ring = Some(("best", b.step, b.value));
@@ -180,6 +205,14 @@ pub(super) fn plots(s: &Snapshot) -> Vec<Plot> {
 }
 
 pub(super) fn early_stop_note(s: &Snapshot) -> String {
+    let state = state_note(s);
+    match s.resumes.last() {
+        Some((step, segment)) => format!("{state} (segment {segment}: resumed from step {step})"),
+        None => state,
+    }
+}
+
+fn state_note(s: &Snapshot) -> String {
     match &s.fired {
         Some((best, step)) if s.resolved => format!(
             "early stop fired at step {step} (best step {}), then resolved: the curve went below that best again",

@@ -2,7 +2,7 @@
 //! after every evaluation and that the report command rebuilds by replaying the history.
 
 use crate::config::{EarlyStopMetric, EarlyStopSettings};
-use crate::engine::detector::{Decision, Detector, DetectorState};
+use crate::engine::detector::{Decision, Detector, DetectorState, Replayed};
 use crate::record::{Evaluation, FIELDS};
 use crate::store::history::Entry;
 
@@ -20,6 +20,10 @@ pub struct Row {
     pub stderr: Option<f64>,
     /// The value of each field of `record::FIELDS`, in its order.
     pub fields: Vec<Option<f64>>,
+    /// The history segment it was recorded in (1 until the first `diffmon resume`).
+    pub segment: u32,
+    /// On a branch a resume abandoned (a step after the resume point, recorded before it).
+    pub abandoned: bool,
 }
 
 /// A checkpoint the detector singled out.
@@ -64,6 +68,10 @@ pub struct Snapshot {
     /// With `early_stop.keep_best`: the checkpoint last asked to be kept, and what became of
     /// it; `None` without (see [`Snapshot::best_kept`]).
     pub kept: Option<(String, KeptCopy)>,
+    /// The current segment of the history (1 until the first resume).
+    pub segment: u32,
+    /// Each resume: (the step training resumed from, the segment it started).
+    pub resumes: Vec<(i64, u32)>,
 }
 
 impl Snapshot {
@@ -79,6 +87,8 @@ impl Snapshot {
             failures: 0,
             last_at: None,
             kept: None,
+            segment: 1,
+            resumes: Vec::new(),
         }
     }
 
@@ -105,7 +115,34 @@ impl Snapshot {
                 .and(metric_stderr(self.metric, r))
                 .filter(|e| e.is_finite() && *e >= 0.0),
             fields: FIELDS.iter().map(|f| f.float(r)).collect(),
+            segment: self.segment,
+            abandoned: false,
         });
+        self.follow(state);
+        self.unconfirmed = decision.unconfirmed;
+        self.last_at = Some(at.to_string());
+    }
+
+    /// A resume from `step` (recorded at `at`) starts `segment`: the rows after `step` on the
+    /// branch it leaves are abandoned; `state` is the detector's, restarted on the lineage.
+    pub fn resumed(&mut self, step: i64, segment: u32, at: &str, state: &DetectorState) {
+        for row in self.rows.iter_mut().filter(|r| !r.abandoned) {
+            row.abandoned = row.step > step;
+        }
+        self.segment = segment;
+        self.resumes.push((step, segment));
+        self.follow(state);
+        self.unconfirmed = state.unconfirmed;
+        self.last_at = Some(at.to_string());
+    }
+
+    /// The rows of the run's current lineage (those no resume abandoned), in order.
+    pub fn lineage(&self) -> impl Iterator<Item = &Row> {
+        self.rows.iter().filter(|r| !r.abandoned)
+    }
+
+    /// Takes the best, the fired best and the resolution from the detector's state.
+    fn follow(&mut self, state: &DetectorState) {
         let marker = |b: &crate::engine::detector::Best| Marker {
             step: b.step,
             checkpoint: b.checkpoint.clone(),
@@ -118,8 +155,6 @@ impl Snapshot {
             .zip(state.fired_step)
             .map(|(b, step)| (marker(b), step));
         self.resolved = state.resolved;
-        self.unconfirmed = decision.unconfirmed;
-        self.last_at = Some(at.to_string());
     }
 
     /// The snapshot of a history: its evaluations replayed through a detector, as the daemon
@@ -132,12 +167,24 @@ impl Snapshot {
     ) -> Snapshot {
         let mut snapshot = Snapshot::new(run, metric);
         let mut detector = Detector::new(detector, DetectorState::default());
-        snapshot.failures = crate::engine::detector::replay(
-            &mut detector,
-            metric,
-            entries,
-            |record, at, decision, state| snapshot.push(record, at, decision, state),
-        );
+        snapshot.failures =
+            crate::engine::detector::replay(&mut detector, metric, entries, |replayed| {
+                match replayed {
+                    Replayed::Evaluation {
+                        record,
+                        at,
+                        decision,
+                        state,
+                    } => snapshot.push(record, at, decision, state),
+                    Replayed::Resume {
+                        step,
+                        segment,
+                        at,
+                        state,
+                        ..
+                    } => snapshot.resumed(step, segment, at, state),
+                }
+            });
         snapshot
     }
 }

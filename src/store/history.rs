@@ -1,13 +1,13 @@
 //! The evaluation history (docs/design.md §13), durable across a crash at any moment.
 //!
 //! The source of truth is an append-only journal, `<state_dir>/history.jsonl`: one JSON line per
-//! evaluation (or per checkpoint that could not be evaluated), written and `fsync`ed before
-//! anything else acts on it. A kill can leave at most a torn last line, which the next start
+//! evaluation (or per checkpoint that could not be evaluated; or a `resume`, which starts a new
+//! segment: docs/design.md §9), written and `fsync`ed before anything else acts on it. A kill can leave at most a torn last line, which the next start
 //! drops; an append that fails (a full disk) is cut back to the complete lines, so the journal
 //! stays readable and the caller can try the same entry again. `<state_dir>/history.h5` is
 //! regenerated from the journal by [`History::write_hdf5`] once it misses evaluations, written
 //! to a temporary file and renamed into place, so readers (h5py) always see a complete file:
-//! group `/evaluations` with one 1-D dataset per scalar field (`step`, each field of
+//! group `/evaluations` with one 1-D dataset per scalar field (`step`, `segment`, each field of
 //! `record::FIELDS` with NaN, or [`ABSENT_INT`], where a metric was not computed, and `seconds`),
 //! `checkpoint` as strings, and the ICR spectra in `icr_eigenvalues` `[rows, d]`. `diffmon
 //! report` reads the journal beside a running daemon without changing it ([`History::read`]).
@@ -71,14 +71,50 @@ pub enum Entry {
         reason: String,
         message: String,
     },
+    /// `diffmon resume`: training went back to the checkpoint of `step`, and the entries after
+    /// this one are a new segment of the history (docs/design.md §9, "Resume").
+    Resume {
+        at: String,
+        /// The step training resumed from, and the checkpoint (as the records name it).
+        step: i64,
+        checkpoint: String,
+        /// The unit `diffmon resume` restored from the kept copy, as it was on disk then: it is
+        /// the checkpoint already evaluated, so the watcher takes it as done.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        restored: Option<CheckpointKey>,
+        /// Where the checkpoints of the abandoned branch (steps after `step`) were moved.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        set_aside: Vec<String>,
+    },
 }
 
 impl Entry {
-    pub fn key(&self) -> &CheckpointKey {
+    /// The checkpoint version the entry records (`None` for a resume).
+    pub fn key(&self) -> Option<&CheckpointKey> {
         match self {
-            Entry::Evaluation { key, .. } | Entry::Failure { key, .. } => key,
+            Entry::Evaluation { key, .. } | Entry::Failure { key, .. } => Some(key),
+            Entry::Resume { .. } => None,
         }
     }
+
+    /// The checkpoint version the entry makes done for the watcher: the one recorded, or the
+    /// one a resume restored.
+    pub fn done(&self) -> Option<&CheckpointKey> {
+        match self {
+            Entry::Resume { restored, .. } => restored.as_ref(),
+            _ => self.key(),
+        }
+    }
+}
+
+/// The segment (1, 2, …) of each entry of a journal: a resume starts the next one.
+pub fn segments(entries: &[Entry]) -> impl Iterator<Item = (u32, &Entry)> {
+    entries.iter().scan(1u32, |segment, e| {
+        if matches!(e, Entry::Resume { .. }) {
+            *segment += 1;
+        }
+        Some((*segment, e))
+    })
 }
 
 pub struct History {
@@ -135,7 +171,7 @@ impl History {
                 .set_permissions(std::fs::Permissions::from_mode(0o600))
                 .map_err(|e| io(&path, e))?;
         }
-        let keys = entries.iter().map(|e| e.key().clone()).collect();
+        let keys = entries.iter().filter_map(|e| e.done().cloned()).collect();
         let mut history = History {
             dir: state_dir.to_path_buf(),
             journal,
@@ -227,7 +263,7 @@ impl History {
     pub fn evaluations(&self) -> impl Iterator<Item = &Evaluation> {
         self.entries.iter().filter_map(|e| match e {
             Entry::Evaluation { record, .. } => Some(record.as_ref()),
-            Entry::Failure { .. } => None,
+            _ => None,
         })
     }
 
@@ -265,7 +301,9 @@ impl History {
             return Err(io(e));
         }
         self.len += line.len() as u64;
-        self.keys.insert(entry.key().clone());
+        if let Some(key) = entry.done() {
+            self.keys.insert(key.clone());
+        }
         self.hdf5_stale |= matches!(entry, Entry::Evaluation { .. });
         self.entries.push(entry);
         Ok(())
@@ -292,8 +330,13 @@ impl History {
         // its name is unpredictable and the state folder is the daemon's own (mode 0700), and
         // `persist` checks that the file renamed into place is still the one created here.
         let (file, tmp) = crate::store::safe_fs::temp_file(&path).map_err(|e| io(&path, e))?;
-        let records: Vec<&Evaluation> = self.evaluations().collect();
-        let written = write_hdf5(&tmp, &records)
+        let (segments, records): (Vec<u32>, Vec<&Evaluation>) = segments(&self.entries)
+            .filter_map(|(segment, e)| match e {
+                Entry::Evaluation { record, .. } => Some((segment, record.as_ref())),
+                _ => None,
+            })
+            .unzip();
+        let written = write_hdf5(&tmp, &records, &segments)
             .map_err(|e| HistoryError::Io {
                 path: tmp.clone(),
                 message: e.to_string(),
@@ -438,16 +481,23 @@ fn read_journal(path: &Path) -> Result<(Vec<Entry>, u64, Repairs), HistoryError>
                 continue;
             }
         };
-        if let Some(&first) = first_line.get(entry.key()) {
-            repairs.duplicates.push((number, first));
-            continue;
-        }
-        first_line.insert(entry.key().clone(), number);
-        if let Entry::Evaluation { record, .. } = &entry {
-            if max_step.is_some_and(|m| record.step < m) {
-                repairs.out_of_order.push(number);
+        if let Some(key) = entry.key() {
+            if let Some(&first) = first_line.get(key) {
+                repairs.duplicates.push((number, first));
+                continue;
             }
-            max_step = Some(max_step.map_or(record.step, |m| m.max(record.step)));
+            first_line.insert(key.clone(), number);
+        }
+        match &entry {
+            Entry::Evaluation { record, .. } => {
+                if max_step.is_some_and(|m| record.step < m) {
+                    repairs.out_of_order.push(number);
+                }
+                max_step = Some(max_step.map_or(record.step, |m| m.max(record.step)));
+            }
+            // A new segment starts from a lower step.
+            Entry::Resume { .. } => max_step = None,
+            Entry::Failure { .. } => {}
         }
         entries.push(entry);
     }
@@ -458,7 +508,8 @@ fn read_journal(path: &Path) -> Result<(Vec<Entry>, u64, Repairs), HistoryError>
 /// fill value); float64 columns hold NaN.
 pub const ABSENT_INT: i64 = -1;
 
-fn write_hdf5(path: &Path, records: &[&Evaluation]) -> hdf5::Result<()> {
+/// `segments`: the history segment of each record (1 until the first resume).
+fn write_hdf5(path: &Path, records: &[&Evaluation], segments: &[u32]) -> hdf5::Result<()> {
     let file = hdf5::File::create(path)?;
     let group = file.create_group("evaluations")?;
     let steps: Vec<i64> = records.iter().map(|r| r.step).collect();
@@ -466,6 +517,10 @@ fn write_hdf5(path: &Path, records: &[&Evaluation]) -> hdf5::Result<()> {
         .new_dataset_builder()
         .with_data(&steps)
         .create("step")?;
+    group
+        .new_dataset_builder()
+        .with_data(segments)
+        .create("segment")?;
     let names: Vec<hdf5::types::VarLenUnicode> = records
         .iter()
         .map(|r| {
@@ -546,6 +601,52 @@ mod tests {
         }
     }
 
+    /// A resume entry survives a reopen, makes its restored checkpoint done without being a
+    /// duplicate of its evaluation (a file restored by a hard link has the same key), is no
+    /// out-of-order line for the lower steps after it, and numbers the segments of
+    /// `history.h5`.
+    #[test]
+    fn a_resume_starts_a_segment_and_its_restored_checkpoint_is_done() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut h = History::open(dir.path()).unwrap();
+        for step in [50, 100, 150] {
+            h.append(entry(step, Some(0.5))).unwrap();
+        }
+        let restored = entry(50, None).key().unwrap().clone();
+        let resume = Entry::Resume {
+            at: "2026-01-02T00:00:00Z".into(),
+            step: 50,
+            checkpoint: "/r/ckpt_50.pt".into(),
+            restored: Some(restored.clone()),
+            set_aside: vec!["/s/set-aside/segment-1/ckpt_100.pt".into()],
+        };
+        h.append(resume.clone()).unwrap();
+        let mut again = entry(100, Some(0.4));
+        if let Entry::Evaluation { key, .. } = &mut again {
+            key.mtime_ns = 1000; // checkpoint-100 of the new branch
+        }
+        h.append(again).unwrap();
+        drop(h);
+        let (_, _, repairs) = read_journal(&dir.path().join(JOURNAL)).unwrap();
+        assert_eq!(repairs, Repairs::default(), "nothing to repair");
+        let mut h = History::open(dir.path()).unwrap();
+        assert_eq!(h.entries()[3], resume);
+        assert!(h.contains(&restored));
+        let segments: Vec<u32> = segments(h.entries()).map(|(s, _)| s).collect();
+        assert_eq!(segments, [1, 1, 1, 2, 2]);
+        h.write_hdf5().unwrap();
+        let file = hdf5::File::open(dir.path().join(HDF5)).unwrap();
+        let g = file.group("evaluations").unwrap();
+        assert_eq!(
+            g.dataset("step").unwrap().read_raw::<i64>().unwrap(),
+            [50, 100, 150, 100]
+        );
+        assert_eq!(
+            g.dataset("segment").unwrap().read_raw::<u32>().unwrap(),
+            [1, 1, 1, 2]
+        );
+    }
+
     #[test]
     fn read_leaves_a_torn_line_in_place_for_the_writer() {
         let dir = tempfile::tempdir().unwrap();
@@ -583,7 +684,7 @@ mod tests {
         drop(f);
         let mut h = History::open(dir.path()).unwrap();
         assert_eq!(h.entries().len(), 2);
-        assert!(h.contains(entry(50, None).key()));
+        assert!(h.contains(entry(50, None).key().unwrap()));
         h.append(entry(150, Some(0.4))).unwrap();
         drop(h);
         let mut h = History::open(dir.path()).unwrap();
@@ -641,7 +742,13 @@ mod tests {
         let file = hdf5::File::open(dir.path().join(HDF5)).unwrap();
         let g = file.group("evaluations").unwrap();
         let mut want: Vec<&str> = FIELDS.iter().map(|f| f.name).collect();
-        want.extend(["step", "checkpoint", "seconds", "icr_eigenvalues"]);
+        want.extend([
+            "step",
+            "segment",
+            "checkpoint",
+            "seconds",
+            "icr_eigenvalues",
+        ]);
         want.sort();
         assert_eq!(g.member_names().unwrap(), want);
         for f in &FIELDS {
@@ -769,7 +876,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         // The same checkpoint version twice (other values), and a failure for it as well.
         let failure = Entry::Failure {
-            key: entry(50, None).key().clone(),
+            key: entry(50, None).key().unwrap().clone(),
             at: "2026-01-01T00:00:01Z".into(),
             step: 50,
             reason: "error".into(),

@@ -82,7 +82,7 @@ pub enum KeepBestError {
     Changed { path: PathBuf },
 }
 
-fn io_error(path: &Path) -> impl FnOnce(io::Error) -> KeepBestError + '_ {
+pub(super) fn io_error(path: &Path) -> impl FnOnce(io::Error) -> KeepBestError + '_ {
     move |source| KeepBestError::Io {
         path: path.to_path_buf(),
         source,
@@ -234,7 +234,7 @@ fn keep_with(
 }
 
 /// The name the checkpoint is kept under: its own (a name in `run.dir`, never hidden there).
-fn kept_name(checkpoint: &Path) -> Result<&OsStr, KeepBestError> {
+pub(super) fn kept_name(checkpoint: &Path) -> Result<&OsStr, KeepBestError> {
     match checkpoint.file_name() {
         Some(n) if !n.as_encoded_bytes().starts_with(b".") => Ok(n),
         _ => Err(KeepBestError::NoName {
@@ -272,7 +272,7 @@ fn prepare(dir: &Path) -> Result<(), KeepBestError> {
 }
 
 /// An unused temporary name for `name` in `dir`: `.<name>.<random>.tmp`.
-fn temp_name(dir: &Path, name: &OsStr) -> PathBuf {
+pub(super) fn temp_name(dir: &Path, name: &OsStr) -> PathBuf {
     use rand::Rng;
     let mut rng = rand::thread_rng();
     loop {
@@ -290,7 +290,7 @@ fn temp_name(dir: &Path, name: &OsStr) -> PathBuf {
 }
 
 /// Removes `path` without following links: a link is removed as a link, a folder with its tree.
-fn remove_entry(path: &Path) {
+pub(super) fn remove_entry(path: &Path) {
     let removed = match fs::symlink_metadata(path) {
         Ok(m) if m.is_dir() => fs::remove_dir_all(path),
         Ok(_) => fs::remove_file(path),
@@ -303,7 +303,7 @@ fn remove_entry(path: &Path) {
 
 /// Links the regular file `from` at the new name `to`, or, with `copy`, copies it when a link is
 /// not possible.
-fn link_or_copy(
+pub(super) fn link_or_copy(
     from: &Path,
     to: &Path,
     link: &dyn Fn(&Path, &Path) -> io::Result<()>,
@@ -379,7 +379,7 @@ fn copy_file(from: &Path, to: &Path) -> Result<(), KeepBestError> {
 /// walk. Each folder is opened without following a link and read through its descriptor
 /// (`/proc/self/fd/<n>/<name>`), so a folder swapped for a link while it is copied is never
 /// walked into: the link is skipped, or the whole copy refused when it is `from` itself.
-fn copy_tree(
+pub(super) fn copy_tree(
     from: &Path,
     meta: &fs::Metadata,
     to: &Path,
@@ -513,7 +513,7 @@ fn is_what_was_evaluated(copy: &Path, evaluated: &CheckpointKey) -> bool {
 
 /// The regular files of a tree (links not followed): (relative path, size, mtime in ns), or
 /// `None` when it is not a regular file or folder or cannot be walked within the bounds.
-fn summary(path: &Path) -> Option<Vec<(PathBuf, u64, i128)>> {
+pub(super) fn summary(path: &Path) -> Option<Vec<(PathBuf, u64, i128)>> {
     let stamp =
         |m: &fs::Metadata| i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec());
     let meta = fs::symlink_metadata(path).ok()?;

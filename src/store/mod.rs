@@ -10,13 +10,15 @@
 //!   evaluated again;
 //! - [`unit`]: what a checkpoint is in a run folder (a file, or a folder and its weights);
 //! - [`keep_best`]: the keeper of the best checkpoints; [`pin`]: checkpoints pinned against
-//!   rotation from when they are found complete until their outcome is recorded.
+//!   rotation from when they are found complete until their outcome is recorded; [`restore`]:
+//!   the kept best put back for `diffmon resume`, and its copies recognized.
 
 pub mod crash;
 pub mod history;
 pub mod keep_best;
 pub mod lock;
 pub mod pin;
+pub mod restore;
 pub mod safe_fs;
 pub mod state_dir;
 pub mod unit;

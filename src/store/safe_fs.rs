@@ -94,6 +94,32 @@ pub fn atomic_write(path: &Path, bytes: &[u8]) -> io::Result<()> {
     result
 }
 
+/// Renames `from` to `to` unless `to` exists (`renameat2(RENAME_NOREPLACE)`): never replaces
+/// a file or folder, not even an empty folder; fails with `AlreadyExists` then.
+pub fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| {
+        CString::new(p.as_os_str().as_bytes()).map_err(|_| io::Error::other("a NUL in the path"))
+    };
+    let (a, b) = (c(from)?, c(to)?);
+    // SAFETY: both are valid NUL-terminated strings that outlive the call.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            a.as_ptr(),
+            libc::AT_FDCWD,
+            b.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// Creates `dir` (and missing parents) with mode 0700; an existing folder is left as it is.
 pub fn create_private_dir(dir: &Path) -> io::Result<()> {
     fs::DirBuilder::new()

@@ -22,6 +22,7 @@ mod multifile;
 mod pfd;
 mod reliability;
 mod report;
+mod resume;
 mod slurm;
 mod slurm_cluster;
 mod stacks;

@@ -58,6 +58,11 @@ fn watch(case: &Path, run: &Path) -> Daemon {
 
 /// [`watch`] with `samples` ICR view pairs (more: a slower evaluation).
 fn watch_with(case: &Path, run: &Path, samples: usize) -> Daemon {
+    watch_configured(case, run, samples, "")
+}
+
+/// [`watch_with`], with `extra` YAML appended to the config.
+fn watch_configured(case: &Path, run: &Path, samples: usize, extra: &str) -> Daemon {
     let port = free_port();
     let config = case.join("diffmon.yaml");
     fs::write(
@@ -67,7 +72,7 @@ fn watch_with(case: &Path, run: &Path, samples: usize) -> Daemon {
              model: {{architecture: {arch:?}}}\ndevice: cpu\ncpu_threads: 1\n\
              data: {{path: {data:?}}}\nhttp: {{listen: \"127.0.0.1:{port}\"}}\n\
              checkpoints: {{settle_secs: 0.5, poll_secs: 0.5}}\n\
-             icr: {{samples: {samples}, batch_size: 64}}\npfd: {{enabled: false}}\n",
+             icr: {{samples: {samples}, batch_size: 64}}\npfd: {{enabled: false}}\n{extra}",
             state = case.join("state"),
             arch = fixture().join("model.ts"),
             data = fixture().join("train.h5"),
@@ -375,4 +380,245 @@ fn accelerate_folders_written_and_rotated_while_watched() {
         "accelerate: evaluated {steps:?} in {evaluating:.1} s, training {:.1} s",
         trained.as_secs_f64()
     );
+}
+
+/// Detector settings whose decisions have a closed form ([`Decided`]): window 1, warm-up 1,
+/// patience 1, no rise needed (min_rise 0, noise rule off, no confirmation).
+const FIRST_RISE: &str = "early_stop: {window: 1, warmup: 1, patience: 1, min_rise: 0.0, noise_multiple: 0, confirm: none}\n";
+
+/// What the detector of [`FIRST_RISE`] decides on a series of (step, ICR), in closed form: it
+/// fires (once) at the first value above the smallest before it, naming that one, and a later
+/// value below the fired best resolves it.
+#[derive(Debug)]
+struct Decided {
+    /// The smallest value's step.
+    best: i64,
+    /// (the fired best's step, the step it fired at).
+    fired: Option<(i64, i64)>,
+    resolved: bool,
+}
+
+impl Decided {
+    fn of(series: &[(i64, f64)]) -> Decided {
+        let mut best = series[0];
+        let mut fired: Option<((i64, f64), i64)> = None;
+        let mut resolved = false;
+        for &(step, v) in &series[1..] {
+            if v < best.1 {
+                resolved |= fired.is_some_and(|(f, _)| v < f.1);
+                best = (step, v);
+            } else if v > best.1 && fired.is_none() {
+                fired = Some((best, step));
+            }
+        }
+        Decided {
+            best: best.0,
+            fired: fired.map(|(f, at)| (f.0, at)),
+            resolved,
+        }
+    }
+
+    /// Does an early stop stand (the stop file is there)?
+    fn stopped(&self) -> bool {
+        self.fired.is_some() && !self.resolved
+    }
+
+    /// Checks the daemon's `/v1/early-stop` against it.
+    fn check(&self, status: &Value, series: &[(i64, f64)]) {
+        assert_eq!(
+            status["fired"],
+            self.stopped(),
+            "{status}\n{self:?} {series:?}"
+        );
+        assert_eq!(status["best_step"], self.best, "{status}\n{self:?}");
+        if let (Some((_, at)), false) = (self.fired, self.resolved) {
+            assert_eq!(status["event"]["current_step"], at, "{status}");
+        }
+    }
+}
+
+/// The JSON lines `stacks.py` printed (`resumed_from`, `stopped_early_at`).
+fn said(out: &std::process::Output) -> Vec<Value> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// `python/stacks.py` with `args`, which must succeed.
+fn train(args: &[&str]) -> std::process::Output {
+    let out = Command::new(crate::common::python())
+        .arg("python/stacks.py")
+        .args(args)
+        .env("PYTHONPATH", root().join("python"))
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "stacks.py: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// (step, ICR) of each evaluation of a segment.
+type Series = Vec<(i64, f64)>;
+
+/// The (step, ICR) of the journal's evaluations: of the first segment, and of the second.
+fn segments(case: &Path) -> (Series, Series) {
+    let (mut first, mut second) = (Vec::new(), Vec::new());
+    let mut resumed = false;
+    for e in entries(case) {
+        match e["kind"].as_str().unwrap() {
+            "resume" => resumed = true,
+            "evaluation" => {
+                let r = &e["record"];
+                let point = (r["step"].as_i64().unwrap(), r["icr"].as_f64().unwrap());
+                if resumed { &mut second } else { &mut first }.push(point);
+            }
+            other => panic!("a {other} entry: {e}"),
+        }
+    }
+    (first, second)
+}
+
+/// The whole life of a run on a training stack (issue #33): training polls the stop file and
+/// stops when the early stop fires; rotation deletes the best; `diffmon resume` puts the kept
+/// copy back where the stack resumes from and removes the stop file; the stack's own resume code
+/// loads it (exactly: the weights equal the kept checkpoint's); the restarted daemon follows the
+/// new segment, does not evaluate the restored checkpoint again, and fires again exactly when
+/// the lineage (the first segment up to the resume step, then the new one) turns.
+fn resume_after_the_early_stop(stack: &str, name: fn(i64) -> String, more: &[&str]) {
+    let case = tempfile::tempdir().unwrap();
+    let run = case.path().join("run");
+    let flat = case.path().join("flat");
+    fs::create_dir(&run).unwrap();
+    let (run_s, flat_s) = (run.to_str().unwrap(), flat.to_str().unwrap());
+    let mut d = watch_configured(case.path(), &run, 64, FIRST_RISE);
+    // A pause after each checkpoint gives the daemon the time to evaluate it, so the stop file
+    // comes while training still runs.
+    let common = [
+        "--every",
+        "2",
+        "--pause",
+        "1.5",
+        "--lr",
+        "0.05",
+        "--stop-on-early-stop",
+    ];
+    let mut args = vec![
+        "--stack", stack, "--steps", "16", "--out", run_s, "--flat", flat_s,
+    ];
+    args.extend(common.iter().chain(more));
+    let first = said(&train(&args));
+    let stopped = first
+        .iter()
+        .find_map(|l| l["stopped_early_at"].as_i64())
+        .unwrap_or_else(|| {
+            panic!(
+                "training did not stop at the early stop: {:?}\n{}",
+                segments(case.path()).0,
+                d.log()
+            )
+        });
+    let written = stopped / 2;
+    d.wait_for(Duration::from_secs(120), "every checkpoint written", |_| {
+        evaluations(case.path()).len() as i64 >= written
+    });
+    let status: Value = serde_json::from_str(&d.get("/v1/early-stop").unwrap()).unwrap();
+    let (series, _) = segments(case.path());
+    let decided = Decided::of(&series);
+    assert!(
+        decided.fired.is_some(),
+        "the first segment turned: {series:?}"
+    );
+    decided.check(&status, &series);
+    assert_eq!(run.join("EARLY_STOP").exists(), decided.stopped());
+    // `diffmon resume` takes the best the early stop named while it stands, else the best.
+    let best = match (decided.fired, decided.resolved) {
+        (Some((fired_best, _)), false) => fired_best,
+        _ => decided.best,
+    };
+    d.terminate();
+
+    // Rotation deleted the best (or does now: Lightning keeps every checkpoint here).
+    let best_path = run.join(name(best));
+    if best_path.is_dir() {
+        fs::remove_dir_all(&best_path).unwrap();
+    } else if best_path.exists() {
+        fs::remove_file(&best_path).unwrap();
+    }
+    let out = diffmon(&[
+        "resume",
+        "--config",
+        case.path().join("diffmon.yaml").to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("restored from"), "{}", stdout(&out));
+    assert!(best_path.exists(), "not restored");
+    assert!(!run.join("EARLY_STOP").exists(), "the stop file stays");
+
+    d.restart();
+    let resume_from = best_path.to_str().unwrap().to_string();
+    let until = (best + 6).to_string();
+    let mut args = vec![
+        "--stack", stack, "--steps", &until, "--out", run_s, "--flat", flat_s,
+    ];
+    args.extend(common.iter().chain(more));
+    args.extend(["--resume-from", &resume_from]);
+    let second = said(&train(&args));
+    let resumed = second
+        .iter()
+        .find(|l| l.get("resumed_from").is_some())
+        .expect("resumed");
+    assert_eq!(resumed["step"], best, "{resumed}");
+    assert_eq!(
+        resumed["exact"], true,
+        "the stack loaded other weights than the kept ones"
+    );
+    let last = second
+        .iter()
+        .find_map(|l| l["stopped_early_at"].as_i64())
+        .unwrap_or(best + 6);
+    let new = (last - best) / 2;
+    d.wait_for(
+        Duration::from_secs(120),
+        "the new segment's checkpoints",
+        |_| segments(case.path()).1.len() as i64 >= new,
+    );
+    let (first_segment, second_segment) = segments(case.path());
+    let steps: Vec<i64> = second_segment.iter().map(|p| p.0).collect();
+    let expected: Vec<i64> = (1..=new).map(|k| best + 2 * k).collect();
+    assert_eq!(
+        steps, expected,
+        "the new segment; the restored one not evaluated again"
+    );
+    let lineage: Vec<(i64, f64)> = first_segment
+        .iter()
+        .filter(|p| p.0 <= best)
+        .chain(&second_segment)
+        .copied()
+        .collect();
+    let status: Value = serde_json::from_str(&d.get("/v1/early-stop").unwrap()).unwrap();
+    assert_eq!(status["segment"], 2, "{status}");
+    let decided = Decided::of(&lineage);
+    decided.check(&status, &lineage);
+    assert_eq!(run.join("EARLY_STOP").exists(), decided.stopped());
+    eprintln!("{stack}: first segment {first_segment:?}, resumed from {best}: {second_segment:?}");
+}
+
+#[test]
+fn accelerate_resumes_from_the_kept_best_after_the_early_stop() {
+    resume_after_the_early_stop(
+        "accelerate",
+        |s| format!("checkpoint-{s}"),
+        &["--limit", "2"],
+    );
+}
+
+#[test]
+fn lightning_resumes_from_the_kept_best_after_the_early_stop() {
+    resume_after_the_early_stop("lightning", |s| format!("step={s}.ckpt"), &[]);
 }

@@ -90,6 +90,9 @@ pub struct Watcher {
     pub(super) crash_dir: Option<PathBuf>,
     pub(super) marker: Option<crate::store::crash::ThreadMarker>,
     /// Where complete checkpoints are pinned against rotation (`None`: not pinned).
+    /// The state folder whose kept best checkpoint (`best/`) a restored copy is recognized
+    /// by: such a copy is not evaluated again ([`Watcher::recognizing_kept`]).
+    pub(super) kept_from: Option<PathBuf>,
     pub(super) pins: Option<crate::store::pin::Pins>,
     /// The run's pace, told the checkpoints offered (see [`Watcher::pacing`]).
     pub(super) pace: Option<Arc<crate::daemon::pace::Pace>>,
@@ -140,6 +143,7 @@ impl Watcher {
             crash_dir: None,
             marker: None,
             pins: None,
+            kept_from: None,
             pace: None,
         }
     }
@@ -167,6 +171,14 @@ impl Watcher {
             self.ready.insert((left.step, path), item);
         }
         self.pins = Some(pins);
+        self
+    }
+
+    /// Takes a checkpoint with the same files as the one kept in `state_dir` under its name as
+    /// evaluated already (`diffmon resume` restored it, or the user copied it back), however its
+    /// times differ: `store::restore::is_copy_of_kept`.
+    pub fn recognizing_kept(mut self, state_dir: &Path) -> Watcher {
+        self.kept_from = Some(state_dir.to_path_buf());
         self
     }
 

@@ -293,6 +293,13 @@ impl Watcher {
             };
             if !valid {
                 tracing::warn!(checkpoint = %shown(&path), "not a valid checkpoint container (renamed into place, or stable for {give_up:?}); handing it over to be recorded as a failure");
+            } else if let Some(state_dir) = &self.kept_from
+                && crate::store::restore::is_copy_of_kept(state_dir, &path)
+            {
+                tracing::info!(checkpoint = %shown(&path), step,
+                    "the same files as the kept best checkpoint (restored from it): evaluated already, not again");
+                self.offered.insert(key);
+                continue;
             }
             let mut item = WorkItem::new(path.clone(), step, key);
             if valid {

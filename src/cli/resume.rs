@@ -1,0 +1,349 @@
+//! `diffmon resume` (docs/design.md §9, "Resume"): after the early stop, makes the run ready to
+//! train on from the best checkpoint. With the daemon stopped (it takes the state folder's
+//! lock), it
+//!
+//! 1. picks the checkpoint: the best the early stop named (or `--step`, an evaluation on the
+//!    run's current branch);
+//! 2. puts it back where the training job resumes from, its own path in `run.dir`, from the
+//!    copy `early_stop.keep_best` kept when rotation deleted it (hard links, else a copy with
+//!    the files' times; never over anything);
+//! 3. moves the later checkpoints of the abandoned branch (steps after it) aside, into
+//!    `<state_dir>/set-aside/segment-<n>/`, so that the training job's "latest checkpoint" and
+//!    its rotation see the resumed branch only (`--keep-later` leaves them);
+//! 4. removes the stop file;
+//! 5. appends a `resume` entry to the history: what follows is a new segment, which the detector
+//!    follows from the lineage up to the resume step (`engine::detector::replay`); the next
+//!    `watch` sends a `resolved` event for the early stop that stood.
+//!
+//! It prints what it did and how each training stack resumes from that checkpoint.
+
+use super::eval::select_run;
+use crate::config::Config;
+use crate::report::Snapshot;
+use crate::store::history::{CheckpointKey, Entry, History, JOURNAL, segments};
+use crate::store::keep_best;
+use crate::store::lock::{LockError, StateLock};
+use crate::store::safe_fs::{create_private_dir, rename_noreplace, untrusted};
+use anyhow::Result;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+/// The folder of the state folder that holds the abandoned branches' checkpoints.
+pub const SET_ASIDE_DIR: &str = "set-aside";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ResumeError {
+    /// Nothing to resume from, or a `--step` that names no evaluation (exit 2).
+    #[error("{0}")]
+    Usage(String),
+    /// The daemon runs, or the checkpoint cannot be put back (exit 1).
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl ResumeError {
+    pub fn is_usage(&self) -> bool {
+        matches!(self, ResumeError::Usage(_))
+    }
+}
+
+/// What `diffmon resume` was asked.
+pub struct Request<'a> {
+    pub config: &'a Path,
+    pub run: Option<&'a str>,
+    pub step: Option<i64>,
+    pub keep_later: bool,
+    pub dry_run: bool,
+}
+
+/// The checkpoint to resume from.
+struct Point {
+    step: i64,
+    checkpoint: PathBuf,
+    /// Its key when it was evaluated.
+    key: CheckpointKey,
+    /// How it was chosen, for the report.
+    why: String,
+}
+
+/// Runs `diffmon resume`; returns the report to print.
+pub fn resume(request: &Request) -> Result<String> {
+    let config = select_run(Config::load_without_secrets(request.config)?, request.run)
+        .map_err(ResumeError::Usage)?;
+    let state_dir = config.state_dir();
+    if !state_dir.join(JOURNAL).is_file() {
+        return Err(ResumeError::Usage(format!(
+            "{}: no history: `diffmon watch` with this config has not recorded any checkpoint, so there is nothing to resume from",
+            state_dir.join(JOURNAL).display()
+        ))
+        .into());
+    }
+    // Held until the end: no daemon may record while the history gets its new segment.
+    let lock = match request.dry_run {
+        true => None,
+        false => Some(StateLock::acquire(&state_dir, &config.run.dir).map_err(|e| match e {
+            LockError::Held { .. } => ResumeError::Failed(format!(
+                "{e}\nstop `diffmon watch` for this run first (SIGTERM), run `diffmon resume` again, then start the training job from the restored checkpoint and `diffmon watch` again"
+            ))
+            .into(),
+            e => anyhow::Error::from(e),
+        })?),
+    };
+    let entries = History::read(&state_dir)?;
+    let point = resume_point(&config, &entries, request.step)?;
+    let segment = segments(&entries).last().map_or(1, |(s, _)| s);
+    let mut report = format!(
+        "{}run `{}` from step {} ({}); segment {} of its history starts\n",
+        if request.dry_run {
+            "would resume "
+        } else {
+            "resumed "
+        },
+        config.run_name(),
+        point.step,
+        point.why,
+        segment + 1
+    );
+
+    let restored = put_back(&state_dir, &point, request.dry_run, &mut report)?;
+    let set_aside = if request.keep_later {
+        Vec::new()
+    } else {
+        set_aside(
+            &config,
+            &state_dir,
+            point.step,
+            segment,
+            request.dry_run,
+            &mut report,
+        )
+    };
+    let stop = config.run.dir.join(&config.alerts.stop_file);
+    if std::fs::symlink_metadata(&stop).is_ok() {
+        if !request.dry_run {
+            std::fs::remove_file(&stop).map_err(|e| {
+                ResumeError::Failed(format!(
+                    "{}: cannot remove the stop file: {e}",
+                    stop.display()
+                ))
+            })?;
+        }
+        let _ = writeln!(report, "  stop file   {} removed", untrusted(&stop));
+    }
+    if let Some(lock) = &lock {
+        let mut history = History::open(lock.state().path())?;
+        history.append(Entry::Resume {
+            at: crate::record::rfc3339_utc(std::time::SystemTime::now()),
+            step: point.step,
+            checkpoint: point.checkpoint.display().to_string(),
+            restored,
+            set_aside,
+        })?;
+        history.write_hdf5()?;
+    }
+    report.push_str(&how_to_resume(&point.checkpoint));
+    let _ = write!(
+        report,
+        "Then start `diffmon watch --config {}` again: it follows the new segment, from the steps up to {} of the branch it left.",
+        request.config.display(),
+        point.step
+    );
+    Ok(report)
+}
+
+/// The checkpoint to resume from: `step`'s on the run's current branch, or the best the early
+/// stop named, or the best so far.
+fn resume_point(config: &Config, entries: &[Entry], step: Option<i64>) -> Result<Point> {
+    let early_stop = config.early_stop_resolved();
+    let snapshot = Snapshot::replay(&config.run_name(), early_stop.metric, early_stop, entries);
+    let (wanted, why) = match (step, &snapshot.fired) {
+        (Some(step), _) => {
+            let row = snapshot.lineage().filter(|r| r.step == step).last();
+            let Some(row) = row else {
+                let steps: Vec<String> = snapshot.lineage().map(|r| r.step.to_string()).collect();
+                return Err(ResumeError::Usage(format!(
+                    "--step {step}: no evaluation of that step on the run's current branch (evaluated: {})",
+                    if steps.is_empty() { "none".into() } else { steps.join(", ") }
+                ))
+                .into());
+            };
+            (row.checkpoint.clone(), "asked with --step".to_string())
+        }
+        (None, Some((best, at))) if !snapshot.resolved => (
+            best.checkpoint.clone(),
+            format!("the best checkpoint the early stop named at step {at}"),
+        ),
+        (None, _) => match &snapshot.best {
+            Some(best) => (
+                best.checkpoint.clone(),
+                "the best so far: the early stop has not fired".to_string(),
+            ),
+            None => {
+                return Err(ResumeError::Usage(
+                    "the history has no evaluation with a value: nothing to resume from".into(),
+                )
+                .into());
+            }
+        },
+    };
+    // Its evaluation: the last one of that checkpoint (a rewritten checkpoint is evaluated anew).
+    let found = entries.iter().rev().find_map(|e| match e {
+        Entry::Evaluation { key, record, .. } if record.checkpoint == wanted => {
+            Some((record.step, key.clone()))
+        }
+        _ => None,
+    });
+    let (step, key) = found.expect("the snapshot's checkpoints come from the history");
+    Ok(Point {
+        step,
+        checkpoint: PathBuf::from(wanted),
+        key,
+        why,
+    })
+}
+
+/// Makes sure the checkpoint is at its own path: there and unchanged, or restored from the kept
+/// copy. Returns the restored unit's key.
+fn put_back(
+    state_dir: &Path,
+    point: &Point,
+    dry_run: bool,
+    report: &mut String,
+) -> Result<Option<CheckpointKey>> {
+    let path = &point.checkpoint;
+    let shown = untrusted(path);
+    if std::fs::symlink_metadata(path).is_ok() {
+        let unchanged = crate::store::unit::key(path).is_ok_and(|k| k == point.key)
+            || crate::store::restore::is_copy_of_kept(state_dir, path);
+        if !unchanged {
+            return Err(ResumeError::Failed(format!(
+                "{shown}: not the checkpoint evaluated at step {} (it changed since); move it away and run `diffmon resume` again to put back the copy diffmon kept, if it kept one",
+                point.step
+            ))
+            .into());
+        }
+        let _ = writeln!(report, "  checkpoint  {shown} (in place)");
+        return Ok(None);
+    }
+    let Some(kept) = keep_best::lookup(state_dir, path) else {
+        return Err(ResumeError::Failed(format!(
+            "{shown}: deleted (by the training job's rotation?), and diffmon keeps no copy of it: it keeps the best checkpoint only, with early_stop.keep_best"
+        ))
+        .into());
+    };
+    if dry_run {
+        let _ = writeln!(
+            report,
+            "  checkpoint  {shown} (would be restored from {})",
+            untrusted(&kept)
+        );
+        return Ok(None);
+    }
+    let done = crate::store::restore::restore(&kept, path)
+        .map_err(|e| ResumeError::Failed(format!("cannot restore the kept copy: {e}")))?;
+    let _ = writeln!(
+        report,
+        "  checkpoint  {shown} (restored from {}: {} files linked, {} copied)",
+        untrusted(&kept),
+        done.linked,
+        done.copied
+    );
+    Ok(crate::store::unit::key(path).ok())
+}
+
+/// Moves the checkpoints of `run.dir` with a step after `step` into
+/// `<state_dir>/set-aside/segment-<segment>/`; returns their new paths. One that cannot be moved
+/// (another file system) stays, with a line in the report.
+fn set_aside(
+    config: &Config,
+    state_dir: &Path,
+    step: i64,
+    segment: u32,
+    dry_run: bool,
+    report: &mut String,
+) -> Vec<String> {
+    let c = &config.checkpoints;
+    let mut later: Vec<(i64, PathBuf)> = std::fs::read_dir(&config.run.dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let s = c.step_regex.step_in(&name)?;
+            (c.pattern.is_match(&name) && !name.starts_with('.') && s > step).then(|| (s, e.path()))
+        })
+        .collect();
+    later.sort();
+    if later.is_empty() {
+        return Vec::new();
+    }
+    let dir = state_dir
+        .join(SET_ASIDE_DIR)
+        .join(format!("segment-{segment}"));
+    let mut moved = Vec::new();
+    let mut names = Vec::new();
+    for (_, path) in &later {
+        let Some(name) = path.file_name() else {
+            continue;
+        };
+        let to = dir.join(name);
+        if !dry_run {
+            let done = create_private_dir(&state_dir.join(SET_ASIDE_DIR))
+                .and_then(|()| create_private_dir(&dir))
+                .and_then(|()| rename_noreplace(path, &to));
+            if let Err(e) = done {
+                let _ = writeln!(
+                    report,
+                    "  left        {} in place: cannot move it aside ({e})",
+                    untrusted(path)
+                );
+                continue;
+            }
+        }
+        names.push(name.to_string_lossy().into_owned());
+        moved.push(to.display().to_string());
+    }
+    if !names.is_empty() {
+        let _ = writeln!(
+            report,
+            "  set aside   {} (after step {step}, the branch left) {} {}",
+            names.join(", "),
+            if dry_run { "would go to" } else { "moved to" },
+            untrusted(&dir)
+        );
+    }
+    moved
+}
+
+/// How the training stacks resume from `checkpoint`, by its shape.
+fn how_to_resume(checkpoint: &Path) -> String {
+    let name = checkpoint
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let shown = untrusted(checkpoint);
+    let is_dir = checkpoint.is_dir();
+    let mut text = String::from("Resume training from it:\n");
+    if is_dir {
+        let _ = writeln!(
+            text,
+            "  accelerate (diffusers' train_*.py): --resume_from_checkpoint {name}\n    \
+             (its output_dir is the run folder; in your own loop: accelerator.load_state(\"{shown}\"))"
+        );
+        let _ = writeln!(
+            text,
+            "  torch.distributed.checkpoint: dcp.load(state_dict, checkpoint_id=\"{shown}\")"
+        );
+    } else if name.ends_with(".ckpt") {
+        let _ = writeln!(
+            text,
+            "  PyTorch Lightning: trainer.fit(model, datamodule, ckpt_path=\"{shown}\")"
+        );
+    } else {
+        let _ = writeln!(
+            text,
+            "  your training code's resume, from {shown} (e.g. torch.load(\"{shown}\", weights_only=True))"
+        );
+    }
+    text
+}

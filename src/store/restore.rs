@@ -1,0 +1,179 @@
+//! Putting a kept checkpoint back (docs/design.md §9, "Resume"): [`restore`] makes a copy of
+//! the checkpoint `early_stop.keep_best` kept (`crate::store::keep_best`) at the path the training
+//! job resumes from, and [`is_copy_of_kept`] tells the watcher that a checkpoint is such a copy
+//! (restored by `diffmon resume`, or by hand), so that it is not evaluated again.
+
+use crate::store::keep_best::{
+    KEPT_DIR, KeepBestError, Kept, copy_tree, io_error, kept_name, link_or_copy, remove_entry,
+    summary, temp_name,
+};
+use crate::store::safe_fs::sync_dir;
+use std::fs::{self, OpenOptions};
+use std::io;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+/// Makes the new path `to` a copy of the kept checkpoint `kept` (`diffmon resume` restores it
+/// where the training job expects it): its files hard-linked, or copied with their times where a
+/// link is not possible; bounded and following no link, as [`keep`]. Built under a temporary
+/// name beside `to` and renamed into place, so `to` is never seen half made; whatever is at `to`
+/// is never replaced.
+pub fn restore(kept: &Path, to: &Path) -> Result<Kept, KeepBestError> {
+    let meta = fs::symlink_metadata(kept).map_err(io_error(kept))?;
+    let name = to.file_name().ok_or_else(|| KeepBestError::NoName {
+        path: to.to_path_buf(),
+    })?;
+    let tmp = temp_name(crate::store::safe_fs::parent(to), name);
+    let mut done = Kept {
+        path: to.to_path_buf(),
+        linked: 0,
+        copied: 0,
+    };
+    let link = |a: &Path, b: &Path| fs::hard_link(a, b);
+    let built = if meta.file_type().is_symlink() {
+        Err(KeepBestError::Link {
+            path: kept.to_path_buf(),
+        })
+    } else if meta.is_dir() {
+        copy_tree(kept, &meta, &tmp, &link, true, &mut done)
+    } else if meta.is_file() {
+        link_or_copy(kept, &tmp, &link, true, &mut done)
+    } else {
+        Err(KeepBestError::NotRegular {
+            path: kept.to_path_buf(),
+        })
+    }
+    .and_then(|()| crate::store::safe_fs::rename_noreplace(&tmp, to).map_err(io_error(to)));
+    if let Err(e) = built {
+        remove_entry(&tmp);
+        return Err(e);
+    }
+    sync_dir(crate::store::safe_fs::parent(to));
+    Ok(done)
+}
+
+/// Is the checkpoint unit `unit` a copy of the one kept in `<state_dir>/best/` under its name:
+/// the same regular files, of the same sizes and bytes (times aside: `cp -r` changes them)?
+/// Files that are links to each other are not read. The watcher asks it of a checkpoint it
+/// has not evaluated that bears the kept one's name, so the kept best restored by hand or by
+/// `diffmon resume` is not evaluated again.
+pub fn is_copy_of_kept(state_dir: &Path, unit: &Path) -> bool {
+    let Ok(name) = kept_name(unit) else {
+        return false;
+    };
+    let kept = state_dir.join(KEPT_DIR).join(name);
+    let (Some(a), Some(b)) = (summary(&kept), summary(unit)) else {
+        return false;
+    };
+    let shape = |files: &[(PathBuf, u64, i128)]| -> Vec<(PathBuf, u64)> {
+        files
+            .iter()
+            .map(|(p, size, _)| (p.clone(), *size))
+            .collect()
+    };
+    if a.is_empty() || shape(&a) != shape(&b) {
+        return false;
+    }
+    let file = |root: &Path, rel: &Path| {
+        if rel.as_os_str().is_empty() {
+            root.to_path_buf()
+        } else {
+            root.join(rel)
+        }
+    };
+    a.iter()
+        .all(|(rel, _, _)| same_bytes(&file(&kept, rel), &file(unit, rel)).unwrap_or(false))
+}
+
+/// Do the regular files `a` and `b` (opened without following a link) hold the same bytes?
+fn same_bytes(a: &Path, b: &Path) -> io::Result<bool> {
+    use std::io::Read;
+    let open = |p: &Path| {
+        OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(p)
+    };
+    let (mut fa, mut fb) = (open(a)?, open(b)?);
+    let (ma, mb) = (fa.metadata()?, fb.metadata()?);
+    if (ma.dev(), ma.ino()) == (mb.dev(), mb.ino()) {
+        return Ok(true);
+    }
+    if ma.len() != mb.len() {
+        return Ok(false);
+    }
+    let (mut ba, mut bb) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
+    loop {
+        let n = fa.read(&mut ba)?;
+        if n == 0 {
+            return Ok(fb.read(&mut bb[..1])? == 0);
+        }
+        fb.read_exact(&mut bb[..n])?;
+        if ba[..n] != bb[..n] {
+            return Ok(false);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::keep_best::{keep, lookup};
+    use crate::store::safe_fs::TEMP_SUFFIX;
+
+    fn write(path: &Path, bytes: &[u8]) {
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(path, bytes).unwrap();
+    }
+
+    /// `diffmon resume` puts a kept folder back where rotation deleted it (its files linked to
+    /// the kept ones) and never over anything; the watcher recognizes it, and a `cp -r` of it
+    /// (new times), as the kept checkpoint, but not a folder whose bytes differ.
+    #[test]
+    fn a_kept_folder_is_restored_and_its_copies_are_recognized_by_content() {
+        let run = tempfile::tempdir().unwrap();
+        let state = run.path().join("state");
+        fs::create_dir(&state).unwrap();
+        let ck = run.path().join("checkpoint-300");
+        write(&ck.join("model.safetensors"), b"model");
+        write(&ck.join("optimizer.bin"), b"adam");
+        keep(&state, &ck, None).unwrap();
+        assert!(!is_copy_of_kept(&state, &run.path().join("checkpoint-301")));
+        fs::remove_dir_all(&ck).unwrap();
+        let kept = lookup(&state, &ck).unwrap();
+        let done = restore(&kept, &ck).unwrap();
+        assert_eq!((done.linked, done.copied), (2, 0));
+        assert_eq!(
+            fs::metadata(ck.join("model.safetensors")).unwrap().ino(),
+            fs::metadata(kept.join("model.safetensors")).unwrap().ino()
+        );
+        assert!(is_copy_of_kept(&state, &ck));
+        // Never over what is there (even an empty folder), and nothing left behind.
+        let e = restore(&kept, &ck).unwrap_err();
+        assert!(
+            matches!(&e, KeepBestError::Io { source, .. } if source.kind() == io::ErrorKind::AlreadyExists),
+            "{e}"
+        );
+        let leftovers = fs::read_dir(run.path())
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .ends_with(TEMP_SUFFIX)
+            })
+            .count();
+        assert_eq!(leftovers, 0);
+        // A copy with other times is the same checkpoint; other bytes of the same size are not.
+        fs::remove_dir_all(&ck).unwrap();
+        write(&ck.join("model.safetensors"), b"model");
+        write(&ck.join("optimizer.bin"), b"adam");
+        assert!(is_copy_of_kept(&state, &ck));
+        write(&ck.join("optimizer.bin"), b"sgd!");
+        assert!(!is_copy_of_kept(&state, &ck));
+        write(&ck.join("optimizer.bin"), b"adam");
+        write(&ck.join("extra"), b"");
+        assert!(!is_copy_of_kept(&state, &ck));
+    }
+}
