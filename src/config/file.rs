@@ -59,7 +59,10 @@ pub struct ConfigFile {
     /// exits anyway (that checkpoint is evaluated again after a restart).
     #[serde(default = "default_shutdown_drain_secs")]
     pub(super) shutdown_drain_secs: f64,
-    pub(super) data: DataConfig,
+    /// The training (and held-out) images. Required, except in a `runs` sweep whose every
+    /// entry gives its own; in a sweep, the data of the entries that give none.
+    #[serde(default)]
+    pub(super) data: Option<DataConfig>,
     #[serde(default)]
     pub(super) icr: IcrConfig,
     #[serde(default)]

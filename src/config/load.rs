@@ -163,11 +163,18 @@ impl ConfigFile {
             }
         }
         fix(&mut self.model.architecture);
-        fix(&mut self.data.path);
+        if let Some(data) = self.data.as_mut() {
+            fix(&mut data.path);
+        }
+        let data = self.data.as_mut();
+        let (heldout, latents) = match data {
+            Some(d) => (d.heldout_path.as_mut(), d.latents_path.as_mut()),
+            None => (None, None),
+        };
         for p in [
             self.model.vae.as_mut(),
-            self.data.heldout_path.as_mut(),
-            self.data.latents_path.as_mut(),
+            heldout,
+            latents,
             self.pfd.teacher.as_mut(),
             self.pfd.descriptor.as_mut(),
             self.pfd.latents.as_mut(),

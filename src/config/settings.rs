@@ -297,31 +297,47 @@ impl ConfigFile {
             self.shutdown_drain_secs,
             0.1..=86_400.0,
         );
-        check_model_data(&mut v, &self.model, &self.data, self.icr.enabled);
+        match &self.data {
+            Some(data) => check_model_data(&mut v, &self.model, data, self.icr.enabled),
+            None => v.problem(
+                "data",
+                "missing field `data` (the training images: `data: {path: train.h5}`)",
+            ),
+        }
         check_icr(&mut v, &self.icr);
         check_pfd(&mut v, &self.pfd);
         check_memorization(&mut v, &self.memorization, &self.pfd);
         check_tail(&mut v, &self.tail, &self.pfd);
-        check_early_stop(
-            &mut v,
-            &self.early_stop,
-            &self.icr,
-            &self.pfd,
-            &self.memorization,
-            &self.data,
-        );
+        if let Some(data) = &self.data {
+            check_early_stop(
+                &mut v,
+                &self.early_stop,
+                &self.icr,
+                &self.pfd,
+                &self.memorization,
+                data,
+            );
+        }
 
         let alerts = alerts(&mut v, &self.alerts, lookup);
         let http = http(&mut v, &self.http);
         let evaluation = evaluation(&mut v, &self.evaluation);
 
-        match (checkpoints, shutdown_drain, alerts, http, evaluation) {
+        match (
+            checkpoints,
+            shutdown_drain,
+            alerts,
+            http,
+            evaluation,
+            &self.data,
+        ) {
             (
                 Some(checkpoints),
                 Some(shutdown_drain),
                 Some(alerts),
                 Some(http),
                 Some(evaluation),
+                Some(data),
             ) if v.problems.is_empty() => Ok(Config {
                 run: run.clone(),
                 state_dir: self.state_dir.clone(),
@@ -330,7 +346,7 @@ impl ConfigFile {
                 device: self.device,
                 cpu_threads: self.cpu_threads,
                 shutdown_drain,
-                data: self.data.clone(),
+                data: data.clone(),
                 icr: self.icr.clone(),
                 pfd: self.pfd.clone(),
                 memorization: self.memorization.clone(),

@@ -136,6 +136,12 @@ impl ConfigFile {
             }]
         };
         let glob = RunsGlob::compile(pattern, self).map_err(|m| problem("runs_glob", m))?;
+        if self.data.is_none() {
+            return Err(problem(
+                "data",
+                "missing field `data` (the training images of every run `runs_glob` finds)".into(),
+            ));
+        }
         if self.state_dir.is_some() {
             return Err(problem(
                 "state_dir",
@@ -226,7 +232,7 @@ impl ConfigFile {
                     || key.starts_with("state_dir")
             };
             if let Some(data) = &entry.data {
-                one.data = data.clone();
+                one.data = Some(data.clone());
             }
             if let Some(alerts) = &entry.alerts {
                 one.alerts = alerts.clone();
@@ -249,7 +255,14 @@ impl ConfigFile {
                     configs.push(config);
                 }
                 Err(problems) => {
-                    for p in problems {
+                    for mut p in problems {
+                        // No data of its own, and none at the top level to share.
+                        if p.key == "data" && one.data.is_none() {
+                            p.message = "missing: this run gives no `data` of its own, and \
+                                there is no top-level `data` (the data of the runs that give none)"
+                                .into();
+                            p.key = format!("{at}.data");
+                        }
                         let key = match p.key.strip_prefix("run.") {
                             Some(rest) => format!("{at}.{rest}"),
                             None if own(&p.key) => format!("{at}.{}", p.key),
@@ -407,6 +420,46 @@ data: {path: d.h5}
             problems(&format!("runs_glob: s*/x\n{tail}"))[0]
                 .contains("wildcards only in the last component")
         );
+    }
+
+    /// A sweep whose every entry gives its own `data` needs none at the top level; an entry
+    /// without `data` when there is none to share, a single run and a `runs_glob` without
+    /// `data` are each refused with the key.
+    #[test]
+    fn top_level_data_is_optional_when_every_run_has_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["m.ts", "a.h5", "b.h5"] {
+            std::fs::write(dir.path().join(f), b"").unwrap();
+        }
+        let load = |text: &str| {
+            let mut file = ConfigFile::parse(text, "c.yaml").unwrap();
+            file.resolve_paths(dir.path());
+            file.settings(false)
+                .map_err(|p| p.iter().map(|p| p.to_string()).collect::<Vec<_>>())
+        };
+        let model = "model: {architecture: m.ts}\n";
+        let c = load(&format!(
+            "runs:\n  - {{name: a, dir: ra, data: {{path: a.h5}}}}\n  \
+             - {{name: b, dir: rb, data: {{path: b.h5}}}}\n{model}"
+        ))
+        .unwrap();
+        let data: Vec<_> = c.runs().iter().map(|r| r.data.path.clone()).collect();
+        assert_eq!(data, [dir.path().join("a.h5"), dir.path().join("b.h5")]);
+
+        let e = load(&format!(
+            "runs:\n  - {{name: a, dir: ra, data: {{path: a.h5}}}}\n  - {{name: b, dir: rb}}\n{model}"
+        ))
+        .unwrap_err();
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert!(
+            e[0].starts_with("runs[1].data missing: this run gives no `data` of its own"),
+            "{e:?}"
+        );
+        let e = load(&format!("run: {{dir: r}}\n{model}")).unwrap_err();
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert!(e[0].starts_with("data missing field `data`"), "{e:?}");
+        let e = load(&format!("runs_glob: s/*\n{model}")).unwrap_err();
+        assert!(e[0].starts_with("data missing field `data`"), "{e:?}");
     }
 
     /// `run` xor `runs`; names and state folders unique; an entry's own sections' problems are
