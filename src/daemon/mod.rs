@@ -54,6 +54,7 @@ use local::Local;
 pub(crate) use local::failure_reason;
 pub use pace::{measured_in_history, pf_ode_every};
 use pipeline::{OUTCOMES_BOUND, Opened, bind, open, serve};
+use sinks::Console;
 use std::time::Duration;
 
 /// Runs the daemon until a signal: on one run, or on every run of a sweep ([`sweep`]).
@@ -72,7 +73,7 @@ pub fn run(config: Config) -> Result<()> {
         mut published,
         view,
         evaluated_before,
-    } = open(&config, &lock, runtime.handle(), true)?;
+    } = open(&config, &lock, runtime.handle(), true, Console::default())?;
     let (run, metrics) = (view.name, view.metrics);
 
     let (work_tx, work_rx) = work_channel();

@@ -59,11 +59,13 @@ pub(super) struct Opened {
 /// run's own before its first item. The one set-up of a single run and of each run of a sweep.
 ///
 /// Everything it writes goes through `lock`'s state folder handle (`crate::store::state_dir`).
+/// `console`: the run's console sink (a sweep's names the run on each line).
 pub(super) fn open(
     config: &Config,
     lock: &StateLock,
     runtime: &tokio::runtime::Handle,
     arm: bool,
+    console: Console,
 ) -> Result<Opened> {
     let run = config.run_name();
     let state = lock.state();
@@ -110,10 +112,7 @@ pub(super) fn open(
     // A state folder deleted under the daemon is made again empty: the alerter writes its key and
     // ledger there again, so a restart does not deliver what was delivered.
     state.on_remade(Box::new(alerter.on_state_remade()));
-    let mut sinks = Sinks::new(vec![
-        Box::new(Console::default()),
-        Box::new(Alerts(alerter)),
-    ]);
+    let mut sinks = Sinks::new(vec![Box::new(console), Box::new(Alerts(alerter))]);
     sinks.replayed(&replayed.events)?;
     let view = RunView {
         name: run,

@@ -70,31 +70,65 @@ impl Sinks {
 }
 
 /// Standard output: a summary line per evaluation, and the early stop and its resolution
-/// announced (and logged at WARN).
+/// announced (and logged at WARN). In a sweep each line starts with the run's name, `[run] `
+/// (the runs' lines are interleaved on the one output); a single run's lines do not.
 #[derive(Default)]
 pub struct Console {
     /// The rise over the best that the last evaluation had to exceed (the larger of `min_rise`
     /// and the noise rule's), quoted by the early-stop announcement that follows it.
     threshold: Option<f64>,
+    /// The run's name in a sweep; `None` for a single run.
+    run: Option<String>,
+}
+
+impl Console {
+    /// The console of the run `run` of a sweep: its name starts each of its lines. (A run's
+    /// name is letters, digits, `.`, `_` and `-`, safe on a terminal.)
+    pub fn of_sweep_run(run: &str) -> Console {
+        Console {
+            threshold: None,
+            run: Some(run.to_string()),
+        }
+    }
+
+    /// `line` as this console prints it.
+    fn line(&self, line: String) -> String {
+        match &self.run {
+            Some(run) => format!("[{run}] {line}"),
+            None => line,
+        }
+    }
+
+    /// The line of an evaluation (`state`: the detector's after it).
+    fn evaluation_line(&mut self, record: &Evaluation, state: &DetectorState) -> String {
+        self.threshold = state.last_threshold;
+        self.line(summary(record, state))
+    }
+
+    /// The line announcing an event.
+    fn event_line(&self, e: &Event) -> String {
+        self.line(match e.event {
+            EventKind::EarlyStop => early_stop_line(e, self.threshold),
+            EventKind::Resolved => format!(
+                "RESOLVED: {} went below the best again at step {} ({:.4})",
+                e.metric, e.current_step, e.current_value
+            ),
+        })
+    }
 }
 
 impl Sink for Console {
     fn evaluation(&mut self, record: &Evaluation, state: &DetectorState) {
-        self.threshold = state.last_threshold;
-        println!("{}", summary(record, state));
+        println!("{}", self.evaluation_line(record, state));
     }
 
     fn event(&mut self, e: &Event) {
+        println!("{}", self.event_line(e));
         match e.event {
             EventKind::EarlyStop => {
-                println!("{}", early_stop_line(e, self.threshold));
                 tracing::warn!(run = %e.run, best_step = e.best_step, best_checkpoint = %e.best_checkpoint, "early stop fired");
             }
             EventKind::Resolved => {
-                println!(
-                    "RESOLVED: {} went below the best again at step {} ({:.4})",
-                    e.metric, e.current_step, e.current_value
-                );
                 tracing::warn!(run = %e.run, step = e.current_step, "early stop resolved (double descent)");
             }
         }
@@ -244,6 +278,40 @@ pub(super) mod tests {
                 .ends_with("(step 1), not kept: the original is the only copy"),
             "{}",
             early_stop_line(&e, Some(0.01))
+        );
+    }
+
+    /// In a sweep every console line, the evaluations' and the events', starts with the run's
+    /// name (two runs' lines are interleaved on one output); a single run's lines do not.
+    #[test]
+    fn a_sweep_runs_console_names_the_run_on_every_line() {
+        let record = Evaluation {
+            step: 225,
+            icr: Some(0.775),
+            seconds: 1.0,
+            ..Evaluation::default()
+        };
+        let state = DetectorState::default();
+        let (mut single, mut swept) = (Console::default(), Console::of_sweep_run("small-a"));
+        let single_line = single.evaluation_line(&record, &state);
+        assert!(
+            single_line.starts_with("step     225  ICR 0.7750"),
+            "{single_line}"
+        );
+        assert_eq!(
+            swept.evaluation_line(&record, &state),
+            format!("[small-a] {single_line}")
+        );
+        for kind in [EventKind::EarlyStop, EventKind::Resolved] {
+            let e = event(kind, 750);
+            let line = single.event_line(&e);
+            assert!(!line.starts_with('['), "{line}");
+            assert_eq!(swept.event_line(&e), format!("[small-a] {line}"));
+        }
+        assert!(
+            swept
+                .event_line(&event(EventKind::EarlyStop, 750))
+                .starts_with("[small-a] EARLY STOP: icr turned at step 750")
         );
     }
 

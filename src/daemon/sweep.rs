@@ -11,7 +11,7 @@ use super::local;
 use super::pipeline::{self, OUTCOMES_BOUND, Published};
 use super::recorder::Recorder;
 use super::shutdown;
-use super::sinks::Sinks;
+use super::sinks::{Console, Sinks};
 use super::slurm::SlurmPool;
 use crate::config::{Config, ExecutorKind};
 use crate::daemon::http::{RunList, RunView};
@@ -167,7 +167,8 @@ impl Pipeline {
         let opened = StateLock::acquire(&config.state_dir(), &config.run.dir)
             .map_err(anyhow::Error::from)
             .and_then(|lock| {
-                let opened = pipeline::open(&config, &lock, runtime, arm)?;
+                let opened =
+                    pipeline::open(&config, &lock, runtime, arm, Console::of_sweep_run(&run))?;
                 Ok((lock, opened))
             })
             .with_context(|| format!("run `{run}` ({})", config.run.dir.display()))?;

@@ -1,8 +1,9 @@
 //! Sweeps (#19): one `diffmon watch` on three toy runs (two data-limited, one data-rich, each
 //! with its own training data) records, for each run, the history and the early-stop decision
 //! that a daemon of its own records (a data-limited run's early stop fires); every run's series
-//! are on the one `/metrics` under its `run` label, and the live page lists the runs. With
-//! `runs_glob`, run folders join the running daemon as they appear, up to `max_runs`.
+//! are on the one `/metrics` under its `run` label, the live page lists the runs, and each
+//! console line names its run. With `runs_glob`, run folders join the running daemon as they
+//! appear, up to `max_runs`.
 
 use crate::common::root;
 use crate::daemon::{Daemon, free_port};
@@ -101,10 +102,10 @@ fn one_daemon_on_three_runs_records_what_three_daemons_record() {
     // short, as the test's time goes.
     train(at, [900, 90, 90]);
 
-    // The sweep: each run its own data and state folder.
+    // The sweep: each run its own data (so no top-level `data`) and state folder.
     let port = free_port();
     let mut text = format!("http: {{listen: \"127.0.0.1:{port}\"}}\n{SHARED}");
-    text.push_str("data: {path: small-a/train.h5}\nruns:\n");
+    text.push_str("runs:\n");
     for (name, _, _) in RUNS {
         text.push_str(&format!(
             "  - {{name: {name}, dir: {name}, state_dir: {name}/.sweep, \
@@ -148,6 +149,22 @@ fn one_daemon_on_three_runs_records_what_three_daemons_record() {
         "{metrics}"
     );
     sweep.terminate();
+    // On the console, where the runs' lines interleave, each line names its run.
+    let log = sweep.log();
+    for (name, _, _) in RUNS {
+        let line = format!("[{name}] step ");
+        assert!(
+            log.lines().any(|l| l.starts_with(&line)),
+            "no {line:?}:\n{log}"
+        );
+    }
+    assert!(!log.lines().any(|l| l.starts_with("step ")), "{log}");
+    assert!(
+        log.lines()
+            .any(|l| l.starts_with("[small-a] EARLY STOP: ")
+                || l.starts_with("[small-b] EARLY STOP: ")),
+        "{log}"
+    );
 
     // Each run by a daemon of its own.
     let mut fired = Vec::new();
