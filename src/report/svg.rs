@@ -59,18 +59,26 @@ pub(super) fn ticks(lo: f64, hi: f64, n: usize, integer: bool) -> (Vec<f64>, usi
     (out, decimals)
 }
 
-/// A range around the values, padded, never empty.
+/// A range around the values, padded, never empty. A flat series (every value the same, to
+/// within rounding) gets a range its ticks can label in a few digits: `[0, 1]` (padded) around
+/// 0, which is where a ratio or a distance that never moved sits, and ± a tenth of
+/// `max(|value|, 1)` around any other value.
 pub(super) fn domain(values: impl Iterator<Item = f64>, pad: f64) -> (f64, f64) {
     let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
         (lo.min(v), hi.max(v))
     });
-    if !lo.is_finite() {
+    if !lo.is_finite() || !hi.is_finite() {
         return (0.0, 1.0);
     }
     let span = hi - lo;
-    if span <= f64::EPSILON * hi.abs().max(1.0) {
-        let d = (lo.abs() * 0.01).max(1e-9);
-        return (lo - d, hi + d);
+    let scale = lo.abs().max(hi.abs()).max(1.0);
+    if span <= 1e-9 * scale {
+        let mid = lo + span / 2.0;
+        if mid.abs() <= 1e-9 {
+            return (-pad, 1.0 + pad);
+        }
+        let d = 0.1 * mid.abs().max(1.0);
+        return (mid - d, mid + d);
     }
     (lo - pad * span, hi + pad * span)
 }
@@ -329,6 +337,52 @@ pub(super) fn standalone_svg(s: &Snapshot, plots: &[Plot]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The labels of the y axis as drawn: the `<text>` elements of a plot body that hold a
+    /// number (the x axis's steps are integers, drawn below the plot; these are right-aligned
+    /// at its left).
+    fn y_tick_labels(body: &str) -> Vec<String> {
+        let doc = roxmltree::Document::parse(body).expect("the plot is well-formed XML");
+        doc.descendants()
+            .filter(|n| n.has_tag_name("text") && n.attribute("text-anchor") == Some("end"))
+            .filter_map(|n| n.text())
+            .filter(|t| t.parse::<f64>().is_ok())
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// A memorization ratio that is 0 at every checkpoint drew the axis from -0.0000000010 to
+    /// 0.0000000010, its labels over the axis title: a flat series gets short, plain labels
+    /// (at most 6 characters, no exponent) around its value, which lies within the axis.
+    #[test]
+    fn a_flat_series_has_short_plain_tick_labels() {
+        use super::super::plot::Series;
+        for value in [0.0, 0.775, -3.0, 1234.5, 1e-12] {
+            let series = Series {
+                id: "memorization_ratio",
+                label: "memorized",
+                color: "#9467bd",
+                dots: true,
+                dashed: false,
+                points: (1..=6).map(|k| (50 * k, value, format!("c{k}"))).collect(),
+            };
+            let plot = Plot::new("memorization", "memorization", "memorized", vec![series]);
+            let body = plot_body(&plot, (0.0, 350.0), SVG_PLOT);
+            let labels = y_tick_labels(&body);
+            assert!(labels.len() >= 3, "{value}: {labels:?}");
+            for l in &labels {
+                assert!(
+                    l.len() <= 6 && !l.contains(['e', 'E']),
+                    "{value}: {labels:?}"
+                );
+            }
+            let ticks: Vec<f64> = labels.iter().map(|l| l.parse().unwrap()).collect();
+            let (lo, hi) = (ticks[0], ticks[ticks.len() - 1]);
+            assert!(lo <= value && value <= hi, "{value}: {labels:?}");
+        }
+        // At 0: the axis of a ratio, from 0 to 1.
+        assert_eq!(domain([0.0, 0.0].into_iter(), 0.05), (-0.05, 1.05));
+    }
 
     #[test]
     fn tick_labels_are_round_and_never_negative_zero() {
