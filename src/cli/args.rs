@@ -34,8 +34,9 @@ Exit codes:
   0  success (also --help and --version, and a standard output that its reader closed,
      as `| head -1` does)
   2  bad usage or config: a command-line error, a config file that cannot be read or is
-     invalid, an eval checkpoint with no step in its path, a report file of unknown format,
-     a device that is not there, a TorchScript file that pins another device
+     invalid, a --run that names no run of the config (or none given for a sweep of several
+     runs where one is needed), an eval checkpoint with no step in its path, a report file of
+     unknown format, a device that is not there, a TorchScript file that pins another device
   1  any other failure, e.g. a checkpoint that could not be evaluated (eval evaluates the
      others first), a model that cannot be loaded, a port in use, a locked state folder
   watch also exits 130 on a second SIGINT/SIGTERM (the first drains the evaluation in flight).
@@ -139,9 +140,15 @@ pub enum Command {
         /// The daemon's config: the history is read from its state_dir.
         #[arg(long, value_name = "FILE")]
         config: PathBuf,
-        /// The output file; its extension picks the format: .html, .svg or .png.
+        /// The output file; its extension picks the format: .html, .svg or .png. For a sweep
+        /// without --run: one file per run, FILE's name with `-<run>` appended
+        /// (report-<run>.html), and for .html the index of the runs at FILE, linking them.
         #[arg(long, value_name = "FILE")]
         out: PathBuf,
+        /// The run of a sweep config (`runs`, `runs_glob`) to report, by its name; for a
+        /// single-run config, its run's name.
+        #[arg(long, value_name = "NAME")]
+        run: Option<String>,
     },
     /// Run the early-stop detector over the recorded history and print what it decides at each
     /// checkpoint (step, value, smoothed, noise, threshold, decision) and when it fires: to tune
@@ -159,6 +166,10 @@ pub enum Command {
         /// summary (`"kind": "summary"`: fired_at_step, best_step, ...).
         #[arg(long)]
         json: bool,
+        /// The run of a sweep config (`runs`, `runs_glob`) to replay, by its name (needed for a
+        /// sweep of several runs); for a single-run config, its run's name.
+        #[arg(long, value_name = "NAME")]
+        run: Option<String>,
     },
     /// After the early stop: put the best checkpoint back where training resumes from (from
     /// the copy early_stop.keep_best kept), move the abandoned branch's later checkpoints

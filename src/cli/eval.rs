@@ -16,9 +16,7 @@ pub fn eval(
     failure_lines: bool,
 ) -> Result<()> {
     let config = Config::load_without_secrets(config_path)?;
-    let mut config = select_run(config, run).map_err(|message| {
-        anyhow::anyhow!("{message} (--run, config {})", config_path.display())
-    })?;
+    let mut config = choose_run(config, run, config_path)?;
     config.imply_memorization();
     let steps = checkpoints
         .iter()
@@ -92,6 +90,28 @@ pub struct NoStep {
     pub(super) regex: String,
 }
 
+/// The run a command was to work on cannot be chosen (`--run`): none given for a sweep of
+/// several runs, a name that is not one of the config's runs, or no run yet (a usage error,
+/// exit code 2).
+#[derive(Debug, thiserror::Error)]
+#[error("{message} (config {})", config.display())]
+pub struct RunChoice {
+    pub(super) message: String,
+    pub(super) config: PathBuf,
+}
+
+/// [`select_run`], its error a [`RunChoice`] naming `config_path`.
+pub(super) fn choose_run(
+    config: Config,
+    run: Option<&str>,
+    config_path: &Path,
+) -> Result<Config, RunChoice> {
+    select_run(config, run).map_err(|message| RunChoice {
+        message,
+        config: config_path.to_path_buf(),
+    })
+}
+
 /// The settings of the run named `run`: of a sweep, the entry of `runs` with that name
 /// (required when it lists several); of a single run, its own, if `run` names it.
 pub(super) fn select_run(config: Config, run: Option<&str>) -> Result<Config, String> {
@@ -104,13 +124,13 @@ pub(super) fn select_run(config: Config, run: Option<&str>) -> Result<Config, St
     };
     if runs.is_empty() {
         return Err(
-            "the config's runs_glob matches no run folder yet: there is no run to evaluate".into(),
+            "the config's runs_glob matches no run folder yet: there is no run to work on".into(),
         );
     }
     let Some(name) = run else {
         if runs.len() > 1 {
             return Err(format!(
-                "the config is a sweep of {} runs: name the one to evaluate with ({})",
+                "the config is a sweep of {} runs: name one with --run ({})",
                 runs.len(),
                 names()
             ));
@@ -125,7 +145,7 @@ pub(super) fn select_run(config: Config, run: Option<&str>) -> Result<Config, St
             format!("run `{name}`: {}", problems.join("; "))
         }),
         None => Err(format!(
-            "no run is named `{}`; the config's runs: {}",
+            "--run: no run is named `{}`; the config's runs: {}",
             name.escape_debug(),
             names()
         )),

@@ -38,9 +38,9 @@ use anyhow::{Context, Result};
 pub use args::{Cli, Command, SampleArgs};
 use bias_variance::bias_variance;
 use clap::Parser;
-pub use eval::NoStep;
 use eval::eval;
 pub use eval::sweep_table;
+pub use eval::{NoStep, RunChoice};
 use icr_features::icr_features;
 use sample::sample;
 use std::io::Write;
@@ -233,8 +233,9 @@ pub enum Exit {
     Failure = 1,
     /// 2: bad usage or config: a command line clap rejects ([`Exit::of_parse`]), or an error with
     /// one of these anywhere in its chain ([`Exit::of_error`]): a [`ConfigError`] (a config file
-    /// that cannot be read or is invalid), a [`NoStep`] (an `eval` checkpoint with no step in its
-    /// path), a [`ReportError`] that [`ReportError::is_usage`] (a report file of unknown format),
+    /// that cannot be read or is invalid), a [`RunChoice`] (a `--run` that names no run of the
+    /// config, or none where a sweep of several runs needs one), a [`NoStep`] (an `eval`
+    /// checkpoint with no step in its path), a [`ReportError`] that [`ReportError::is_usage`] (a report file of unknown format),
     /// a [`ModelError`] that [`ModelError::is_usage`] (a device that is not there, a TorchScript
     /// file that pins another device), also inside an [`EvalError`] or a [`PfdError`].
     Usage = 2,
@@ -268,6 +269,7 @@ impl Exit {
         let usage = |c: &(dyn std::error::Error + 'static)| {
             c.downcast_ref::<ConfigError>().is_some()
                 || c.downcast_ref::<NoStep>().is_some()
+                || c.downcast_ref::<RunChoice>().is_some()
                 || c.downcast_ref::<crate::cli::init::InitError>()
                     .is_some_and(crate::cli::init::InitError::is_usage)
                 || c.downcast_ref::<ReportError>()
@@ -465,7 +467,12 @@ pub fn run(command: Command) -> Result<()> {
             Ok(())
         }
         Command::BiasVariance { config, students } => bias_variance(&config, &students),
-        Command::Replay { config, set, json } => replay::replay(&config, &set, json),
+        Command::Replay {
+            config,
+            set,
+            json,
+            run,
+        } => replay::replay(&config, run.as_deref(), &set, json),
         Command::Resume {
             config,
             run,
@@ -483,12 +490,24 @@ pub fn run(command: Command) -> Result<()> {
             output::line(report)?;
             Ok(())
         }
-        Command::Report { config, out } => {
-            crate::report::write(&Config::load_without_secrets(&config)?, &out)?;
-            output::line(out.display())?;
-            Ok(())
-        }
+        Command::Report { config, out, run } => report(&config, &out, run.as_deref()),
     }
+}
+
+/// `diffmon report`: the plots of one run (a single run, or `--run`), or of each run of a
+/// sweep and their index (docs/design.md §14); prints each file written, the index last.
+fn report(config_path: &std::path::Path, out: &std::path::Path, run: Option<&str>) -> Result<()> {
+    let config = Config::load_without_secrets(config_path)?;
+    if run.is_none() && config.is_sweep() && !config.runs().is_empty() {
+        for file in crate::report::write_sweep(&config.runs(), out)? {
+            output::line(file.display())?;
+        }
+        return Ok(());
+    }
+    let config = eval::choose_run(config, run, config_path)?;
+    crate::report::write(&config, out)?;
+    output::line(out.display())?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -625,6 +644,11 @@ mod tests {
             extension: "pdf".into(),
         };
         assert_eq!(Exit::of_error(&format.into()), Exit::Usage);
+        let choice = eval::RunChoice {
+            message: "the config is a sweep of 2 runs".into(),
+            config: "s.yaml".into(),
+        };
+        assert_eq!(Exit::of_error(&choice.into()), Exit::Usage);
         assert_eq!(Exit::Usage.code(), 2);
     }
 

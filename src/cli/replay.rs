@@ -163,9 +163,10 @@ pub fn apply_overrides(
     }
 }
 
-/// `diffmon replay`.
-pub fn replay(config_path: &Path, set: &[String], json: bool) -> Result<()> {
-    let mut config = Config::load_without_secrets(config_path)?;
+/// `diffmon replay` of the run `run` names (required for a sweep of several runs).
+pub fn replay(config_path: &Path, run: Option<&str>, set: &[String], json: bool) -> Result<()> {
+    let config = Config::load_without_secrets(config_path)?;
+    let mut config = super::eval::choose_run(config, run, config_path)?;
     config.early_stop =
         apply_overrides(&config.early_stop, set).map_err(|problems| ConfigError::Invalid {
             file: format!("{} (with --set)", config_path.display()),

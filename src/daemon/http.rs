@@ -230,27 +230,23 @@ fn live_page(snapshot: &Snapshot) -> axum::response::Response {
     }
 }
 
-/// The sweep's front page: one row per run (its early-stop state), linking to its live page.
+/// The sweep's front page: the index of the runs (their early-stop state), each linking its
+/// live page; the index `diffmon report` writes for a sweep, reloading itself.
 fn runs_page(runs: &[RunView]) -> String {
-    let mut rows = String::new();
-    for r in runs {
-        let s = r.status.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let step = |v: Option<i64>| v.map_or("–".to_string(), |s| s.to_string());
-        rows.push_str(&format!(
-            "<tr><td><a href=\"runs/{name}\">{name}</a></td><td>{last}</td><td>{best}</td><td>{fired}</td></tr>\n",
-            name = r.name,
-            last = step(s.last_step),
-            best = step(s.best_step),
-            fired = if s.fired { "stop" } else { "" },
-        ));
-    }
-    format!(
-        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><meta http-equiv=\"refresh\" content=\"{refresh}\">\
-         <title>diffmon: {n} runs</title></head><body><h1>diffmon: {n} runs</h1>\n\
-         <table><tr><th>run</th><th>last step</th><th>best step</th><th>early stop</th></tr>\n{rows}</table></body></html>\n",
-        refresh = report::LIVE_REFRESH_SECS,
-        n = runs.len(),
-    )
+    let rows: Vec<report::IndexRow> = runs
+        .iter()
+        .map(|r| {
+            let s = r.status.lock().unwrap_or_else(|e| e.into_inner());
+            report::IndexRow {
+                name: r.name.clone(),
+                href: Some(format!("runs/{}", r.name)),
+                last_step: s.last_step,
+                best_step: s.best_step,
+                fired: s.fired,
+            }
+        })
+        .collect();
+    report::index_page(&rows, Some(report::LIVE_REFRESH_SECS))
 }
 
 /// What `/v1/early-stop` answers.

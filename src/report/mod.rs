@@ -15,7 +15,13 @@
 //! the screen. PNG is the SVG rasterized by `resvg`, with a system font (DejaVu Sans, from the
 //! Debian package `fonts-dejavu-core`, or any other sans-serif face found).
 //!
-//! Files: `mod.rs` the formats, [`write`] and [`render`]; `snapshot.rs` the [`Snapshot`] and
+//! A sweep's report ([`write_sweep`]) is one file per run, named after the output with the
+//! run's name appended (`report.html` → `report-<run>.html`), and, in HTML, the index of the
+//! runs at the output's own name, linking each run's page; the daemon's live front page of a
+//! sweep is the same index ([`index_page`]).
+//!
+//! Files: `mod.rs` the formats, [`write`], [`write_sweep`] and [`render`]; `index.rs` the index
+//! of a sweep's runs; `snapshot.rs` the [`Snapshot`] and
 //! its rows and markers; `plot.rs` what is plotted (the plot model, the plots of a snapshot,
 //! [`PLOTS`]); `layout.rs` sizes, margins and fonts; `svg.rs` the plots drawn as SVG (and
 //! [`escape`]); `html.rs` the page; `png.rs` the SVG rasterized; `error.rs` the
@@ -23,6 +29,7 @@
 
 mod error;
 mod html;
+mod index;
 mod layout;
 mod plot;
 mod png;
@@ -32,11 +39,12 @@ mod svg;
 use crate::store::history::{History, JOURNAL};
 pub use error::ReportError;
 use html::html;
+pub use index::{IndexRow, index_page};
 pub use plot::PLOTS;
 use plot::plots;
 use png::rasterize;
 pub use snapshot::{KeptCopy, Marker, Row, Snapshot};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 pub use svg::escape;
 use svg::standalone_svg;
 
@@ -80,6 +88,77 @@ impl Format {
 /// `diffmon report`: the plots of the run's history in the format of `out`'s extension.
 pub fn write(config: &crate::config::Config, out: &Path) -> Result<(), ReportError> {
     let format = Format::of_path(out)?;
+    let snapshot = snapshot_of(config)?;
+    write_file(out, &render(&snapshot, format)?)
+}
+
+/// `diffmon report` on a sweep: each run's plots in the format of `out`'s extension, in
+/// [`run_file`]`(out, run)`; in HTML, then the index of the runs in `out`, linking each page.
+/// A run with no history yet gets no page (the index names it so); with none at all, it is
+/// [`ReportError::NoHistory`]. Returns the files written, the index last.
+pub fn write_sweep(
+    runs: &[crate::config::Config],
+    out: &Path,
+) -> Result<Vec<PathBuf>, ReportError> {
+    let format = Format::of_path(out)?;
+    let mut written = Vec::new();
+    let mut rows = Vec::new();
+    let mut missing = None;
+    for config in runs {
+        let name = config.run_name();
+        let snapshot = match snapshot_of(config) {
+            Ok(snapshot) => snapshot,
+            Err(ReportError::NoHistory { path }) => {
+                tracing::warn!(run = %name, journal = %path.display(), "no history yet: no page for this run");
+                missing.get_or_insert(path);
+                rows.push(IndexRow {
+                    name,
+                    ..IndexRow::default()
+                });
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        let file = run_file(out, &name);
+        write_file(&file, &render(&snapshot, format)?)?;
+        rows.push(IndexRow {
+            href: file.file_name().map(|f| f.to_string_lossy().into_owned()),
+            last_step: snapshot.rows.last().map(|r| r.step),
+            best_step: snapshot.best.as_ref().map(|b| b.step),
+            fired: snapshot.fired.is_some() && !snapshot.resolved,
+            name,
+        });
+        written.push(file);
+    }
+    if written.is_empty() {
+        return Err(ReportError::NoHistory {
+            path: missing.unwrap_or_else(|| out.to_path_buf()),
+        });
+    }
+    if matches!(format, Format::Html { .. }) {
+        write_file(out, index_page(&rows, None).as_bytes())?;
+        written.push(out.to_path_buf());
+    }
+    Ok(written)
+}
+
+/// The file of run `run`'s plots in a sweep's report to `out`: `out` with `-<run>` appended to
+/// its name before the extension (`report.html` → `report-<run>.html`), in the same folder.
+pub fn run_file(out: &Path, run: &str) -> PathBuf {
+    let stem = out
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let name = match out.extension() {
+        Some(ext) => format!("{stem}-{run}.{}", ext.to_string_lossy()),
+        None => format!("{stem}-{run}"),
+    };
+    out.with_file_name(name)
+}
+
+/// The snapshot of a run's history, replayed as the daemon does at start, with the kept copy
+/// of its best checkpoint as the state folder holds it now.
+fn snapshot_of(config: &crate::config::Config) -> Result<Snapshot, ReportError> {
     let state_dir = config.state_dir();
     let journal = state_dir.join(JOURNAL);
     if !journal.is_file() {
@@ -102,9 +181,12 @@ pub fn write(config: &crate::config::Config, out: &Path) -> Result<(), ReportErr
             .map_or(KeptCopy::NotKept, |p| KeptCopy::At(p.display().to_string()));
         snapshot.kept = Some((best.checkpoint.clone(), copy));
     }
-    let bytes = render(&snapshot, format)?;
-    std::fs::write(out, bytes).map_err(|source| ReportError::Write {
-        path: out.to_path_buf(),
+    Ok(snapshot)
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ReportError> {
+    std::fs::write(path, bytes).map_err(|source| ReportError::Write {
+        path: path.to_path_buf(),
         source,
     })
 }
@@ -168,6 +250,19 @@ mod tests {
             .collect();
         let config = EarlyStopSettings::default();
         Snapshot::replay(hostile, EarlyStopMetric::Icr, config, &entries)
+    }
+
+    /// A sweep's run pages are named after the output, the run's name appended.
+    #[test]
+    fn a_runs_file_is_the_output_with_its_name_appended() {
+        assert_eq!(
+            run_file(Path::new("out/report.html"), "lr-1e-4"),
+            Path::new("out/report-lr-1e-4.html")
+        );
+        assert_eq!(
+            run_file(Path::new("r.v1.png"), "a"),
+            Path::new("r.v1-a.png")
+        );
     }
 
     const HOSTILE: &str = "</svg><script>alert('x')</script>&\"ckpt\u{1}\".pt";

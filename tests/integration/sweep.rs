@@ -1,11 +1,12 @@
 //! Sweeps (#19): one `diffmon watch` on three toy runs (two data-limited, one data-rich, each
 //! with its own training data) records, for each run, the history and the early-stop decision
 //! that a daemon of its own records (a data-limited run's early stop fires); every run's series
-//! are on the one `/metrics` under its `run` label, the live page lists the runs, and each
-//! console line names its run. With `runs_glob`, run folders join the running daemon as they
+//! are on the one `/metrics` under its `run` label, the live page lists the runs, each console
+//! line names its run, and `report` and `replay` work on one run (`--run`) or, for `report`, on
+//! each run and their index. With `runs_glob`, run folders join the running daemon as they
 //! appear, up to `max_runs`.
 
-use crate::common::root;
+use crate::common::{diffmon, root, stderr, stdout};
 use crate::daemon::{Daemon, free_port};
 use serde_json::Value;
 use std::fs;
@@ -114,7 +115,7 @@ fn one_daemon_on_three_runs_records_what_three_daemons_record() {
     }
     let config = at.join("sweep.yaml");
     fs::write(&config, text).unwrap();
-    let mut sweep = Daemon::spawn(config, port);
+    let mut sweep = Daemon::spawn(config.clone(), port);
     sweep.wait_for(
         Duration::from_secs(240),
         "every checkpoint of every run",
@@ -165,6 +166,7 @@ fn one_daemon_on_three_runs_records_what_three_daemons_record() {
                 || l.starts_with("[small-b] EARLY STOP: ")),
         "{log}"
     );
+    sweep_report_and_replay(at, &config, &statuses);
 
     // Each run by a daemon of its own.
     let mut fired = Vec::new();
@@ -201,6 +203,63 @@ fn one_daemon_on_three_runs_records_what_three_daemons_record() {
     }
     // The decisions compared above include a fired one.
     assert!(fired[0] || fired[1], "no data-limited run fired: {fired:?}");
+}
+
+/// `report` and `replay` of the sweep `config` (whose runs have their histories): without `--run`,
+/// a page per run and the index linking them (HTML), and a replay refused (exit 2) naming the
+/// runs; with `--run`, that run's page and its replay, which fires as the sweep's run did.
+fn sweep_report_and_replay(at: &Path, config: &Path, statuses: &Value) {
+    let config = config.to_str().unwrap();
+    let out = at.join("report.html");
+    let all = diffmon(&["report", "--config", config, "--out", out.to_str().unwrap()]);
+    assert!(all.status.success(), "{}", stderr(&all));
+    assert_eq!(
+        stdout(&all).lines().count(),
+        RUNS.len() + 1,
+        "{}",
+        stdout(&all)
+    );
+    let index = fs::read_to_string(&out).unwrap();
+    assert!(index.contains(r#"name="viewport""#), "{index}");
+    for (name, _, _) in RUNS {
+        assert!(
+            index.contains(&format!("href=\"report-{name}.html\"")),
+            "{index}"
+        );
+        let page = fs::read_to_string(at.join(format!("report-{name}.html"))).unwrap();
+        assert!(
+            page.contains(&format!("<h1>diffmon: {name}</h1>")),
+            "{name}"
+        );
+    }
+
+    let one = at.join("one.svg");
+    let args = ["report", "--config", config, "--run", "small-b", "--out"];
+    let report = diffmon(&[&args[..], &[one.to_str().unwrap()]].concat());
+    assert!(report.status.success(), "{}", stderr(&report));
+    assert!(
+        fs::read_to_string(&one)
+            .unwrap()
+            .contains("diffmon: small-b")
+    );
+    let unknown = diffmon(&[
+        "report", "--config", config, "--run", "nope", "--out", "x.svg",
+    ]);
+    assert_eq!(unknown.status.code(), Some(2), "{}", stderr(&unknown));
+
+    let replay = diffmon(&["replay", "--config", config, "--run", "small-a", "--json"]);
+    assert!(replay.status.success(), "{}", stderr(&replay));
+    let summary: Value = serde_json::from_str(stdout(&replay).lines().last().unwrap()).unwrap();
+    assert_eq!(summary["kind"], "summary");
+    assert_eq!(summary["evaluations"], CHECKPOINTS as u64);
+    assert_eq!(summary["fired"], statuses["small-a"]["fired"], "{summary}");
+    let refused = diffmon(&["replay", "--config", config]);
+    assert_eq!(refused.status.code(), Some(2), "{}", stderr(&refused));
+    assert!(
+        stderr(&refused).contains("`small-a`, `small-b`, `rich`"),
+        "{}",
+        stderr(&refused)
+    );
 }
 
 /// `runs_glob`: a daemon started on a folder with no run yet adds each run folder as it
