@@ -103,7 +103,8 @@ pub enum FailureReason {
 }
 
 impl FailureReason {
-    /// Every reason, in the order the metric's series are created (each at 0).
+    /// Every reason, in the order the metric's series are created (each at 0; the
+    /// [`slurm_only`](FailureReason::slurm_only) ones only on the Slurm executor).
     pub const ALL: [FailureReason; 11] = [
         FailureReason::Unreadable,
         FailureReason::Mismatch,
@@ -117,6 +118,18 @@ impl FailureReason {
         FailureReason::JobCancelled,
         FailureReason::JobLost,
     ];
+
+    /// A reason only the Slurm executor records (`job_*`): its series exist only on that
+    /// executor.
+    pub fn slurm_only(self) -> bool {
+        matches!(
+            self,
+            FailureReason::JobFailed
+                | FailureReason::JobTimeout
+                | FailureReason::JobCancelled
+                | FailureReason::JobLost
+        )
+    }
 
     /// The journal's `reason` and the metric's label value.
     pub const fn as_str(self) -> &'static str {

@@ -9,7 +9,7 @@ use super::recorder::Recorder;
 use super::run_state::RunState;
 use super::sinks::{Alerts, Console, Sinks};
 use crate::alerts::Alerter;
-use crate::config::Config;
+use crate::config::{Config, ExecutorKind};
 use crate::daemon::http::RunView;
 use crate::metrics::Metrics;
 use crate::store::lock::StateLock;
@@ -80,7 +80,11 @@ pub(super) fn open(
             None
         }
     };
-    let metrics = Arc::new(Metrics::new(&run));
+    // The executor's own series only: the Slurm jobs' with the Slurm executor.
+    let metrics = Arc::new(match config.evaluation.executor {
+        ExecutorKind::Slurm => Metrics::with_slurm(&run),
+        ExecutorKind::Local => Metrics::new(&run),
+    });
     recorder.write_hdf5();
     let instance = crate::alerts::run_instance(&config.run.dir, state.shown());
     let (run_state, replayed) = RunState::replay(

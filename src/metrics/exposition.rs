@@ -1,7 +1,8 @@
 //! The `/metrics` exposition: the two formats ([`Format`], negotiated from `Accept`), the
 //! conversion of OpenMetrics text to the text format 0.0.4, and the encoding of one run's
-//! metrics, of several runs' and of a sweep's.
+//! metrics, of several runs' and of a sweep's; each with the process' own metrics once.
 
+use super::process::encode_process;
 use super::registry::Metrics;
 use super::sweep::SweepMetrics;
 
@@ -146,8 +147,19 @@ fn labels_end(line: &str) -> usize {
 }
 
 impl Metrics {
-    /// The OpenMetrics text exposition.
+    /// The OpenMetrics text exposition of a daemon of this one run: its families, then the
+    /// process' (`process_*`, without a `run` label).
     pub fn encode(&self) -> String {
+        let own = self.encode_own();
+        format!(
+            "{}{}# EOF\n",
+            own.strip_suffix("# EOF\n").unwrap_or(&own),
+            encode_process()
+        )
+    }
+
+    /// The run's own families (no process metrics), in OpenMetrics text.
+    fn encode_own(&self) -> String {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String");
@@ -163,12 +175,13 @@ impl Metrics {
     }
 
     /// The OpenMetrics exposition of several runs' metrics (a sweep) as one: each family once,
-    /// with every run's samples (each under its own `run` label), in the first run's order.
+    /// with every run's samples (each under its own `run` label), in the first run's order; then
+    /// the process' metrics, once.
     pub fn encode_runs(runs: &[std::sync::Arc<Metrics>]) -> String {
         // (family name, its `# HELP`/`# TYPE`/`# UNIT` lines, its samples)
         let mut families: Vec<(String, Vec<String>, Vec<String>)> = Vec::new();
         for m in runs {
-            let text = m.encode();
+            let text = m.encode_own();
             let mut current: Option<usize> = None;
             for line in text.lines() {
                 if line == "# EOF" {
@@ -203,6 +216,7 @@ impl Metrics {
                 out.push('\n');
             }
         }
+        out.push_str(&encode_process());
         out.push_str("# EOF\n");
         out
     }
@@ -296,6 +310,12 @@ mod tests {
             }
         }
         assert!(all.contains("diffmon_icr{run=\"b\"} 0.25"), "{all}");
+        // Issue 34: the process' metrics once, without a `run` label (not once per run).
+        for p in crate::metrics::names::PROCESS_METRICS {
+            let samples = all.lines().filter(|l| l.starts_with(p)).count();
+            assert_eq!(samples, 1, "{p} in\n{all}");
+        }
+        assert!(!all.contains("process_resident_memory_bytes{"), "{all}");
         // Every sample line follows its family's metadata: no family is split in two.
         let mut seen = Vec::new();
         let mut family = "";

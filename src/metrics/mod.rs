@@ -1,5 +1,6 @@
 //! Prometheus metrics (docs/design.md §16), through the official `prometheus-client` crate. Every
-//! metric carries the label `run`. Metric names are the constants below (without the `_total`
+//! metric carries the label `run` but the process' (`process_*`, the daemon's: once per
+//! exposition) and a sweep's own; the Slurm executor's only exist with that executor. Metric names are the constants below (without the `_total`
 //! suffix the text format adds to counters; the gauges of the record's fields, which the table
 //! `record::FIELDS` registers and sets, are re-exported from `record::gauge_names`); dashboards
 //! and tests refer to these. So are the known values of every other label ([`STAGES`],

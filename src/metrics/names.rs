@@ -1,6 +1,8 @@
 //! The exported names: every metric's name (constants; the gauges of the record's fields are
 //! re-exported from `record::gauge_names`), the known values of the `stage` and Slurm `reason`
-//! labels, and [`exported_names`], every name as the text format writes it.
+//! labels, and [`exported_names`], every name as the text format writes it; which of them are
+//! the process' ([`PROCESS_METRICS`], once per daemon, no `run` label) and which the Slurm
+//! executor's ([`SLURM_METRICS`], only with that executor).
 
 use crate::record::FIELDS;
 
@@ -27,7 +29,7 @@ pub const BUILD_INFO: &str = "diffmon_build_info";
 pub const LAST_EVALUATION_TIMESTAMP: &str = "diffmon_last_evaluation_timestamp_seconds";
 pub const BEST_STEP_TIMESTAMP: &str = "diffmon_best_step_timestamp_seconds";
 pub const EARLY_STOP_TIMESTAMP: &str = "diffmon_early_stop_timestamp_seconds";
-// The Slurm executor's jobs (zero with the local executor).
+// The Slurm executor's jobs (exported only with `evaluation.executor: slurm`).
 pub const SLURM_JOBS_SUBMITTED: &str = "diffmon_slurm_jobs_submitted";
 pub const SLURM_JOBS_RUNNING: &str = "diffmon_slurm_jobs_running";
 pub const SLURM_JOBS_FAILED: &str = "diffmon_slurm_jobs_failed";
@@ -35,17 +37,36 @@ pub const SLURM_QUEUE_WAIT: &str = "diffmon_slurm_queue_wait_seconds";
 pub const SLURM_RUN: &str = "diffmon_slurm_run_seconds";
 // A sweep's own (no `run` label: it concerns no one run; [`SweepMetrics`]).
 pub const RUNS_IGNORED: &str = "diffmon_runs_ignored";
+/// The Slurm executor's metrics (family names): exported only with that executor, as are the
+/// `job_*` reasons of `diffmon_checkpoint_failures_total`.
+pub const SLURM_METRICS: [&str; 5] = [
+    SLURM_JOBS_SUBMITTED,
+    SLURM_JOBS_RUNNING,
+    SLURM_JOBS_FAILED,
+    SLURM_QUEUE_WAIT,
+    SLURM_RUN,
+];
 
 /// `reason` label values of `diffmon_slurm_jobs_failed_total`: how a job ended without a result.
 pub const SLURM_JOB_FAILURES: [&str; 5] = ["failed", "timeout", "cancelled", "preempted", "lost"];
 // The standard process metrics (https://prometheus.io/docs/instrumenting/writing_clientlibs/),
-// read from /proc/self at each scrape (absent where /proc is not).
+// read from /proc/self at each scrape (absent where /proc is not): the daemon's, once per
+// exposition, without a `run` label.
 pub const PROCESS_CPU_SECONDS: &str = "process_cpu_seconds";
 pub const PROCESS_RESIDENT_MEMORY: &str = "process_resident_memory_bytes";
 pub const PROCESS_VIRTUAL_MEMORY: &str = "process_virtual_memory_bytes";
 pub const PROCESS_START_TIME: &str = "process_start_time_seconds";
 pub const PROCESS_OPEN_FDS: &str = "process_open_fds";
 pub const PROCESS_MAX_FDS: &str = "process_max_fds";
+/// The process metrics (family names).
+pub const PROCESS_METRICS: [&str; 6] = [
+    PROCESS_CPU_SECONDS,
+    PROCESS_RESIDENT_MEMORY,
+    PROCESS_VIRTUAL_MEMORY,
+    PROCESS_START_TIME,
+    PROCESS_OPEN_FDS,
+    PROCESS_MAX_FDS,
+];
 
 /// `stage` label values of the duration histogram: the whole evaluation and its stages.
 pub const STAGE_TOTAL: &str = "total";
@@ -55,8 +76,10 @@ pub const STAGE_LOSS: &str = "loss";
 pub const STAGE_PFD: &str = "pfd";
 pub const STAGES: [&str; 5] = [STAGE_TOTAL, STAGE_LOAD, STAGE_ICR, STAGE_LOSS, STAGE_PFD];
 
-/// Every exported name as it appears in the text format (counters get `_total`): the gauges of
-/// the record's fields ([`FIELDS`]), then the others.
+/// Every name the daemon can export as it appears in the text format (counters get `_total`):
+/// the gauges of the record's fields ([`FIELDS`]), then the others; the Slurm executor's
+/// ([`SLURM_METRICS`]) are exported only with that executor, and the process'
+/// ([`PROCESS_METRICS`]) without the `run` label the others carry.
 pub fn exported_names() -> Vec<String> {
     let counters = [
         CHECKPOINTS_EVALUATED,

@@ -1,6 +1,7 @@
-//! The standard process metrics (`process_*`), read from /proc/self at each scrape.
+//! The standard process metrics (`process_*`), read from /proc/self at each scrape: the
+//! daemon's own, once per exposition and without a `run` label (every run of a sweep shares the
+//! process).
 
-use super::labels::RunLabel;
 use super::names::{
     PROCESS_CPU_SECONDS, PROCESS_MAX_FDS, PROCESS_OPEN_FDS, PROCESS_RESIDENT_MEMORY,
     PROCESS_START_TIME, PROCESS_VIRTUAL_MEMORY,
@@ -9,6 +10,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
 
 /// One reading of /proc/self; a field is None where it could not be read.
 #[derive(Debug, Default)]
@@ -71,8 +73,16 @@ impl ProcessStats {
 /// The `process_*` metrics, read at each scrape. (A collector's HELP is written as given: with
 /// its full stop, which `Registry::register` adds to the others.)
 #[derive(Debug)]
-pub(super) struct ProcessCollector {
-    pub(super) label: RunLabel,
+struct ProcessCollector;
+
+/// The OpenMetrics families of the `process_*` metrics, read now, without a `run` label and
+/// without the closing `# EOF`.
+pub(super) fn encode_process() -> String {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(ProcessCollector));
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry).expect("writing to a String");
+    out.strip_suffix("# EOF\n").unwrap_or(&out).to_string()
 }
 
 impl Collector for ProcessCollector {
@@ -80,13 +90,13 @@ impl Collector for ProcessCollector {
         let p = ProcessStats::read();
         if let Some(v) = p.cpu_seconds {
             let c = ConstCounter::new(v);
-            let mut e = encoder.encode_descriptor(
+            let e = encoder.encode_descriptor(
                 PROCESS_CPU_SECONDS,
                 "Total user and system CPU time spent in seconds.",
                 None,
                 c.metric_type(),
             )?;
-            c.encode(e.encode_family(&self.label)?)?;
+            c.encode(e)?;
         }
         let gauges = [
             (
@@ -118,8 +128,8 @@ impl Collector for ProcessCollector {
         for (name, help, value) in gauges {
             if let Some(v) = value {
                 let g = ConstGauge::new(v);
-                let mut e = encoder.encode_descriptor(name, help, None, g.metric_type())?;
-                g.encode(e.encode_family(&self.label)?)?;
+                let e = encoder.encode_descriptor(name, help, None, g.metric_type())?;
+                g.encode(e)?;
             }
         }
         Ok(())

@@ -1,12 +1,11 @@
 //! A run's [`Metrics`]: its families, their registration (in the exposition's order) and the
-//! series that exist, at zero, from the start.
+//! series that exist, at zero, from the start: those of the executor in use only (the Slurm
+//! executor's jobs with `evaluation.executor: slurm`).
 
 use super::labels::{
     FGauge, FieldLabels, OutcomeLabels, ReasonLabels, RunLabel, StageLabels, VersionLabels,
 };
 use super::names::*;
-use super::process::ProcessCollector;
-use super::time::unix_now;
 use crate::alerts::{DeliveryOutcome, Receiver};
 use crate::record::{FIELDS, FailureReason};
 use prometheus_client::metrics::counter::Counter;
@@ -67,7 +66,18 @@ impl Metrics {
         &self.run
     }
 
+    /// A run's metrics on the local executor: no Slurm series, no Slurm failure reasons.
     pub fn new(run: &str) -> Metrics {
+        Metrics::build(run, false)
+    }
+
+    /// A run's metrics on the Slurm executor (`evaluation.executor: slurm`): with the jobs'
+    /// series (`diffmon_slurm_*`) and the Slurm failure reasons (`job_*`), at zero from the start.
+    pub fn with_slurm(run: &str) -> Metrics {
+        Metrics::build(run, true)
+    }
+
+    fn build(run: &str, slurm: bool) -> Metrics {
         let mut registry = Registry::default();
         let m = Metrics {
             run: run.to_string(),
@@ -195,7 +205,7 @@ impl Metrics {
         );
         registry.register(
             LAST_EVALUATION_TIMESTAMP,
-            "Unix time of the last checkpoint evaluated by this process (its start until the first)",
+            "Unix time of the last checkpoint evaluated by this process (absent before the first)",
             m.last_evaluation_timestamp.clone(),
         );
         registry.register(
@@ -208,32 +218,33 @@ impl Metrics {
             "Unix time of the evaluation that fired the early stop last (0 if it never fired)",
             m.early_stop_timestamp.clone(),
         );
-        registry.register(
-            SLURM_JOBS_SUBMITTED,
-            "Slurm jobs submitted (retries included)",
-            m.slurm_jobs_submitted.clone(),
-        );
-        registry.register(
-            SLURM_JOBS_RUNNING,
-            "Slurm jobs running now",
-            m.slurm_jobs_running.clone(),
-        );
-        registry.register(
-            SLURM_JOBS_FAILED,
-            "Slurm jobs that ended without a result, by reason (each retry counts)",
-            m.slurm_jobs_failed.clone(),
-        );
-        registry.register(
-            SLURM_QUEUE_WAIT,
-            "Time from a Slurm job's submission until it was seen running",
-            m.slurm_queue_wait.clone(),
-        );
-        registry.register(
-            SLURM_RUN,
-            "Time a Slurm job was seen running until its result was read",
-            m.slurm_run.clone(),
-        );
-        registry.register_collector(Box::new(ProcessCollector { label: m.label() }));
+        if slurm {
+            registry.register(
+                SLURM_JOBS_SUBMITTED,
+                "Slurm jobs submitted (retries included)",
+                m.slurm_jobs_submitted.clone(),
+            );
+            registry.register(
+                SLURM_JOBS_RUNNING,
+                "Slurm jobs running now",
+                m.slurm_jobs_running.clone(),
+            );
+            registry.register(
+                SLURM_JOBS_FAILED,
+                "Slurm jobs that ended without a result, by reason (each retry counts)",
+                m.slurm_jobs_failed.clone(),
+            );
+            registry.register(
+                SLURM_QUEUE_WAIT,
+                "Time from a Slurm job's submission until it was seen running",
+                m.slurm_queue_wait.clone(),
+            );
+            registry.register(
+                SLURM_RUN,
+                "Time a Slurm job was seen running until its result was read",
+                m.slurm_run.clone(),
+            );
+        }
         let build: Family<VersionLabels, Gauge> = Family::default();
         build
             .get_or_create(&VersionLabels {
@@ -251,27 +262,29 @@ impl Metrics {
         m.checkpoints_ignored.get_or_create(&l).set(0);
         m.early_stop_triggered.get_or_create(&l).set(0);
         m.early_stop_unconfirmed.get_or_create(&l).set(0);
-        m.last_evaluation_timestamp
-            .get_or_create(&l)
-            .set(unix_now());
         m.best_step_timestamp.get_or_create(&l).set(0.0);
         m.early_stop_timestamp.get_or_create(&l).set(0.0);
-        for reason in FailureReason::ALL {
+        for reason in FailureReason::ALL
+            .into_iter()
+            .filter(|r| slurm || !r.slurm_only())
+        {
             m.checkpoint_failures
                 .get_or_create(&m.reason_labels(reason))
                 .inc_by(0);
         }
-        m.slurm_jobs_submitted.get_or_create(&l).inc_by(0);
-        m.slurm_jobs_running.get_or_create(&l).set(0);
-        let _ = m.slurm_queue_wait.get_or_create(&l);
-        let _ = m.slurm_run.get_or_create(&l);
-        for reason in SLURM_JOB_FAILURES {
-            m.slurm_jobs_failed
-                .get_or_create(&ReasonLabels {
-                    run: run.to_string(),
-                    reason: reason.into(),
-                })
-                .inc_by(0);
+        if slurm {
+            m.slurm_jobs_submitted.get_or_create(&l).inc_by(0);
+            m.slurm_jobs_running.get_or_create(&l).set(0);
+            let _ = m.slurm_queue_wait.get_or_create(&l);
+            let _ = m.slurm_run.get_or_create(&l);
+            for reason in SLURM_JOB_FAILURES {
+                m.slurm_jobs_failed
+                    .get_or_create(&ReasonLabels {
+                        run: run.to_string(),
+                        reason: reason.into(),
+                    })
+                    .inc_by(0);
+            }
         }
         for stage in STAGES {
             let _ = m.evaluation_duration.get_or_create(&m.stage_labels(stage));
@@ -324,11 +337,14 @@ mod tests {
     use super::*;
     use crate::metrics::exposition::Format;
     use crate::metrics::process::ProcessStats;
+    use crate::metrics::time::unix_now;
     use crate::record::Evaluation;
 
+    /// Every name is exported: each with the run's label but the process' (once, without it);
+    /// the Slurm executor's only with that executor.
     #[test]
     fn every_named_metric_is_exported_with_the_run_label() {
-        let m = Metrics::new("exp1");
+        let m = Metrics::with_slurm("exp1");
         m.record(&crate::record::full_record());
         m.evaluated(&Evaluation {
             seconds: 1.5,
@@ -355,10 +371,27 @@ mod tests {
                 } else {
                     format!("{name}{{")
                 };
+            let process = PROCESS_METRICS.iter().any(|p| name.starts_with(p));
+            if process {
+                // `process_cpu_seconds_total 1.2`: no label set, one series.
+                let lines: Vec<&str> = text
+                    .lines()
+                    .filter(|l| l.starts_with(&format!("{name} ")))
+                    .collect();
+                assert_eq!(lines.len(), 1, "{name} in\n{text}");
+                assert!(!text.contains(&format!("{name}{{")), "{name} has labels");
+                continue;
+            }
             let line = text.lines().find(|l| l.starts_with(&series));
             let line = line.unwrap_or_else(|| panic!("{name} missing in\n{text}"));
             assert!(line.contains("run=\"exp1\""), "{line}");
         }
+        // On the local executor: no Slurm series, no Slurm failure reason.
+        let local = Metrics::new("exp1").encode();
+        for name in SLURM_METRICS {
+            assert!(!local.contains(name), "{name} in\n{local}");
+        }
+        assert!(!local.contains("reason=\"job_"), "{local}");
         assert!(
             text.contains("diffmon_denoise_loss{run=\"exp1\",split=\"heldout\"} 0.1234\n"),
             "{text}"
@@ -381,14 +414,20 @@ mod tests {
     }
 
     /// Issue 15: every known label value's series exists at zero from the start; so do the
-    /// process metrics and the timestamps.
+    /// process metrics and the timestamps but the last evaluation's, absent until the first.
+    /// Issue 34: the Slurm reasons only with the Slurm executor.
     #[test]
     fn known_series_exist_at_zero_from_the_start() {
         let m = Metrics::new("exp1");
         let text = m.encode_as(Format::Text);
         for reason in FailureReason::ALL {
             let s = format!("{CHECKPOINT_FAILURES}_total{{run=\"exp1\",reason=\"{reason}\"}} 0\n");
-            assert!(text.contains(&s), "{s} missing in\n{text}");
+            assert_eq!(text.contains(&s), !reason.slurm_only(), "{s} in\n{text}");
+        }
+        let slurm = Metrics::with_slurm("exp1").encode_as(Format::Text);
+        for reason in FailureReason::ALL {
+            let s = format!("{CHECKPOINT_FAILURES}_total{{run=\"exp1\",reason=\"{reason}\"}} 0\n");
+            assert!(slurm.contains(&s), "{s} missing in\n{slurm}");
         }
         for stage in STAGES {
             let s = format!("{EVALUATION_DURATION}_count{{run=\"exp1\",stage=\"{stage}\"}} 0\n");
@@ -408,13 +447,16 @@ mod tests {
                 "{name}: {text}"
             );
         }
-        let started = text
+        assert!(!text.contains(LAST_EVALUATION_TIMESTAMP), "{text}");
+        m.evaluated(&Evaluation::default());
+        let text = m.encode_as(Format::Text);
+        let evaluated = text
             .lines()
             .find_map(|l| l.strip_prefix(&format!("{LAST_EVALUATION_TIMESTAMP}{{run=\"exp1\"}} ")))
             .unwrap()
             .parse::<f64>()
             .unwrap();
-        assert!((started - unix_now()).abs() < 3600.0, "{started}");
+        assert!((evaluated - unix_now()).abs() < 3600.0, "{evaluated}");
         let p = ProcessStats::read();
         assert!(
             p.cpu_seconds.is_some() && p.resident_bytes.unwrap() > 0.0,

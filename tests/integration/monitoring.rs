@@ -237,6 +237,32 @@ fn dashboards_query_only_metrics_the_code_exports() {
                 let e = t["expr"].as_str().unwrap();
                 // `$run` is multi-select (a sweep): a regex match.
                 assert!(e.contains("run=~\"$run\""), "{}: {e}", p["title"]);
+                // Issue 34: every series is named by an explicit legend, which the overrides
+                // and a sweep's runs rely on.
+                let legend = t["legendFormat"].as_str().unwrap_or("");
+                assert!(
+                    !legend.is_empty() && legend != "__auto",
+                    "{}: {t}",
+                    p["title"]
+                );
+            }
+            // Legends shown explicitly: tools that apply the schema's defaults hide them.
+            if p["type"] == "timeseries" {
+                assert_eq!(p["options"]["legend"]["showLegend"], true, "{}", p["title"]);
+            }
+            // Overrides match by query (or by a pattern), not by a display name that the
+            // legends no longer produce (the test on a sweep below checks they match).
+            for o in p["fieldConfig"]["overrides"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                let id = o["matcher"]["id"].as_str().unwrap_or("");
+                assert!(
+                    ["byFrameRefID", "byRegexp"].contains(&id),
+                    "{}: {o}",
+                    p["title"]
+                );
             }
         }
     }
@@ -430,9 +456,15 @@ fn encode(s: &str) -> String {
 /// `$__rate_interval` = max($__interval + scrape interval, 4 scrape intervals); `$__range` the
 /// time picker's (1 h covers all the test's data).
 fn substitute(expr: &str) -> String {
+    substitute_run(expr, "test")
+}
+
+/// [`substitute`] with `$run` as `run`: one run's name, or Grafana's value of several
+/// selected (`(a|b)`, as it formats a multi-value variable in a regex matcher).
+fn substitute_run(expr: &str, run: &str) -> String {
     let e = expr
-        .replace("${run}", "test")
-        .replace("$run", "test")
+        .replace("${run}", run)
+        .replace("$run", run)
         .replace("$__rate_interval", "4s")
         .replace("$__interval", "1s")
         .replace("$__range", "1h");
@@ -506,9 +538,14 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
     assert_eq!(steps, vec![1, 2, 3, 4, 5]);
     assert_eq!(failures.len(), 1, "{failures:?}");
 
-    // Every name a dashboard uses is in the live scrape.
+    // Every name a dashboard uses is in the live scrape, but the Slurm executor's: this daemon
+    // runs the local executor, which does not export them (issue 34).
     let live = scraped_names(&d.get("/metrics").unwrap());
-    let exprs = dashboard_exprs();
+    let slurm = |name: &str| name.starts_with("diffmon_slurm_");
+    let exprs: Vec<Expr> = dashboard_exprs()
+        .into_iter()
+        .filter(|(_, _, e)| !metric_names(e).iter().any(|n| slurm(n)))
+        .collect();
     for (file, at, expr) in &exprs {
         for n in metric_names(expr) {
             assert!(
@@ -517,6 +554,7 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
             );
         }
     }
+    assert!(!live.iter().any(|n| slurm(n)), "{live:?}");
 
     // Every expression returns data once Prometheus has scraped the final state.
     let start = Instant::now();
@@ -563,6 +601,208 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
             .collect();
         firing.contains("DiffmonEarlyStop") && firing.contains("DiffmonCheckpointFailures")
     });
+}
+
+/// A series as a Grafana panel sees it: the query's refId, its labels, and its display name
+/// (the legend format rendered with its labels).
+struct Shown {
+    ref_id: String,
+    labels: Value,
+    name: String,
+    value: f64,
+}
+
+/// A legend format rendered as Grafana renders `legendFormat` for a Prometheus series: each
+/// `{{label}}` replaced with the series' value of that label (empty when it has none).
+fn render_legend(format: &str, labels: &Value) -> String {
+    let template = Regex::new(r"\{\{\s*(.+?)\s*\}\}").unwrap();
+    template
+        .replace_all(format, |c: &regex::Captures| {
+            labels[&c[1]].as_str().unwrap_or("").to_string()
+        })
+        .into_owned()
+}
+
+/// Whether a panel override's matcher matches a series, as Grafana's field matchers do:
+/// `byFrameRefID` by the query, `byRegexp` a pattern found in the display name, `byName` the
+/// display name itself.
+fn override_matches(matcher: &Value, s: &Shown) -> bool {
+    let options = matcher["options"].as_str().unwrap_or_default();
+    match matcher["id"].as_str().unwrap_or_default() {
+        "byFrameRefID" => s.ref_id == options,
+        "byRegexp" => Regex::new(options).unwrap().is_match(&s.name),
+        "byName" => s.name == options,
+        other => panic!("a matcher the test does not know: {other}"),
+    }
+}
+
+/// Issue 34, the acceptance test of the dashboard's overrides: a real Prometheus scrapes a
+/// two-run sweep (`a`, `b`), one checkpoint each, and every panel's queries run as Grafana runs
+/// them (`$run` as both runs, or as each run in a panel repeated over `$run`); the legend
+/// formats name the series. Every override matches at least one series in every copy of its
+/// panel; display names are unique in each; the ICR band's upper bound fills down to the lower
+/// bound of the same run (`custom.fillBelowTo` names a series of that run). Before the first
+/// evaluation the sweep exports no last-evaluation timestamp, the process metrics once and
+/// without a `run` label, no Slurm series, and the "time since the last evaluation" panel falls
+/// back to the daemon's start for both runs.
+#[test]
+fn dashboard_overrides_match_the_series_of_a_two_run_sweep() {
+    let run = empty_run();
+    let dir = run.path();
+    let port = free_port();
+    let config = dir.join("sweep.yaml");
+    fs::write(
+        &config,
+        format!(
+            "http: {{listen: \"127.0.0.1:{port}\"}}\nmodel: {{architecture: model.ts}}\n\
+             device: cpu\ncpu_threads: 1\ndata: {{path: train.h5, heldout_path: heldout.h5}}\n\
+             icr: {{samples: 256, batch_size: 256}}\n\
+             checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n\
+             runs:\n  - {{name: a, dir: a}}\n  - {{name: b, dir: b}}\n"
+        ),
+    )
+    .unwrap();
+    let runs = ["a", "b"];
+    for r in runs {
+        fs::create_dir(dir.join(r)).unwrap();
+    }
+    let d = Daemon::spawn(config, port);
+    let text = d.get("/metrics").unwrap();
+    assert!(
+        !text.contains("diffmon_last_evaluation_timestamp_seconds"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("diffmon_slurm_") && !text.contains("reason=\"job_"),
+        "{text}"
+    );
+    for p in [
+        "process_resident_memory_bytes",
+        "process_start_time_seconds",
+    ] {
+        let lines: Vec<&str> = text.lines().filter(|l| l.starts_with(p)).collect();
+        assert_eq!(lines.len(), 1, "{p} once, without labels: {lines:?}");
+        assert!(lines[0].starts_with(&format!("{p} ")), "{lines:?}");
+    }
+
+    let prom = Prometheus::start(dir, &format!("127.0.0.1:{port}"));
+    let both = format!("({})", runs.join("|"));
+    let dash: Value =
+        serde_json::from_str(&fs::read_to_string(root().join("dashboards/diffmon.json")).unwrap())
+            .unwrap();
+    let panels = dash["panels"].as_array().unwrap();
+    let panel = |title: &str| {
+        panels
+            .iter()
+            .find(|p| p["title"].as_str().unwrap().starts_with(title))
+            .unwrap()
+    };
+    // Before any evaluation: the time since the daemon's start, per run.
+    let since = substitute_run(
+        panel("Time since the last evaluation")["targets"][0]["expr"]
+            .as_str()
+            .unwrap(),
+        &both,
+    );
+    prom.wait_for(Duration::from_secs(60), "both runs' clocks", |p| {
+        p.query(&since).len() == 2
+    });
+    for s in prom.query(&since) {
+        let v: f64 = s["value"][1].as_str().unwrap().parse().unwrap();
+        assert!((0.0..600.0).contains(&v), "{s}");
+    }
+
+    for r in runs {
+        fs::copy(
+            crate::common::toy_run().join("ckpt_000030.pt"),
+            dir.join(r).join("ckpt_1.pt.tmp"),
+        )
+        .unwrap();
+        fs::rename(
+            dir.join(r).join("ckpt_1.pt.tmp"),
+            dir.join(r).join("ckpt_1.pt"),
+        )
+        .unwrap();
+    }
+    let cpu = "rate(process_cpu_seconds_total[4s])";
+    prom.wait_for(Duration::from_secs(180), "both runs' ICR and s.e.", |p| {
+        p.query("diffmon_icr_stderr").len() == 2 && !p.query(cpu).is_empty()
+    });
+
+    let mut checked = 0;
+    let mut bands = BTreeSet::new();
+    for p in panels {
+        let overrides = p["fieldConfig"]["overrides"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let title = p["title"].as_str().unwrap();
+        // A panel repeated over `$run` is one copy per run, each with `$run` its run.
+        let copies: Vec<String> = if p["repeat"] == "run" {
+            runs.iter().map(|r| r.to_string()).collect()
+        } else {
+            vec![both.clone()]
+        };
+        for run in &copies {
+            let mut shown = Vec::new();
+            for t in p["targets"].as_array().unwrap() {
+                for series in prom.query(&substitute_run(t["expr"].as_str().unwrap(), run)) {
+                    let labels = series["metric"].clone();
+                    shown.push(Shown {
+                        ref_id: t["refId"].as_str().unwrap().to_string(),
+                        name: render_legend(t["legendFormat"].as_str().unwrap(), &labels),
+                        value: series["value"][1]
+                            .as_str()
+                            .unwrap()
+                            .parse()
+                            .unwrap_or(f64::NAN),
+                        labels,
+                    });
+                }
+            }
+            let names: BTreeSet<&str> = shown.iter().map(|s| s.name.as_str()).collect();
+            assert_eq!(
+                names.len(),
+                shown.len(),
+                "{title} ({run}): a name twice: {names:?}"
+            );
+            for o in &overrides {
+                let matched: Vec<&Shown> = shown
+                    .iter()
+                    .filter(|s| override_matches(&o["matcher"], s))
+                    .collect();
+                assert!(
+                    !matched.is_empty(),
+                    "{title} ({run}): {o} matches none of {names:?}"
+                );
+                checked += 1;
+                let fill = o["properties"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|prop| prop["id"] == "custom.fillBelowTo");
+                let Some(fill) = fill else { continue };
+                // Each upper bound fills down to its own run's lower bound, below it.
+                for upper in matched {
+                    let lower = shown
+                        .iter()
+                        .find(|s| s.name == fill["value"].as_str().unwrap())
+                        .unwrap_or_else(|| {
+                            panic!("{title} ({run}): no series {} in {names:?}", fill["value"])
+                        });
+                    assert_eq!(upper.labels["run"], lower.labels["run"], "{title}");
+                    assert!(upper.value > lower.value, "{title} ({run})");
+                    bands.insert(upper.labels["run"].as_str().unwrap().to_string());
+                }
+            }
+        }
+    }
+    assert_eq!(
+        bands,
+        runs.iter().map(|r| r.to_string()).collect(),
+        "runs with a band"
+    );
+    assert!(checked >= 2 * 4 + 2, "only {checked} overrides checked");
 }
 
 /// The sum of the values of the series of a `/metrics` text whose line starts with `prefix`.
@@ -641,11 +881,13 @@ fn unix_now() -> f64 {
 
 /// Issue 15: a fresh daemon's `/metrics` has every known series, at 0: each failure reason,
 /// each stage of the duration histogram, each receiver and outcome of the deliveries, the
-/// timestamps and the process metrics.
+/// timestamps and the process metrics. Issue 34: on the local executor, none of the Slurm
+/// executor's series (its jobs, its failure reasons); the process metrics once, without a `run`
+/// label; no last-evaluation timestamp before the first evaluation.
 #[test]
 fn a_fresh_daemon_exports_every_known_series_at_zero() {
     use diffmon::alerts::{DeliveryOutcome, Receiver};
-    use diffmon::metrics::STAGES;
+    use diffmon::metrics::{LAST_EVALUATION_TIMESTAMP, SLURM_METRICS, STAGES};
     use diffmon::record::FailureReason;
     let run = empty_run();
     let d = Daemon::start(run.path(), "");
@@ -659,9 +901,15 @@ fn a_fresh_daemon_exports_every_known_series_at_zero() {
         "diffmon_early_stop_timestamp_seconds{run=\"test\"}".to_string(),
     ];
     for r in FailureReason::ALL {
-        zero.push(format!(
-            "diffmon_checkpoint_failures_total{{run=\"test\",reason=\"{r}\"}}"
-        ));
+        let series = format!("diffmon_checkpoint_failures_total{{run=\"test\",reason=\"{r}\"}}");
+        if r.slurm_only() {
+            assert!(!text.contains(&series), "{series} on the local executor");
+        } else {
+            zero.push(series);
+        }
+    }
+    for name in SLURM_METRICS.iter().chain([&LAST_EVALUATION_TIMESTAMP]) {
+        assert!(!text.contains(name), "{name} in\n{text}");
     }
     for s in STAGES {
         zero.push(format!(
@@ -688,11 +936,6 @@ fn a_fresh_daemon_exports_every_known_series_at_zero() {
     }
     let now = unix_now();
     for (series, low, high) in [
-        (
-            "diffmon_last_evaluation_timestamp_seconds",
-            now - 600.0,
-            now + 1.0,
-        ),
         ("process_start_time_seconds", now - 600.0, now + 1.0),
         ("process_resident_memory_bytes", 1e6, 1e12),
         ("process_virtual_memory_bytes", 1e6, 1e15),
@@ -700,7 +943,9 @@ fn a_fresh_daemon_exports_every_known_series_at_zero() {
         ("process_max_fds", 16.0, 1e9),
         ("process_cpu_seconds_total", 0.0, 1e6),
     ] {
-        let v = sum_of(&text, &format!("{series}{{run=\"test\"}}"));
+        let lines: Vec<&str> = text.lines().filter(|l| l.starts_with(series)).collect();
+        assert_eq!(lines.len(), 1, "{series}: {lines:?}");
+        let v = sum_of(&text, &format!("{series} "));
         assert!((low..=high).contains(&v), "{series} = {v}\n{text}");
     }
 }
