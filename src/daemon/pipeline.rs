@@ -81,10 +81,8 @@ pub(super) fn open(
         }
     };
     // The executor's own series only: the Slurm jobs' with the Slurm executor.
-    let metrics = Arc::new(match config.evaluation.executor {
-        ExecutorKind::Slurm => Metrics::with_slurm(&run),
-        ExecutorKind::Local => Metrics::new(&run),
-    });
+    let slurm = config.evaluation.executor == ExecutorKind::Slurm;
+    let metrics = Arc::new(Metrics::of_run(&run, slurm, config.early_stop.metric));
     recorder.write_hdf5();
     let instance = crate::alerts::run_instance(&config.run.dir, state.shown());
     let (run_state, replayed) = RunState::replay(

@@ -81,7 +81,7 @@ impl Metrics {
             self.best_step.get_or_create(&l).set(b);
         }
         self.early_stop_triggered
-            .get_or_create(&l)
+            .get_or_create(&self.early_stop_labels())
             .set(triggered as i64);
         self.early_stop_unconfirmed
             .get_or_create(&l)

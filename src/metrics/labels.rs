@@ -9,6 +9,15 @@ pub struct RunLabel {
     pub run: String,
 }
 
+/// `diffmon_early_stop_triggered`'s: the run and the series its detector watches
+/// (`early_stop.metric`), the labels of the alert the daemon posts, so that the alert rule on it
+/// raises the same alert.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EarlyStopLabels {
+    pub run: String,
+    pub metric: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
     pub run: String,

@@ -3,10 +3,12 @@
 //! executor's jobs with `evaluation.executor: slurm`).
 
 use super::labels::{
-    FGauge, FieldLabels, OutcomeLabels, ReasonLabels, RunLabel, StageLabels, VersionLabels,
+    EarlyStopLabels, FGauge, FieldLabels, OutcomeLabels, ReasonLabels, RunLabel, StageLabels,
+    VersionLabels,
 };
 use super::names::*;
 use crate::alerts::{DeliveryOutcome, Receiver};
+use crate::config::EarlyStopMetric;
 use crate::record::{FIELDS, FailureReason};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -25,7 +27,9 @@ pub struct Metrics {
     pub(super) icr_smoothed: Family<RunLabel, FGauge>,
     pub(super) last_evaluated_step: Family<RunLabel, Gauge>,
     pub(super) best_step: Family<RunLabel, Gauge>,
-    pub(super) early_stop_triggered: Family<RunLabel, Gauge>,
+    pub(super) early_stop_triggered: Family<EarlyStopLabels, Gauge>,
+    /// The detector's series, `early_stop.metric` (the `metric` label of the early-stop gauge).
+    pub(super) early_stop_metric: String,
     pub(super) early_stop_unconfirmed: Family<RunLabel, Gauge>,
     pub(super) history_segment: Family<RunLabel, Gauge>,
     pub(super) checkpoints_evaluated: Family<RunLabel, Counter>,
@@ -66,18 +70,21 @@ impl Metrics {
         &self.run
     }
 
-    /// A run's metrics on the local executor: no Slurm series, no Slurm failure reasons.
+    /// A run's metrics on the local executor: no Slurm series, no Slurm failure reasons; its
+    /// detector watching ICR.
     pub fn new(run: &str) -> Metrics {
-        Metrics::build(run, false)
+        Metrics::of_run(run, false, EarlyStopMetric::Icr)
     }
 
     /// A run's metrics on the Slurm executor (`evaluation.executor: slurm`): with the jobs'
     /// series (`diffmon_slurm_*`) and the Slurm failure reasons (`job_*`), at zero from the start.
     pub fn with_slurm(run: &str) -> Metrics {
-        Metrics::build(run, true)
+        Metrics::of_run(run, true, EarlyStopMetric::Icr)
     }
 
-    fn build(run: &str, slurm: bool) -> Metrics {
+    /// A run's metrics: with the Slurm series when `slurm`; `metric` is what its detector
+    /// watches (`early_stop.metric`).
+    pub fn of_run(run: &str, slurm: bool, metric: EarlyStopMetric) -> Metrics {
         let mut registry = Registry::default();
         let m = Metrics {
             run: run.to_string(),
@@ -86,6 +93,7 @@ impl Metrics {
             last_evaluated_step: Family::default(),
             best_step: Family::default(),
             early_stop_triggered: Family::default(),
+            early_stop_metric: metric.as_str().to_string(),
             early_stop_unconfirmed: Family::default(),
             checkpoints_evaluated: Family::default(),
             checkpoint_failures: Family::default(),
@@ -145,7 +153,7 @@ impl Metrics {
         );
         registry.register(
             EARLY_STOP_TRIGGERED,
-            "1 once the early stop has fired",
+            "1 once the early stop has fired (0 again after `resolved` or a resume); label `metric`: the series the detector watches (early_stop.metric)",
             m.early_stop_triggered.clone(),
         );
         registry.register(
@@ -260,7 +268,9 @@ impl Metrics {
         m.checkpoints_skipped.get_or_create(&l).inc_by(0);
         m.checkpoints_pending.get_or_create(&l).set(0);
         m.checkpoints_ignored.get_or_create(&l).set(0);
-        m.early_stop_triggered.get_or_create(&l).set(0);
+        m.early_stop_triggered
+            .get_or_create(&m.early_stop_labels())
+            .set(0);
         m.early_stop_unconfirmed.get_or_create(&l).set(0);
         m.best_step_timestamp.get_or_create(&l).set(0.0);
         m.early_stop_timestamp.get_or_create(&l).set(0.0);
@@ -302,6 +312,13 @@ impl Metrics {
     pub(super) fn label(&self) -> RunLabel {
         RunLabel {
             run: self.run.clone(),
+        }
+    }
+
+    pub(super) fn early_stop_labels(&self) -> EarlyStopLabels {
+        EarlyStopLabels {
+            run: self.run.clone(),
+            metric: self.early_stop_metric.clone(),
         }
     }
 

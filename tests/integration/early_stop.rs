@@ -293,7 +293,7 @@ fn receiver_down_across_a_restart_still_gets_the_event_and_alertmanager_shows_it
         place(dir, src, step);
     }
     d.wait_for(Duration::from_secs(240), "the early stop", |d| {
-        d.metric("diffmon_early_stop_triggered{run=\"test\"}") == Some(1.0)
+        d.metric("diffmon_early_stop_triggered{run=\"test\",metric=\"icr\"}") == Some(1.0)
     });
     // Alertmanager shows the alert.
     let start = Instant::now();

@@ -529,7 +529,7 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
         |d| {
             let text = d.get("/metrics").unwrap_or_default();
             // Every series exists from the start (at 0): wait for non-zero values.
-            text.contains("diffmon_early_stop_triggered{run=\"test\"} 1")
+            text.contains("diffmon_early_stop_triggered{run=\"test\",metric=\"icr\"} 1")
                 && sum_of(&text, "diffmon_checkpoint_failures_total{") > 0.0
                 && sum_of(&text, "diffmon_webhook_deliveries_total{") > 0.0
         },
@@ -599,7 +599,7 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
             .iter()
             .map(|s| s["metric"]["alertname"].as_str().unwrap().to_string())
             .collect();
-        firing.contains("DiffmonEarlyStop") && firing.contains("DiffmonCheckpointFailures")
+        firing.contains("DiffusionEarlyStop") && firing.contains("DiffmonCheckpointFailures")
     });
 }
 
@@ -896,7 +896,7 @@ fn a_fresh_daemon_exports_every_known_series_at_zero() {
         "diffmon_checkpoints_evaluated_total{run=\"test\"}".to_string(),
         "diffmon_checkpoints_skipped_total{run=\"test\"}".to_string(),
         "diffmon_checkpoints_pending{run=\"test\"}".to_string(),
-        "diffmon_early_stop_triggered{run=\"test\"}".to_string(),
+        "diffmon_early_stop_triggered{run=\"test\",metric=\"icr\"}".to_string(),
         "diffmon_best_step_timestamp_seconds{run=\"test\"}".to_string(),
         "diffmon_early_stop_timestamp_seconds{run=\"test\"}".to_string(),
     ];

@@ -46,7 +46,8 @@ fn finished_run() -> &'static Finished {
             "five evaluations and the early stop",
             |d| {
                 d.evaluated() >= 5.0
-                    && d.metric("diffmon_early_stop_triggered{run=\"test\"}") == Some(1.0)
+                    && d.metric("diffmon_early_stop_triggered{run=\"test\",metric=\"icr\"}")
+                        == Some(1.0)
             },
         );
         d.terminate();
