@@ -153,11 +153,13 @@ impl RunState {
                         .insert(record.checkpoint.clone(), item.key.clone());
                 }
                 self.metrics.record(record);
-                self.metrics.evaluated(record);
                 // Its pin, should it be the new best: the keeper links from it.
                 self.observed_pin = item.pin.clone().map(|p| (record.checkpoint.clone(), p));
                 let event = self.decide(record, at);
                 self.observed_pin = None;
+                // Counted once the status and the live page have it: whoever waits for the
+                // count sees them complete.
+                self.metrics.evaluated(record);
                 event
             }
             Outcome::Failed(_, reason, _) => {
