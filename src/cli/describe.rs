@@ -7,7 +7,8 @@ use crate::engine::model::export_note;
 use serde_json::Value;
 
 /// One line on the model: the condition it is held at (or that it takes none), its feature
-/// layer, and for a latent model the autoencoder's scaling and shapes.
+/// layer, for a latent model the autoencoder's scaling and shapes, and the forward passes'
+/// precision.
 pub fn model_summary(config: &Config) -> String {
     let architecture = &config.model.architecture;
     let mut parts = Vec::new();
@@ -31,7 +32,22 @@ pub fn model_summary(config: &Config) -> String {
         )),
         (None, None) => parts.push("pixel space".into()),
     }
+    parts.push(precision(config.evaluation.precision).into());
     format!("model {}: {}", architecture.display(), parts.join("; "))
+}
+
+/// What `evaluation.precision` does to the forward passes.
+fn precision(p: crate::config::Precision) -> &'static str {
+    use crate::config::Precision;
+    match p {
+        Precision::Fp32 => "forward passes in float32 (evaluation.precision: fp32)",
+        Precision::Tf32 => {
+            "forward passes in float32 with TF32 on CUDA (evaluation.precision: tf32; float32 on the CPU)"
+        }
+        Precision::Bf16 => {
+            "forward passes under bfloat16 autocast (evaluation.precision: bf16; docs/guide/cost-and-gpu.md says what it changes)"
+        }
+    }
 }
 
 /// What the note's `condition` says: `null` (none), a class index, an embedding.

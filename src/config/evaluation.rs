@@ -18,10 +18,40 @@ pub enum ExecutorKind {
     Slurm,
 }
 
+/// `evaluation.precision`: the arithmetic of the network's forward passes (docs/design.md §20,
+/// "Precision"). Everything after the network (moments, eigenproblems, the PF-ODE state) stays
+/// in float64/float32 as before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// float32 everywhere, TF32 off: the same numbers on the CPU and the GPU.
+    #[default]
+    Fp32,
+    /// float32 tensors, TF32 allowed in cuDNN convolutions and cuBLAS products (CUDA only; on
+    /// the CPU the same as fp32).
+    Tf32,
+    /// bfloat16 autocast of the forward pass (libtorch's autocast, on the CPU and CUDA): matrix
+    /// products and convolutions in bfloat16, the outputs back to float32.
+    Bf16,
+}
+
+impl Precision {
+    /// Its name, as the config writes it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Tf32 => "tf32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+}
+
 /// `evaluation`: the executor and its settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EvaluationConfig {
     pub executor: ExecutorKind,
+    /// `evaluation.precision`.
+    pub precision: Precision,
     /// Jobs in flight at once (Slurm).
     pub max_in_flight: usize,
     /// Resubmissions of a job that failed, timed out, was cancelled or lost (Slurm).
@@ -59,6 +89,8 @@ impl Default for EvaluationConfig {
 pub(super) struct Evaluation {
     #[serde(default)]
     pub(super) executor: ExecutorKind,
+    #[serde(default)]
+    pub(super) precision: Precision,
     #[serde(default = "default_max_in_flight")]
     pub(super) max_in_flight: usize,
     #[serde(default = "default_retries")]
@@ -75,6 +107,7 @@ impl Default for Evaluation {
     fn default() -> Self {
         Evaluation {
             executor: ExecutorKind::Local,
+            precision: Precision::Fp32,
             max_in_flight: default_max_in_flight(),
             retries: default_retries(),
             slurm: Slurm::default(),
@@ -200,6 +233,7 @@ pub(super) fn evaluation(v: &mut Validator, e: &Evaluation) -> Option<Evaluation
     // The compute node's path: not checked here, where it may not exist.
     Some(EvaluationConfig {
         executor: e.executor,
+        precision: e.precision,
         max_in_flight: e.max_in_flight,
         retries: e.retries,
         slurm: SlurmConfig {
@@ -249,6 +283,32 @@ mod tests {
         assert!(
             binary.is_absolute() && binary.ends_with("bin/diffmon"),
             "{binary:?}"
+        );
+    }
+
+    /// `evaluation.precision`: fp32 by default; the three values read; another is refused with
+    /// its key and the values it may take.
+    #[test]
+    fn the_precision_is_fp32_unless_set() {
+        assert_eq!(settings(MINIMAL).evaluation.precision, Precision::Fp32);
+        for (text, p) in [
+            ("fp32", Precision::Fp32),
+            ("tf32", Precision::Tf32),
+            ("bf16", Precision::Bf16),
+        ] {
+            let c = settings(&format!("{MINIMAL}evaluation: {{precision: {text}}}\n"));
+            assert_eq!((c.evaluation.precision, p.as_str()), (p, text));
+        }
+        let e = crate::config::file::ConfigFile::parse(
+            &format!("{MINIMAL}evaluation: {{precision: fp16}}\n"),
+            "c.yaml",
+        )
+        .map(|_| ())
+        .expect_err("fp16 refused")
+        .to_string();
+        assert!(
+            e.contains("evaluation.precision") && e.contains("bf16"),
+            "{e}"
         );
     }
 }

@@ -55,7 +55,7 @@ pub use checkpoints::{Backlog, CheckpointsConfig};
 pub use early_stop::{
     Confirm, Confirmation, EarlyStopConfig, EarlyStopMetric, EarlyStopSettings, Smoother,
 };
-pub use evaluation::{EvaluationConfig, ExecutorKind, SlurmConfig};
+pub use evaluation::{EvaluationConfig, ExecutorKind, Precision, SlurmConfig};
 pub use file::{ConfigFile, EXAMPLE};
 pub use http::HttpConfig;
 pub use icr::{AugmentConfig, BiasCorrection, IcrConfig};

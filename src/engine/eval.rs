@@ -225,6 +225,9 @@ impl Evaluator {
         let device = crate::engine::model::select_device(config.device)?;
         let train = ImageSet::open(&config.data.path, &config.data.dataset)?;
         let (model, shared) = architectures.get(&config.model.architecture, device)?;
+        model
+            .borrow_mut()
+            .set_precision(config.evaluation.precision);
         let vae = match &config.model.vae {
             Some(path) => Some(Vae::load(path, device, config.icr.batch_size)?),
             None => None,
@@ -239,6 +242,7 @@ impl Evaluator {
             image_shape = ?train.image_shape(),
             latent_shape = ?config.data.is_latent(&config.model).then_some(input_shape),
             feature_shape = ?contract.feature_shape,
+            precision = config.evaluation.precision.as_str(),
             "{}",
             if shared { "model shared with an earlier run" } else { "model loaded" }
         );

@@ -4,6 +4,7 @@
 // allocated with `new`, the representation tch uses, so Rust takes ownership with
 // `tch::Tensor::from_ptr`.
 #include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/script.h>
@@ -77,14 +78,49 @@ int dm_module_named_tensors(void *module, void *data, dm_named_tensor_cb cb, cha
       });
 }
 
-// forward(x, sigma) must return a tuple (denoised, features) of two tensors.
-int dm_module_forward(void *module, torch::Tensor *x, torch::Tensor *sigma, torch::Tensor **denoised,
-                      torch::Tensor **features, char **err) {
+// Turns bfloat16 autocast on for `device` (this thread's dispatch state) while it lives, and
+// restores what was there before.
+class Bf16Autocast {
+ public:
+  Bf16Autocast(c10::DeviceType device, bool on) : device_(device), on_(on) {
+    if (on_) {
+      enabled_ = at::autocast::is_autocast_enabled(device_);
+      dtype_ = at::autocast::get_autocast_dtype(device_);
+      at::autocast::set_autocast_dtype(device_, at::kBFloat16);
+      at::autocast::set_autocast_enabled(device_, true);
+      at::autocast::increment_nesting();
+    }
+  }
+  ~Bf16Autocast() {
+    if (on_) {
+      if (at::autocast::decrement_nesting() == 0) {
+        at::autocast::clear_cache();
+      }
+      at::autocast::set_autocast_enabled(device_, enabled_);
+      at::autocast::set_autocast_dtype(device_, dtype_);
+    }
+  }
+
+ private:
+  c10::DeviceType device_;
+  bool on_;
+  bool enabled_ = false;
+  at::ScalarType dtype_ = at::kFloat;
+};
+
+// forward(x, sigma) must return a tuple (denoised, features) of two tensors. With `bf16`, the
+// forward runs under bfloat16 autocast on x's device, and both outputs come back as float32.
+int dm_module_forward(void *module, torch::Tensor *x, torch::Tensor *sigma, int bf16,
+                      torch::Tensor **denoised, torch::Tensor **features, char **err) {
   return guarded<int>(err, -1, [&]() -> int {
         auto *m = static_cast<torch::jit::Module *>(module);
         torch::NoGradGuard no_grad;
         std::vector<torch::jit::IValue> inputs{*x, *sigma};
-        torch::jit::IValue out = m->forward(inputs);
+        torch::jit::IValue out;
+        {
+          Bf16Autocast autocast(x->device().type(), bf16 != 0);
+          out = m->forward(inputs);
+        }
         if (!out.isTuple()) {
           *err = copy_message("forward returned " + out.tagKind() +
                               ", expected a tuple (denoised, features)");
@@ -100,8 +136,11 @@ int dm_module_forward(void *module, torch::Tensor *x, torch::Tensor *sigma, torc
                               "), expected (denoised: Tensor, features: Tensor)");
           return -1;
         }
-        *denoised = new torch::Tensor(elements[0].toTensor());
-        *features = new torch::Tensor(elements[1].toTensor());
+        auto as_float = [&](const torch::Tensor &t) {
+          return bf16 != 0 && t.scalar_type() == at::kBFloat16 ? t.to(at::kFloat) : t;
+        };
+        *denoised = new torch::Tensor(as_float(elements[0].toTensor()));
+        *features = new torch::Tensor(as_float(elements[1].toTensor()));
         return 0;
       });
 }

@@ -15,8 +15,9 @@ pub use device::{check_pins, pinned_devices, pins_problem, select_device};
 pub use error::ModelError;
 pub use module::PinnedDevice;
 
+use crate::config::Precision;
 use crate::weights::{self, DType, Naming, RawTensor, ReadOptions};
-use module::{ForwardFailure, Module};
+use module::{ForwardFailure, Module, set_tf32};
 use std::collections::HashMap;
 use std::path::Path;
 use tch::{Device, Kind, Tensor};
@@ -46,6 +47,8 @@ pub struct Model {
     expected: std::sync::Arc<weights::Expected>,
     /// The most images one forward call takes (halved when memory runs out, [`Model::forward`]).
     batch_limit: std::cell::Cell<i64>,
+    /// `evaluation.precision` ([`Model::set_precision`]).
+    precision: Precision,
 }
 
 /// The exporter's note inside the architecture archive (`extra/diffmon.json`).
@@ -117,11 +120,28 @@ impl Model {
             optional,
             expected,
             batch_limit: std::cell::Cell::new(i64::MAX),
+            precision: Precision::Fp32,
         })
+    }
+
+    /// The arithmetic of the forward passes from now on (`evaluation.precision`): bf16 runs
+    /// them under bfloat16 autocast; tf32 allows TF32 in cuDNN and cuBLAS, a process-wide
+    /// setting of libtorch's (fp32, the default, keeps it off: `select_device`).
+    pub fn set_precision(&mut self, precision: Precision) {
+        set_tf32(precision == Precision::Tf32);
+        self.precision = precision;
+    }
+
+    pub fn precision(&self) -> Precision {
+        self.precision
     }
 
     pub fn device(&self) -> Device {
         self.device
+    }
+
+    fn bf16(&self) -> bool {
+        self.precision == Precision::Bf16
     }
 
     pub fn path(&self) -> &Path {
@@ -185,15 +205,17 @@ impl Model {
         chunk: i64,
     ) -> Result<(Tensor, Tensor), ForwardFailure> {
         if chunk >= n {
-            return self.module.forward(x, sigma);
+            return self.module.forward(x, sigma, self.bf16());
         }
         let (mut denoised, mut features) = (Vec::new(), Vec::new());
         let mut start = 0;
         while start < n {
             let len = chunk.min(n - start);
-            let (d, f) = self
-                .module
-                .forward(&x.narrow(0, start, len), &sigma.narrow(0, start, len))?;
+            let (d, f) = self.module.forward(
+                &x.narrow(0, start, len),
+                &sigma.narrow(0, start, len),
+                self.bf16(),
+            )?;
             denoised.push(d);
             features.push(f);
             start += len;
@@ -212,7 +234,7 @@ impl Model {
         shape.extend_from_slice(image_shape);
         let x = Tensor::zeros(shape.as_slice(), (Kind::Float, self.device));
         let sigma = Tensor::ones([2], (Kind::Float, self.device));
-        let (denoised, features) = self.module.forward(&x, &sigma).map_err(|f| {
+        let (denoised, features) = self.module.forward(&x, &sigma, self.bf16()).map_err(|f| {
             contract(format!(
                 "forward(x: {shape:?} f32, sigma: [2] f32) failed: {}",
                 f.message

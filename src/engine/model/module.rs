@@ -47,6 +47,7 @@ unsafe extern "C" {
         module: *mut c_void,
         x: *const c_void,
         sigma: *const c_void,
+        bf16: c_int,
         denoised: *mut *mut c_void,
         features: *mut *mut c_void,
         err: *mut *mut c_char,
@@ -196,10 +197,12 @@ impl Module {
         Ok(out)
     }
 
+    /// `forward(x, sigma)`; with `bf16`, under bfloat16 autocast (outputs in float32).
     pub(super) fn forward(
         &self,
         x: &Tensor,
         sigma: &Tensor,
+        bf16: bool,
     ) -> Result<(Tensor, Tensor), ForwardFailure> {
         let mut denoised = std::ptr::null_mut();
         let mut features = std::ptr::null_mut();
@@ -209,6 +212,7 @@ impl Module {
                 self.ptr,
                 x.as_ptr() as *const c_void,
                 sigma.as_ptr() as *const c_void,
+                c_int::from(bf16),
                 &mut denoised,
                 &mut features,
                 &mut err,
