@@ -89,9 +89,23 @@ pub fn resume(request: &Request) -> Result<String> {
             e => anyhow::Error::from(e),
         })?),
     };
-    let entries = History::read(&state_dir)?;
-    let point = resume_point(&config, &entries, request.step)?;
-    let segment = segments(&entries).last().map_or(1, |(s, _)| s);
+    // Under the lock the history is opened to be appended to; a dry run only reads it. What is
+    // written into the state folder goes through the lock's handle on it, never its path.
+    let mut history = match &lock {
+        Some(lock) => Some(History::open(lock.state().path())?),
+        None => None,
+    };
+    let read;
+    let entries = match &history {
+        Some(h) => h.entries(),
+        None => {
+            read = History::read(&state_dir)?;
+            &read
+        }
+    };
+    let point = resume_point(&config, entries, request.step)?;
+    let segment = segments(entries).last().map_or(1, |(s, _)| s);
+    let held = lock.as_ref().map(|l| l.state().path().to_path_buf());
     let mut report = format!(
         "{}run `{}` from step {} ({}); segment {} of its history starts\n",
         if request.dry_run {
@@ -111,10 +125,9 @@ pub fn resume(request: &Request) -> Result<String> {
     } else {
         set_aside(
             &config,
-            &state_dir,
+            (&state_dir, held.as_deref()),
             point.step,
             segment,
-            request.dry_run,
             &mut report,
         )
     };
@@ -128,10 +141,14 @@ pub fn resume(request: &Request) -> Result<String> {
                 ))
             })?;
         }
-        let _ = writeln!(report, "  stop file   {} removed", untrusted(&stop));
+        let done = if request.dry_run {
+            "would be removed"
+        } else {
+            "removed"
+        };
+        let _ = writeln!(report, "  stop file   {} {done}", untrusted(&stop));
     }
-    if let Some(lock) = &lock {
-        let mut history = History::open(lock.state().path())?;
+    if let Some(history) = &mut history {
         history.append(Entry::Resume {
             at: crate::record::rfc3339_utc(std::time::SystemTime::now()),
             step: point.step,
@@ -252,14 +269,14 @@ fn put_back(
 }
 
 /// Moves the checkpoints of `run.dir` with a step after `step` into
-/// `<state_dir>/set-aside/segment-<segment>/`; returns their new paths. One that cannot be moved
-/// (another file system) stays, with a line in the report.
+/// `<state_dir>/set-aside/segment-<segment>/`; returns their new paths. `state_dir` is (its
+/// path, the lock's handle on it); without a handle (a dry run) nothing moves. One that cannot
+/// be moved (another file system) stays, with a line in the report.
 fn set_aside(
     config: &Config,
-    state_dir: &Path,
+    (state_dir, held): (&Path, Option<&Path>),
     step: i64,
     segment: u32,
-    dry_run: bool,
     report: &mut String,
 ) -> Vec<String> {
     let c = &config.checkpoints;
@@ -277,20 +294,26 @@ fn set_aside(
     if later.is_empty() {
         return Vec::new();
     }
-    let dir = state_dir
-        .join(SET_ASIDE_DIR)
-        .join(format!("segment-{segment}"));
+    let folder = format!("{SET_ASIDE_DIR}/segment-{segment}");
+    let dir = state_dir.join(&folder);
+    // Made through the lock's handle on the state folder, once.
+    let target = held.map(|held| {
+        let target = held.join(&folder);
+        create_private_dir(&held.join(SET_ASIDE_DIR))
+            .and_then(|()| create_private_dir(&target))
+            .map(|()| target)
+    });
     let mut moved = Vec::new();
     let mut names = Vec::new();
     for (_, path) in &later {
         let Some(name) = path.file_name() else {
             continue;
         };
-        let to = dir.join(name);
-        if !dry_run {
-            let done = create_private_dir(&state_dir.join(SET_ASIDE_DIR))
-                .and_then(|()| create_private_dir(&dir))
-                .and_then(|()| rename_noreplace(path, &to));
+        if let Some(target) = &target {
+            let done = match target {
+                Ok(target) => rename_noreplace(path, &target.join(name)),
+                Err(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
+            };
             if let Err(e) = done {
                 let _ = writeln!(
                     report,
@@ -301,14 +324,18 @@ fn set_aside(
             }
         }
         names.push(name.to_string_lossy().into_owned());
-        moved.push(to.display().to_string());
+        moved.push(dir.join(name).display().to_string());
     }
     if !names.is_empty() {
         let _ = writeln!(
             report,
             "  set aside   {} (after step {step}, the branch left) {} {}",
             names.join(", "),
-            if dry_run { "would go to" } else { "moved to" },
+            if held.is_some() {
+                "moved to"
+            } else {
+                "would go to"
+            },
             untrusted(&dir)
         );
     }

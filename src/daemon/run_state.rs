@@ -14,7 +14,7 @@ use crate::daemon::http::EarlyStopStatus;
 use crate::engine::detector::{self, Best, Decision, Detector, DetectorState, Observation, Signal};
 use crate::metrics::Metrics;
 use crate::record::Evaluation;
-use crate::report::{KeptCopy, Snapshot};
+use crate::report::{KeptCopy, Marker, Snapshot};
 use crate::store::history::{CheckpointKey, Entry};
 use crate::store::keep_best::Keeper;
 use crate::store::pin::Pin;
@@ -238,34 +238,9 @@ impl RunState {
         };
         self.segment = segment;
         lock(&self.snapshot).resumed(step, segment, at, s);
-        let fired = s.fired.is_some() && !s.resolved;
-        let best_step = s.best.as_ref().map(|b| b.step);
-        self.metrics
-            .set_detector(s.last_smoothed, best_step, fired, s.unconfirmed, at);
-        self.metrics.set_segment(segment);
-        let mut status = lock(&self.status);
-        status.fired = fired;
-        status.best_step = best_step;
-        status.best_checkpoint = s.best.as_ref().map(|b| b.checkpoint.clone());
-        status.best_value = s.best.as_ref().map(|b| b.value);
-        status.last_step = Some(step);
-        status.last_value = s.last_smoothed;
-        status.segment = segment;
-        let (best, _) = stood.filter(|_| !fired)?;
-        let kind = EventKind::Resolved;
-        let event = Event {
-            id: event_id(&self.run, &self.event_instance(), kind, best.step, step),
-            event: kind,
-            run: self.run.clone(),
-            metric: self.detector.config().metric.as_str().to_string(),
-            best_step: best.step,
-            best_checkpoint: best.checkpoint.clone(),
-            best_checkpoint_kept: self.kept_copy(&best.checkpoint),
-            best_value: best.value,
-            current_step: step,
-            current_value: s.last_smoothed.unwrap_or(f64::NAN),
-            fired_at: at.to_string(),
-        };
+        let mut status = self.follow(s, step, s.last_smoothed, s.unconfirmed, at);
+        let (best, _) = stood.filter(|_| !status.fired)?;
+        let event = self.event(EventKind::Resolved, &best, step, s.last_smoothed, at);
         status.event = Some(event.clone());
         Some(event)
     }
@@ -279,12 +254,6 @@ impl RunState {
         }
     }
 
-    /// Where the keeper keeps `checkpoint`, if it does.
-    fn kept_copy(&self, checkpoint: &str) -> Option<String> {
-        let kept = self.keeper.as_ref()?.kept(Path::new(checkpoint))?;
-        Some(kept.display().to_string())
-    }
-
     /// Publishes what the detector decided on a record (`s`: its state afterwards) to the live
     /// page, the metrics and the status; returns the event to send, if any.
     fn publish(
@@ -295,43 +264,75 @@ impl RunState {
         s: &DetectorState,
     ) -> Option<Event> {
         lock(&self.snapshot).push(r, at, decision, s);
-        self.metrics.set_detector(
-            decision.smoothed,
-            s.best.as_ref().map(|b| b.step),
-            s.fired.is_some() && !s.resolved,
-            decision.unconfirmed,
-            at,
-        );
+        let mut status = self.follow(s, r.step, decision.smoothed, decision.unconfirmed, at);
+        let (kind, best): (EventKind, &Best) = match decision.signal? {
+            Signal::EarlyStop => (EventKind::EarlyStop, s.fired.as_ref().expect("fired")),
+            Signal::Resolved => (EventKind::Resolved, s.best.as_ref().expect("a best")),
+        };
+        let best = Marker {
+            step: best.step,
+            checkpoint: best.checkpoint.clone(),
+            value: best.value,
+        };
+        let event = self.event(kind, &best, r.step, decision.smoothed, at);
+        status.event = Some(event.clone());
+        Some(event)
+    }
+
+    /// The metrics and `/v1/early-stop` after the detector's state `s`, the last step `step`
+    /// (smoothed value `value`) recorded at `at`; returns the status, still locked, for the
+    /// event that may follow.
+    fn follow(
+        &self,
+        s: &DetectorState,
+        step: i64,
+        value: Option<f64>,
+        unconfirmed: bool,
+        at: &str,
+    ) -> std::sync::MutexGuard<'_, EarlyStopStatus> {
+        let fired = s.fired.is_some() && !s.resolved;
+        let best = s.best.as_ref();
+        self.metrics
+            .set_detector(value, best.map(|b| b.step), fired, unconfirmed, at);
         self.metrics.set_segment(self.segment);
         let mut status = lock(&self.status);
-        status.fired = s.fired.is_some() && !s.resolved;
-        if let Some(b) = &s.best {
+        status.fired = fired;
+        if let Some(b) = best {
             status.best_step = Some(b.step);
             status.best_checkpoint = Some(b.checkpoint.clone());
             status.best_value = Some(b.value);
         }
-        status.last_step = Some(r.step);
-        status.last_value = decision.smoothed;
-        let signal = decision.signal?;
-        let (kind, best): (EventKind, &Best) = match signal {
-            Signal::EarlyStop => (EventKind::EarlyStop, s.fired.as_ref().expect("fired")),
-            Signal::Resolved => (EventKind::Resolved, s.best.as_ref().expect("a best")),
-        };
-        let event = Event {
-            id: event_id(&self.run, &self.event_instance(), kind, best.step, r.step),
+        status.last_step = Some(step);
+        status.last_value = value;
+        status.segment = self.segment;
+        status
+    }
+
+    /// The event of `kind` naming `best`, decided at `step` (smoothed value `value`) at `at`.
+    fn event(
+        &self,
+        kind: EventKind,
+        best: &Marker,
+        step: i64,
+        value: Option<f64>,
+        at: &str,
+    ) -> Event {
+        Event {
+            id: event_id(&self.run, &self.event_instance(), kind, best.step, step),
             event: kind,
             run: self.run.clone(),
             metric: self.detector.config().metric.as_str().to_string(),
             best_step: best.step,
             best_checkpoint: best.checkpoint.clone(),
-            best_checkpoint_kept: self.kept_copy(&best.checkpoint),
+            best_checkpoint_kept: self.keeper.as_ref().and_then(|k| {
+                let kept = k.kept(Path::new(&best.checkpoint))?;
+                Some(kept.display().to_string())
+            }),
             best_value: best.value,
-            current_step: r.step,
-            current_value: decision.smoothed.unwrap_or(f64::NAN),
+            current_step: step,
+            current_value: value.unwrap_or(f64::NAN),
             fired_at: at.to_string(),
-        };
-        status.event = Some(event.clone());
-        Some(event)
+        }
     }
 }
 
@@ -347,7 +348,6 @@ mod tests {
         ICR_SMOOTHED, LAST_EVALUATED_STEP,
     };
     use crate::record::FailureReason;
-    use crate::report::Marker;
 
     /// A window of one, so the smoothed value is the raw one and the turn has a closed form.
     fn settings() -> EarlyStopSettings {

@@ -37,7 +37,7 @@
 
 use crate::config::{Confirmation, EarlyStopMetric, EarlyStopSettings, Smoother};
 use crate::record::Evaluation;
-use crate::store::history::Entry;
+use crate::store::history::{Entry, segments};
 use serde::{Deserialize, Serialize};
 
 /// The gap's noise floor, as a fraction of the held-out loss at the best step.
@@ -452,8 +452,7 @@ pub fn replay<'a>(
 ) -> usize {
     let mut failures = 0;
     let mut lineage: Vec<&'a Evaluation> = Vec::new();
-    let mut segment = 1;
-    for entry in entries {
+    for (segment, entry) in segments(entries) {
         match entry {
             Entry::Evaluation { record, at, .. } => {
                 let decision = detector.observe(&Observation::of(record, metric));
@@ -472,7 +471,6 @@ pub fn replay<'a>(
                 at,
                 ..
             } => {
-                segment += 1;
                 lineage.retain(|r| r.step <= *step);
                 *detector = Detector::new(detector.config.clone(), DetectorState::default());
                 for r in &lineage {

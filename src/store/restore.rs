@@ -85,17 +85,22 @@ pub fn is_copy_of_kept(state_dir: &Path, unit: &Path) -> bool {
         .all(|(rel, _, _)| same_bytes(&file(&kept, rel), &file(unit, rel)).unwrap_or(false))
 }
 
-/// Do the regular files `a` and `b` (opened without following a link) hold the same bytes?
+/// Do the regular files `a` and `b` hold the same bytes? Each is opened without following a
+/// link and without blocking (one swapped for a FIFO since it was listed must not hang the
+/// watcher), and must still be a regular file once open.
 fn same_bytes(a: &Path, b: &Path) -> io::Result<bool> {
     use std::io::Read;
     let open = |p: &Path| {
         OpenOptions::new()
             .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
             .open(p)
     };
     let (mut fa, mut fb) = (open(a)?, open(b)?);
     let (ma, mb) = (fa.metadata()?, fb.metadata()?);
+    if !(ma.is_file() && mb.is_file()) {
+        return Ok(false);
+    }
     if (ma.dev(), ma.ino()) == (mb.dev(), mb.ino()) {
         return Ok(true);
     }
@@ -175,5 +180,19 @@ mod tests {
         write(&ck.join("optimizer.bin"), b"adam");
         write(&ck.join("extra"), b"");
         assert!(!is_copy_of_kept(&state, &ck));
+    }
+
+    /// A file swapped for a FIFO between the listing and the comparison is not the same file,
+    /// and opening it does not block (the watcher would hang on a FIFO nobody writes).
+    #[test]
+    fn a_fifo_is_never_waited_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let (file, fifo) = (dir.path().join("f"), dir.path().join("p"));
+        fs::write(&file, b"weights").unwrap();
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert!(!same_bytes(&file, &fifo).unwrap());
+        assert!(same_bytes(&file, &file).unwrap());
     }
 }

@@ -303,24 +303,22 @@ fn accelerate_folders_written_and_rotated_while_watched() {
     fs::create_dir(&run).unwrap();
     let d = watch_with(case.path(), &run, 12288);
     let started = Instant::now();
-    let out = Command::new(crate::common::python())
-        .args(["python/stacks.py", "--stack", "accelerate"])
-        .args([
-            "--steps", "12", "--every", "2", "--limit", "2", "--pause", "0.7",
-        ])
-        .arg("--out")
-        .arg(&run)
-        .arg("--flat")
-        .arg(&flat)
-        .env("PYTHONPATH", root().join("python"))
-        .current_dir(root())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "stacks.py: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    train(&[
+        "--stack",
+        "accelerate",
+        "--steps",
+        "12",
+        "--every",
+        "2",
+        "--limit",
+        "2",
+        "--pause",
+        "0.7",
+        "--out",
+        run.to_str().unwrap(),
+        "--flat",
+        flat.to_str().unwrap(),
+    ]);
     let trained = started.elapsed();
     let names: Vec<String> = fs::read_dir(&run)
         .unwrap()
