@@ -3,6 +3,7 @@
 #   make test   set up if needed, then every test
 #   make fuzz   set up if needed, then each fuzz target for FUZZ_SECONDS (default 60)
 #   make test-gpu   the GPU test tier (tests/gpu); skipped, saying why, without a CUDA device
+#   make bench-gpu  the GPU benchmark (bench/bench_gpu.py; about 5 minutes on an H100)
 #   make test-install   the no-root `pip install ./` end to end, as an unprivileged user, in a
 #               fresh virtual environment, for each supported torch (a cold build each: 5 to
 #               15 min; not part of `make test`)
@@ -23,7 +24,7 @@ FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?= checkpoint pickle safetensors config
 export CARGO_TERM_COLOR := never
 
-.PHONY: setup apt venv build bin test test-gpu gpu-bundle test-install demo bench clean-demo lint fuzz FORCE
+.PHONY: setup apt venv build bin test test-gpu bench-gpu gpu-bundle test-install demo bench clean-demo lint fuzz FORCE
 
 setup: apt venv build bin
 
@@ -105,6 +106,12 @@ fuzz: setup
 
 bench: setup
 	$(PY) bench/bench.py
+
+# bench/bench_gpu.py on a CUDA device (BENCHMARKS.md, "GPU"): the network's own rates, diffmon's
+# ICR and PFD against them and a researcher's script, and a training job sharing the GPU. On a
+# GPU machine without the set-up: `PYTHON=python3 scripts/test-gpu --bundle dist/gpu --bench`.
+bench-gpu: setup
+	$(PY) bench/bench_gpu.py --out bench-gpu
 
 lint: setup
 	cargo fmt --check

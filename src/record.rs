@@ -56,6 +56,14 @@ pub struct Evaluation {
     /// over independent images (docs/design.md §8).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub generalization_gap_stderr: Option<f64>,
+    /// On CUDA: the seconds of the network's forward passes, each synchronized at both ends (the
+    /// pauses of `evaluation.gpu_share` are not in them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_seconds: Option<f64>,
+    /// On CUDA: the most bytes PyTorch's caching allocator reserved on the GPU during the
+    /// evaluation (the CUDA context not included).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_memory_peak_bytes: Option<i64>,
     pub seconds: f64,
     /// Seconds per stage (`load`, `icr`, `loss`), for the duration histogram; not serialized.
     #[serde(skip)]
@@ -284,6 +292,7 @@ pub mod gauge_names {
     pub const DENOISE_LOSS: &str = "diffmon_denoise_loss";
     pub const GENERALIZATION_GAP: &str = "diffmon_generalization_gap";
     pub const ICR_STDERR: &str = "diffmon_icr_stderr";
+    pub const GPU_MEMORY_PEAK: &str = "diffmon_gpu_memory_peak_bytes";
 }
 
 /// Where `diffmon watch`'s line shows the detector's state (smoothed value, best): after ICR,
@@ -313,7 +322,7 @@ const DENOISE_LOSS_HELP: &str = "EDM-weighted denoising loss at the ICR noise le
 /// Every scalar metric field of [`Evaluation`], in the HDF5 history's column order (new ones at
 /// the end). `step`, `checkpoint` and `seconds`, in every record, have fixed places in every
 /// output instead; the vectors (`icr_eigenvalues`, `icr_sweep`) have their own.
-pub const FIELDS: [Field; 16] = {
+pub const FIELDS: [Field; 18] = {
     use Format::{Fixed, Percent, Signed};
     use gauge_names as m;
     [
@@ -494,6 +503,18 @@ pub const FIELDS: [Field; 16] = {
             "generalization_gap_stderr",
             Get::Float(|r| r.generalization_gap_stderr),
         ),
+        // Its total over evaluations is the counter `diffmon_gpu_seconds_total`.
+        field("gpu_seconds", Get::Float(|r| r.gpu_seconds)),
+        Field {
+            gauge: gauge(
+                m::GPU_MEMORY_PEAK,
+                "Most GPU memory the last evaluation reserved (PyTorch's caching allocator)",
+            ),
+            ..field(
+                "gpu_memory_peak_bytes",
+                Get::Int(|r| r.gpu_memory_peak_bytes),
+            )
+        },
     ]
 };
 
@@ -608,6 +629,8 @@ pub(crate) fn full_record() -> Evaluation {
         loss_heldout: Some(0.1234),
         generalization_gap: Some(0.0123),
         generalization_gap_stderr: Some(0.0021),
+        gpu_seconds: Some(9.5),
+        gpu_memory_peak_bytes: Some(5 << 30),
         seconds: 12.34,
         stages: vec![("icr", 1.0)],
     }

@@ -18,7 +18,7 @@ pub enum ExecutorKind {
     Slurm,
 }
 
-/// `evaluation.precision`: the arithmetic of the network's forward passes (docs/design.md §20,
+/// `evaluation.precision`: the arithmetic of the network's forward passes (docs/design.md §11,
 /// "Precision"). Everything after the network (moments, eigenproblems, the PF-ODE state) stays
 /// in float64/float32 as before.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
@@ -52,6 +52,12 @@ pub struct EvaluationConfig {
     pub executor: ExecutorKind,
     /// `evaluation.precision`.
     pub precision: Precision,
+    /// `evaluation.gpu_share`: the share of the GPU's time the forward passes may take, in
+    /// (0, 1] (CUDA only).
+    pub gpu_share: f64,
+    /// `evaluation.gpu_memory_mib`: the most memory CUDA's caching allocator may reserve for an
+    /// evaluation, in MiB (CUDA only; none: no cap).
+    pub gpu_memory_mib: Option<u64>,
     /// Jobs in flight at once (Slurm).
     pub max_in_flight: usize,
     /// Resubmissions of a job that failed, timed out, was cancelled or lost (Slurm).
@@ -91,6 +97,10 @@ pub(super) struct Evaluation {
     pub(super) executor: ExecutorKind,
     #[serde(default)]
     pub(super) precision: Precision,
+    #[serde(default = "default_gpu_share")]
+    pub(super) gpu_share: f64,
+    #[serde(default)]
+    pub(super) gpu_memory_mib: Option<u64>,
     #[serde(default = "default_max_in_flight")]
     pub(super) max_in_flight: usize,
     #[serde(default = "default_retries")]
@@ -103,11 +113,19 @@ fn default_max_in_flight() -> usize {
     4
 }
 
+/// Half of the GPU's time while an evaluation runs: a training job on the same GPU keeps most of
+/// its speed, and on a GPU of its own `gpu_share: 1` runs at full speed (docs/guide/cost-and-gpu.md).
+fn default_gpu_share() -> f64 {
+    0.5
+}
+
 impl Default for Evaluation {
     fn default() -> Self {
         Evaluation {
             executor: ExecutorKind::Local,
             precision: Precision::Fp32,
+            gpu_share: default_gpu_share(),
+            gpu_memory_mib: None,
             max_in_flight: default_max_in_flight(),
             retries: default_retries(),
             slurm: Slurm::default(),
@@ -163,6 +181,15 @@ impl Default for Slurm {
 /// The `evaluation` section's settings; `None` when a value is refused.
 pub(super) fn evaluation(v: &mut Validator, e: &Evaluation) -> Option<EvaluationConfig> {
     v.count("evaluation.max_in_flight", e.max_in_flight, 1..=1024);
+    v.positive("evaluation.gpu_share", e.gpu_share, 1.0);
+    if let Some(mib) = e.gpu_memory_mib {
+        // Below 64 MiB no network of the contract fits beside its inputs; above 16 TiB is a typo.
+        v.check(
+            (64..=1 << 24).contains(&mib),
+            "evaluation.gpu_memory_mib",
+            format!("must be between 64 and 16777216 (MiB), got {mib}"),
+        );
+    }
     let s = &e.slurm;
     // One word each: they become single sbatch arguments.
     let word = |x: &str| {
@@ -234,6 +261,8 @@ pub(super) fn evaluation(v: &mut Validator, e: &Evaluation) -> Option<Evaluation
     Some(EvaluationConfig {
         executor: e.executor,
         precision: e.precision,
+        gpu_share: e.gpu_share,
+        gpu_memory_mib: e.gpu_memory_mib,
         max_in_flight: e.max_in_flight,
         retries: e.retries,
         slurm: SlurmConfig {
@@ -310,5 +339,43 @@ mod tests {
             e.contains("evaluation.precision") && e.contains("bf16"),
             "{e}"
         );
+    }
+
+    /// `evaluation.gpu_share` and `gpu_memory_mib`: half of the GPU and no cap by default; a
+    /// share outside (0, 1] and a cap below 64 MiB are refused, naming the key.
+    #[test]
+    fn the_gpu_share_is_a_half_and_memory_is_not_capped_unless_set() {
+        let c = settings(MINIMAL);
+        assert_eq!(
+            (c.evaluation.gpu_share, c.evaluation.gpu_memory_mib),
+            (0.5, None)
+        );
+        let c = settings(&format!(
+            "{MINIMAL}evaluation: {{gpu_share: 0.25, gpu_memory_mib: 4096}}\n"
+        ));
+        assert_eq!(
+            (c.evaluation.gpu_share, c.evaluation.gpu_memory_mib),
+            (0.25, Some(4096))
+        );
+        for (body, key, says) in [
+            ("gpu_share: 0", "evaluation.gpu_share", "> 0"),
+            ("gpu_share: 1.5", "evaluation.gpu_share", "≤ 1"),
+            (
+                "gpu_memory_mib: 10",
+                "evaluation.gpu_memory_mib",
+                "between 64",
+            ),
+        ] {
+            let mut file = crate::config::file::ConfigFile::parse(
+                &format!("{MINIMAL}evaluation: {{{body}}}\n"),
+                "c.yaml",
+            )
+            .unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            file.resolve_paths(dir.path());
+            let problems = file.settings(false).map(|_| ()).expect_err(body);
+            let e = problems.iter().map(|p| p.to_string()).collect::<String>();
+            assert!(e.contains(key) && e.contains(says), "{body}: {e}");
+        }
     }
 }

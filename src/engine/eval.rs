@@ -6,7 +6,7 @@ use crate::config::{BiasCorrection, Config};
 use crate::engine::data::{DataError, ImageSet};
 use crate::engine::icr::{IcrError, IcrResult, ViewProbe};
 use crate::engine::latent::{self, LatentError, Vae};
-use crate::engine::model::{ContractInfo, Model, ModelError};
+use crate::engine::model::{ContractInfo, GpuLimits, Model, ModelError};
 use crate::engine::pfd::{PfdError, PfdProbe};
 use crate::metrics;
 use crate::record::{Evaluation, SweepPoint};
@@ -341,7 +341,41 @@ impl Evaluator {
 
     /// [`Evaluator::evaluate`] of `checkpoint`, its files read from `files` (its pin,
     /// [`crate::store::pin`], when rotation may delete it).
+    ///
+    /// On CUDA, the record has the GPU time and memory peak of the evaluation, and the memory
+    /// PyTorch's allocator cached is given back to the GPU after it, evaluated or failed.
     pub fn evaluate_from(
+        &mut self,
+        checkpoint: &Path,
+        files: &Path,
+        step: i64,
+    ) -> Result<Evaluation, EvalError> {
+        {
+            let mut model = self.model.borrow_mut();
+            // This run's settings: a sweep's runs may share the model with other settings.
+            model.set_precision(self.config.evaluation.precision);
+            model.set_gpu_limits(GpuLimits {
+                share: self.config.evaluation.gpu_share,
+                memory_cap: self
+                    .config
+                    .evaluation
+                    .gpu_memory_mib
+                    .map(|m| (m as i64) << 20),
+            });
+            model.begin_evaluation();
+        }
+        let evaluated = self.metrics_of(checkpoint, files, step);
+        let gpu = self.model.borrow().end_evaluation();
+        let mut record = evaluated?;
+        if let Some(gpu) = gpu {
+            record.gpu_seconds = Some(gpu.seconds);
+            record.gpu_memory_peak_bytes = Some(gpu.memory_peak_bytes);
+        }
+        Ok(record)
+    }
+
+    /// The body of [`Evaluator::evaluate_from`].
+    fn metrics_of(
         &mut self,
         checkpoint: &Path,
         files: &Path,

@@ -5,6 +5,7 @@
 // `tch::Tensor::from_ptr`.
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/script.h>
@@ -188,6 +189,40 @@ int dm_module_device_constants(void *module, void *data, dm_device_constant_cb c
 void dm_set_tf32(int on) {
   at::globalContext().setAllowTF32CuDNN(on != 0);
   at::globalContext().setAllowTF32CuBLAS(on != 0);
+}
+
+// CUDA's caching allocator, through c10's device-generic allocator interface (libc10 and its
+// headers only: no CUDA header is needed to build, and a CPU-only libtorch answers with an
+// error). `out` gets, in bytes: allocated now, allocated at the peak, reserved now, reserved at
+// the peak (reserved: what the allocator holds from the GPU, cached blocks included).
+int dm_cuda_memory(int device, int64_t *out, char **err) {
+  return guarded(err, 1, [&] {
+    auto stats = c10::getDeviceAllocator(c10::DeviceType::CUDA)
+                     ->getDeviceStats(static_cast<c10::DeviceIndex>(device));
+    const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    out[0] = stats.allocated_bytes[all].current;
+    out[1] = stats.allocated_bytes[all].peak;
+    out[2] = stats.reserved_bytes[all].current;
+    out[3] = stats.reserved_bytes[all].peak;
+    return 0;
+  });
+}
+
+// The peaks of `dm_cuda_memory` start again from the current values.
+int dm_cuda_reset_peak(int device, char **err) {
+  return guarded(err, 1, [&] {
+    c10::getDeviceAllocator(c10::DeviceType::CUDA)
+        ->resetPeakStats(static_cast<c10::DeviceIndex>(device));
+    return 0;
+  });
+}
+
+// Gives the cached blocks no tensor uses back to the GPU (torch.cuda.empty_cache()).
+int dm_cuda_empty_cache(char **err) {
+  return guarded(err, 1, [&] {
+    c10::getDeviceAllocator(c10::DeviceType::CUDA)->emptyCache();
+    return 0;
+  });
 }
 
 }  // extern "C"

@@ -31,6 +31,9 @@ impl Metrics {
         self.last_evaluation_timestamp
             .get_or_create(&self.label())
             .set(unix_now());
+        if let Some(s) = e.gpu_seconds {
+            self.gpu_seconds.get_or_create(&self.label()).inc_by(s);
+        }
         self.observe_stage(STAGE_TOTAL, e.seconds);
         for (stage, seconds) in &e.stages {
             self.observe_stage(stage, *seconds);
@@ -156,7 +159,7 @@ mod tests {
                 "{series} changed by a record without it"
             );
         }
-        assert_eq!(gauges, 12);
+        assert_eq!(gauges, 13);
         assert!(
             text.contains(&format!("{ICR_STDERR}{{run=\"r\"}} 0.0042\n")),
             "{text}"

@@ -44,6 +44,8 @@ pub struct VersionLabels {
 }
 
 pub(super) type FGauge = Gauge<f64, AtomicU64>;
+/// A counter of seconds.
+pub(super) type FCounter = prometheus_client::metrics::counter::Counter<f64, AtomicU64>;
 
 /// The labels of a record field's gauge: `run`, then the field's own (`split`).
 pub(super) type FieldLabels = Vec<(&'static str, String)>;

@@ -23,6 +23,7 @@ pub const CHECKPOINTS_IGNORED: &str = "diffmon_checkpoints_ignored";
 pub const EVALUATION_DURATION: &str = "diffmon_evaluation_duration_seconds";
 // The run's pace (`daemon/pace.rs`): absent until measured.
 pub const EVALUATION_SECONDS: &str = "diffmon_evaluation_seconds";
+pub const GPU_SECONDS: &str = "diffmon_gpu_seconds";
 pub const CHECKPOINT_INTERVAL: &str = "diffmon_checkpoint_interval_seconds";
 pub const WEBHOOK_DELIVERIES: &str = "diffmon_webhook_deliveries";
 pub const BUILD_INFO: &str = "diffmon_build_info";
@@ -89,6 +90,7 @@ pub fn exported_names() -> Vec<String> {
         PROCESS_CPU_SECONDS,
         SLURM_JOBS_SUBMITTED,
         SLURM_JOBS_FAILED,
+        GPU_SECONDS,
     ];
     let mut names: Vec<String> = Vec::new();
     for g in FIELDS.iter().filter_map(|f| f.gauge) {

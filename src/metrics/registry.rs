@@ -3,8 +3,8 @@
 //! executor's jobs with `evaluation.executor: slurm`).
 
 use super::labels::{
-    EarlyStopLabels, FGauge, FieldLabels, OutcomeLabels, ReasonLabels, RunLabel, StageLabels,
-    VersionLabels,
+    EarlyStopLabels, FCounter, FGauge, FieldLabels, OutcomeLabels, ReasonLabels, RunLabel,
+    StageLabels, VersionLabels,
 };
 use super::names::*;
 use crate::alerts::{DeliveryOutcome, Receiver};
@@ -39,6 +39,7 @@ pub struct Metrics {
     pub(super) checkpoints_skipped: Family<RunLabel, Counter>,
     pub(super) evaluation_duration: Family<StageLabels, Histogram>,
     pub(super) evaluation_seconds: Family<RunLabel, FGauge>,
+    pub(super) gpu_seconds: Family<RunLabel, FCounter>,
     pub(super) checkpoint_interval: Family<RunLabel, FGauge>,
     pub(super) webhook_deliveries: Family<OutcomeLabels, Counter>,
     pub(super) last_evaluation_timestamp: Family<RunLabel, FGauge>,
@@ -103,6 +104,7 @@ impl Metrics {
             evaluation_duration: Family::new_with_constructor(duration_histogram),
             history_segment: Family::default(),
             evaluation_seconds: Family::default(),
+            gpu_seconds: Family::default(),
             checkpoint_interval: Family::default(),
             webhook_deliveries: Family::default(),
             last_evaluation_timestamp: Family::default(),
@@ -200,6 +202,11 @@ impl Metrics {
             EVALUATION_SECONDS,
             "Seconds per checkpoint: the median of this process's last evaluations, the PF-ODE probe's time spread over pfd.every (absent before the first)",
             m.evaluation_seconds.clone(),
+        );
+        registry.register(
+            GPU_SECONDS,
+            "Seconds of the network's forward passes on the GPU, over the evaluations of this process (absent on the CPU)",
+            m.gpu_seconds.clone(),
         );
         registry.register(
             CHECKPOINT_INTERVAL,
@@ -366,6 +373,7 @@ mod tests {
         m.evaluated(&Evaluation {
             seconds: 1.5,
             stages: vec![("icr", 1.0)],
+            gpu_seconds: Some(0.75),
             ..Evaluation::default()
         });
         m.set_detector(

@@ -79,8 +79,11 @@ fn eval_json_has_the_record_fields_and_is_deterministic() {
         "memorization_ratio",
         "tail_rmsqe",
         "tail_loader",
+        // On the CPU: no GPU time, no GPU memory (docs/design.md §13).
+        "gpu_seconds",
+        "gpu_memory_peak_bytes",
     ] {
-        assert!(r.get(absent).is_none(), "disabled metric {absent} present");
+        assert!(r.get(absent).is_none(), "metric {absent} present");
     }
     let icr = r["icr"].as_f64().unwrap();
     assert!(icr > 0.0 && icr < 1.5, "{icr}");

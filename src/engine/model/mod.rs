@@ -5,14 +5,17 @@
 //!
 //! Files: `error.rs` (why a model cannot be loaded or run), `module.rs` (the TorchScript module
 //! through the C++ shim), `device.rs` (the device, and files that pin one), this file (the
-//! `Model`: the contract check, weights by name, the forward in batches that fit).
+//! `Model`: the contract check, weights by name, the forward in batches that fit), `gpu.rs` (the
+//! GPU time and memory of the forward passes, and their limits).
 
 mod device;
 mod error;
+mod gpu;
 mod module;
 
 pub use device::{check_pins, pinned_devices, pins_problem, select_device};
 pub use error::ModelError;
+pub use gpu::{GpuLimits, GpuUse};
 pub use module::PinnedDevice;
 
 use crate::config::Precision;
@@ -49,6 +52,17 @@ pub struct Model {
     batch_limit: std::cell::Cell<i64>,
     /// `evaluation.precision` ([`Model::set_precision`]).
     precision: Precision,
+    /// `evaluation.gpu_share` and `evaluation.gpu_memory_mib` ([`Model::set_gpu_limits`]).
+    gpu_limits: GpuLimits,
+    /// The memory cap `batch_limit` was last sized for.
+    sized_for: std::cell::Cell<Option<i64>>,
+    /// The batch limit never grows past this: half of a batch that ran out of memory, or the
+    /// batch at which a capped model stopped growing.
+    ceiling: std::cell::Cell<i64>,
+    /// GPU seconds of the forward passes since [`Model::begin_evaluation`].
+    gpu_seconds: std::cell::Cell<f64>,
+    /// The highest reservation seen since [`Model::begin_evaluation`] before a peak was reset.
+    peak_seen: std::cell::Cell<i64>,
 }
 
 /// The exporter's note inside the architecture archive (`extra/diffmon.json`).
@@ -121,6 +135,11 @@ impl Model {
             expected,
             batch_limit: std::cell::Cell::new(i64::MAX),
             precision: Precision::Fp32,
+            gpu_limits: GpuLimits::default(),
+            sized_for: std::cell::Cell::new(None),
+            ceiling: std::cell::Cell::new(i64::MAX),
+            gpu_seconds: std::cell::Cell::new(0.0),
+            peak_seen: std::cell::Cell::new(0),
         })
     }
 
@@ -134,6 +153,49 @@ impl Model {
 
     pub fn precision(&self) -> Precision {
         self.precision
+    }
+
+    /// The share of the GPU's time and the memory the forward passes may take from now on
+    /// (CUDA only: on the CPU they are not used). A new memory cap sizes the batches anew at the
+    /// next forward.
+    pub fn set_gpu_limits(&mut self, limits: GpuLimits) {
+        self.gpu_limits = limits;
+    }
+
+    /// The CUDA device's index, `None` on the CPU.
+    fn cuda(&self) -> Option<usize> {
+        match self.device {
+            Device::Cuda(i) => Some(i),
+            _ => None,
+        }
+    }
+
+    /// Starts counting an evaluation's GPU time and memory peak (nothing on the CPU).
+    pub fn begin_evaluation(&self) {
+        if let Some(i) = self.cuda() {
+            self.gpu_seconds.set(0.0);
+            self.peak_seen.set(0);
+            if let Err(e) = gpu::reset_peak(i) {
+                tracing::warn!("cannot reset CUDA's memory peak: {e}");
+            }
+        }
+    }
+
+    /// What the evaluation since [`Model::begin_evaluation`] took of the GPU (`None` on the
+    /// CPU); the allocator's cache is given back to the GPU, for the training to use until the
+    /// next evaluation.
+    pub fn end_evaluation(&self) -> Option<GpuUse> {
+        let i = self.cuda()?;
+        let peak = gpu::memory(i).map(|m| m.reserved_peak.max(self.peak_seen.get()));
+        if let Err(e) = gpu::release_cached() {
+            tracing::warn!("cannot give CUDA's cached memory back: {e}");
+        }
+        Some(GpuUse {
+            seconds: self.gpu_seconds.get(),
+            memory_peak_bytes: peak
+                .inspect_err(|e| tracing::warn!("cannot read CUDA's memory peak: {e}"))
+                .unwrap_or(0),
+        })
     }
 
     pub fn device(&self) -> Device {
@@ -169,22 +231,39 @@ impl Model {
     /// again, down to one image; the limit found holds for every later call of this model, and
     /// a warning says so. The inputs, and so the numbers, stay those of the whole batch: only
     /// how many images go through the network at once changes.
+    ///
+    /// Under a memory cap (`evaluation.gpu_memory_mib`, CUDA), the batch starts small and grows
+    /// while it fits ([`Model::forward_once`]); a forward that reserved more than the cap is done
+    /// again in halves, as when memory runs out.
     pub fn forward(&self, x: &Tensor, sigma: &Tensor) -> Result<(Tensor, Tensor), ModelError> {
         let n = x.size().first().copied().unwrap_or(0);
+        if let (Some(_), Some(cap)) = (self.cuda(), self.gpu_limits.memory_cap)
+            && self.sized_for.get() != Some(cap)
+        {
+            self.batch_limit
+                .set(self.batch_limit.get().min(gpu::CAPPED_START));
+            self.ceiling.set(i64::MAX);
+            self.sized_for.set(Some(cap));
+        }
         loop {
-            let chunk = self.batch_limit.get().min(n.max(1));
-            match self.forward_in_chunks(x, sigma, n, chunk) {
+            match self.forward_in_chunks(x, sigma, n) {
                 Ok(out) => return Ok(out),
-                Err(f) if f.out_of_memory && chunk > 1 => {
-                    let smaller = chunk / 2;
+                Err(f) if f.out_of_memory && f.images > 1 => {
+                    let (chunk, smaller) = (f.images, f.images / 2);
+                    let why = if f.over_cap {
+                        format!("{} in a forward of {chunk} images", f.message)
+                    } else {
+                        format!("out of memory in a forward of {chunk} images")
+                    };
                     tracing::warn!(
                         file = %self.module.path.display(),
                         batch = chunk,
                         smaller,
-                        "out of memory in a forward of {chunk} images: forwarding at most \
-                         {smaller} at a time from now on (a smaller batch; the same numbers)"
+                        "{why}: forwarding at most {smaller} at a time from now on (a smaller \
+                         batch; the same numbers)"
                     );
                     self.batch_limit.set(smaller);
+                    self.ceiling.set(smaller);
                 }
                 Err(f) => {
                     return Err(ModelError::Forward {
@@ -196,31 +275,95 @@ impl Model {
         }
     }
 
-    /// The forward of `x` (`n` images) in chunks of at most `chunk`, concatenated.
+    /// The forward of `x` (`n` images) in chunks of at most the batch limit (read before each
+    /// chunk: it may grow under a memory cap), concatenated.
     fn forward_in_chunks(
         &self,
         x: &Tensor,
         sigma: &Tensor,
         n: i64,
-        chunk: i64,
     ) -> Result<(Tensor, Tensor), ForwardFailure> {
-        if chunk >= n {
-            return self.module.forward(x, sigma, self.bf16());
+        if self.batch_limit.get() >= n {
+            return self.forward_once(x, sigma);
         }
         let (mut denoised, mut features) = (Vec::new(), Vec::new());
         let mut start = 0;
         while start < n {
-            let len = chunk.min(n - start);
-            let (d, f) = self.module.forward(
-                &x.narrow(0, start, len),
-                &sigma.narrow(0, start, len),
-                self.bf16(),
-            )?;
+            let len = self.batch_limit.get().min(n - start);
+            let (d, f) =
+                self.forward_once(&x.narrow(0, start, len), &sigma.narrow(0, start, len))?;
             denoised.push(d);
             features.push(f);
             start += len;
         }
         Ok((Tensor::cat(&denoised, 0), Tensor::cat(&features, 0)))
+    }
+
+    /// [`gpu::reset_peak`], the evaluation's peak so far kept.
+    fn reset_peak(&self, i: usize) -> Result<(), String> {
+        let peak = gpu::memory(i)?.reserved_peak;
+        self.peak_seen.set(self.peak_seen.get().max(peak));
+        gpu::reset_peak(i)
+    }
+
+    /// One forward call. On CUDA it is synchronized at both ends and timed: its time counts as
+    /// GPU time, and is followed by the pause `evaluation.gpu_share` asks for. Under a memory
+    /// cap, the memory it took is measured: above the cap it fails as `over_cap` (done again in
+    /// halves); a full batch that took less than half of what is left under the cap doubles
+    /// the batch limit ([`gpu::grown_batch`]).
+    fn forward_once(&self, x: &Tensor, sigma: &Tensor) -> Result<(Tensor, Tensor), ForwardFailure> {
+        let Some(i) = self.cuda() else {
+            return self.module.forward(x, sigma, self.bf16());
+        };
+        let images = x.size().first().copied().unwrap_or(0);
+        let cap = self.gpu_limits.memory_cap;
+        tch::Cuda::synchronize(i as i64);
+        let before = match cap {
+            Some(_) => self.reset_peak(i).and_then(|()| gpu::memory(i)).ok(),
+            None => None,
+        };
+        let started = std::time::Instant::now();
+        let out = self.module.forward(x, sigma, self.bf16())?;
+        tch::Cuda::synchronize(i as i64);
+        let busy = started.elapsed();
+        self.gpu_seconds
+            .set(self.gpu_seconds.get() + busy.as_secs_f64());
+        std::thread::sleep(gpu::pause_after(busy, self.gpu_limits.share));
+        let (Some(cap), Some(before), Ok(after)) = (cap, before, gpu::memory(i)) else {
+            return Ok(out);
+        };
+        if after.reserved_peak > cap && images > 1 {
+            // Given back, so the smaller batches start under the cap.
+            drop(out);
+            let _ = gpu::release_cached();
+            return Err(ForwardFailure {
+                message: format!(
+                    "{} MiB reserved, over evaluation.gpu_memory_mib ({} MiB)",
+                    after.reserved_peak >> 20,
+                    cap >> 20
+                ),
+                out_of_memory: true,
+                over_cap: true,
+                images,
+            });
+        }
+        let took = after.allocated_peak - before.allocated;
+        if images == self.batch_limit.get() && images < self.ceiling.get() {
+            match gpu::grown_batch(images, before.allocated, took, cap) {
+                Some(grown) => self.batch_limit.set(grown.min(self.ceiling.get())),
+                None => {
+                    self.ceiling.set(images);
+                    tracing::info!(
+                        file = %self.module.path.display(),
+                        cap_mib = cap >> 20,
+                        allocated_mib = before.allocated >> 20,
+                        took_mib = took >> 20,
+                        "evaluation.gpu_memory_mib: forwarding at most {images} images at a time"
+                    );
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Runs the model on two noisy images of `image_shape` `[C,H,W]` and checks the outputs'

@@ -91,6 +91,10 @@ pub(super) fn is_out_of_memory(message: &str) -> bool {
 pub(super) struct ForwardFailure {
     pub(super) message: String,
     pub(super) out_of_memory: bool,
+    /// Not out of memory, but over `evaluation.gpu_memory_mib` (set by [`super::Model`]).
+    pub(super) over_cap: bool,
+    /// The images of the failed forward.
+    pub(super) images: i64,
 }
 
 unsafe extern "C" fn collect_named(data: *mut c_void, name: *const c_char, t: *mut tch::Tensor) {
@@ -223,6 +227,8 @@ impl Module {
             return Err(ForwardFailure {
                 out_of_memory: is_out_of_memory(&message),
                 message: shorten(&message),
+                over_cap: false,
+                images: x.size().first().copied().unwrap_or(0),
             });
         }
         unsafe {

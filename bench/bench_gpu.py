@@ -1,0 +1,606 @@
+#!/usr/bin/env python3
+"""diffmon on a GPU (`make bench-gpu`; docs/guide/cost-and-gpu.md, BENCHMARKS.md "GPU"): in one
+run on one GPU, for one network, what the GPU does for the network alone and what diffmon gets
+out of it, against a researcher's PyTorch script of each protocol, and what a training job on
+the same GPU keeps of its speed while diffmon evaluates its checkpoints.
+
+    python bench/bench_gpu.py [--net ddpm|uncond64] [--only PARTS] [--out DIR] [--device cpu]
+
+PARTS (comma-separated; all by default, in this order):
+  forward  images/s of the exported TorchScript at batch 256: fp32 (TF32 off), TF32, bf16
+           autocast, bf16 autocast with channels-last inputs and weights
+  icr      `diffmon eval` ICR at n = 4096 and 512 (fp32 and bf16, gpu_share 1), the steady-state
+           second checkpoint of a process, as images/s (two views per sample), against the
+           researcher's script (views and noise on the GPU, float64 moments, the generalized
+           eigenproblem) on the same network, data and batch
+  pfd      `diffmon eval` PFD at M = 1000 (the teacher's flow cached), network evaluations/s,
+           against the researcher's Heun integration of the student on the GPU (float64 state)
+  share    a training job (the same network, bf16 autocast, batch 128, AdamW, a checkpoint every
+           100 steps) alone, then with `diffmon watch` evaluating each of its checkpoints (ICR
+           n = 4096) at the default gpu_share and at gpu_share 1: its steps/s in each phase
+
+The binary is DIFFMON_BIN, else target/release/diffmon (as the GPU tier finds it). Results go to
+DIR/bench-gpu.json and DIR/bench-gpu.md (default: the working directory), and a line per
+measurement to the console. `--device cpu` is a dry run of the script on a CPU machine (a small
+network, small counts, no compile): it checks the harness, not the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "python"))
+
+NETS = {
+    # DDPM's CIFAR-10 network (35.7 M parameters), diffusers' configuration of it.
+    "ddpm": dict(sample_size=32, in_channels=3, out_channels=3,
+                 block_out_channels=(128, 256, 256, 256), layers_per_block=2,
+                 down_block_types=("DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"),
+                 up_block_types=("UpBlock2D", "UpBlock2D", "AttnUpBlock2D", "UpBlock2D")),
+    # diffusers' train_unconditional default (113.7 M parameters, 3x64x64).
+    "uncond64": dict(sample_size=64, in_channels=3, out_channels=3,
+                     block_out_channels=(128, 128, 256, 256, 512, 512), layers_per_block=2,
+                     down_block_types=("DownBlock2D",) * 4 + ("AttnDownBlock2D", "DownBlock2D"),
+                     up_block_types=("UpBlock2D", "AttnUpBlock2D") + ("UpBlock2D",) * 4),
+    # The CPU dry run's.
+    "tiny": dict(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(16, 32, 32),
+                 layers_per_block=1, norm_num_groups=8,
+                 down_block_types=("DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
+                 up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D")),
+}
+BATCH = 256
+SIGMA = 0.29  # icr.sigma's default
+RESULTS: list[dict] = []
+
+
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def result(part: str, what: str, **values) -> None:
+    RESULTS.append({"part": part, "what": what, **values})
+    shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
+    say(f"{part}: {what}: {shown}")
+
+
+def binary() -> str:
+    b = os.environ.get("DIFFMON_BIN") or str(ROOT / "target" / "release" / "diffmon")
+    if not Path(b).exists():
+        sys.exit(f"no diffmon binary at {b}: build it, or set DIFFMON_BIN")
+    return b
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- the assets
+
+
+def smooth_images(n: int, size: int, seed: int) -> np.ndarray:
+    """`n` smooth 3 x size x size images in [-1, 1] (blurred noise through tanh), float32."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, size, size, generator=g)
+    k = torch.tensor([1.0, 4.0, 6.0, 4.0, 1.0])
+    k = (k[:, None] * k[None, :] / 256.0).expand(3, 1, 5, 5)
+    x = torch.nn.functional.conv2d(torch.nn.functional.pad(x, (2,) * 4, mode="reflect"), k, groups=3)
+    return np.ascontiguousarray(torch.tanh(2.5 * x / x.std()).numpy())
+
+
+def assets(work: Path, net: str, n_train: int):
+    """The network (random weights), its export, two checkpoints (weights moved a little), a
+    teacher export, the training images."""
+    import h5py
+    from diffusers import UNet2DModel
+
+    from diffmon.export import export
+
+    config = NETS[net]
+    torch.manual_seed(0)
+    unet = UNet2DModel(**config).eval()
+    params = sum(p.numel() for p in unet.parameters())
+    size = config["sample_size"]
+    t0 = time.perf_counter()
+    export(unet, "mid_block", work / "model.ts", "eps", (1, 3, size, size), schedule="linear",
+           verbose=False)
+    torch.manual_seed(1)
+    export(UNet2DModel(**config).eval(), "mid_block", work / "teacher.ts", "eps",
+           (1, 3, size, size), schedule="linear", verbose=False)
+    say(f"{net}: {params / 1e6:.1f} M parameters, exported in {time.perf_counter() - t0:.1f} s")
+    g = torch.Generator().manual_seed(2)
+    ckpts = []
+    for k in (1, 2):
+        state = {n: (v + 0.02 * v.std() * torch.randn(v.shape, generator=g)
+                     if v.is_floating_point() and v.numel() > 1 else v).clone()
+                 for n, v in unet.state_dict().items()}
+        path = work / f"ckpt_{k:06d}.pt"
+        torch.save(state, path)
+        ckpts.append(path)
+    with h5py.File(work / "train.h5", "w") as f:
+        f.create_dataset("images", data=smooth_images(n_train, size, 10))
+    return unet, params, size, ckpts
+
+
+def write_config(path: Path, work: Path, device: str, body: str) -> Path:
+    path.write_text(
+        f"run: {{dir: '{work / 'run'}', name: bench}}\n"
+        f"state_dir: '{path.with_suffix('.state')}'\n"
+        f"model: {{architecture: '{work / 'model.ts'}'}}\n"
+        f"device: '{device}'\n"
+        f"data: {{path: '{work / 'train.h5'}'}}\n" + body)
+    return path
+
+
+def diffmon_eval(config: Path, ckpts) -> list[dict]:
+    out = subprocess.run([binary(), "eval", "--config", str(config), *map(str, ckpts), "--json"],
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"diffmon eval exited {out.returncode}:\n{out.stderr[-3000:]}")
+    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- forward rates
+
+
+def rate(fn, device: str, images: int, min_seconds: float) -> float:
+    """Images per second of `fn()` (a forward of `images` images), after two warm-up calls."""
+    with torch.no_grad():
+        for _ in range(2):
+            fn()
+        sync(device)
+        t0, calls = time.perf_counter(), 0
+        while True:
+            fn()
+            calls += 1
+            if calls >= 3 and time.perf_counter() - t0 >= min_seconds:
+                sync(device)
+                if time.perf_counter() - t0 >= min_seconds:
+                    break
+        return images * calls / (time.perf_counter() - t0)
+
+
+def tf32(on: bool) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+
+
+def bench_forward(work: Path, size: int, device: str, quick: bool) -> dict:
+    ts = torch.jit.load(str(work / "model.ts"), map_location=device).eval()
+    x = torch.randn(BATCH, 3, size, size, device=device)
+    sigma = torch.full((BATCH,), SIGMA, device=device)
+    seconds = 0.5 if quick else 2.0
+    autocast = lambda: torch.autocast(device.split(":")[0], dtype=torch.bfloat16)  # noqa: E731
+    rates = {}
+    tf32(False)
+    rates["torchscript_fp32"] = rate(lambda: ts(x, sigma), device, BATCH, seconds)
+    tf32(True)
+    rates["torchscript_tf32"] = rate(lambda: ts(x, sigma), device, BATCH, seconds)
+    tf32(False)
+
+    def bf16():
+        with autocast():
+            return ts(x, sigma)
+    rates["torchscript_bf16"] = rate(bf16, device, BATCH, seconds)
+    xc = x.contiguous(memory_format=torch.channels_last)
+    ts_cl = torch.jit.load(str(work / "model.ts"), map_location=device).eval()
+    with torch.no_grad():
+        for p in list(ts_cl.parameters()):
+            if p.dim() == 4:
+                p.data = p.data.contiguous(memory_format=torch.channels_last)
+
+    def bf16_cl():
+        with autocast():
+            return ts_cl(xc, sigma)
+    rates["torchscript_bf16_channels_last"] = rate(bf16_cl, device, BATCH, seconds)
+    for k, v in rates.items():
+        result("forward", k, images_per_s=v)
+    return rates
+
+
+def bench_compiled(unet, size: int, device: str, rates: dict) -> None:
+    """The eager network under torch.compile, bf16 autocast, channels-last: the rate the targets
+    are stated against; then diffmon's ICR and PFD rows as shares of it."""
+    x = torch.randn(BATCH, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
+    net = unet.to(device).to(memory_format=torch.channels_last).eval()
+    t = torch.full((BATCH,), 500.0, device=device)
+    compiled = torch.compile(net)
+
+    def run():
+        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
+            return compiled(x, t).sample
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        run()
+    sync(device)
+    compile_s = time.perf_counter() - t0
+    best = rate(run, device, BATCH, 2.0)
+    rates["compiled_bf16_channels_last"] = best
+    result("forward", "compiled_bf16_channels_last", images_per_s=best, compile_s=compile_s)
+    for r in list(RESULTS):
+        if r["part"] in ("icr", "pfd") and r["what"] != "FAILED":
+            got = r.get("images_per_s", r.get("network_evals_per_s"))
+            result(r["part"], f"{r['what']} against the compiled bf16 rate", share=got / best)
+
+
+def bench_aoti(unet, size: int, device: str, rates: dict) -> None:
+    """What a compiled format beside TorchScript would give (not yet diffmon's): the network
+    exported with torch.export (batch dimension dynamic) and compiled by AOTInductor into a
+    package, bf16 autocast inside; its compile time and images/s, and whether new weights swapped
+    in with `load_constants` (what diffmon would do per checkpoint) give the eager network's
+    outputs with them."""
+    import torch._inductor
+
+    kind = device.split(":")[0]
+
+    class Bf16(torch.nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, t):
+            with torch.autocast(kind, dtype=torch.bfloat16):
+                return self.net(x, t).sample.float()
+
+    net = unet.to(device).eval()
+    model = Bf16(net)
+    x = torch.randn(BATCH, 3, size, size, device=device)
+    t = torch.full((BATCH,), 500, device=device, dtype=torch.long)
+    t0 = time.perf_counter()
+    # diffusers makes batches of 64 and more contiguous (Upsample2D): a guard at 64.
+    batch = torch.export.Dim("batch", min=64, max=4096)
+    with torch.no_grad():
+        ep = torch.export.export(model, (x, t), dynamic_shapes=({0: batch}, {0: batch}))
+        package = torch._inductor.aoti_compile_and_package(
+            ep, package_path=str(Path(tempfile.mkdtemp()) / "net.pt2"))
+    compile_s = time.perf_counter() - t0
+    compiled = torch._inductor.aoti_load_package(package)
+    got = rate(lambda: compiled(x, t), device, BATCH, 2.0)
+    rates["aoti_bf16"] = got
+    # New weights, swapped in by name; compared with the eager network (bf16 both).
+    g = torch.Generator(device="cpu").manual_seed(5)
+    new = {k: (v + 0.05 * v.std() * torch.randn(v.shape, generator=g).to(v.device))
+           for k, v in net.state_dict().items() if v.is_floating_point() and v.numel() > 1}
+    fqns = set(compiled.get_constant_fqns())
+    swap = {k: v for k, v in new.items() if "net." + k in fqns}
+    with torch.no_grad():
+        old = compiled(x[:64], t[:64])
+    t1 = time.perf_counter()
+    compiled.load_constants({"net." + k: v for k, v in swap.items()}, check_full_update=False)
+    swap_s = time.perf_counter() - t1
+    net.load_state_dict(new, strict=False)
+    with torch.no_grad():
+        want = model(x[:64], t[:64])
+        scale = want.abs().max().item()
+        diff = (compiled(x[:64], t[:64]) - want).abs().max().item() / scale
+        unswapped = (old - want).abs().max().item() / scale
+    result("forward", "aoti_bf16 (torch.export + AOTInductor, batch 64 to 4096)", images_per_s=got,
+           compile_s=compile_s, of_torchscript_bf16=got / rates.get("torchscript_bf16", float("nan")),
+           constants=len(fqns), swapped=len(swap), swap_s=swap_s, rel_diff_after_swap=diff,
+           rel_diff_without_swap=unswapped)
+    unet.to("cpu")
+
+
+# ----------------------------------------------------------------------------- ICR
+
+
+def augment(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """The paper's views, batched on the GPU: a reflect-padded random crop (1/8 of the side), a
+    horizontal flip, brightness and contrast in [0.6, 1.4]."""
+    b, c, h, w = x.shape
+    pad = round(0.125 * h)
+    p = torch.nn.functional.pad(x, (pad,) * 4, mode="reflect")
+    oy = torch.randint(0, 2 * pad + 1, (b,), generator=g, device=x.device)
+    ox = torch.randint(0, 2 * pad + 1, (b,), generator=g, device=x.device)
+    rows = (oy[:, None] + torch.arange(h, device=x.device))[:, None, :, None].expand(b, c, h, w + 2 * pad)
+    p = p.gather(2, rows)
+    cols = (ox[:, None] + torch.arange(w, device=x.device))[:, None, None, :].expand(b, c, h, w)
+    y = p.gather(3, cols)
+    flip = torch.rand(b, 1, 1, 1, generator=g, device=x.device) < 0.5
+    y = torch.where(flip, y.flip(3), y)
+    z = ((y + 1) / 2 * (torch.rand(b, 1, 1, 1, generator=g, device=x.device) * 0.8 + 0.6)).clamp(0, 1)
+    mean = z.mean(dim=(1, 2, 3), keepdim=True)
+    z = ((z - mean) * (torch.rand(b, 1, 1, 1, generator=g, device=x.device) * 0.8 + 0.6) + mean).clamp(0, 1)
+    return z * 2 - 1
+
+
+def researcher_icr(work: Path, ckpt: Path, device: str, n: int) -> float:
+    """The ICR protocol as a researcher writes it in PyTorch on the GPU; its seconds, the
+    network and images loaded before (as diffmon's record leaves its start-up out) but the
+    checkpoint's weights read in (as diffmon's record counts them)."""
+    import h5py
+
+    m = torch.jit.load(str(work / "model.ts"), map_location=device).eval()
+    images = torch.from_numpy(np.asarray(h5py.File(work / "train.h5")["images"][:n])).to(device)
+    sync(device)
+    t0 = time.perf_counter()
+    m.load_state_dict(torch.load(ckpt, map_location=device, weights_only=True))
+    g = torch.Generator(device=device).manual_seed(0)
+    h1s, h2s = [], []
+    with torch.no_grad():
+        for s in range(0, n, BATCH // 2):
+            x0 = images[s:s + BATCH // 2]
+            v1 = augment(x0, g) + SIGMA * torch.randn(x0.shape, generator=g, device=device)
+            v2 = augment(x0, g) + SIGMA * torch.randn(x0.shape, generator=g, device=device)
+            _, f = m(torch.cat([v1, v2]), torch.full((2 * len(x0),), SIGMA, device=device))
+            h = f.mean(dim=(2, 3)) if f.dim() == 4 else f
+            h1s.append(h[:len(x0)].double())
+            h2s.append(h[len(x0):].double())
+    h1, h2 = torch.cat(h1s), torch.cat(h2s)
+    t, u = (h1 + h2) / 2, h1 - h2
+    cov_t, cov_u = torch.cov(t.T), torch.cov(u.T)
+    xi, ss = cov_u / 2, cov_t - cov_u / 4
+    d = xi.shape[0]
+    xi = xi + 1e-4 * torch.trace(xi) / d * torch.eye(d, dtype=torch.float64, device=device)
+    ell = torch.linalg.cholesky(xi)
+    w = torch.linalg.solve_triangular(ell, torch.linalg.solve_triangular(ell, ss, upper=False).T,
+                                      upper=False)
+    float(1 / (1 + torch.linalg.eigvalsh((w + w.T) / 2).mean()))
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def bench_icr(work: Path, ckpts, device: str, ns, rates: dict) -> None:
+    for n in ns:
+        ref = min(researcher_icr(work, c, device, n) for c in ckpts)
+        for precision in ("fp32", "bf16"):
+            cfg = write_config(work / f"icr-{n}-{precision}.yaml", work, device,
+                               f"icr: {{samples: {n}, batch_size: {BATCH}, seed: 0}}\n"
+                               "pfd: {enabled: false}\nearly_stop: {confirm: none}\n"
+                               f"evaluation: {{precision: {precision}, gpu_share: 1}}\n")
+            rec = diffmon_eval(cfg, ckpts)[-1]
+            images = 2 * n / rec["seconds"]
+            forward = rates.get("torchscript_" + precision)
+            result("icr", f"n {n} {precision}", seconds=rec["seconds"],
+                   gpu_seconds=rec.get("gpu_seconds", float("nan")), images_per_s=images,
+                   of_torchscript=images / forward if forward else float("nan"),
+                   researcher_fp32_s=ref, speedup_vs_researcher=ref / rec["seconds"],
+                   gpu_memory_peak_gib=rec.get("gpu_memory_peak_bytes", 0) / 2**30)
+
+
+# ----------------------------------------------------------------------------- PFD
+
+
+def researcher_pfd(work: Path, ckpt: Path, device: str, m: int, size: int, steps: int = 18) -> float:
+    """The student's PF-ODE from M latents with EDM's Heun sampler, float64 state on the GPU."""
+    net = torch.jit.load(str(work / "model.ts"), map_location=device).eval()
+    sync(device)
+    t0 = time.perf_counter()
+    net.load_state_dict(torch.load(ckpt, map_location=device, weights_only=True))
+    i = torch.arange(steps, dtype=torch.float64, device=device)
+    t = (80 ** (1 / 7) + i / (steps - 1) * (0.002 ** (1 / 7) - 80 ** (1 / 7))) ** 7
+    t = torch.cat([t, torch.zeros(1, dtype=torch.float64, device=device)])
+    g = torch.Generator(device=device).manual_seed(0)
+    z = torch.randn(m, 3, size, size, generator=g, device=device, dtype=torch.float64)
+
+    def d(x, s):
+        return net(x.float(), torch.full((len(x),), float(s), device=device))[0].double()
+    with torch.no_grad():
+        for b in range(0, m, BATCH):
+            x = z[b:b + BATCH] * t[0]
+            for k in range(steps):
+                dx = (x - d(x, t[k])) / t[k]
+                x1 = x + (t[k + 1] - t[k]) * dx
+                if t[k + 1] > 0:
+                    x1 = x + (t[k + 1] - t[k]) * (dx + (x1 - d(x1, t[k + 1])) / t[k + 1]) / 2
+                x = x1
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def bench_pfd(work: Path, ckpts, device: str, m: int, size: int, rates: dict) -> None:
+    cfg = write_config(work / "pfd.yaml", work, device,
+                       "icr: {enabled: false}\n"
+                       f"pfd: {{enabled: true, teacher: '{work / 'teacher.ts'}', samples: {m}, "
+                       f"batch_size: {BATCH}, seed: 0}}\n"
+                       "early_stop: {metric: pfd_generalization, confirm: none}\n"
+                       "evaluation: {gpu_share: 1}\n")
+    t0 = time.perf_counter()
+    rec = diffmon_eval(cfg, ckpts)[-1]
+    process = time.perf_counter() - t0
+    evals = m * (2 * 18 - 1)
+    ref = researcher_pfd(work, ckpts[-1], device, m, size)
+    forward = rates.get("torchscript_fp32")
+    result("pfd", f"M {m} fp32", seconds=rec["seconds"], process_s=process,
+           gpu_seconds=rec.get("gpu_seconds", float("nan")),
+           network_evals_per_s=evals / rec["seconds"],
+           of_torchscript=evals / rec["seconds"] / forward if forward else float("nan"),
+           researcher_student_s=ref, speedup_vs_researcher=ref / rec["seconds"])
+
+
+# ----------------------------------------------------------------------------- sharing
+
+
+TRAINER = r"""
+import json, os, sys, time, torch
+from diffusers import UNet2DModel
+config, run, seconds, every, device = json.loads(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+torch.manual_seed(0)
+net = UNet2DModel(**config).to(device).train()
+opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+size = config["sample_size"]
+x0 = torch.randn(128, 3, size, size, device=device)
+kind = device.split(":")[0]
+step, t0, last = 0, time.perf_counter(), 0.0
+while time.perf_counter() - t0 < seconds:
+    noise = torch.randn_like(x0)
+    t = torch.randint(0, 1000, (len(x0),), device=device)
+    with torch.autocast(kind, dtype=torch.bfloat16):
+        loss = torch.nn.functional.mse_loss(net(x0 + noise, t).sample.float(), noise)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    step += 1
+    if step % every == 0:
+        tmp = os.path.join(run, "partial.tmp")
+        torch.save(net.state_dict(), tmp)
+        os.replace(tmp, os.path.join(run, "ckpt_%06d.pt" % step))
+    now = time.perf_counter() - t0
+    if now - last >= 1.0 or step == 1:
+        if kind == "cuda":
+            torch.cuda.synchronize()
+        print(json.dumps({"t": time.perf_counter() - t0, "step": step}), flush=True)
+        last = now
+"""
+
+
+def train(work: Path, net: str, device: str, seconds: float, every: int, run: Path) -> float:
+    """The trainer for `seconds`; its steps/s after the first 5 s (warm-up)."""
+    out = subprocess.run([sys.executable, "-c", TRAINER, json.dumps(NETS[net]), str(run),
+                          str(seconds), str(every), device], capture_output=True, text=True,
+                         timeout=seconds + 300)
+    if out.returncode != 0:
+        raise RuntimeError(f"trainer exited {out.returncode}:\n{out.stderr[-3000:]}")
+    points = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    start = next(p for p in points if p["t"] >= min(5.0, seconds / 3))
+    end = points[-1]
+    return (end["step"] - start["step"]) / (end["t"] - start["t"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return r.read().decode()
+    except OSError:
+        return ""
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def bench_share(work: Path, net: str, device: str, seconds: float, n: int, every: int) -> None:
+    alone_run = work / "train-alone"
+    alone_run.mkdir()
+    alone = train(work, net, device, seconds, every, alone_run)
+    result("share", "training alone", steps_per_s=alone)
+    for share in (None, 1.0):
+        run = work / f"train-{share or 'default'}"
+        run.mkdir()
+        port = free_port()
+        extra = f", gpu_share: {share}" if share else ""
+        cfg = work / f"watch-{share or 'default'}.yaml"
+        cfg.write_text(
+            f"run: {{dir: '{run}', name: share}}\n"
+            f"state_dir: '{cfg.with_suffix('.state')}'\n"
+            f"model: {{architecture: '{work / 'model.ts'}'}}\n"
+            f"device: '{device}'\n"
+            f"data: {{path: '{work / 'train.h5'}'}}\n"
+            f"http: {{listen: '127.0.0.1:{port}'}}\n"
+            "checkpoints: {pattern: 'ckpt_*.pt', step_regex: 'ckpt_(\\d+)', settle_secs: 0.5, "
+            "poll_secs: 0.5, backlog: latest}\n"
+            f"icr: {{samples: {n}, batch_size: {BATCH}, seed: 0}}\n"
+            "pfd: {enabled: false}\n"
+            "early_stop: {confirm: none}\n"
+            f"evaluation: {{precision: fp32{extra}}}\n")
+        log = open(work / f"watch-{share or 'default'}.log", "wb")
+        daemon = subprocess.Popen([binary(), "watch", "--config", str(cfg)], stdout=log,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 120
+            while not scrape(port) and time.monotonic() < deadline:
+                if daemon.poll() is not None:
+                    raise RuntimeError(f"diffmon watch exited {daemon.returncode}")
+                time.sleep(0.3)
+            shared = train(work, net, device, seconds, every, run)
+            text = scrape(port)
+        finally:
+            daemon.terminate()
+            daemon.wait(timeout=60)
+        label = f"gpu_share {share}" if share else "gpu_share default (0.5)"
+        result("share", f"training with diffmon at {label}", steps_per_s=shared,
+               kept=shared / alone, evaluated=metric(text, "diffmon_checkpoints_evaluated_total"),
+               diffmon_gpu_s=metric(text, "diffmon_gpu_seconds_total"),
+               checkpoints_written=len(list(run.glob("ckpt_*.pt"))))
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def markdown(meta: dict) -> str:
+    lines = [f"GPU benchmark: {meta['device_name']}, torch {meta['torch']}, network {meta['net']} "
+             f"({meta['params_m']:.1f} M parameters), batch {BATCH}; {meta['when']}", "",
+             "| part | what | values |", "|---|---|---|"]
+    for r in RESULTS:
+        values = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                           for k, v in r.items() if k not in ("part", "what"))
+        lines.append(f"| {r['part']} | {r['what']} | {values} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--net", default=None, choices=sorted(NETS))
+    ap.add_argument("--only", default="forward,icr,pfd,share,compile,aoti")
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--share-seconds", type=float, default=30.0)
+    args = ap.parse_args()
+    dry = args.device == "cpu"
+    if not dry and not torch.cuda.is_available():
+        print("bench-gpu: no CUDA device visible (torch.cuda.is_available() is False); "
+              "`--device cpu` is a dry run of the script")
+        return 1
+    net = args.net or ("tiny" if dry else "ddpm")
+    parts = args.only.split(",")
+    for slow in ("compile", "aoti"):
+        if dry and slow in parts and args.only == ap.get_default("only"):
+            parts.remove(slow)  # minutes on a CPU, and not what the dry run checks
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    (work / "run").mkdir()
+    meta = {"device_name": torch.cuda.get_device_name(0) if not dry else "cpu (dry run)",
+            "torch": torch.__version__, "net": net, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    say(f"bench-gpu on {meta['device_name']}, torch {meta['torch']}, work {work}")
+    try:
+        unet, params, size, ckpts = assets(work, net, 1024 if dry else 4096)
+        meta["params_m"] = params / 1e6
+        rates: dict = {}
+        steps = [("forward", lambda: rates.update(bench_forward(work, size, args.device, dry))),
+                 ("icr", lambda: bench_icr(work, ckpts, args.device, (256,) if dry else (4096, 512), rates)),
+                 ("pfd", lambda: bench_pfd(work, ckpts, args.device, 64 if dry else 1000, size, rates)),
+                 ("share", lambda: bench_share(work, net, args.device, 12 if dry else args.share_seconds,
+                                               256 if dry else 4096, 20 if dry else 100)),
+                 ("compile", lambda: bench_compiled(unet, size, args.device, rates)),
+                 ("aoti", lambda: bench_aoti(unet, size, args.device, rates))]
+        for name, run in steps:
+            if name not in parts:
+                continue
+            t0 = time.perf_counter()
+            try:
+                run()
+            except Exception as e:  # noqa: BLE001 - one part failing must not lose the others
+                result(name, "FAILED", error=str(e)[-2000:])
+            say(f"{name}: {time.perf_counter() - t0:.0f} s")
+            (out / "bench-gpu.json").write_text(json.dumps({"meta": meta, "results": RESULTS}, indent=1))
+            (out / "bench-gpu.md").write_text(markdown(meta))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if any(r["what"] == "FAILED" for r in RESULTS) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
