@@ -203,6 +203,8 @@ fn dashboards_query_only_metrics_the_code_exports() {
         "diffmon_slurm_jobs_failed_total",
         "diffmon_slurm_queue_wait_seconds_bucket",
         "diffmon_slurm_run_seconds_bucket",
+        "diffmon_gpu_seconds_total",
+        "diffmon_gpu_memory_peak_bytes",
     ] {
         assert!(used.contains(needed), "no dashboard shows {needed}");
     }
@@ -538,13 +540,15 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
     assert_eq!(steps, vec![1, 2, 3, 4, 5]);
     assert_eq!(failures.len(), 1, "{failures:?}");
 
-    // Every name a dashboard uses is in the live scrape, but the Slurm executor's: this daemon
-    // runs the local executor, which does not export them (issue 34).
+    // Every name a dashboard uses is in the live scrape, but the Slurm executor's and the GPU's:
+    // this daemon runs the local executor, which does not export the first (issue 34), on the
+    // CPU, where there is no GPU time or memory.
     let live = scraped_names(&d.get("/metrics").unwrap());
     let slurm = |name: &str| name.starts_with("diffmon_slurm_");
+    let gpu = |name: &str| name.starts_with("diffmon_gpu_");
     let exprs: Vec<Expr> = dashboard_exprs()
         .into_iter()
-        .filter(|(_, _, e)| !metric_names(e).iter().any(|n| slurm(n)))
+        .filter(|(_, _, e)| !metric_names(e).iter().any(|n| slurm(n) || gpu(n)))
         .collect();
     for (file, at, expr) in &exprs {
         for n in metric_names(expr) {
@@ -554,7 +558,7 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
             );
         }
     }
-    assert!(!live.iter().any(|n| slurm(n)), "{live:?}");
+    assert!(!live.iter().any(|n| slurm(n) || gpu(n)), "{live:?}");
 
     // Every expression returns data once Prometheus has scraped the final state.
     let start = Instant::now();
