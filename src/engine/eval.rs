@@ -364,7 +364,7 @@ impl Evaluator {
             });
             model.begin_evaluation();
         }
-        let evaluated = self.metrics_of(checkpoint, files, step);
+        let evaluated = self.run_evaluation(checkpoint, files, step);
         let gpu = self.model.borrow().end_evaluation();
         let mut record = evaluated?;
         if let Some(gpu) = gpu {
@@ -375,7 +375,7 @@ impl Evaluator {
     }
 
     /// The body of [`Evaluator::evaluate_from`].
-    fn metrics_of(
+    fn run_evaluation(
         &mut self,
         checkpoint: &Path,
         files: &Path,

@@ -54,10 +54,9 @@ pub struct Model {
     precision: Precision,
     /// `evaluation.gpu_share` and `evaluation.gpu_memory_mib` ([`Model::set_gpu_limits`]).
     gpu_limits: GpuLimits,
-    /// The memory cap `batch_limit` was last sized for.
-    sized_for: std::cell::Cell<Option<i64>>,
-    /// The batch limit never grows past this: half of a batch that ran out of memory, or the
-    /// batch at which a capped model stopped growing.
+    /// The memory cap `batch_limit` was sized for, and whether it stopped growing under it.
+    sized_for: std::cell::Cell<Option<(i64, bool)>>,
+    /// The batch limit never grows past this: half of a batch that ran out of memory.
     ceiling: std::cell::Cell<i64>,
     /// GPU seconds of the forward passes since [`Model::begin_evaluation`].
     gpu_seconds: std::cell::Cell<f64>,
@@ -237,14 +236,7 @@ impl Model {
     /// again in halves, as when memory runs out.
     pub fn forward(&self, x: &Tensor, sigma: &Tensor) -> Result<(Tensor, Tensor), ModelError> {
         let n = x.size().first().copied().unwrap_or(0);
-        if let (Some(_), Some(cap)) = (self.cuda(), self.gpu_limits.memory_cap)
-            && self.sized_for.get() != Some(cap)
-        {
-            self.batch_limit
-                .set(self.batch_limit.get().min(gpu::CAPPED_START));
-            self.ceiling.set(i64::MAX);
-            self.sized_for.set(Some(cap));
-        }
+        self.size_for_cap();
         loop {
             match self.forward_in_chunks(x, sigma, n) {
                 Ok(out) => return Ok(out),
@@ -299,6 +291,26 @@ impl Model {
         Ok((Tensor::cat(&denoised, 0), Tensor::cat(&features, 0)))
     }
 
+    /// A new memory cap (CUDA) starts the batch limit at [`gpu::CAPPED_START`], from where it
+    /// grows; a cap removed gives the limit back to what memory allows (the ceiling found when
+    /// it ran out, or none).
+    fn size_for_cap(&self) {
+        let cap = self.gpu_limits.memory_cap.filter(|_| self.cuda().is_some());
+        match (cap, self.sized_for.get()) {
+            (Some(cap), Some((sized, _))) if sized == cap => {}
+            (Some(cap), _) => {
+                let start = gpu::CAPPED_START.min(self.ceiling.get());
+                self.batch_limit.set(start);
+                self.sized_for.set(Some((cap, false)));
+            }
+            (None, Some(_)) => {
+                self.batch_limit.set(self.ceiling.get());
+                self.sized_for.set(None);
+            }
+            (None, None) => {}
+        }
+    }
+
     /// [`gpu::reset_peak`], the evaluation's peak so far kept.
     fn reset_peak(&self, i: usize) -> Result<(), String> {
         let peak = gpu::memory(i)?.reserved_peak;
@@ -309,8 +321,8 @@ impl Model {
     /// One forward call. On CUDA it is synchronized at both ends and timed: its time counts as
     /// GPU time, and is followed by the pause `evaluation.gpu_share` asks for. Under a memory
     /// cap, the memory it took is measured: above the cap it fails as `over_cap` (done again in
-    /// halves); a full batch that took less than half of what is left under the cap doubles
-    /// the batch limit ([`gpu::grown_batch`]).
+    /// halves); after a full batch, the limit doubles while twice its memory fits
+    /// ([`gpu::grown_batch`]), and stays once it does not.
     fn forward_once(&self, x: &Tensor, sigma: &Tensor) -> Result<(Tensor, Tensor), ForwardFailure> {
         let Some(i) = self.cuda() else {
             return self.module.forward(x, sigma, self.bf16());
@@ -348,11 +360,12 @@ impl Model {
             });
         }
         let took = after.allocated_peak - before.allocated;
-        if images == self.batch_limit.get() && images < self.ceiling.get() {
+        let settled = self.sized_for.get().is_none_or(|(_, settled)| settled);
+        if images == self.batch_limit.get() && images < self.ceiling.get() && !settled {
             match gpu::grown_batch(images, before.allocated, took, cap) {
                 Some(grown) => self.batch_limit.set(grown.min(self.ceiling.get())),
                 None => {
-                    self.ceiling.set(images);
+                    self.sized_for.set(Some((cap, true)));
                     tracing::info!(
                         file = %self.module.path.display(),
                         cap_mib = cap >> 20,
