@@ -269,7 +269,9 @@ def memo(fn):
 def icr_point(work: Path, run_dir: Path, data: Path, n: int, repeat: int, with_ref: bool = True):
     """Per-checkpoint ICR seconds (steady state, best of `repeat`) and peak RSS of each side."""
     cfg = write_config(work / f"icr_{run_dir.name}_{n}.yaml", run_dir, data,
-                       f"icr: {{samples: {n}, batch_size: 256, sigma: 0.5}}\npfd: {{enabled: false}}\n")
+                       f"icr: {{samples: {n}, batch_size: 256, sigma: 0.5}}\npfd: {{enabled: false}}\n"
+                       # ICR alone: `confirm: auto` would add the memorization ratio's PF-ODE.
+                       "early_stop: {confirm: none}\n")
     ckpts = sorted(run_dir.glob("ckpt_*.pt"))[-3:]
     ours, refs, ours_rss, ref_rss = [], [], 0.0, 0.0
     for _ in range(repeat):
@@ -391,7 +393,8 @@ def bench_load(work: Path, repeat: int, quick: bool) -> list[dict]:
                     suffixes=(".pt", ".safetensors"))
     data = images_h5(work / "big_train.h5", 8, (1, 16, 16))
     n_params = params(big)
-    cfg = write_config(work / "load.yaml", big, data, "icr: {samples: 2, batch_size: 2}\npfd: {enabled: false}\n")
+    cfg = write_config(work / "load.yaml", big, data, "icr: {samples: 2, batch_size: 2}\npfd: {enabled: false}\n"
+                       "early_stop: {confirm: none}\n")
     rows = []
     for suffix, what in ((".pt", "torch.save zip"), (".safetensors", "safetensors")):
         ckpts = sorted(big.glob(f"ckpt_*{suffix}"))

@@ -45,6 +45,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
+sys.path.insert(0, str(ROOT / "bench"))
+# ICR's moments and generalized eigenproblem, the researcher's code make bench runs too.
+from reference import icr_of_features  # noqa: E402
 
 NETS = {
     # DDPM's CIFAR-10 network (35.7 M parameters), diffusers' configuration of it.
@@ -341,16 +344,7 @@ def researcher_icr(work: Path, ckpt: Path, device: str, n: int) -> float:
             h = f.mean(dim=(2, 3)) if f.dim() == 4 else f
             h1s.append(h[:len(x0)].double())
             h2s.append(h[len(x0):].double())
-    h1, h2 = torch.cat(h1s), torch.cat(h2s)
-    t, u = (h1 + h2) / 2, h1 - h2
-    cov_t, cov_u = torch.cov(t.T), torch.cov(u.T)
-    xi, ss = cov_u / 2, cov_t - cov_u / 4
-    d = xi.shape[0]
-    xi = xi + 1e-4 * torch.trace(xi) / d * torch.eye(d, dtype=torch.float64, device=device)
-    ell = torch.linalg.cholesky(xi)
-    w = torch.linalg.solve_triangular(ell, torch.linalg.solve_triangular(ell, ss, upper=False).T,
-                                      upper=False)
-    float(1 / (1 + torch.linalg.eigvalsh((w + w.T) / 2).mean()))
+    icr_of_features(torch.cat(h1s), torch.cat(h2s))
     sync(device)
     return time.perf_counter() - t0
 

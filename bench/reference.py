@@ -105,12 +105,17 @@ def icr(m, images: torch.Tensor, n: int, sigma: float, batch: int) -> float:
             h = f.mean(dim=(2, 3)) if f.dim() == 4 else f
             h1s.append(h[:len(idx)].double())
             h2s.append(h[len(idx):].double())
-    h1, h2 = torch.cat(h1s), torch.cat(h2s)
+    return icr_of_features(torch.cat(h1s), torch.cat(h2s))
+
+
+def icr_of_features(h1: torch.Tensor, h2: torch.Tensor, ridge: float = 1e-4) -> float:
+    """ICR from the two views' pooled features (float64, on their device): the moments and the
+    generalized eigenproblem."""
     t, u = (h1 + h2) / 2, h1 - h2
     cov_t, cov_u = torch.cov(t.T), torch.cov(u.T)
     xi, ss = cov_u / 2, cov_t - cov_u / 4
     d = xi.shape[0]
-    xi = xi + 1e-4 * torch.trace(xi) / d * torch.eye(d, dtype=torch.float64)
+    xi = xi + ridge * torch.trace(xi) / d * torch.eye(d, dtype=torch.float64, device=xi.device)
     ell = torch.linalg.cholesky(xi)
     w = torch.linalg.solve_triangular(ell, torch.linalg.solve_triangular(ell, ss, upper=False).T, upper=False)
     lam = torch.linalg.eigvalsh((w + w.T) / 2)
