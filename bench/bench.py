@@ -266,12 +266,15 @@ def memo(fn):
 
 
 @memo
-def icr_point(work: Path, run_dir: Path, data: Path, n: int, repeat: int, with_ref: bool = True):
-    """Per-checkpoint ICR seconds (steady state, best of `repeat`) and peak RSS of each side."""
-    cfg = write_config(work / f"icr_{run_dir.name}_{n}.yaml", run_dir, data,
+def icr_point(work: Path, run_dir: Path, data: Path, n: int, repeat: int, with_ref: bool = True,
+              precision: str = "fp32"):
+    """Per-checkpoint ICR seconds (steady state, best of `repeat`) and peak RSS of each side
+    (the reference always in float32)."""
+    cfg = write_config(work / f"icr_{run_dir.name}_{n}_{precision}.yaml", run_dir, data,
                        f"icr: {{samples: {n}, batch_size: 256, sigma: 0.5}}\npfd: {{enabled: false}}\n"
                        # ICR alone: `confirm: auto` would add the memorization ratio's PF-ODE.
-                       "early_stop: {confirm: none}\n")
+                       "early_stop: {confirm: none}\n"
+                       f"evaluation: {{precision: {precision}}}\n")
     ckpts = sorted(run_dir.glob("ckpt_*.pt"))[-3:]
     ours, refs, ours_rss, ref_rss = [], [], 0.0, 0.0
     for _ in range(repeat):
@@ -298,6 +301,10 @@ def bench_icr(work: Path, repeat: int, quick: bool) -> list[dict]:
     o, r, orss, rrss = icr_point(work, wide, wide_data, n, 1)
     rows.append(row(f"ICR per checkpoint, wider U-Net, n = {n}", o, r, orss, rrss, "ratio ≥ 1",
                     **bound("wide", 2 * n, o)))
+    # evaluation.precision: bf16 on this CPU, against diffmon's own fp32 of the row above.
+    b, _, brss, _ = icr_point(work, wide, wide_data, n, 1, with_ref=False, precision="bf16")
+    rows.append(row(f"ICR per checkpoint, wider U-Net, n = {n}, bf16 (against diffmon fp32)", b, o,
+                    brss, orss, "ratio ≥ 1", **bound("wide", 2 * n, b)))
     rows.append(icr_linalg(work, repeat))
     return rows
 
