@@ -28,11 +28,11 @@ network, small counts, no compile): it checks the harness, not the numbers.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +48,8 @@ sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
 # ICR's moments and generalized eigenproblem, the researcher's code make bench runs too.
 from reference import icr_of_features  # noqa: E402
+
+from bench import free_port  # noqa: E402
 
 NETS = {
     # DDPM's CIFAR-10 network (35.7 M parameters), diffusers' configuration of it.
@@ -241,7 +243,7 @@ def bench_compiled(unet, size: int, device: str, rates: dict) -> None:
             result(r["part"], f"{r['what']} against the compiled bf16 rate", share=got / best)
 
 
-def bench_aoti(unet, size: int, device: str, rates: dict) -> None:
+def bench_aoti(work: Path, unet, size: int, device: str, rates: dict) -> None:
     """What a compiled format beside TorchScript would give (not yet diffmon's): the network
     exported with torch.export (batch dimension dynamic) and compiled by AOTInductor into a
     package, bf16 autocast inside; its compile time and images/s, and whether new weights swapped
@@ -260,7 +262,8 @@ def bench_aoti(unet, size: int, device: str, rates: dict) -> None:
             with torch.autocast(kind, dtype=torch.bfloat16):
                 return self.net(x, t).sample.float()
 
-    net = unet.to(device).eval()
+    # A copy: the swap below changes its weights.
+    net = copy.deepcopy(unet).to(device).eval()
     model = Bf16(net)
     x = torch.randn(BATCH, 3, size, size, device=device)
     t = torch.full((BATCH,), 500, device=device, dtype=torch.long)
@@ -270,7 +273,7 @@ def bench_aoti(unet, size: int, device: str, rates: dict) -> None:
     with torch.no_grad():
         ep = torch.export.export(model, (x, t), dynamic_shapes=({0: batch}, {0: batch}))
         package = torch._inductor.aoti_compile_and_package(
-            ep, package_path=str(Path(tempfile.mkdtemp()) / "net.pt2"))
+            ep, package_path=str(work / "net.pt2"))
     compile_s = time.perf_counter() - t0
     compiled = torch._inductor.aoti_load_package(package)
     got = rate(lambda: compiled(x, t), device, BATCH, 2.0)
@@ -296,7 +299,6 @@ def bench_aoti(unet, size: int, device: str, rates: dict) -> None:
            compile_s=compile_s, of_torchscript_bf16=got / rates.get("torchscript_bf16", float("nan")),
            constants=len(fqns), swapped=len(swap), swap_s=swap_s, rel_diff_after_swap=diff,
            rel_diff_without_swap=unswapped)
-    unet.to("cpu")
 
 
 # ----------------------------------------------------------------------------- ICR
@@ -453,7 +455,7 @@ while time.perf_counter() - t0 < seconds:
 """
 
 
-def train(work: Path, net: str, device: str, seconds: float, every: int, run: Path) -> float:
+def train(net: str, device: str, seconds: float, every: int, run: Path) -> float:
     """The trainer for `seconds`; its steps/s after the first 5 s (warm-up)."""
     out = subprocess.run([sys.executable, "-c", TRAINER, json.dumps(NETS[net]), str(run),
                           str(seconds), str(every), device], capture_output=True, text=True,
@@ -464,12 +466,6 @@ def train(work: Path, net: str, device: str, seconds: float, every: int, run: Pa
     start = next(p for p in points if p["t"] >= min(5.0, seconds / 3))
     end = points[-1]
     return (end["step"] - start["step"]) / (end["t"] - start["t"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> str:
@@ -488,7 +484,7 @@ def metric(text: str, name: str) -> float:
 def bench_share(work: Path, net: str, device: str, seconds: float, n: int, every: int) -> None:
     alone_run = work / "train-alone"
     alone_run.mkdir()
-    alone = train(work, net, device, seconds, every, alone_run)
+    alone = train(net, device, seconds, every, alone_run)
     result("share", "training alone", steps_per_s=alone)
     for share in (None, 1.0):
         run = work / f"train-{share or 'default'}"
@@ -518,7 +514,7 @@ def bench_share(work: Path, net: str, device: str, seconds: float, n: int, every
                 if daemon.poll() is not None:
                     raise RuntimeError(f"diffmon watch exited {daemon.returncode}")
                 time.sleep(0.3)
-            shared = train(work, net, device, seconds, every, run)
+            shared = train(net, device, seconds, every, run)
             text = scrape(port)
         finally:
             daemon.terminate()
@@ -579,7 +575,7 @@ def main() -> int:
                  ("share", lambda: bench_share(work, net, args.device, 12 if dry else args.share_seconds,
                                                256 if dry else 4096, 20 if dry else 100)),
                  ("compile", lambda: bench_compiled(unet, size, args.device, rates)),
-                 ("aoti", lambda: bench_aoti(unet, size, args.device, rates))]
+                 ("aoti", lambda: bench_aoti(work, unet, size, args.device, rates))]
         for name, run in steps:
             if name not in parts:
                 continue

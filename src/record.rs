@@ -58,11 +58,11 @@ pub struct Evaluation {
     pub generalization_gap_stderr: Option<f64>,
     /// On CUDA: the seconds of the network's forward passes, each synchronized at both ends (the
     /// pauses of `evaluation.gpu_share` are not in them).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu_seconds: Option<f64>,
     /// On CUDA: the most bytes PyTorch's caching allocator reserved on the GPU during the
     /// evaluation (the CUDA context not included).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu_memory_peak_bytes: Option<i64>,
     pub seconds: f64,
     /// Seconds per stage (`load`, `icr`, `loss`), for the duration histogram; not serialized.

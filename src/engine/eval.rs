@@ -354,14 +354,7 @@ impl Evaluator {
             let mut model = self.model.borrow_mut();
             // This run's settings: a sweep's runs may share the model with other settings.
             model.set_precision(self.config.evaluation.precision);
-            model.set_gpu_limits(GpuLimits {
-                share: self.config.evaluation.gpu_share,
-                memory_cap: self
-                    .config
-                    .evaluation
-                    .gpu_memory_mib
-                    .map(|m| (m as i64) << 20),
-            });
+            model.set_gpu_limits(GpuLimits::of(&self.config.evaluation));
             model.begin_evaluation();
         }
         let evaluated = self.run_evaluation(checkpoint, files, step);

@@ -193,8 +193,8 @@ void dm_set_tf32(int on) {
 
 // CUDA's caching allocator, through c10's device-generic allocator interface (libc10 and its
 // headers only: no CUDA header is needed to build, and a CPU-only libtorch answers with an
-// error). `out` gets, in bytes: allocated now, allocated at the peak, reserved now, reserved at
-// the peak (reserved: what the allocator holds from the GPU, cached blocks included).
+// error). `out` gets, in bytes: allocated now, allocated at the peak, reserved at the peak
+// (reserved: what the allocator holds from the GPU, cached blocks included).
 int dm_cuda_memory(int device, int64_t *out, char **err) {
   return guarded(err, 1, [&] {
     auto stats = c10::getDeviceAllocator(c10::DeviceType::CUDA)
@@ -202,8 +202,7 @@ int dm_cuda_memory(int device, int64_t *out, char **err) {
     const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
     out[0] = stats.allocated_bytes[all].current;
     out[1] = stats.allocated_bytes[all].peak;
-    out[2] = stats.reserved_bytes[all].current;
-    out[3] = stats.reserved_bytes[all].peak;
+    out[2] = stats.reserved_bytes[all].peak;
     return 0;
   });
 }

@@ -13,52 +13,48 @@ unsafe extern "C" {
     fn dm_cuda_empty_cache(err: *mut *mut c_char) -> c_int;
 }
 
-/// What CUDA's caching allocator holds on one device for this process, in bytes. `reserved` is
-/// what it took from the GPU (the blocks tensors use and its cache): what another process on
-/// the GPU cannot have. The CUDA context itself (a few hundred MiB) is not counted.
+/// What CUDA's caching allocator holds on one device for this process, in bytes: what tensors
+/// use now and at the peak, and the most it reserved from the GPU (the blocks tensors use and its
+/// cache: what another process on the GPU cannot have). The CUDA context itself (a few hundred
+/// MiB) is not counted. Peaks are since the last [`reset_peak`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct GpuMemory {
     pub allocated: i64,
     pub allocated_peak: i64,
-    pub reserved: i64,
     pub reserved_peak: i64,
 }
 
-fn check(rc: c_int, err: *mut c_char) -> Result<(), String> {
-    if rc == 0 {
+/// One call of the shim's allocator functions, which report a failure through `err`.
+fn call(f: impl FnOnce(*mut *mut c_char) -> c_int) -> Result<(), String> {
+    let mut err = std::ptr::null_mut();
+    if f(&mut err) == 0 {
         Ok(())
     } else {
         Err(take_error(err))
     }
 }
 
-/// The allocator's counts on CUDA device `index` (peaks since the last [`reset_peak`]).
+/// The allocator's counts on CUDA device `index`.
 pub fn memory(index: usize) -> Result<GpuMemory, String> {
-    let mut out = [0i64; 4];
-    let mut err = std::ptr::null_mut();
-    let rc = unsafe { dm_cuda_memory(index as c_int, out.as_mut_ptr(), &mut err) };
-    check(rc, err)?;
+    let mut out = [0i64; 3];
+    call(|err| unsafe { dm_cuda_memory(index as c_int, out.as_mut_ptr(), err) })?;
+    let [allocated, allocated_peak, reserved_peak] = out;
     Ok(GpuMemory {
-        allocated: out[0],
-        allocated_peak: out[1],
-        reserved: out[2],
-        reserved_peak: out[3],
+        allocated,
+        allocated_peak,
+        reserved_peak,
     })
 }
 
 /// The peaks of [`memory`] start again from the current values.
 pub fn reset_peak(index: usize) -> Result<(), String> {
-    let mut err = std::ptr::null_mut();
-    let rc = unsafe { dm_cuda_reset_peak(index as c_int, &mut err) };
-    check(rc, err)
+    call(|err| unsafe { dm_cuda_reset_peak(index as c_int, err) })
 }
 
 /// Gives the allocator's cached blocks (those no tensor uses) back to the GPU, where another
 /// process can take them.
 pub fn release_cached() -> Result<(), String> {
-    let mut err = std::ptr::null_mut();
-    let rc = unsafe { dm_cuda_empty_cache(&mut err) };
-    check(rc, err)
+    call(|err| unsafe { dm_cuda_empty_cache(err) })
 }
 
 /// The pause after `busy` of GPU work that keeps the work at `share` of the time: busy /
@@ -77,8 +73,9 @@ pub const CAPPED_START: i64 = 16;
 /// Under a memory cap of `cap` bytes: after a forward of `images` images (the whole batch
 /// limit) that allocated `took` bytes at its peak above the `allocated` before it, the doubled
 /// batch when twice as much still fits within 80 % of the cap (a fifth left to the allocator's
-/// rounding and fragmentation: the cap is on what it reserves), else `None`. Twice the batch takes at most twice the memory (a
-/// fixed part, workspaces, does not double), so a batch grown this way stays under the cap.
+/// rounding and fragmentation: the cap is on what it reserves), else `None`. Twice the batch
+/// takes at most twice the memory (a fixed part, workspaces, does not double), so a batch grown
+/// this way stays under the cap.
 pub fn grown_batch(images: i64, allocated: i64, took: i64, cap: i64) -> Option<i64> {
     let fits = allocated as f64 + 2.0 * took.max(0) as f64 <= 0.8 * cap as f64;
     fits.then_some(images.saturating_mul(2))
@@ -93,6 +90,16 @@ pub struct GpuLimits {
     pub memory_cap: Option<i64>,
 }
 
+impl GpuLimits {
+    /// The limits a run's `evaluation` section sets.
+    pub fn of(e: &crate::config::EvaluationConfig) -> GpuLimits {
+        GpuLimits {
+            share: e.gpu_share,
+            memory_cap: e.gpu_memory_mib.map(|mib| (mib as i64) << 20),
+        }
+    }
+}
+
 impl Default for GpuLimits {
     fn default() -> Self {
         GpuLimits {
@@ -103,7 +110,7 @@ impl Default for GpuLimits {
 }
 
 /// What one evaluation took of the GPU.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GpuUse {
     /// The wall time of the network's forward passes, each synchronized at both ends (the GPU
     /// was busy with them, or waiting on another process's work): the pauses of the share are
