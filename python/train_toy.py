@@ -284,6 +284,38 @@ def ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
         be.copy_(bm)
 
 
+TRAIN_STATE = ".train_state.pt"
+# What a resumed run must share with the run it goes on from.
+RESUME_KEYS = ("dataset", "size", "train_size", "heldout_size", "width", "batch_size", "lr",
+               "ckpt_every", "format", "ema", "seed")
+
+
+def save_train_state(run_dir: Path, args: argparse.Namespace, step: int, model: nn.Module,
+                     ema: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator) -> None:
+    """Everything a resumed run needs to train on exactly as this one would (--resumable)."""
+    path = run_dir / TRAIN_STATE
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save({"step": step, "model": cpu_state(model), "ema": cpu_state(ema),
+                "opt": opt.state_dict(), "gen": gen.get_state(),
+                "args": {k: getattr(args, k) for k in RESUME_KEYS}}, tmp)
+    os.replace(tmp, path)
+
+
+def load_train_state(run_dir: Path, args: argparse.Namespace) -> dict | None:
+    """The saved state of an earlier run in `run_dir`, or None; a state of a run with other
+    settings is an error that names them."""
+    path = run_dir / TRAIN_STATE
+    if not path.is_file():
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    differ = [f"--{k.replace('_', '-')} {state['args'].get(k)} (now {getattr(args, k)})"
+              for k in RESUME_KEYS if state["args"].get(k) != getattr(args, k)]
+    if differ:
+        raise SystemExit(f"train_toy: {path} is from a run with other settings: {', '.join(differ)}; "
+                         "remove it to train from the start")
+    return state
+
+
 def _stop(run_dir: Path, stop_file: str, where: str) -> None:
     event = read_stop_event(run_dir, stop_file)
     if event is not None:
@@ -322,6 +354,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds to pause after each checkpoint (demos)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (default 1: leaves a core to diffmon running beside it)")
+    ap.add_argument("--resumable", action="store_true",
+                    help="after each checkpoint also save RUN_DIR/.train_state.pt (weights, EMA, "
+                         "optimizer and noise-generator state) and, when it is there, go on from it: "
+                         "an interrupted or extended run (a larger --steps) trains exactly as one "
+                         "uninterrupted run")
     ap.add_argument("--device", default="cpu",
                     help="where to train: cpu (default) or cuda[:N]; checkpoints are saved on the CPU "
                          "either way (the noise is drawn on the CPU, so runs agree across devices)")
@@ -359,20 +396,24 @@ def main(argv=None) -> int:
         return 0
 
     torch.manual_seed(args.seed)
+    resume = load_train_state(run_dir, args) if args.resumable else None
+    if resume is not None and resume["step"] >= args.steps:
+        print(f"train_toy: {run_dir} is trained to step {resume['step']} already", flush=True)
+        return 0
     try:
         train, train_idx, train_labels, held, held_idx, source = load_data(
             args.dataset, args.size, args.seed, args.train_size, args.heldout_size)
     except RuntimeError as e:  # mnist.MnistMissing: the package to install, by name
         print(f"train_toy: {e}", file=sys.stderr)
         return 2
-    write_h5_atomic(run_dir / "train.h5", train, train_idx, source, train_labels)
-    write_h5_atomic(run_dir / "heldout.h5", held, held_idx, source)
-
     model = ToyDenoiser(1, args.width)
     example_shape = (1, 1, args.size, args.size)
-    model_out = args.model_out if args.model_out is not None else run_dir / "model.ts"
-    model_out.parent.mkdir(parents=True, exist_ok=True)
-    export(model, FEATURE_LAYER, model_out, example_shape=example_shape)
+    if resume is None:  # a resumed run's data files and architecture are there, unchanged
+        write_h5_atomic(run_dir / "train.h5", train, train_idx, source, train_labels)
+        write_h5_atomic(run_dir / "heldout.h5", held, held_idx, source)
+        model_out = args.model_out if args.model_out is not None else run_dir / "model.ts"
+        model_out.parent.mkdir(parents=True, exist_ok=True)
+        export(model, FEATURE_LAYER, model_out, example_shape=example_shape)
     device = torch.device(args.device)
     model.to(device)
     train = train.to(device)
@@ -384,6 +425,15 @@ def main(argv=None) -> int:
         ema = model  # checkpoints hold the current weights
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed + 1)
+    first = 1
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        if args.ema > 0:
+            ema.load_state_dict(resume["ema"])
+        opt.load_state_dict(resume["opt"])
+        gen.set_state(resume["gen"])
+        first = resume["step"] + 1
+        print(f"train_toy: resuming {run_dir} after step {resume['step']}", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"train_toy: {args.dataset}, {len(train)} train / {len(held_idx)} held-out images {args.size}x{args.size}, "
           f"width {args.width} ({n_params} parameters), {args.steps} steps, format {args.format}, "
@@ -392,7 +442,7 @@ def main(argv=None) -> int:
     t_start = t_last = time.perf_counter()
     loss_sum, loss_n = 0.0, 0
     model.train()
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
         idx = torch.randint(len(train), (args.batch_size,), generator=gen)
         loss = edm_loss(model, train[idx.to(device)], gen)
         opt.zero_grad(set_to_none=True)
@@ -404,6 +454,8 @@ def main(argv=None) -> int:
         loss_n += 1
         if step % args.ckpt_every == 0 or step == args.steps:
             path = save_checkpoint(run_dir, args.format, step, model, ema, example_shape)
+            if args.resumable:
+                save_train_state(run_dir, args, step, model, ema, opt, gen)
             now = time.perf_counter()
             print(f"step {step:6d}  loss {loss_sum / loss_n:.4f}  {now - t_last:6.2f}s  "
                   f"(total {now - t_start:.1f}s)  {path.name}", flush=True)

@@ -6,6 +6,7 @@ copying its training images, on MNIST at its own 28x28?
     .venv/bin/python scripts/mnist_study.py OUT_DIR [--sizes 64,256,1024,rich] [--seeds 0,1,2]
         [--steps 2000] [--rich-size 20000] [--rich-steps 4000] [--ckpt-every 100] [--width 32]
         [--icr-samples 1024] [--truth-samples 256] [--truth-every 2] [--weights ema,raw]
+        [--pattern 'ckpt_*.pt']
         [--lanes 2] [--phase train|evaluate|truth|decide|all] [--train-device cpu|cuda]
         [--bin DIFFMON]
 
@@ -14,6 +15,8 @@ it stopped (run it again with the same arguments):
 1. train: the project's trainer (`python/train_toy.py --dataset mnist`: the EDM U-Net of the toy,
    batch 64, EMA 0.995, a checkpoint every `--ckpt-every` steps holding both the EMA and the raw
    weights) on N MNIST training digits per seed, with 1000 held-out digits from MNIST's test split;
+   `--resumable`, so an interrupted run, or one extended by a larger `--steps`, goes on from its
+   last checkpoint exactly as an uninterrupted run would;
 2. evaluate: `diffmon watch` evaluates every checkpoint once per weights variant, with the
    held-out set configured, so each record has ICR, the generalization gap and diffmon's
    memorization ratio (128 PF-ODE latents);
@@ -76,7 +79,8 @@ def runs(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
 
 
 def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    return sorted((int(p.stem.split("_")[1]), p) for p in run_dir.glob("ckpt_*.pt"))
+    """The checkpoints the study evaluates (`--pattern`), by step."""
+    return sorted((int(p.stem.split("_")[1]), p) for p in run_dir.glob(ARGS.pattern))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,15 +92,17 @@ def train(out: Path, name: str, size: int, seed: int, steps: int) -> None:
     if (run_dir / f"ckpt_{steps:06d}.pt").exists():
         return
     t0 = time.perf_counter()
-    with open(out / f"{name}.log", "w") as log:
+    with open(out / f"{name}.log", "a") as log:
         subprocess.run([PY, str(ROOT / "python" / "train_toy.py"), "--dataset", "mnist",
                         "--run-dir", str(run_dir), "--train-size", str(size),
                         "--heldout-size", str(HELDOUT), "--steps", str(steps),
                         "--ckpt-every", str(ARGS.ckpt_every), "--batch-size", "64", "--ema", "0.995",
                         "--width", str(ARGS.width), "--seed", str(seed), "--threads", "1",
-                        "--format", "ema_dict", "--device", ARGS.train_device],
+                        "--format", "ema_dict", "--device", ARGS.train_device, "--resumable"],
                        check=True, stdout=log, stderr=subprocess.STDOUT)
-    (run_dir / "train-seconds.json").write_text(json.dumps({"seconds": time.perf_counter() - t0}))
+    spent = run_dir / "train-seconds.json"  # summed over the sessions that trained the run
+    before = json.loads(spent.read_text())["seconds"] if spent.exists() else 0.0
+    spent.write_text(json.dumps({"seconds": before + time.perf_counter() - t0, "steps": steps}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,7 +121,7 @@ def config(run_dir: Path, variant: str, heldout: bool) -> Path:
         f"model: {{architecture: {run_dir / 'model.ts'}}}\ndevice: cpu\ncpu_threads: 1\n"
         f"{data}icr: {{samples: {ARGS.icr_samples}}}\n"
         "pfd: {enabled: true, samples: 128, batch_size: 128}\nmemorization: {enabled: true}\n"
-        f"checkpoints: {{pattern: 'ckpt_*.pt', weights_key: {WEIGHTS[variant]}}}\n"
+        f"checkpoints: {{pattern: '{ARGS.pattern}', weights_key: {WEIGHTS[variant]}}}\n"
         f"alerts: {{stop_file: EARLY_STOP_{variant}}}\nhttp: {{listen: '127.0.0.1:0'}}\n"
     )
     return path
@@ -237,21 +243,23 @@ def truth(run_dir: Path) -> None:
     ckpts = checkpoints(run_dir)
     for k, (step, ckpt) in enumerate(ckpts):
         sample_it = k % ARGS.truth_every == ARGS.truth_every - 1 or k == len(ckpts) - 1
-        entry = done.get(str(step), {})
-        if "heldout_loss" in entry and ("copy_share" in entry or not sample_it):
+        entry = done.get(str(step), {"heldout_loss": {}})
+        losses = [v for v in ARGS.weights.split(",") if v not in entry["heldout_loss"]]
+        if not losses and ("copy_share" in entry or not sample_it):
             continue
         t0 = time.perf_counter()
         state = torch.load(ckpt, map_location="cpu", weights_only=True)
-        entry = {"heldout_loss": {}}
         with torch.no_grad():
-            for variant in ARGS.weights.split(","):
+            for variant in losses:
                 net.load_state_dict(state[WEIGHTS[variant]])
                 entry["heldout_loss"][variant] = heldout_loss(net, held, sigma, noise)
-                if variant == "ema" and sample_it:
-                    share, ratio = copy_share(heun_sample(net, latents), train_x)
-                    entry["copy_share"] = share
-                    entry["ratio_median"] = float(np.median(ratio))
-        entry["seconds"] = time.perf_counter() - t0
+            if sample_it and "copy_share" not in entry:
+                net.load_state_dict(state[WEIGHTS["ema"]])
+                t1 = time.perf_counter()
+                share, ratio = copy_share(heun_sample(net, latents), train_x)
+                entry["copy_share"] = share
+                entry["ratio_median"] = float(np.median(ratio))
+                entry["seconds"] = time.perf_counter() - t1
         done[str(step)] = entry
         tmp = path.with_name(".truth.json.tmp")
         tmp.write_text(json.dumps(done, indent=1, sort_keys=True))
@@ -395,7 +403,11 @@ def main() -> int:
     ap.add_argument("--icr-samples", type=int, default=1024)
     ap.add_argument("--truth-samples", type=int, default=256)
     ap.add_argument("--truth-every", type=int, default=2)
-    ap.add_argument("--weights", default="ema,raw")
+    ap.add_argument("--weights", default="ema,raw",
+                    help="the weights evaluated (ema, raw); run again with more to add them")
+    ap.add_argument("--pattern", default="ckpt_*.pt",
+                    help="the checkpoints evaluated (e.g. 'ckpt_*00.pt': every 100 steps of a run "
+                         "saved every 50)")
     ap.add_argument("--lanes", type=int, default=2, help="runs side by side, one thread each")
     ap.add_argument("--train-device", default="cpu",
                     help="where the trainer runs (cuda: train many runs at once on one GPU with "

@@ -144,3 +144,22 @@ def test_bad_arguments_exit_2(tmp_path):
     with pytest.raises(SystemExit) as e:
         train_toy.main(["--run-dir", str(tmp_path), "--train-size", "2000"])
     assert e.value.code == 2 and not list(tmp_path.iterdir())
+
+
+def test_a_resumed_run_trains_exactly_as_an_uninterrupted_one(tmp_path, capsys):
+    straight = run(tmp_path / "straight", "--resumable", "--ema", "0.9", "--format", "ema_dict",
+                   "--steps", "6")
+    resumed = run(tmp_path / "resumed", "--resumable", "--ema", "0.9", "--format", "ema_dict")
+    assert sorted(p.name for p in resumed.glob("ckpt_*")) == ["ckpt_000002.pt", "ckpt_000004.pt"]
+    run(resumed, "--resumable", "--ema", "0.9", "--format", "ema_dict", "--steps", "6")
+    assert "resuming" in capsys.readouterr().out
+    a = torch.load(straight / "ckpt_000006.pt", weights_only=True)
+    b = torch.load(resumed / "ckpt_000006.pt", weights_only=True)
+    for key in ("ema", "model"):
+        assert a[key].keys() == b[key].keys()
+        for name in a[key]:
+            assert torch.equal(a[key][name], b[key][name]), (key, name)
+    # Settings that differ from the saved run's are refused, naming them.
+    with pytest.raises(SystemExit, match="--width 4 \\(now 5\\)"):
+        run(resumed, "--resumable", "--ema", "0.9", "--format", "ema_dict", "--steps", "8",
+            "--width", "5")
