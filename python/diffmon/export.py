@@ -320,6 +320,8 @@ PARAMETERIZATION_TABLE = (
                      "DDPM-style: module(x_t, t) predicts the clean image x0 on a VP schedule"),
     Parameterization("rectified_flow", "flow", "rectified_flow", "velocity",
                      "flow matching, x_t = (1-t) x + t n (SD3, Flux, FlowMatch* schedulers); predicts n - x"),
+    Parameterization("cosine_flow", "flow", "cosine", "velocity",
+                     "flow matching, x_t = cos(pi t/2) x + sin(pi t/2) n (REPA's cosine path); predicts dx_t/dt"),
     Parameterization("sit_linear_velocity", "flow", "sit_linear", "velocity",
                      "SiT Linear, data at t = 1 (SiT's code): x_t = t x + (1-t) n; predicts x - n"),
     Parameterization("sit_linear_score", "flow", "sit_linear", "score",
@@ -338,6 +340,7 @@ PARAMETERIZATIONS = tuple(_BY_NAME)
 # The flow paths: how each is written in the note and what check-config calls it.
 FLOW_PATHS = {
     "rectified_flow": "rectified flow, x_t = (1-t) x + t n, data at t = 0",
+    "cosine": "cosine, x_t = cos(pi t/2) x + sin(pi t/2) n, data at t = 0",
     "sit_linear": "SiT Linear, x_t = t x + (1-t) n, data at t = 1 (SiT's code)",
     "sit_gvp": "SiT GVP, x_t = sin(pi t/2) x + cos(pi t/2) n, data at t = 1 (SiT's code)",
 }
@@ -394,6 +397,7 @@ def flow_time(path: str, sigma):
     ``sigma`` (a float or a tensor), as the network takes it before any ``t_scale``:
 
     * ``rectified_flow`` (data at t = 0): ``t = sigma / (1 + sigma)``;
+    * ``cosine`` (data at t = 0): ``t = (2/pi) atan(sigma)``;
     * ``sit_linear`` (data at t = 1, SiT's code): ``t = 1 / (1 + sigma)``;
     * ``sit_gvp`` (data at t = 1): ``t = (2/pi) atan(1/sigma)``.
 
@@ -401,6 +405,8 @@ def flow_time(path: str, sigma):
     s = sigma.to(torch.float64) if isinstance(sigma, Tensor) else torch.tensor(float(sigma), dtype=torch.float64)
     if path == "rectified_flow":
         t = s / (1 + s)
+    elif path == "cosine":
+        t = (2 / math.pi) * torch.atan(s)
     elif path == "sit_linear":
         t = 1 / (1 + s)
     elif path == "sit_gvp":
@@ -420,9 +426,12 @@ def _flow_coefficients(path: str, s: Tensor):
         return t, 1 / (1 + s), s / (1 + s), -one, one
     if path == "sit_linear":
         return t, 1 / (1 + s), s / (1 + s), one, -one
-    # sit_gvp: alpha = sin(pi t/2) = 1/sqrt(1+s^2), sigma_t = cos(pi t/2) = s/sqrt(1+s^2).
+    # sit_gvp: alpha = sin(pi t/2) = 1/sqrt(1+s^2), sigma_t = cos(pi t/2) = s/sqrt(1+s^2);
+    # cosine: alpha = cos(pi t/2), sigma_t = sin(pi t/2), the same values at the same s.
     r = torch.sqrt(1 + s * s)
     a, st = 1 / r, s / r
+    if path == "cosine":
+        return t, a, st, -(math.pi / 2) * st, (math.pi / 2) * a
     return t, a, st, (math.pi / 2) * st, -(math.pi / 2) * a
 
 
@@ -1668,10 +1677,10 @@ _DENOISER_ONLY = (("feature_layer", "--feature-layer"), ("parameterization", "--
                   ("class_keyword", "--class-keyword"))
 
 
-def main(argv=None) -> int:
-    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+def build_parser(prog: str = "python -m diffmon.export") -> argparse.ArgumentParser:
+    """The command line of ``diffmon-export`` (every option has its help text)."""
     ap = argparse.ArgumentParser(
-        prog=prog if prog.startswith("diffmon-export") else "python -m diffmon.export",
+        prog=prog,
         description="Export a PyTorch network to diffmon's TorchScript model contract "
                     "(forward(x, sigma) -> (EDM denoised, features)), or with --vae a VAE "
                     "(encode, decode).",
@@ -1749,6 +1758,12 @@ def main(argv=None) -> int:
     vae.add_argument("--scaling-factor", type=float, help="default the VAE's config.scaling_factor")
     vae.add_argument("--shift-factor", type=float, help="default the VAE's config.shift_factor, or 0")
     ap.add_argument("--out", help="output TorchScript file")
+    return ap
+
+
+def main(argv=None) -> int:
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    ap = build_parser(prog if prog.startswith("diffmon-export") else "python -m diffmon.export")
     args = ap.parse_args(argv)
 
     if args.vae:
