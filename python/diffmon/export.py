@@ -33,10 +33,15 @@ batch size is frozen at the traced example (B=2); ``export`` re-runs the reloade
 different noise levels and compares it with the eager module, so such a freeze is normally caught
 and raised as :class:`ExportError`, but a branch that the check inputs happen to take the same
 way as the trace is not. The network must be callable as ``module(x, sigma_or_t)``, plus the
-one keyword argument of a fixed condition ("Conditional networks"); its output may be a tensor, a
-tuple/list whose first item is the tensor, or an object with a ``.sample`` attribute (diffusers).
-The feature layer must run exactly once per forward and return a tensor; a ``[B,L,D]`` token
-output (a transformer block's) is mean-pooled over ``L`` to ``[B,D]``.
+keyword arguments of a fixed condition ("Conditional networks"); a forward whose second
+parameter is not the time but which takes ``timestep`` further on (diffusers'
+``SD3Transformer2DModel`` and ``PixArtTransformer2DModel``) gets the time as ``timestep=``. Its
+output may be a tensor, a tuple/list whose first item is the tensor, or an object with a
+``.sample`` attribute (diffusers). Any other failure of the first, eager call is an
+:class:`ExportError` naming the call made and the wrapper to write. The feature layer must run
+exactly once per forward and return a tensor, or a tuple whose last tensor is taken (a joint
+MMDiT block of SD3/Flux returns ``(encoder_hidden_states, hidden_states)``: the image tokens); a
+``[B,L,D]`` token output (a transformer block's) is mean-pooled over ``L`` to ``[B,D]``.
 
 Tracer warnings. ``torch.jit.trace`` warns (``torch.jit.TracerWarning``) wherever Python reads a
 tensor's value, since the trace keeps the value it saw, not how it was computed. The export
@@ -96,8 +101,14 @@ a ``torch.save`` file read with ``torch.load(weights_only=True)`` holding a tens
 tensors, or a safetensors file; ``key`` / ``--embedding-key`` names the tensor when the file holds
 more than one). It is passed as ``encoder_hidden_states`` (``keyword``, ``--embedding-keyword``),
 expanded to ``[B,L,D]``; in the file it is a graph constant, like the VP schedule table, and
-follows the load device. One condition is fixed per export; a network that needs more (a class
-and a prompt) is wrapped by hand, its ``forward(x, t)`` supplying them.
+follows the load device. One condition is fixed per export, plus ``extra_conditions``: further
+embeddings, each under its own keyword, such as an SD3-style transformer's pooled text embedding
+(``Embedding(t, "pooled_projections", pooled=True)``, ``[D]`` or ``[1,D]``; ``--pooled-embedding
+FILE``). An SD3-style forward (one with a ``pooled_projections`` parameter) without it is an
+:class:`ExportError`. A PixArt transformer without additional conditions gets
+``added_cond_kwargs={"resolution": None, "aspect_ratio": None}``; one with them
+(``use_additional_conditions``, a 1024-pixel PixArt) is an :class:`ExportError`. A network that
+needs more (a class and a prompt) is wrapped by hand, its ``forward(x, t)`` supplying them.
 
 Choosing the feature layer
 --------------------------
@@ -115,7 +126,12 @@ The file holds ``extra/diffmon.json``::
 
     {"non_persistent_buffers": [...], "device_independent": true, "torch": "2.13.0",
      "feature_layer": "mid_block", "parameterization": "eps", "learned_sigma": false,
-     "condition": null}
+     "condition": null, "family": "vp", "path": null, "prediction": "eps", "schedule": "linear"}
+
+``family`` (``edm``, ``vp``, ``flow``), ``path`` (a flow path of :data:`FLOW_PATHS`, else null)
+and ``prediction`` come from :data:`PARAMETERIZATION_TABLE`; ``schedule`` is a VP network's
+(``alphas_cumprod`` for an explicit table), ``t_scale`` a flow or continuous-VP network's time
+scale. ``diffmon check-config`` prints them, and for a flow path ``icr.sigma`` in its time.
 
 ``condition`` is ``null`` (no condition), or ``{"kind": "class", "keyword": "class_labels",
 "label": 10, "null_class": true, "rule": "<how the null index was found>", "default": true}``
@@ -123,6 +139,8 @@ The file holds ``extra/diffmon.json``::
 it is not; ``default``: the condition was taken by default), or ``{"kind": "embedding",
 "keyword": "encoder_hidden_states", "file": "<basename>", "sha256": "<hex of the file>", "shape":
 [1, L, D]}`` (``file`` and ``sha256`` are null for an :class:`Embedding` made from a tensor).
+Extra conditions add ``"extra": [<embedding notes>]`` (a condition that is otherwise none is
+``{"kind": "none", "extra": [...]}``).
 
 The VAE file
 ------------
@@ -163,6 +181,9 @@ Dtype constants are left alone: they do not depend on the device.
 
 Parameterizations
 -----------------
+One table, :data:`PARAMETERIZATION_TABLE`, names them (``--help`` prints its one-line helps); a
+name outside it is a ValueError, and the converter's last branch raises rather than assume one.
+
 ``edm``      ``module(x, sigma)`` already returns D(x; sigma).
 ``edm_raw``  ``module(c_in x, c_noise)`` returns the raw network output F of Karras et al. (2022):
              ``D = c_skip x + c_out F`` with ``c_skip = sd^2/(sigma^2+sd^2)``,
@@ -203,6 +224,43 @@ code); only the timestep handed to the network is derived from the schedule:
   ``VPPrecond``), float32, not clamped.
 
 ``sigma_data`` is used by ``edm_raw`` only.
+
+Flow matching
+-------------
+A flow path writes ``x_t = alpha_t x + sigma_t n``; dividing by ``alpha_t`` gives the EDM state
+``x + (sigma_t/alpha_t) n``, so ``sigma = sigma_t / alpha_t``. The file finds the path's time ``t``
+at ``sigma`` (:func:`flow_time`), hands the network ``x_t = alpha_t x`` and ``t * t_scale``
+(float32), and turns the prediction into ``D = (x_t - sigma_t n_hat) / alpha_t``:
+
+* ``rectified_flow``: ``alpha = 1 - t``, ``sigma_t = t`` (data at t = 0; SD3, Flux, diffusers'
+  ``FlowMatchEulerDiscreteScheduler``), predicts ``v = n - x``; ``t_scale`` defaults to 1000
+  (diffusers passes ``t * 1000``; Flux's transformer takes ``t``: ``t_scale=1``).
+* ``cosine_flow``: ``alpha = cos(pi t/2)``, ``sigma_t = sin(pi t/2)`` (data at t = 0, REPA's
+  cosine path), predicts ``dx_t/dt``.
+* ``sit_{linear,gvp}_{velocity,score,noise}``: SiT's code, data at t = 1: Linear ``alpha = t``,
+  ``sigma_t = 1 - t``; GVP ``alpha = sin(pi t/2)``, ``sigma_t = cos(pi t/2)``. ``t_scale``
+  defaults to 1.
+
+A velocity ``u = alpha' x + sigma_t' n`` gives ``D = (sigma_t u - sigma_t' x_t) / (alpha' sigma_t -
+alpha sigma_t')``; a noise prediction ``D = x - sigma n_hat``; a score ``s = -n / sigma_t`` gives
+``D = x + sigma sigma_t s``. The VP schedule options are refused with a flow parameterization. A
+timestep shift (SD3's ``shift``, Flux's) is the sampler's: it changes which ``t`` are visited, not
+what the network computes at ``t``, and nothing here reads it. docs/guide/model-contract.md
+derives each conversion and says how SiT's paper and code count time.
+
+What a wrong parameterization does
+----------------------------------
+``scheduler=`` (``--scheduler``) names the diffusers scheduler the network trained with (a
+``scheduler_config.json`` or its folder, read as JSON): :func:`scheduler_mismatches` compares its
+class (``FlowMatch*`` demands ``rectified_flow``), ``prediction_type``, ``beta_schedule``,
+``beta_start``/``beta_end`` and ``num_train_timesteps`` with the export, and, when diffusers is
+importable, :func:`scheduler_round_trip` noises one image with the scheduler itself at four of its
+timesteps and compares the network input the export would make. A mismatch is an
+:class:`ExportError` before anything is written. Without a scheduler, ``warn_inconsistent=True``
+(the command line sets it for ``--weights`` or a ``from_pretrained`` factory) prints
+:func:`consistency_warning`'s warning when the denoised output from pure noise grows with sigma
+(20 to 80), as a flow network read as ``eps`` does; it cannot judge an untrained network, data of
+mean near zero, or two flow paths against each other.
 
 Command line
 ------------
@@ -871,8 +929,8 @@ def _resolve_condition(module: nn.Module, condition: Any, class_keyword: str) ->
 # timestep), PixArtTransformer2DModel.forward(hidden_states, encoder_hidden_states, timestep, ...)).
 _TIME_KEYWORDS = ("timestep", "timesteps")
 _WRAPPER_HINT = ("a network whose forward needs more than (x, t) and one condition is exported through a "
-                 "wrapper: a subclass whose forward(x, t) supplies the rest (docs/guide/model-contract.md, "
-                 "\"Conditional networks\")")
+                 "wrapper: a subclass whose forward(x, t) supplies the rest "
+                 '(docs/guide/model-contract.md, "Conditional networks")')
 
 
 def _time_keyword(module: nn.Module) -> Optional[str]:
