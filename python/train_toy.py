@@ -1,6 +1,5 @@
 #!/usr/bin/env python3
-"""A small, real diffusion training job on CPU over the scikit-learn digits (diffmon's demo): EDM,
-or flow matching with --objective.
+"""A small, real EDM diffusion training job on CPU over the scikit-learn digits (diffmon's demo).
 
 Trains a tiny conv U-Net denoiser with the EDM preconditioning and loss (Karras et al. 2022) on a
 (by default data-limited) subset of the 1797 8x8 digit images, upsampled to 16x16, and writes into
@@ -150,119 +149,6 @@ def edm_loss(model: nn.Module, x0: Tensor, generator: torch.Generator | None = N
 
 
 # ---------------------------------------------------------------------------------------------
-# Flow matching (--objective): the same data, a velocity network on one of the exporter's paths
-# ---------------------------------------------------------------------------------------------
-
-# --objective -> the exporter's parameterization of the velocity network it trains.
-OBJECTIVES = {"edm": "edm", "rectified_flow": "rectified_flow", "cosine": "cosine_flow",
-              "sit_linear": "sit_linear_velocity", "sit_gvp": "sit_gvp_velocity"}
-
-
-def flow_path(path: str, t: Tensor) -> tuple:
-    """``(alpha, sigma_t, d_alpha, d_sigma_t)`` of ``x_t = alpha x + sigma_t n`` at time ``t``, as
-    each path defines it: rectified flow and cosine (data at t = 0), SiT's Linear and GVP (data at
-    t = 1, SiT's code)."""
-    one = torch.ones_like(t)
-    h = math.pi / 2
-    if path == "rectified_flow":
-        return 1 - t, t, -one, one
-    if path == "cosine":
-        return torch.cos(h * t), torch.sin(h * t), -h * torch.sin(h * t), h * torch.cos(h * t)
-    if path == "sit_linear":
-        return t, 1 - t, one, -one
-    if path == "sit_gvp":
-        return torch.sin(h * t), torch.cos(h * t), h * torch.cos(h * t), -h * torch.sin(h * t)
-    raise ValueError(f"unknown flow path {path!r}")
-
-
-def time_at_noise_level(path: str, sigma: Tensor) -> Tensor:
-    """The path's time whose noise-to-signal ratio sigma_t / alpha is ``sigma``."""
-    if path == "rectified_flow":        # sigma = t / (1 - t)
-        return sigma / (1 + sigma)
-    if path == "cosine":                # sigma = tan(pi t / 2)
-        return torch.atan(sigma) * (2 / math.pi)
-    if path == "sit_linear":            # sigma = (1 - t) / t
-        return 1 / (1 + sigma)
-    if path == "sit_gvp":               # sigma = cot(pi t / 2)
-        return torch.atan(1 / sigma) * (2 / math.pi)
-    raise ValueError(f"unknown flow path {path!r}")
-
-
-def flow_loss(model: nn.Module, x0: Tensor, path: str, generator: torch.Generator | None = None) -> Tensor:
-    """Velocity matching, ``|model(x_t, t) - dx_t/dt|^2``, with the noise levels of EDM's training
-    (sigma = sigma_t / alpha log-normal, P_mean -1.2, P_std 1.2) mapped to the path's time: the
-    same noise as ``edm_loss``, another parameterization and weighting."""
-    b = x0.shape[0]
-    sigma = torch.exp(P_MEAN + P_STD * torch.randn(b, generator=generator))
-    t = time_at_noise_level(path, sigma)
-    alpha, sigma_t, d_alpha, d_sigma_t = (c.reshape(-1, 1, 1, 1) for c in flow_path(path, t))
-    n = torch.randn(x0.shape, generator=generator)
-    target = d_alpha * x0 + d_sigma_t * n
-    return ((model(alpha * x0 + sigma_t * n, t) - target) ** 2).mean()
-
-
-class ToyVelocity(ToyUNet):
-    """The U-Net as a flow-matching velocity network: forward(x_t, t), t the path's time in [0, 1]
-    (exported with ``t_scale`` 1)."""
-
-    def forward(self, x: Tensor, t: Tensor) -> Tensor:
-        return super().forward(x, t.to(x.dtype).reshape(-1))
-
-
-class SiTBlock(nn.Module):
-    """A DiT/SiT block: self-attention and an MLP, each modulated by the time (adaLN-Zero)."""
-
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.norm2 = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(approximate="tanh"), nn.Linear(4 * width, width))
-        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(width, 6 * width))
-        nn.init.zeros_(self.ada[1].weight)
-        nn.init.zeros_(self.ada[1].bias)
-
-    def forward(self, x: Tensor, c: Tensor) -> Tensor:
-        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(c).unsqueeze(1).chunk(6, dim=2)
-        h = self.norm1(x) * (1 + scale1) + shift1
-        q, k, v = self.qkv(h).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
-        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
-        x = x + gate1 * self.proj(a)
-        return x + gate2 * self.mlp(self.norm2(x) * (1 + scale2) + shift2)
-
-
-class ToySiT(nn.Module):
-    """A tiny SiT (a DiT trained by flow matching): patches of 2x2, ``depth`` blocks, velocity out.
-    forward(x_t, t), t in [0, 1]; the middle block, ``blocks.{(depth-1)//2}``, is the feature layer."""
-
-    def __init__(self, channels: int = 1, size: int = 16, width: int = 64, depth: int = 4, heads: int = 4,
-                 patch: int = 2):
-        super().__init__()
-        self.patch, self.grid, self.channels = patch, size // patch, channels
-        self.x_embed = nn.Conv2d(channels, width, patch, stride=patch)
-        self.pos = nn.Parameter(0.02 * torch.randn(1, self.grid * self.grid, width))
-        self.t_embed = FourierEmbedding(width)
-        self.t_mlp = nn.Sequential(nn.Linear(width, width), nn.SiLU(), nn.Linear(width, width))
-        self.blocks = nn.ModuleList(SiTBlock(width, heads) for _ in range(depth))
-        self.norm_out = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
-        self.ada_out = nn.Sequential(nn.SiLU(), nn.Linear(width, 2 * width))
-        self.out = nn.Linear(width, patch * patch * channels)
-
-    def forward(self, x: Tensor, t: Tensor) -> Tensor:
-        h = self.x_embed(x).flatten(2).transpose(1, 2) + self.pos
-        c = self.t_mlp(self.t_embed(t.to(x.dtype).reshape(-1)))
-        for block in self.blocks:
-            h = block(h, c)
-        shift, scale = self.ada_out(c).unsqueeze(1).chunk(2, dim=2)
-        h = self.out(self.norm_out(h) * (1 + scale) + shift)
-        g, p = self.grid, self.patch
-        h = h.reshape(-1, g, g, p, p, self.channels).permute(0, 5, 1, 3, 2, 4)
-        return h.reshape(-1, self.channels, g * p, g * p)
-
-
-# ---------------------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------------------
 
@@ -301,39 +187,12 @@ def write_h5_atomic(path: Path, images: Tensor, index: np.ndarray | None = None)
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
 
-def make_model(objective: str, arch: str, width: int, size: int) -> nn.Module:
-    """The network --objective and --arch train: the EDM denoiser, or a velocity network."""
-    if objective == "edm":
-        if arch != "unet":
-            raise ValueError("--arch sit trains by flow matching: give a flow --objective")
-        return ToyDenoiser(1, width)
-    if arch == "sit":
-        return ToySiT(1, size, width)
-    return ToyVelocity(1, width)
-
-
-def feature_layer(model: nn.Module) -> str:
-    return f"blocks.{(len(model.blocks) - 1) // 2}" if isinstance(model, ToySiT) else FEATURE_LAYER
-
-
-def export_model(model: nn.Module, path: Path, example_shape: tuple, objective: str = "edm", **kw):
-    """Exports ``model`` to diffmon's contract with the parameterization of ``objective``."""
-    if objective == "edm":
-        return export(model, feature_layer(model), path, example_shape=example_shape, **kw)
-    return export(model, feature_layer(model), path, OBJECTIVES[objective], example_shape=example_shape,
-                  t_scale=1.0, **kw)
-
-
-def training_loss(model: nn.Module, x0: Tensor, objective: str, generator: torch.Generator | None = None):
-    return edm_loss(model, x0, generator) if objective == "edm" else flow_loss(model, x0, objective, generator)
-
-
 def save_checkpoint(run_dir: Path, fmt: str, step: int, model: nn.Module, ema: nn.Module,
-                    example_shape: tuple, objective: str = "edm") -> Path:
+                    example_shape: tuple) -> Path:
     path = run_dir / f"ckpt_{step:06d}.{FORMATS[fmt]}"
     tmp = path.with_name(f".{path.name}.tmp")
     if fmt == "torchscript":
-        export_model(ema, path, example_shape, objective)  # atomic itself
+        export(ema, FEATURE_LAYER, path, example_shape=example_shape)  # atomic itself
         return path
     if fmt == "state_dict":
         torch.save(ema.state_dict(), tmp)
@@ -382,12 +241,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--format", default="state_dict", choices=tuple(FORMATS))
-    ap.add_argument("--objective", default="edm", choices=tuple(OBJECTIVES),
-                    help="edm (default): the EDM denoiser and loss; rectified_flow, cosine, sit_linear, "
-                         "sit_gvp: a velocity network trained by flow matching on that path (exported as "
-                         "rectified_flow, cosine_flow, sit_linear_velocity, sit_gvp_velocity)")
-    ap.add_argument("--arch", default="unet", choices=("unet", "sit"),
-                    help="unet (default) or sit: a tiny SiT (a DiT of 2x2 patches; flow objectives only)")
     ap.add_argument("--ema", type=float, default=0.0,
                     help="EMA decay of the weights (0 = off); checkpoints hold the EMA weights when on")
     ap.add_argument("--seed", type=int, default=0, help="seeds the train/held-out split, init and noise")
@@ -402,8 +255,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--steps, --ckpt-every, --batch-size and --width must be >= 1")
     if not 0.0 <= args.ema < 1.0:
         ap.error("--ema must be in [0, 1)")
-    if args.arch == "sit" and args.objective == "edm":
-        ap.error("--arch sit trains by flow matching: give a flow --objective")
     held = N_DIGITS - args.train_size if args.heldout_size is None else args.heldout_size
     if args.train_size < 1 or held < 0 or args.train_size + held > N_DIGITS:
         ap.error(f"--train-size ({args.train_size}) + --heldout-size ({held}) must be within 1..{N_DIGITS}")
@@ -426,11 +277,11 @@ def main(argv=None) -> int:
     write_h5_atomic(run_dir / "train.h5", train, train_idx)
     write_h5_atomic(run_dir / "heldout.h5", images[torch.from_numpy(held_idx)], held_idx)
 
-    model = make_model(args.objective, args.arch, args.width, args.size)
+    model = ToyDenoiser(1, args.width)
     example_shape = (1, 1, args.size, args.size)
     model_out = args.model_out if args.model_out is not None else run_dir / "model.ts"
     model_out.parent.mkdir(parents=True, exist_ok=True)
-    export_model(model, model_out, example_shape, args.objective)
+    export(model, FEATURE_LAYER, model_out, example_shape=example_shape)
     if args.ema > 0:
         ema = copy.deepcopy(model).eval()
         for p in ema.parameters():
@@ -441,8 +292,7 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed + 1)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"train_toy: {len(train)} train / {len(held_idx)} held-out images {args.size}x{args.size}, "
-          f"{args.arch} width {args.width} ({n_params} parameters), objective {args.objective}, "
-          f"{args.steps} steps, format {args.format}, "
+          f"width {args.width} ({n_params} parameters), {args.steps} steps, format {args.format}, "
           f"run dir {run_dir}", flush=True)
 
     t_start = t_last = time.perf_counter()
@@ -450,7 +300,7 @@ def main(argv=None) -> int:
     model.train()
     for step in range(1, args.steps + 1):
         idx = torch.randint(len(train), (args.batch_size,), generator=gen)
-        loss = training_loss(model, train[idx], args.objective, gen)
+        loss = edm_loss(model, train[idx], gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -459,7 +309,7 @@ def main(argv=None) -> int:
         loss_sum += float(loss.detach())
         loss_n += 1
         if step % args.ckpt_every == 0 or step == args.steps:
-            path = save_checkpoint(run_dir, args.format, step, model, ema, example_shape, args.objective)
+            path = save_checkpoint(run_dir, args.format, step, model, ema, example_shape)
             now = time.perf_counter()
             print(f"step {step:6d}  loss {loss_sum / loss_n:.4f}  {now - t_last:6.2f}s  "
                   f"(total {now - t_start:.1f}s)  {path.name}", flush=True)

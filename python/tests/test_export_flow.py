@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 
+import flow_toy
 import train_toy
 from diffmon.export import (PARAMETERIZATION_TABLE, PARAMETERIZATIONS, Embedding, ExportError, build_parser,
                             export, main)
@@ -238,12 +239,12 @@ PREDICTIONS = {"sit_linear": {"velocity": "sit_linear_velocity", "score": "sit_l
 @pytest.mark.parametrize("path", list(PREDICTIONS))
 def test_tiny_sit_trained_on_digits_matches_the_reference_for_each_prediction(tmp_path, path):
     torch.manual_seed(0)
-    net = train_toy.ToySiT(1, 8, width=32, depth=2, heads=2)
+    net = flow_toy.ToySiT(1, 8, width=32, depth=2, heads=2)
     opt = torch.optim.Adam(net.parameters(), lr=2e-3)
     data = digits()
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
-        loss = train_toy.flow_loss(net, data[torch.randint(len(data), (16,), generator=g)], path, g)
+        loss = flow_toy.flow_loss(net, data[torch.randint(len(data), (16,), generator=g)], path, g)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -283,17 +284,17 @@ def test_sigma_star_in_t_on_each_path():
 
 def test_a_trained_flow_network_exported_as_eps_is_warned_about(tmp_path, capsys):
     torch.manual_seed(0)
-    net = train_toy.ToyVelocity(1, 16)
+    net = flow_toy.ToyVelocity(1, 16)
     opt = torch.optim.Adam(net.parameters(), lr=2e-3)
     data = digits()
     g = torch.Generator().manual_seed(0)
     for _ in range(150):
-        loss = train_toy.flow_loss(net, data[torch.randint(len(data), (32,), generator=g)], "rectified_flow", g)
+        loss = flow_toy.flow_loss(net, data[torch.randint(len(data), (32,), generator=g)], "rectified_flow", g)
         opt.zero_grad()
         loss.backward()
         opt.step()
     torch.save(net.state_dict(), tmp_path / "w.pt")
-    common = ["--factory", "train_toy:ToyVelocity", "--factory-kwargs", '{"channels": 1, "width": 16}',
+    common = ["--factory", "flow_toy:ToyVelocity", "--factory-kwargs", '{"channels": 1, "width": 16}',
               "--weights", str(tmp_path / "w.pt"), "--feature-layer", "mid", "--shape", "1", "8", "8"]
     assert main(common + ["--out", str(tmp_path / "right.ts"), "--parameterization", "rectified_flow",
                           "--t-scale", "1"]) == 0
@@ -301,3 +302,21 @@ def test_a_trained_flow_network_exported_as_eps_is_warned_about(tmp_path, capsys
     assert main(common + ["--out", str(tmp_path / "wrong.ts"), "--parameterization", "eps"]) == 0
     err = capsys.readouterr().err
     assert "warning:" in err and "parameterization is probably not the one stated" in err
+
+
+# -- the flow toy trainer ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch,path", [("unet", "rectified_flow"), ("sit", "sit_linear")])
+def test_flow_toy_writes_a_run_whose_checkpoints_load_into_its_architecture(tmp_path, arch, path):
+    rc = flow_toy.main(["--run-dir", str(tmp_path), "--arch", arch, "--path", path, "--size", "8", "--width", "16",
+                        "--train-size", "16", "--heldout-size", "20", "--steps", "4", "--ckpt-every", "2",
+                        "--batch-size", "8", "--ema", "0.9"])
+    assert rc == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000002.pt", "ckpt_000004.pt", "heldout.h5",
+                                                          "model.ts", "train.h5"]
+    note = json.loads(_note(tmp_path / "model.ts"))
+    assert (note["parameterization"], note["t_scale"]) == (flow_toy.OBJECTIVES[path], 1.0)
+    arch_file = torch.jit.load(str(tmp_path / "model.ts"))
+    arch_file.load_state_dict(torch.load(tmp_path / "ckpt_000004.pt", weights_only=True))
+    d, f = arch_file(torch.zeros(2, 1, 8, 8), torch.tensor([0.29, 2.0]))
+    assert d.shape == (2, 1, 8, 8) and torch.isfinite(d).all() and f.shape[0] == 2

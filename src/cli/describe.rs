@@ -172,7 +172,8 @@ fn condition(c: Option<&Value>) -> String {
         return "unconditional (or its condition is not recorded)".into();
     };
     let keyword = c.get("keyword").and_then(Value::as_str).unwrap_or("?");
-    match c.get("kind").and_then(Value::as_str) {
+    let main = match c.get("kind").and_then(Value::as_str) {
+        Some("none") => "no condition but the extra inputs".to_string(),
         Some("class") => {
             let label = c.get("label").map(Value::to_string).unwrap_or_default();
             if c.get("null_class").and_then(Value::as_bool) == Some(true) {
@@ -187,7 +188,21 @@ fn condition(c: Option<&Value>) -> String {
             format!("held at the embedding of {file} {shape} (`{keyword}`)")
         }
         _ => format!("condition {c}"),
-    }
+    };
+    // Embeddings held next to the condition (an SD3-style transformer's pooled_projections).
+    let extra: Vec<String> = c
+        .get("extra")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .map(|e| {
+            let keyword = e.get("keyword").and_then(Value::as_str).unwrap_or("?");
+            let file = e.get("file").and_then(Value::as_str).unwrap_or("a tensor");
+            let shape = e.get("shape").map(Value::to_string).unwrap_or_default();
+            format!(", and `{keyword}` at the embedding of {file} {shape}")
+        })
+        .collect();
+    main + &extra.concat()
 }
 
 fn vae_summary(vae: &std::path::Path, config: &Config) -> String {
@@ -233,6 +248,12 @@ mod tests {
         assert_eq!(
             condition(Some(&emb)),
             "held at the embedding of empty.pt [1,4,8] (`encoder_hidden_states`)"
+        );
+        let sd3 = json!({"kind": "embedding", "keyword": "encoder_hidden_states", "file": "e.pt", "shape": [1, 4, 8],
+                         "extra": [{"kind": "embedding", "keyword": "pooled_projections", "file": "p.pt", "shape": [1, 8]}]});
+        assert_eq!(
+            condition(Some(&sd3)),
+            "held at the embedding of e.pt [1,4,8] (`encoder_hidden_states`), and `pooled_projections` at the embedding of p.pt [1,8]"
         );
         assert!(condition(Some(&Value::Null)).starts_with("unconditional"));
         assert!(condition(None).starts_with("unconditional"));
