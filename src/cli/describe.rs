@@ -86,7 +86,9 @@ impl FlowPath {
         match self {
             FlowPath::RectifiedFlow => "rectified flow, x_t = (1 − t)·x + t·n",
             FlowPath::Cosine => "the cosine path, x_t = cos(πt/2)·x + sin(πt/2)·n",
-            FlowPath::SitLinear => "SiT's Linear path, x_t = t·x + (1 − t)·n (SiT's code: data at t = 1)",
+            FlowPath::SitLinear => {
+                "SiT's Linear path, x_t = t·x + (1 − t)·n (SiT's code: data at t = 1)"
+            }
             FlowPath::SitGvp => {
                 "SiT's GVP path, x_t = sin(πt/2)·x + cos(πt/2)·n (SiT's code: data at t = 1)"
             }
@@ -146,9 +148,16 @@ fn conversion(note: &Value, icr_sigma: f64) -> String {
             // The ICR paper's "t = 0.2 for SiT based models" counts t from the data (the SiT
             // paper's convention): SiT's code time 0.8.
             let paper_t = 0.2;
-            let code_t = if path.data_at_one() { 1.0 - paper_t } else { paper_t };
+            let code_t = if path.data_at_one() {
+                1.0 - paper_t
+            } else {
+                paper_t
+            };
             if path.data_at_one() {
-                text += &format!(" ({:.4} counted from the data, the SiT paper's convention)", 1.0 - t);
+                text += &format!(
+                    " ({:.4} counted from the data, the SiT paper's convention)",
+                    1.0 - t
+                );
             }
             text += &format!(
                 "; the ICR paper's SiT setting, t = 0.2 counted from the data, is icr.sigma {:.4}",
@@ -272,7 +281,10 @@ mod tests {
         let linear = json!({"parameterization": "sit_linear_velocity", "family": "flow",
                             "path": "sit_linear", "prediction": "velocity", "t_scale": 1.0});
         let text = conversion(&linear, 0.29);
-        assert!(text.contains("is t = 0.7752 on this path (0.2248 counted from the data"), "{text}");
+        assert!(
+            text.contains("is t = 0.7752 on this path (0.2248 counted from the data"),
+            "{text}"
+        );
         assert!(text.contains("is icr.sigma 0.2500"), "{text}");
         let gvp = json!({"parameterization": "sit_gvp_score", "family": "flow", "path": "sit_gvp",
                          "prediction": "score", "t_scale": 1.0});
@@ -287,7 +299,10 @@ mod tests {
             "exported as `eps`: DDPM-style eps prediction on the `linear` VP schedule"
         );
         // A note from before the families, or an unknown path: the name as recorded.
-        assert_eq!(conversion(&json!({"parameterization": "x0"}), 0.29), "exported as `x0`");
+        assert_eq!(
+            conversion(&json!({"parameterization": "x0"}), 0.29),
+            "exported as `x0`"
+        );
         let odd = json!({"parameterization": "new", "family": "flow", "path": "elsewhere"});
         assert_eq!(conversion(&odd, 0.29), "exported as `new`");
     }

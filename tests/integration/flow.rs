@@ -85,7 +85,10 @@ torch.save(flow.state_dict(), "student.pt")
     let same = eval_pfd(d, "student.ts", "student.pt");
     let mistaken = eval_pfd(d, "mistaken.ts", "student.pt");
     eprintln!("E_gen: flow student {same:.3e}, read as eps {mistaken:.3e}");
-    assert!(same < 1e-3, "E_gen {same} between one function's two exports");
+    assert!(
+        same < 1e-3,
+        "E_gen {same} between one function's two exports"
+    );
     assert!(mistaken > 1.0, "E_gen {mistaken} of the mistaken export");
 
     // check-config names the family and path, and icr.sigma in the path's time.
