@@ -1165,6 +1165,10 @@ def scheduler_mismatches(cfg: dict, conv: "_Converter", schedule: str, beta_min:
             return [f"{cls} trains a rectified-flow network (x_t = (1-t) x + t n, predicting n - x): "
                     f"--parameterization rectified_flow, not {p}"]
         return []
+    if cls.startswith("EDM"):  # EDMEulerScheduler, EDMDPMSolverMultistepScheduler: Karras et al.'s sigmas
+        if conv.row.family != "edm":
+            return [f"{cls} trains an EDM network: --parameterization edm or edm_raw, not {p}"]
+        return []
     prediction = cfg.get("prediction_type", "epsilon")
     if "beta_schedule" not in cfg and "prediction_type" not in cfg:
         return [f"{cls} is not a scheduler the exporter knows (a FlowMatch* or a DDPM-style scheduler "
@@ -1205,6 +1209,8 @@ def scheduler_round_trip(cfg: dict, conv: "_Converter") -> Optional[str]:
         sched = getattr(diffusers, cfg["_class_name"]).from_config(cfg)
     except Exception:
         return None
+    if conv.row.family == "edm":
+        return None  # an EDM network takes sigma itself: nothing to map
     g = torch.Generator().manual_seed(3)
     x0 = torch.rand(1, 2, 4, 4, generator=g, dtype=torch.float64) * 2 - 1
     n = torch.randn(1, 2, 4, 4, generator=g, dtype=torch.float64)

@@ -176,6 +176,9 @@ def test_the_training_scheduler_refuses_a_ddpm_parameterization_of_a_flow_networ
         export(net, "transformer_blocks.0", tmp_path / "x.ts", "rectified_flow", (4, 8, 8), scheduler=ddpm)
     with pytest.raises(ExportError, match="--schedule scaled_linear, not linear"):
         export(net, "transformer_blocks.0", tmp_path / "x.ts", "v", (4, 8, 8), scheduler=ddpm)
+    with pytest.raises(ExportError, match="trains an EDM network: --parameterization edm or edm_raw, not rectified_flow"):
+        export(net, "transformer_blocks.0", tmp_path / "x.ts", "rectified_flow", (4, 8, 8),
+               scheduler={"_class_name": "EDMEulerScheduler", "prediction_type": "epsilon", "sigma_data": 0.5})
     assert not (tmp_path / "x.ts").exists()
 
 
@@ -320,3 +323,25 @@ def test_flow_toy_writes_a_run_whose_checkpoints_load_into_its_architecture(tmp_
     arch_file.load_state_dict(torch.load(tmp_path / "ckpt_000004.pt", weights_only=True))
     d, f = arch_file(torch.zeros(2, 1, 8, 8), torch.tensor([0.29, 2.0]))
     assert d.shape == (2, 1, 8, 8) and torch.isfinite(d).all() and f.shape[0] == 2
+
+
+def test_the_scheduler_round_trip_compares_the_noising_itself(tmp_path):
+    from diffmon.export import _Converter, scheduler_round_trip
+
+    ddpm = {"_class_name": "DDPMScheduler", "prediction_type": "epsilon", "beta_schedule": "linear",
+            "beta_start": 1e-4, "beta_end": 0.02, "num_train_timesteps": 1000}
+    flow = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}
+
+    def conv(p, **kw):
+        return _Converter(p, 0.5, kw.pop("schedule", "linear"), kw.pop("beta_min", None), kw.pop("beta_max", None),
+                          1000, None, "nearest", kw.pop("t_scale", None), None, torch.device("cpu"))
+
+    assert scheduler_round_trip(ddpm, conv("eps")) is None
+    assert scheduler_round_trip(flow, conv("rectified_flow")) is None
+    # Other betas than the scheduler's: its own add_noise disagrees with the export's input.
+    assert "differs from the DDPMScheduler's own noising" in scheduler_round_trip(ddpm, conv("eps", beta_max=0.03))
+    # Another flow path than the scheduler's: the same check sees it.
+    assert "FlowMatchEulerDiscreteScheduler's own noising" in scheduler_round_trip(flow, conv("sit_linear_velocity"))
+    # A matching export passes end to end.
+    export(flow_toy.ToyVelocity(1, 8), "mid", tmp_path / "ok.ts", "eps", (1, 8, 8), scheduler=ddpm, verbose=False)
+    assert (tmp_path / "ok.ts").is_file()
