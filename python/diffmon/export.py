@@ -259,7 +259,8 @@ timesteps and compares the network input the export would make. A mismatch is an
 :class:`ExportError` before anything is written. Without a scheduler, ``warn_inconsistent=True``
 (the command line sets it for ``--weights`` or a ``from_pretrained`` factory) prints
 :func:`consistency_warning`'s warning when the denoised output from pure noise grows with sigma
-(20 to 80), as a flow network read as ``eps`` does; it cannot judge an untrained network, data of
+(20 to 80; within a discrete VP schedule's range when it ends lower, as Stable Diffusion's at
+14.6), as a flow network read as ``eps`` does; it cannot judge an untrained network, data of
 mean near zero, or two flow paths against each other.
 
 Command line
@@ -1242,23 +1243,28 @@ def scheduler_round_trip(cfg: dict, conv: "_Converter") -> Optional[str]:
     return None
 
 
-def consistency_warning(denoise, shape, device="cpu") -> Optional[str]:
+def consistency_warning(denoise, shape, device="cpu", sigma_max: float = 80.0) -> Optional[str]:
     """A warning when the denoiser ``denoise(x, sigma) -> (denoised, features)`` does not behave
-    as a trained denoiser at high noise: from pure noise (a zero image plus noise) at sigma = 20
-    and 80, a trained denoiser returns about the mean of its data at both (a root mean square of
-    the order of the data's), while a network converted with the wrong parameterization returns
-    values that grow with sigma. Meaningful for a trained network only (an untrained one grows
-    too); None when nothing is wrong that this can see."""
+    as a trained denoiser at high noise: from pure noise (a zero image plus noise) at two high
+    noise levels, ``s`` = min(80, 0.9 ``sigma_max``) and ``s / 4`` (``sigma_max``: the highest
+    level the network was trained at, a discrete VP schedule's last), a trained denoiser returns
+    about the mean of its data at both (a root mean square of the order of the data's), while a
+    network converted with the wrong parameterization returns values that grow with sigma.
+    Meaningful for a trained network only (an untrained one grows too); None when nothing is
+    wrong that this can see."""
     c, h, w = shape
     n = torch.randn(4, c, h, w, generator=torch.Generator().manual_seed(2)).to(device)
+    hi = min(80.0, 0.9 * float(sigma_max))
+    levels = (hi / 4, hi)
     rms = []
     with torch.no_grad():
-        for s in (20.0, 80.0):
+        for s in levels:
             d = denoise(s * n, torch.full((4,), s, device=device))[0]
             rms.append(float(d.double().pow(2).mean().sqrt()))
     if rms[1] > 4.0 and rms[1] > 2.0 * rms[0]:
-        return (f"the denoised output from pure noise has root mean square {rms[0]:.3g} at sigma 20 and "
-                f"{rms[1]:.3g} at sigma 80; a trained denoiser's stays near its data's mean at both. If the "
+        return (f"the denoised output from pure noise has root mean square {rms[0]:.3g} at sigma {levels[0]:.3g} "
+                f"and {rms[1]:.3g} at sigma {levels[1]:.3g}; a trained denoiser's stays near its data's mean at "
+                "both. If the "
                 "network is trained, its parameterization is probably not the one stated (a flow-matching "
                 "network exported as eps/v/x0, or the other way round): name its training scheduler "
                 "(--scheduler) to check")
@@ -1484,7 +1490,8 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
                                       f"(> {atol:g}) at batch 3: data- or shape-dependent control flow "
                                       "was probably frozen by tracing")
         if warn_inconsistent:
-            warning = consistency_warning(loaded, shape, device)
+            top = float(conv.log_sigmas[-1].exp()) if conv.log_sigmas is not None else 80.0
+            warning = consistency_warning(loaded, shape, device, sigma_max=top)
             if warning:
                 print(f"warning: {warning}", file=sys.stderr)
         os.replace(tmp, path)
