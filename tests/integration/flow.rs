@@ -76,7 +76,9 @@ class AsRectifiedFlow(nn.Module):
 export(edm, "mid", "teacher.ts", "edm", (1, 16, 16), verbose=False)
 flow = AsRectifiedFlow(edm)
 export(flow, "edm.mid", "student.ts", "rectified_flow", (1, 16, 16), t_scale=1.0, verbose=False)
-export(flow, "edm.mid", "mistaken.ts", "eps", (1, 16, 16), verbose=False)
+# The likely mistake, read as noise prediction (on the continuous VP schedule, so that the
+# wrapper's time stays in (0, 1)).
+export(flow, "edm.mid", "mistaken.ts", "eps", (1, 16, 16), schedule="continuous", t_scale=1.0, verbose=False)
 torch.save(flow.state_dict(), "student.pt")
 "#
     );
