@@ -74,7 +74,11 @@ Sizes (chosen to train in well under a minute on two cores):
   ``clip_sample=False`` (its default, True, clips the predicted x0 to [-1, 1] when sampling;
   latents are not bounded by 1). ``DiTPipeline`` runs with whatever scheduler config it is
   given, so RUN/scheduler records the one the transformer was trained with. Loss:
-  MSE(eps_pred, eps), t uniform in 0..999.
+  MSE(eps_pred, eps), t uniform in 0..999. ``--objective rectified_flow`` trains by flow matching
+  instead, as diffusers' SD3 script does: ``FlowMatchEulerDiscreteScheduler(shift=3)`` saved in
+  RUN/scheduler, t logit-normal, ``z_t = (1 - t) z0 + t n``, the DiT at ``timestep = 1000 t``
+  predicting ``n - z0`` (``diffmon-export --parameterization rectified_flow --scheduler
+  RUN/scheduler``).
 
 Time, defaults (300 VAE steps, 300 DiT steps, 256 training images, one thread), on a two-core
 machine shared with other jobs: about 31 s wall (imports about 5 s; data, VAE training and
@@ -120,7 +124,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from diffusers import AutoencoderKL, DDPMScheduler, DiTTransformer2DModel  # noqa: E402
+from diffusers import AutoencoderKL, DDPMScheduler, DiTTransformer2DModel, FlowMatchEulerDiscreteScheduler  # noqa: E402
 from diffusers.models.embeddings import LabelEmbedding  # noqa: E402
 from torch import Tensor  # noqa: E402
 
@@ -140,6 +144,9 @@ DIT_CONFIG = dict(in_channels=4, out_channels=4, sample_size=SIZE // 2, patch_si
                   num_attention_heads=2, attention_head_dim=16, num_embeds_ada_norm=NUM_CLASSES)
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, beta_start=1e-4, beta_end=0.02,
                         beta_schedule="linear", prediction_type="epsilon", clip_sample=False)
+# --objective rectified_flow: SD3's scheduler, with its shift (the sampler's; training below draws
+# its times from the logit-normal, as SD3's training script does by default).
+FLOW_SCHEDULER_CONFIG = dict(num_train_timesteps=1000, shift=3.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,6 +307,17 @@ def ddpm_loss(transformer: DiTTransformer2DModel, scheduler: DDPMScheduler, z0: 
     return F.mse_loss(pred, noise)
 
 
+def flow_loss(transformer: DiTTransformer2DModel, z0: Tensor, labels: Tensor,
+              generator: torch.Generator) -> Tensor:
+    """Rectified flow as diffusers' SD3 training script writes it: t logit-normal (mean 0, std 1),
+    ``z_t = (1 - t) z0 + t n``, the transformer at ``timestep = 1000 t`` predicts ``n - z0``."""
+    noise = torch.randn(z0.shape, generator=generator)
+    t = torch.sigmoid(torch.randn(z0.shape[0], generator=generator))
+    t4 = t.reshape(-1, 1, 1, 1)
+    pred = transformer((1 - t4) * z0 + t4 * noise, timestep=t * 1000, class_labels=labels).sample
+    return F.mse_loss(pred, noise - z0)
+
+
 def _stop(run_dir: Path, stop_file: str, where: str) -> None:
     event = read_stop_event(run_dir, stop_file)
     if event is not None:
@@ -330,6 +348,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cfg-drop", type=float, default=0.1,
                     help="fraction of labels replaced by the null class 10 (default 0.1)")
     ap.add_argument("--ckpt-every", type=int, default=50)
+    ap.add_argument("--objective", default="ddpm", choices=("ddpm", "rectified_flow"),
+                    help="ddpm (default): epsilon prediction with DDPMScheduler; rectified_flow: flow "
+                         "matching with FlowMatchEulerDiscreteScheduler (the DiT predicts n - z0 at "
+                         "timestep 1000 t; export with --parameterization rectified_flow)")
     ap.add_argument("--seed", type=int, default=0,
                     help="seeds the colours, the split, the initializations and the noise")
     ap.add_argument("--stop-file", default="EARLY_STOP", help="diffmon's stop file name in the run dir")
@@ -400,7 +422,9 @@ def main(argv=None) -> int:
           f"saved {vae_out} ({time.perf_counter() - t_start:.1f}s)", flush=True)
 
     # Scheduler and DiT
-    scheduler = DDPMScheduler(**SCHEDULER_CONFIG)
+    flow = args.objective == "rectified_flow"
+    scheduler = (FlowMatchEulerDiscreteScheduler(**FLOW_SCHEDULER_CONFIG) if flow
+                 else DDPMScheduler(**SCHEDULER_CONFIG))
     save_pretrained_atomic(scheduler, args.scheduler_out if args.scheduler_out is not None
                            else run_dir / "scheduler")
     transformer = new_transformer(args.seed)
@@ -418,7 +442,8 @@ def main(argv=None) -> int:
         y = train_y[idx].clone()
         drop = torch.rand(args.batch_size, generator=gen) < args.cfg_drop
         y[drop] = NULL_CLASS
-        loss = ddpm_loss(transformer, scheduler, latents[idx], y, gen)
+        loss = (flow_loss(transformer, latents[idx], y, gen) if flow
+                else ddpm_loss(transformer, scheduler, latents[idx], y, gen))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

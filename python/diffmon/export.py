@@ -33,10 +33,15 @@ batch size is frozen at the traced example (B=2); ``export`` re-runs the reloade
 different noise levels and compares it with the eager module, so such a freeze is normally caught
 and raised as :class:`ExportError`, but a branch that the check inputs happen to take the same
 way as the trace is not. The network must be callable as ``module(x, sigma_or_t)``, plus the
-one keyword argument of a fixed condition ("Conditional networks"); its output may be a tensor, a
-tuple/list whose first item is the tensor, or an object with a ``.sample`` attribute (diffusers).
-The feature layer must run exactly once per forward and return a tensor; a ``[B,L,D]`` token
-output (a transformer block's) is mean-pooled over ``L`` to ``[B,D]``.
+keyword arguments of a fixed condition ("Conditional networks"); a forward whose second
+parameter is not the time but which takes ``timestep`` further on (diffusers'
+``SD3Transformer2DModel`` and ``PixArtTransformer2DModel``) gets the time as ``timestep=``. Its
+output may be a tensor, a tuple/list whose first item is the tensor, or an object with a
+``.sample`` attribute (diffusers). Any other failure of the first, eager call is an
+:class:`ExportError` naming the call made and the wrapper to write. The feature layer must run
+exactly once per forward and return a tensor, or a tuple whose last tensor is taken (a joint
+MMDiT block of SD3/Flux returns ``(encoder_hidden_states, hidden_states)``: the image tokens); a
+``[B,L,D]`` token output (a transformer block's) is mean-pooled over ``L`` to ``[B,D]``.
 
 Tracer warnings. ``torch.jit.trace`` warns (``torch.jit.TracerWarning``) wherever Python reads a
 tensor's value, since the trace keeps the value it saw, not how it was computed. The export
@@ -96,8 +101,14 @@ a ``torch.save`` file read with ``torch.load(weights_only=True)`` holding a tens
 tensors, or a safetensors file; ``key`` / ``--embedding-key`` names the tensor when the file holds
 more than one). It is passed as ``encoder_hidden_states`` (``keyword``, ``--embedding-keyword``),
 expanded to ``[B,L,D]``; in the file it is a graph constant, like the VP schedule table, and
-follows the load device. One condition is fixed per export; a network that needs more (a class
-and a prompt) is wrapped by hand, its ``forward(x, t)`` supplying them.
+follows the load device. One condition is fixed per export, plus ``extra_conditions``: further
+embeddings, each under its own keyword, such as an SD3-style transformer's pooled text embedding
+(``Embedding(t, "pooled_projections", pooled=True)``, ``[D]`` or ``[1,D]``; ``--pooled-embedding
+FILE``). An SD3-style forward (one with a ``pooled_projections`` parameter) without it is an
+:class:`ExportError`. A PixArt transformer without additional conditions gets
+``added_cond_kwargs={"resolution": None, "aspect_ratio": None}``; one with them
+(``use_additional_conditions``, a 1024-pixel PixArt) is an :class:`ExportError`. A network that
+needs more (a class and a prompt) is wrapped by hand, its ``forward(x, t)`` supplying them.
 
 Choosing the feature layer
 --------------------------
@@ -115,7 +126,12 @@ The file holds ``extra/diffmon.json``::
 
     {"non_persistent_buffers": [...], "device_independent": true, "torch": "2.13.0",
      "feature_layer": "mid_block", "parameterization": "eps", "learned_sigma": false,
-     "condition": null}
+     "condition": null, "family": "vp", "path": null, "prediction": "eps", "schedule": "linear"}
+
+``family`` (``edm``, ``vp``, ``flow``), ``path`` (a flow path of :data:`FLOW_PATHS`, else null)
+and ``prediction`` come from :data:`PARAMETERIZATION_TABLE`; ``schedule`` is a VP network's
+(``alphas_cumprod`` for an explicit table), ``t_scale`` a flow or continuous-VP network's time
+scale. ``diffmon check-config`` prints them, and for a flow path ``icr.sigma`` in its time.
 
 ``condition`` is ``null`` (no condition), or ``{"kind": "class", "keyword": "class_labels",
 "label": 10, "null_class": true, "rule": "<how the null index was found>", "default": true}``
@@ -123,6 +139,8 @@ The file holds ``extra/diffmon.json``::
 it is not; ``default``: the condition was taken by default), or ``{"kind": "embedding",
 "keyword": "encoder_hidden_states", "file": "<basename>", "sha256": "<hex of the file>", "shape":
 [1, L, D]}`` (``file`` and ``sha256`` are null for an :class:`Embedding` made from a tensor).
+Extra conditions add ``"extra": [<embedding notes>]`` (a condition that is otherwise none is
+``{"kind": "none", "extra": [...]}``).
 
 The VAE file
 ------------
@@ -163,6 +181,9 @@ Dtype constants are left alone: they do not depend on the device.
 
 Parameterizations
 -----------------
+One table, :data:`PARAMETERIZATION_TABLE`, names them (``--help`` prints its one-line helps); a
+name outside it is a ValueError, and the converter's last branch raises rather than assume one.
+
 ``edm``      ``module(x, sigma)`` already returns D(x; sigma).
 ``edm_raw``  ``module(c_in x, c_noise)`` returns the raw network output F of Karras et al. (2022):
              ``D = c_skip x + c_out F`` with ``c_skip = sd^2/(sigma^2+sd^2)``,
@@ -203,6 +224,44 @@ code); only the timestep handed to the network is derived from the schedule:
   ``VPPrecond``), float32, not clamped.
 
 ``sigma_data`` is used by ``edm_raw`` only.
+
+Flow matching
+-------------
+A flow path writes ``x_t = alpha_t x + sigma_t n``; dividing by ``alpha_t`` gives the EDM state
+``x + (sigma_t/alpha_t) n``, so ``sigma = sigma_t / alpha_t``. The file finds the path's time ``t``
+at ``sigma`` (:func:`flow_time`), hands the network ``x_t = alpha_t x`` and ``t * t_scale``
+(float32), and turns the prediction into ``D = (x_t - sigma_t n_hat) / alpha_t``:
+
+* ``rectified_flow``: ``alpha = 1 - t``, ``sigma_t = t`` (data at t = 0; SD3, Flux, diffusers'
+  ``FlowMatchEulerDiscreteScheduler``), predicts ``v = n - x``; ``t_scale`` defaults to 1000
+  (diffusers passes ``t * 1000``; Flux's transformer takes ``t``: ``t_scale=1``).
+* ``cosine_flow``: ``alpha = cos(pi t/2)``, ``sigma_t = sin(pi t/2)`` (data at t = 0, REPA's
+  cosine path), predicts ``dx_t/dt``.
+* ``sit_{linear,gvp}_{velocity,score,noise}``: SiT's code, data at t = 1: Linear ``alpha = t``,
+  ``sigma_t = 1 - t``; GVP ``alpha = sin(pi t/2)``, ``sigma_t = cos(pi t/2)``. ``t_scale``
+  defaults to 1.
+
+A velocity ``u = alpha' x + sigma_t' n`` gives ``D = (sigma_t u - sigma_t' x_t) / (alpha' sigma_t -
+alpha sigma_t')``; a noise prediction ``D = x - sigma n_hat``; a score ``s = -n / sigma_t`` gives
+``D = x + sigma sigma_t s``. The VP schedule options are refused with a flow parameterization. A
+timestep shift (SD3's ``shift``, Flux's) is the sampler's: it changes which ``t`` are visited, not
+what the network computes at ``t``, and nothing here reads it. docs/guide/model-contract.md
+derives each conversion and says how SiT's paper and code count time.
+
+What a wrong parameterization does
+----------------------------------
+``scheduler=`` (``--scheduler``) names the diffusers scheduler the network trained with (a
+``scheduler_config.json`` or its folder, read as JSON): :func:`scheduler_mismatches` compares its
+class (``FlowMatch*`` demands ``rectified_flow``), ``prediction_type``, ``beta_schedule``,
+``beta_start``/``beta_end`` and ``num_train_timesteps`` with the export, and, when diffusers is
+importable, :func:`scheduler_round_trip` noises one image with the scheduler itself at four of its
+timesteps and compares the network input the export would make. A mismatch is an
+:class:`ExportError` before anything is written. Without a scheduler, ``warn_inconsistent=True``
+(the command line sets it for ``--weights`` or a ``from_pretrained`` factory) prints
+:func:`consistency_warning`'s warning when the denoised output from pure noise grows with sigma
+(20 to 80; within a discrete VP schedule's range when it ends lower, as Stable Diffusion's at
+14.6), as a flow network read as ``eps`` does; it cannot judge an untrained network, data of
+mean near zero, or two flow paths against each other.
 
 Command line
 ------------
@@ -268,7 +327,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -284,14 +343,67 @@ __all__ = [
     "suggest_feature_layer",
     "device_constants",
     "PARAMETERIZATIONS",
+    "PARAMETERIZATION_TABLE",
+    "Parameterization",
+    "FLOW_PATHS",
+    "flow_time",
     "SCHEDULES",
     "vp_alphas_cumprod",
     "edm_sampling_sigmas",
 ]
 
-PARAMETERIZATIONS = ("edm", "edm_raw", "eps", "v", "x0")
+class Parameterization(NamedTuple):
+    """One row of :data:`PARAMETERIZATION_TABLE`: what the network computes and on which path.
+
+    ``family`` is ``"edm"``, ``"vp"`` (DDPM-style, a VP noise schedule) or ``"flow"`` (flow
+    matching); ``path`` names a flow path (``None`` otherwise); ``prediction`` is what the network
+    returns; ``help`` is the one line ``diffmon-export --help`` prints."""
+    name: str
+    family: str
+    path: Optional[str]
+    prediction: str
+    help: str
+
+
+# The parameterizations, in one table: the converter, the note and --help all read it.
+PARAMETERIZATION_TABLE = (
+    Parameterization("edm", "edm", None, "denoiser",
+                     "module(x, sigma) already returns the EDM denoiser D(x; sigma)"),
+    Parameterization("edm_raw", "edm", None, "raw",
+                     "module(c_in x, ln(sigma)/4) returns EDM's raw F: D = c_skip x + c_out F (--sigma-data)"),
+    Parameterization("eps", "vp", None, "eps",
+                     "DDPM-style: module(x_t, t) predicts the noise on a VP schedule (--schedule)"),
+    Parameterization("v", "vp", None, "v",
+                     "DDPM-style: module(x_t, t) predicts v = alpha n - s x0 on a VP schedule"),
+    Parameterization("x0", "vp", None, "x0",
+                     "DDPM-style: module(x_t, t) predicts the clean image x0 on a VP schedule"),
+    Parameterization("rectified_flow", "flow", "rectified_flow", "velocity",
+                     "flow matching, x_t = (1-t) x + t n (SD3, Flux, FlowMatch* schedulers); predicts n - x"),
+    Parameterization("cosine_flow", "flow", "cosine", "velocity",
+                     "flow matching, x_t = cos(pi t/2) x + sin(pi t/2) n (REPA's cosine path); predicts dx_t/dt"),
+    Parameterization("sit_linear_velocity", "flow", "sit_linear", "velocity",
+                     "SiT Linear, data at t = 1 (SiT's code): x_t = t x + (1-t) n; predicts x - n"),
+    Parameterization("sit_linear_score", "flow", "sit_linear", "score",
+                     "SiT Linear: predicts the score -n / (1-t)"),
+    Parameterization("sit_linear_noise", "flow", "sit_linear", "noise",
+                     "SiT Linear: predicts the noise n"),
+    Parameterization("sit_gvp_velocity", "flow", "sit_gvp", "velocity",
+                     "SiT GVP, data at t = 1: x_t = sin(pi t/2) x + cos(pi t/2) n; predicts dx_t/dt"),
+    Parameterization("sit_gvp_score", "flow", "sit_gvp", "score",
+                     "SiT GVP: predicts the score -n / cos(pi t/2)"),
+    Parameterization("sit_gvp_noise", "flow", "sit_gvp", "noise",
+                     "SiT GVP: predicts the noise n"),
+)
+_BY_NAME = {p.name: p for p in PARAMETERIZATION_TABLE}
+PARAMETERIZATIONS = tuple(_BY_NAME)
+# The flow paths: how each is written in the note and what check-config calls it.
+FLOW_PATHS = {
+    "rectified_flow": "rectified flow, x_t = (1-t) x + t n, data at t = 0",
+    "cosine": "cosine, x_t = cos(pi t/2) x + sin(pi t/2) n, data at t = 0",
+    "sit_linear": "SiT Linear, x_t = t x + (1-t) n, data at t = 1 (SiT's code)",
+    "sit_gvp": "SiT GVP, x_t = sin(pi t/2) x + cos(pi t/2) n, data at t = 1 (SiT's code)",
+}
 SCHEDULES = ("linear", "scaled_linear", "cosine", "continuous")
-_VP = ("eps", "v", "x0")
 
 _DEFAULT_BETAS = {
     "linear": (1e-4, 0.02),
@@ -339,6 +451,49 @@ def edm_sampling_sigmas(n: int = 18, sigma_min: float = 0.002, sigma_max: float 
     return (sigma_max ** (1 / rho) + i / (n - 1) * (sigma_min ** (1 / rho) - sigma_max ** (1 / rho))) ** rho
 
 
+def flow_time(path: str, sigma):
+    """The time ``t`` on a flow path (:data:`FLOW_PATHS`) that holds the EDM noise level
+    ``sigma`` (a float or a tensor), as the network takes it before any ``t_scale``:
+
+    * ``rectified_flow`` (data at t = 0): ``t = sigma / (1 + sigma)``;
+    * ``cosine`` (data at t = 0): ``t = (2/pi) atan(sigma)``;
+    * ``sit_linear`` (data at t = 1, SiT's code): ``t = 1 / (1 + sigma)``;
+    * ``sit_gvp`` (data at t = 1): ``t = (2/pi) atan(1/sigma)``.
+
+    In the SiT paper's convention (data at t = 0) a SiT time is ``1 - t``."""
+    s = sigma.to(torch.float64) if isinstance(sigma, Tensor) else torch.tensor(float(sigma), dtype=torch.float64)
+    if path == "rectified_flow":
+        t = s / (1 + s)
+    elif path == "cosine":
+        t = (2 / math.pi) * torch.atan(s)
+    elif path == "sit_linear":
+        t = 1 / (1 + s)
+    elif path == "sit_gvp":
+        t = (2 / math.pi) * torch.atan2(torch.ones_like(s), s)
+    else:
+        raise ValueError(f"unknown flow path {path!r}; one of {tuple(FLOW_PATHS)}")
+    return float(t) if t.dim() == 0 and not isinstance(sigma, Tensor) else t
+
+
+def _flow_coefficients(path: str, s: Tensor):
+    """``(t, alpha, sigma_t, d_alpha, d_sigma_t)`` at EDM noise level ``s`` (float64 [B]): the
+    path writes ``x_t = alpha x + sigma_t n`` with ``sigma_t / alpha = s``; the derivatives are
+    with respect to the path's own ``t`` (module docstring, "Flow matching")."""
+    t = flow_time(path, s)
+    one = torch.ones_like(s)
+    if path == "rectified_flow":
+        return t, 1 / (1 + s), s / (1 + s), -one, one
+    if path == "sit_linear":
+        return t, 1 / (1 + s), s / (1 + s), one, -one
+    # sit_gvp: alpha = sin(pi t/2) = 1/sqrt(1+s^2), sigma_t = cos(pi t/2) = s/sqrt(1+s^2);
+    # cosine: alpha = cos(pi t/2), sigma_t = sin(pi t/2), the same values at the same s.
+    r = torch.sqrt(1 + s * s)
+    a, st = 1 / r, s / r
+    if path == "cosine":
+        return t, a, st, -(math.pi / 2) * st, (math.pi / 2) * a
+    return t, a, st, (math.pi / 2) * st, -(math.pi / 2) * a
+
+
 class _Converter:
     """The EDM <-> network conversion, written with torch ops so it traces."""
 
@@ -346,15 +501,32 @@ class _Converter:
                  beta_min: Optional[float], beta_max: Optional[float], T: int,
                  alphas_cumprod: Any, timestep: str, t_scale: Optional[float],
                  timestep_dtype: Optional[torch.dtype], device: torch.device):
-        if parameterization not in PARAMETERIZATIONS:
+        if parameterization not in _BY_NAME:
             raise ValueError(f"parameterization must be one of {PARAMETERIZATIONS}, got {parameterization!r}")
         self.p = parameterization
+        self.row = _BY_NAME[parameterization]
         self.sigma_data = float(sigma_data)
         if self.sigma_data <= 0:
             raise ValueError(f"sigma_data must be > 0, got {sigma_data}")
         self.continuous = False
         self.log_sigmas: Optional[Tensor] = None
-        if parameterization not in _VP:
+        self.t_scale: Optional[float] = None
+        self.schedule = "alphas_cumprod" if alphas_cumprod is not None else schedule
+        if self.row.family == "flow":
+            given = [name for name, differs in (
+                ("schedule", schedule != "linear"), ("beta_min", beta_min is not None),
+                ("beta_max", beta_max is not None), ("T", T != 1000),
+                ("alphas_cumprod", alphas_cumprod is not None), ("timestep", timestep != "nearest")) if differs]
+            if given:
+                raise ValueError(f"{', '.join(given)}: a VP schedule's options, not used by the flow-matching "
+                                 f"parameterization {parameterization!r} (its path fixes the noise levels)")
+            default_scale = 1000.0 if self.row.path == "rectified_flow" else 1.0
+            self.t_scale = default_scale if t_scale is None else float(t_scale)
+            if not (math.isfinite(self.t_scale) and self.t_scale > 0):
+                raise ValueError(f"t_scale must be > 0, got {t_scale}")
+            self.t_dtype = timestep_dtype or torch.float32
+            return
+        if self.row.family != "vp":
             return
         if timestep not in ("nearest", "interp"):
             raise ValueError(f"timestep must be 'nearest' or 'interp', got {timestep!r}")
@@ -378,7 +550,8 @@ class _Converter:
         else:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if t_scale is not None:
-            raise ValueError("t_scale applies to schedule='continuous' only")
+            raise ValueError("t_scale applies to schedule='continuous' and to the flow-matching "
+                             "parameterizations only")
         self.alphas_cumprod = ab
         self.log_sigmas = (0.5 * torch.log((1 - ab) / ab)).to(device)  # ascending
         default_dtype = torch.int64 if timestep == "nearest" else torch.float32
@@ -406,10 +579,21 @@ class _Converter:
         t = (lo.to(torch.float64) + w).clamp(0, n - 1)
         return t.to(self.t_dtype)
 
+    def note(self) -> dict:
+        """What the file's note records of the conversion: family, path, prediction, time scale."""
+        row = self.row
+        out: dict = {"family": row.family, "path": row.path, "prediction": row.prediction}
+        if row.family == "vp":
+            out["schedule"] = self.schedule
+        if row.family == "flow" or self.continuous:
+            out["t_scale"] = self.t_scale
+        return out
+
     # -- the whole conversion --------------------------------------------------------------------
     def denoise(self, net_call, x: Tensor, sigma: Tensor) -> Tensor:
         sig = sigma.to(x.dtype).reshape(-1)
         s4 = sig.reshape(-1, 1, 1, 1)
+        row = self.row
         if self.p == "edm":
             return _as_tensor(net_call(x, sig))
         if self.p == "edm_raw":
@@ -419,13 +603,30 @@ class _Converter:
             c_in = 1 / torch.sqrt(s4 * s4 + sd * sd)
             c_noise = torch.log(sig) / 4
             return c_skip * x + c_out * _as_tensor(net_call(c_in * x, c_noise))
+        if row.family == "flow":
+            # x_t = alpha (x + sigma n) with sigma_t = alpha sigma (module docstring, "Flow matching").
+            assert row.path is not None and self.t_scale is not None
+            t, a, st, da, dst = (c.reshape(-1, 1, 1, 1) for c in _flow_coefficients(row.path, sig.to(torch.float64)))
+            x_net = x * a.to(x.dtype)
+            out = _as_tensor(net_call(x_net, (t.reshape(-1) * self.t_scale).to(self.t_dtype)))
+            if row.prediction == "velocity":
+                # u = da x + dst n and x_t = a x + st n give x = (st u - dst x_t) / (da st - a dst).
+                det = da * st - a * dst
+                return (-dst * a / det).to(x.dtype) * x + (st / det).to(x.dtype) * out
+            if row.prediction == "noise":
+                return x - s4 * out
+            if row.prediction == "score":  # score = -n / sigma_t, so n = -sigma_t * score
+                return x + (s4 * st.to(x.dtype)) * out
+            raise ExportError(f"no conversion for the flow prediction {row.prediction!r}")
         x_vp = x / torch.sqrt(1 + s4 * s4)
         out = _as_tensor(net_call(x_vp, self.time(sig)))
         if self.p == "eps":
             return x - s4 * out
         if self.p == "v":
             return x / (1 + s4 * s4) - s4 / torch.sqrt(1 + s4 * s4) * out
-        return out  # x0
+        if self.p == "x0":
+            return out
+        raise ExportError(f"no conversion for the parameterization {self.p!r}")
 
 
 def _as_tensor(out: Any) -> Tensor:
@@ -582,14 +783,19 @@ class Embedding:
     ``sha256`` only describe its origin in the file's note (:meth:`from_file` sets them)."""
 
     def __init__(self, tensor: Tensor, keyword: str = "encoder_hidden_states", *,
-                 file: Optional[str] = None, sha256: Optional[str] = None):
+                 file: Optional[str] = None, sha256: Optional[str] = None, pooled: bool = False):
         t = torch.as_tensor(tensor).detach()
         if not t.is_floating_point():
             raise ValueError(f"the embedding must be a floating-point tensor, got {t.dtype}")
-        if t.dim() == 2:
+        # A pooled embedding (SD3's pooled_projections) is one vector: [D] or [1,D].
+        dims = 2 if pooled else 3
+        if t.dim() == dims - 1:
             t = t.unsqueeze(0)
-        if t.dim() != 3 or t.shape[0] != 1:
-            raise ValueError(f"the embedding must have shape [L,D] or [1,L,D], got {list(tensor.shape)}")
+        if t.dim() != dims or t.shape[0] != 1:
+            want = "[D] or [1,D]" if pooled else "[L,D] or [1,L,D]"
+            raise ValueError(f"the {'pooled ' if pooled else ''}embedding must have shape {want}, "
+                             f"got {list(tensor.shape)}")
+        self.pooled = bool(pooled)
         if not keyword or not str(keyword).isidentifier():
             raise ValueError(f"keyword must be a Python identifier, got {keyword!r}")
         self.tensor = t.to(device="cpu", dtype=torch.float32).contiguous()
@@ -599,9 +805,14 @@ class Embedding:
 
     @classmethod
     def from_file(cls, path, key: Optional[str] = None,
-                  keyword: str = "encoder_hidden_states") -> "Embedding":
+                  keyword: str = "encoder_hidden_states", pooled: bool = False) -> "Embedding":
         """:func:`load_embedding` of ``path``; the note records its basename and sha256."""
-        return cls(load_embedding(path, key), keyword, file=os.path.basename(str(path)), sha256=_sha256(path))
+        return cls(load_embedding(path, key), keyword, file=os.path.basename(str(path)), sha256=_sha256(path),
+                   pooled=pooled)
+
+    def expand(self, tensor: Tensor, batch: int) -> Tensor:
+        """``tensor`` (this embedding on some device) expanded to the batch."""
+        return tensor.expand(batch, *([-1] * (tensor.dim() - 1)))
 
     def note(self) -> dict:
         return {"kind": "embedding", "keyword": self.keyword, "file": self.file, "sha256": self.sha256,
@@ -632,20 +843,29 @@ class _Condition:
         self.note = note
         self.line = line
         self._emb: Optional[Tensor] = None
+        # Further fixed inputs: embeddings next to the condition (SD3's pooled_projections) and
+        # constant keywords (PixArt's added_cond_kwargs); see _fixed_inputs.
+        self.extra: list = []
+        self._extra: list = []
+        self.constants: dict = {}
 
     def to(self, device: torch.device) -> "_Condition":
         if self.embedding is not None:
             # A graph constant of the trace, like the VP schedule table: it follows the load device.
             self._emb = self.embedding.tensor.to(device)
+        self._extra = [(e, e.tensor.to(device)) for e in self.extra]
         return self
 
     def kwargs(self, x: Tensor, t: Tensor) -> dict:
+        out: dict = dict(self.constants)
+        for e, tensor in self._extra:
+            out[e.keyword] = e.expand(tensor, x.shape[0])
         if self.label is not None:
             # Made from the [B] time tensor, so it follows the batch size and device under tracing.
-            return {self.keyword: torch.zeros_like(t, dtype=torch.long) + self.label}
-        if self._emb is not None:
-            return {self.keyword: self._emb.expand(x.shape[0], -1, -1)}
-        return {}
+            out[self.keyword] = torch.zeros_like(t, dtype=torch.long) + self.label
+        elif self._emb is not None:
+            out[self.keyword] = self._emb.expand(x.shape[0], -1, -1)
+        return out
 
 
 def _resolve_condition(module: nn.Module, condition: Any, class_keyword: str) -> _Condition:
@@ -703,6 +923,73 @@ def _resolve_condition(module: nn.Module, condition: Any, class_keyword: str) ->
         line += ("; taken by default because the network is class-conditional "
                  "(condition=N / --class-label N for a class, condition=None / --no-condition for none)")
     return _Condition(keyword=class_keyword, label=label, note=note, line=line)
+
+
+# The names under which diffusers' transformers take the time when it is not their second argument
+# (SD3Transformer2DModel.forward(hidden_states, encoder_hidden_states, pooled_projections,
+# timestep), PixArtTransformer2DModel.forward(hidden_states, encoder_hidden_states, timestep, ...)).
+_TIME_KEYWORDS = ("timestep", "timesteps")
+_WRAPPER_HINT = ("a network whose forward needs more than (x, t) and one condition is exported through a "
+                 "wrapper: a subclass whose forward(x, t) supplies the rest "
+                 '(docs/guide/model-contract.md, "Conditional networks")')
+
+
+def _time_keyword(module: nn.Module) -> Optional[str]:
+    """The keyword to pass the time as, or None to pass it second, positionally: a forward whose
+    second parameter is not the time but which has a ``timestep`` parameter further on (diffusers'
+    SD3 and PixArt transformers) gets it by name."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 or positional[1].name in _TIME_KEYWORDS:
+        return None
+    later = [p.name for p in params[2:] if p.name in _TIME_KEYWORDS and p.kind != p.POSITIONAL_ONLY]
+    return later[0] if later else None
+
+
+def _named_parameter(module: nn.Module, name: str) -> bool:
+    """Whether ``module.forward`` has a parameter of that name (``**kwargs`` does not count)."""
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _fixed_inputs(module: nn.Module, cond: _Condition, extra: Sequence[Embedding]) -> _Condition:
+    """Adds to ``cond`` the network's other fixed inputs: the ``extra`` embeddings (an SD3-style
+    transformer's ``pooled_projections``) and PixArt's ``added_cond_kwargs``; a one-line
+    :class:`ExportError` for an input the exporter cannot supply."""
+    name = type(module).__name__
+    for e in extra:
+        if not isinstance(e, Embedding):
+            raise ValueError(f"extra conditions must be Embeddings, got {type(e).__name__}")
+        if e.keyword == cond.keyword:
+            raise ValueError(f"the keyword {e.keyword!r} is given twice")
+        if _accepts_keyword(module, e.keyword) is False:
+            raise ExportError(f"{name}.forward takes no keyword {e.keyword!r}")
+    cond.extra = list(extra)
+    given = {e.keyword for e in extra} | ({cond.keyword} if cond.keyword else set())
+    if _named_parameter(module, "pooled_projections") and "pooled_projections" not in given:
+        raise ExportError(f"{name} is an SD3-style transformer: it needs encoder_hidden_states and "
+                          "pooled_projections; give both, e.g. the empty prompt's (--embedding FILE "
+                          "--pooled-embedding FILE), or " + _WRAPPER_HINT)
+    if _named_parameter(module, "added_cond_kwargs") and "added_cond_kwargs" not in given:
+        if getattr(module, "use_additional_conditions", False):
+            raise ExportError(f"{name} uses additional conditions (resolution and aspect ratio in "
+                              "added_cond_kwargs), which the exporter does not supply: " + _WRAPPER_HINT)
+        # PixArt without additional conditions still indexes the dict.
+        cond.constants["added_cond_kwargs"] = {"resolution": None, "aspect_ratio": None}
+    if extra:
+        cond.note = dict(cond.note or {"kind": "none"})
+        cond.note["extra"] = [e.note() for e in extra]
+        cond.line = "; ".join(filter(None, [cond.line] + [
+            f"{e.keyword} = the [{'x'.join(str(v) for v in e.tensor.shape)}] embedding"
+            + (f" from {e.file}" if e.file else "") + ", expanded to the batch" for e in extra]))
+        if not cond.line.startswith("condition"):
+            cond.line = "condition: " + cond.line
+    return cond
 
 
 # ---------------------------------------------------------------------------------------------
@@ -839,6 +1126,151 @@ def _make_device_independent(script_module) -> int:
     return replaced
 
 
+# ---------------------------------------------------------------------------------------------
+# Checks of the stated parameterization (module docstring, "What a wrong parameterization does")
+# ---------------------------------------------------------------------------------------------
+
+_DIFFUSERS_PREDICTIONS = {"epsilon": "eps", "v_prediction": "v", "sample": "x0"}
+_DIFFUSERS_SCHEDULES = {"linear": "linear", "scaled_linear": "scaled_linear", "squaredcos_cap_v2": "cosine"}
+
+
+def read_scheduler_config(scheduler) -> dict:
+    """A diffusers scheduler's config: ``scheduler`` is a dict, a ``scheduler_config.json`` or a
+    folder holding one (a pipeline's ``scheduler/``). Read as JSON (at most 1 MiB), never run."""
+    if isinstance(scheduler, dict):
+        return scheduler
+    path = Path(scheduler)
+    if path.is_dir():
+        path = path / "scheduler_config.json"
+    try:
+        with open(path, "rb") as f:
+            text = f.read(1 << 20)
+        cfg = json.loads(text)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the scheduler config {path}: {e}") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("_class_name"), str):
+        raise ValueError(f"{path} is not a diffusers scheduler config (no _class_name)")
+    return cfg
+
+
+def scheduler_mismatches(cfg: dict, conv: "_Converter", schedule: str, beta_min: Optional[float],
+                         beta_max: Optional[float], T: int) -> list:
+    """What in the export disagrees with the diffusers scheduler config ``cfg`` (sentences; empty
+    when it agrees). A ``FlowMatch*`` scheduler trains a rectified-flow network (its ``shift`` is
+    the sampler's and is not compared); DDPM-style schedulers name the prediction, the schedule,
+    its betas and the number of timesteps."""
+    cls = cfg.get("_class_name", "?")
+    p = conv.p
+    if cls.startswith("FlowMatch"):
+        if p != "rectified_flow":
+            return [f"{cls} trains a rectified-flow network (x_t = (1-t) x + t n, predicting n - x): "
+                    f"--parameterization rectified_flow, not {p}"]
+        return []
+    if cls.startswith("EDM"):  # EDMEulerScheduler, EDMDPMSolverMultistepScheduler: Karras et al.'s sigmas
+        if conv.row.family != "edm":
+            return [f"{cls} trains an EDM network: --parameterization edm or edm_raw, not {p}"]
+        return []
+    prediction = cfg.get("prediction_type", "epsilon")
+    if "beta_schedule" not in cfg and "prediction_type" not in cfg:
+        return [f"{cls} is not a scheduler the exporter knows (a FlowMatch* or a DDPM-style scheduler "
+                "with prediction_type and beta_schedule)"]
+    want = _DIFFUSERS_PREDICTIONS.get(prediction)
+    if want is None:
+        return [f"{cls} has prediction_type {prediction!r}, which no parameterization matches"]
+    if p != want:
+        return [f"{cls} with prediction_type {prediction!r} is --parameterization {want}, not {p}"]
+    out = []
+    sched = _DIFFUSERS_SCHEDULES.get(cfg.get("beta_schedule", "linear"))
+    if sched is None:
+        out.append(f"{cls} has beta_schedule {cfg.get('beta_schedule')!r}, which no --schedule matches "
+                   "(pass its alphas_cumprod table to export(alphas_cumprod=...))")
+    elif schedule != sched:
+        out.append(f"{cls} has beta_schedule {cfg.get('beta_schedule')!r}: --schedule {sched}, not {schedule}")
+    if sched in ("linear", "scaled_linear") and schedule == sched:
+        lo, hi = _DEFAULT_BETAS[sched]
+        for key, ours, default in (("beta_start", beta_min, lo), ("beta_end", beta_max, hi)):
+            theirs = cfg.get(key)
+            mine = default if ours is None else ours
+            if theirs is not None and not math.isclose(float(theirs), mine, rel_tol=1e-9):
+                flag = "--beta-min" if key == "beta_start" else "--beta-max"
+                out.append(f"{cls} has {key} {theirs}: {flag} {theirs}, not {mine}")
+    n = cfg.get("num_train_timesteps")
+    if n is not None and int(n) != T:
+        out.append(f"{cls} has num_train_timesteps {n}: --T {n}, not {T}")
+    return out
+
+
+def scheduler_round_trip(cfg: dict, conv: "_Converter") -> Optional[str]:
+    """The noisy input the export hands the network, against the one the diffusers scheduler
+    makes from the same image and noise (``add_noise``, or ``scale_noise`` for ``FlowMatch*``), at
+    four of its timesteps: a sentence when they differ, None when they agree or when diffusers (or
+    the scheduler class) is not importable."""
+    try:
+        import diffusers
+        sched = getattr(diffusers, cfg["_class_name"]).from_config(cfg)
+    except Exception:
+        return None
+    if conv.row.family == "edm":
+        return None  # an EDM network takes sigma itself: nothing to map
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.rand(1, 2, 4, 4, generator=g, dtype=torch.float64) * 2 - 1
+    n = torch.randn(1, 2, 4, 4, generator=g, dtype=torch.float64)
+    worst = 0.0
+    with torch.no_grad():
+        if conv.row.family == "flow" and hasattr(sched, "scale_noise"):
+            n_steps = len(sched.timesteps)  # index 0 is t = 1, all noise: sigma infinite
+            steps = sched.timesteps[[n_steps * k // 8 for k in (1, 3, 5, 7)]]
+            for tau in steps:
+                s = float(tau) / float(sched.config.num_train_timesteps)  # the scheduler's t
+                theirs = sched.scale_noise(x0, tau.reshape(1), n)
+                sigma = torch.tensor([s / (1 - s)], dtype=torch.float64)
+                t, a, _, _, _ = _flow_coefficients(conv.row.path, sigma)
+                worst = max(worst, float((a * (x0 + sigma * n) - theirs).abs().max()), abs(float(t) - s))
+        elif conv.log_sigmas is not None and hasattr(sched, "add_noise") and hasattr(sched, "alphas_cumprod"):
+            ab = sched.alphas_cumprod.to(torch.float64)
+            for k in torch.linspace(0, len(ab) - 1, 4).long():
+                theirs = sched.add_noise(x0, n, k.reshape(1))
+                sigma = torch.sqrt((1 - ab[k]) / ab[k]).reshape(1)
+                ours = (x0 + sigma * n) / torch.sqrt(1 + sigma * sigma)
+                step = float(conv.time(sigma.to(torch.float32)))
+                worst = max(worst, float((ours - theirs).abs().max()), abs(step - float(k)))
+        else:
+            return (f"the export's {conv.row.family} conversion cannot be compared with a "
+                    f"{cfg['_class_name']}: the family differs")
+    if worst > 1e-3:
+        return (f"the network input the export makes differs from the {cfg['_class_name']}'s own noising "
+                f"by {worst:.3g}: the schedule or the timesteps do not match")
+    return None
+
+
+def consistency_warning(denoise, shape, device="cpu", sigma_max: float = 80.0) -> Optional[str]:
+    """A warning when the denoiser ``denoise(x, sigma) -> (denoised, features)`` does not behave
+    as a trained denoiser at high noise: from pure noise (a zero image plus noise) at two high
+    noise levels, ``s`` = min(80, 0.9 ``sigma_max``) and ``s / 4`` (``sigma_max``: the highest
+    level the network was trained at, a discrete VP schedule's last), a trained denoiser returns
+    about the mean of its data at both (a root mean square of the order of the data's), while a
+    network converted with the wrong parameterization returns values that grow with sigma.
+    Meaningful for a trained network only (an untrained one grows too); None when nothing is
+    wrong that this can see."""
+    c, h, w = shape
+    n = torch.randn(4, c, h, w, generator=torch.Generator().manual_seed(2)).to(device)
+    hi = min(80.0, 0.9 * float(sigma_max))
+    levels = (hi / 4, hi)
+    rms = []
+    with torch.no_grad():
+        for s in levels:
+            d = denoise(s * n, torch.full((4,), s, device=device))[0]
+            rms.append(float(d.double().pow(2).mean().sqrt()))
+    if rms[1] > 4.0 and rms[1] > 2.0 * rms[0]:
+        return (f"the denoised output from pure noise has root mean square {rms[0]:.3g} at sigma {levels[0]:.3g} "
+                f"and {rms[1]:.3g} at sigma {levels[1]:.3g}; a trained denoiser's stays near its data's mean at "
+                "both. If the "
+                "network is trained, its parameterization is probably not the one stated (a flow-matching "
+                "network exported as eps/v/x0, or the other way round): name its training scheduler "
+                "(--scheduler) to check")
+    return None
+
+
 # The TracerWarnings a trace filters, as (module, message) regular expressions matched from the
 # start of the warning's module name and message (module docstring, "Tracer warnings").
 _HARMLESS_TRACER_WARNINGS = (
@@ -869,7 +1301,8 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
            alphas_cumprod=None, timestep: str = "nearest", t_scale: Optional[float] = None,
            timestep_dtype: Optional[torch.dtype] = None, device="cpu", atol: float = 1e-5,
            check: bool = True, condition: Any = "auto", class_keyword: str = "class_labels",
-           verbose: bool = True) -> torch.jit.ScriptModule:
+           extra_conditions: Sequence[Embedding] = (), scheduler: Any = None,
+           warn_inconsistent: bool = False, verbose: bool = True) -> torch.jit.ScriptModule:
     """Wrap ``module`` into the diffmon model contract and save it as TorchScript at ``path``.
 
     Args:
@@ -877,12 +1310,14 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
             float32 when its parameters are not), is traced in eval mode.
         feature_layer: dotted name of the submodule whose output is the feature map.
         path: output file; written atomically (temporary name, checked, then renamed).
-        parameterization: ``edm`` | ``edm_raw`` | ``eps`` | ``v`` | ``x0`` (see module docstring).
+        parameterization: a name of :data:`PARAMETERIZATION_TABLE` (``edm``, ``edm_raw``, ``eps``,
+            ``v``, ``x0``, ``rectified_flow``, ``sit_linear_velocity``, ...; module docstring).
         example_shape: ``(C,H,W)`` or ``(B,C,H,W)`` of the model input; any B is ignored: the
             trace is made with B=2 and checked with B=3, so the batch dimension is dynamic.
         sigma_data: EDM sigma_data (``edm_raw`` only).
         schedule, beta_min, beta_max, T, alphas_cumprod, timestep, t_scale, timestep_dtype:
-            the VP noise schedule for ``eps``/``v``/``x0`` (see module docstring).
+            the VP noise schedule for ``eps``/``v``/``x0`` (see module docstring); ``t_scale``
+            and ``timestep_dtype`` also set the time of a flow-matching network.
         device: where the trace is made (and where the saved constants live); default CPU.
         atol: largest allowed max-abs difference between the reloaded file and the eager
             module, on both outputs.
@@ -892,6 +1327,15 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
             class-conditional, else nothing), ``None`` (nothing), ``"null"`` (the null class, see
             :func:`null_class`), a class index ``int``, or an :class:`Embedding`.
         class_keyword: the keyword the class labels are passed as (``class_labels``, diffusers').
+        extra_conditions: further :class:`Embedding` s held fixed next to ``condition``, each
+            passed as its own keyword (SD3's ``pooled_projections``: ``Embedding(t,
+            "pooled_projections", pooled=True)``).
+        scheduler: the diffusers scheduler the network was trained with (a config dict, a
+            ``scheduler_config.json`` or its folder): the export is checked against it and a
+            mismatch is an :class:`ExportError` (module docstring, "What a wrong parameterization
+            does").
+        warn_inconsistent: print a warning when the exported denoiser does not behave as a
+            trained one at high noise (:func:`consistency_warning`); for trained weights only.
         verbose: print the condition applied (one line), if any.
 
     Returns the reloaded ``torch.jit.ScriptModule``.
@@ -906,7 +1350,14 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
                       timestep, t_scale, timestep_dtype, device)
     if not feature_layer:
         raise ValueError("feature_layer must name a submodule (not the whole module)")
-    cond = _resolve_condition(module, condition, class_keyword).to(device)
+    sched_cfg = read_scheduler_config(scheduler) if scheduler is not None else None
+    if sched_cfg is not None:
+        wrong = scheduler_mismatches(sched_cfg, conv, schedule, beta_min, beta_max, T)
+        wrong = wrong or list(filter(None, [scheduler_round_trip(sched_cfg, conv)]))
+        if wrong:
+            raise ExportError("the export disagrees with the training scheduler: " + "; ".join(wrong))
+    cond = _fixed_inputs(module, _resolve_condition(module, condition, class_keyword), extra_conditions).to(device)
+    time_keyword = _time_keyword(module)
     names = dict(module.named_modules())
     if feature_layer not in names:
         listing = ", ".join(n for n in names if n) or "(none)"
@@ -926,6 +1377,11 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
     captured: list = []
 
     def hook(_mod, _inp, out):
+        if isinstance(out, (tuple, list)):
+            # A joint (MMDiT) block of SD3/Flux returns (encoder_hidden_states, hidden_states):
+            # the image tokens are its last tensor.
+            tensors = [o for o in out if isinstance(o, Tensor)]
+            out = tensors[-1] if tensors else out
         captured.append(out.clone() if isinstance(out, Tensor) else out)
 
     layer = net.get_submodule(feature_layer)
@@ -936,7 +1392,10 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
     learned_sigma: list = []  # set by the eager run before the trace
 
     def net_call(a, b):
-        out = _as_tensor(inner_forward(net, a, b, **cond.kwargs(a, b)))
+        if time_keyword is None:
+            out = _as_tensor(inner_forward(net, a, b, **cond.kwargs(a, b)))
+        else:
+            out = _as_tensor(inner_forward(net, a, **{time_keyword: b}, **cond.kwargs(a, b)))
         if not torch.jit.is_tracing():
             learned_sigma[:] = [out.dim() == 4 and out.shape[1] == 2 * channels]
         if learned_sigma[0]:
@@ -973,9 +1432,15 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
     try:
         with torch.no_grad():
             contract_forward(x2, s2)  # eager first: the module's own errors, not the tracer's
-    except Exception:
+    except ExportError:
         handle.remove()
         raise
+    except Exception as e:
+        handle.remove()
+        given = ", ".join(["x", f"{time_keyword}=t" if time_keyword else "t"]
+                          + [f"{k}=..." for k in cond.kwargs(x2, s2)])
+        raise ExportError(f"{type(module).__name__} failed when called as forward({given}): "
+                          f"{type(e).__name__}: {e}; " + _WRAPPER_HINT) from e
     try:
         with torch.no_grad(), _quiet_trace():
             traced = torch.jit.trace(net, (x2, s2), check_trace=False)
@@ -998,7 +1463,7 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
             note = {"non_persistent_buffers": _non_persistent_buffers(net),
                     "device_independent": True, "torch": torch.__version__,
                     "feature_layer": feature_layer, "parameterization": parameterization,
-                    "learned_sigma": bool(learned_sigma[0]), "condition": cond.note}
+                    "learned_sigma": bool(learned_sigma[0]), "condition": cond.note, **conv.note()}
             torch.jit.save(traced, str(tmp), _extra_files={"diffmon.json": json.dumps(note)})
             loaded = torch.jit.load(str(tmp), map_location=device)
         pins = device_constants(loaded)
@@ -1024,6 +1489,11 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
                     raise ExportError(f"exported {what} differs from the eager module by {diff:.3g} "
                                       f"(> {atol:g}) at batch 3: data- or shape-dependent control flow "
                                       "was probably frozen by tracing")
+        if warn_inconsistent:
+            top = float(conv.log_sigmas[-1].exp()) if conv.log_sigmas is not None else 80.0
+            warning = consistency_warning(loaded, shape, device, sigma_max=top)
+            if warning:
+                print(f"warning: {warning}", file=sys.stderr)
         os.replace(tmp, path)
     finally:
         handle.remove()
@@ -1216,6 +1686,20 @@ def load_weights(path: str, key: Optional[str] = None, strip_prefix: str = "") -
     return sd
 
 
+def _parameterization_lines() -> str:
+    """The --help section listing :data:`PARAMETERIZATION_TABLE`, one line each."""
+    width = max(len(p.name) for p in PARAMETERIZATION_TABLE)
+    return "\n".join(f"  {p.name:<{width}}  {p.help}" for p in PARAMETERIZATION_TABLE)
+
+
+_EPILOG_HEAD = """\
+parameterizations (--parameterization; docs/guide/model-contract.md derives each conversion):
+{table}
+A timestep shift (SD3's shift, Flux's resolution-dependent shift) belongs to the sampler, not to
+the network: it changes no option here.
+
+"""
+
 _EPILOG = """\
 diffusers (a save_pretrained folder, e.g. a checkpoint-N/unet of train_unconditional.py):
   %(prog)s --factory diffusers:UNet2DModel.from_pretrained \\
@@ -1237,6 +1721,14 @@ fixes class N, --no-condition passes no label. A text-conditional UNet2DConditio
       --out run/model.ts --parameterization eps --schedule scaled_linear
 --list-layers marks the middle block of each list of blocks and the suggested layer.
 
+A flow-matching SD3-style transformer (FlowMatchEulerDiscreteScheduler), held at the empty
+prompt's embeddings, checked against its training scheduler:
+  %(prog)s --factory diffusers:SD3Transformer2DModel.from_pretrained \\
+      --factory-kwargs '{"pretrained_model_name_or_path": "run/checkpoint-500/transformer"}' \\
+      --embedding empty_prompt.pt --pooled-embedding empty_pooled.pt \\
+      --feature-layer transformer_blocks.11 --shape 16 32 32 --out run/model.ts \\
+      --parameterization rectified_flow --scheduler run/scheduler
+
 A VAE (AutoencoderKL), for latent models: one file with encode (posterior mean, scaled)
 and decode:
   %(prog)s --vae --factory diffusers:AutoencoderKL.from_pretrained \\
@@ -1246,6 +1738,8 @@ and decode:
 
 # Options of the denoiser export that --vae does not take (dest, flag).
 _DENOISER_ONLY = (("feature_layer", "--feature-layer"), ("parameterization", "--parameterization"),
+                  ("scheduler", "--scheduler"), ("pooled_embedding", "--pooled-embedding"),
+                  ("pooled_embedding_key", "--pooled-embedding-key"),
                   ("sigma_data", "--sigma-data"), ("schedule", "--schedule"), ("beta_min", "--beta-min"),
                   ("beta_max", "--beta-max"), ("T", "--T"), ("timestep", "--timestep"),
                   ("t_scale", "--t-scale"), ("class_label", "--class-label"), ("null_class", "--null-class"),
@@ -1254,14 +1748,15 @@ _DENOISER_ONLY = (("feature_layer", "--feature-layer"), ("parameterization", "--
                   ("class_keyword", "--class-keyword"))
 
 
-def main(argv=None) -> int:
-    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+def build_parser(prog: str = "python -m diffmon.export") -> argparse.ArgumentParser:
+    """The command line of ``diffmon-export`` (every option has its help text)."""
     ap = argparse.ArgumentParser(
-        prog=prog if prog.startswith("diffmon-export") else "python -m diffmon.export",
+        prog=prog,
         description="Export a PyTorch network to diffmon's TorchScript model contract "
                     "(forward(x, sigma) -> (EDM denoised, features)), or with --vae a VAE "
                     "(encode, decode).",
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=_EPILOG_HEAD.format(table=_parameterization_lines()) + _EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--factory", required=True,
                     help="module:callable returning the nn.Module (importable from the current folder); "
                          "dotted attributes after the colon are followed, e.g. "
@@ -1277,14 +1772,37 @@ def main(argv=None) -> int:
                          "the middle block of each list of blocks, mid_block, and the suggested layer")
     ap.add_argument("--feature-layer", help="dotted submodule name of the feature layer")
     ap.add_argument("--shape", type=int, nargs=3, metavar=("C", "H", "W"), help="input image shape")
-    ap.add_argument("--parameterization", choices=PARAMETERIZATIONS, help="default edm")
-    ap.add_argument("--sigma-data", type=float, help="default 0.5 (edm_raw)")
-    ap.add_argument("--schedule", choices=SCHEDULES, help="default linear")
-    ap.add_argument("--beta-min", type=float)
-    ap.add_argument("--beta-max", type=float)
-    ap.add_argument("--T", type=int, help="number of discrete timesteps (default 1000)")
-    ap.add_argument("--timestep", choices=("nearest", "interp"), help="default nearest")
-    ap.add_argument("--t-scale", type=float)
+    ap.add_argument("--parameterization", choices=PARAMETERIZATIONS, metavar="NAME",
+                    help="what the network computes, one of the parameterizations listed below "
+                         "(default edm)")
+    ap.add_argument("--sigma-data", type=float,
+                    help="EDM's sigma_data, the data's standard deviation in edm_raw's c_skip, c_out, "
+                         "c_in (default 0.5)")
+    ap.add_argument("--scheduler", metavar="PATH",
+                    help="the diffusers scheduler the network was trained with (scheduler_config.json "
+                         "or its folder): the export is checked against it (prediction type, schedule, "
+                         "betas, timesteps, a flow-matching scheduler) and refused if they disagree")
+    vp = ap.add_argument_group("the network's time: a VP noise schedule (eps, v, x0); --t-scale also for flow matching")
+    vp.add_argument("--schedule", choices=SCHEDULES,
+                    help="linear (DDPM), scaled_linear (Stable Diffusion), cosine (squaredcos_cap_v2) "
+                         "over --T discrete steps, or continuous: Song et al.'s VP SDE with beta(t) "
+                         "linear in t in [0, 1] (default linear)")
+    vp.add_argument("--beta-min", type=float,
+                    help="first beta of the schedule (diffusers' beta_start); default 1e-4 linear, "
+                         "0.00085 scaled_linear, 0.1 continuous (beta(0))")
+    vp.add_argument("--beta-max", type=float,
+                    help="last beta (diffusers' beta_end); default 0.02 linear, 0.012 scaled_linear, "
+                         "20 continuous (beta(1))")
+    vp.add_argument("--T", type=int, help="number of discrete timesteps, num_train_timesteps (default 1000)")
+    vp.add_argument("--timestep", choices=("nearest", "interp"),
+                    help="the time a discrete-schedule network gets: nearest, the int64 step whose noise "
+                         "level is nearest to sigma; interp, a float32 fractional step, linear in "
+                         "log sigma (for time embeddings that take non-integer steps); default nearest")
+    vp.add_argument("--t-scale", type=float,
+                    help="the network's time is t * T_SCALE: for --schedule continuous, t in [0, 1] "
+                         "(default 999, as score_sde and EDM's VPPrecond); for rectified_flow the "
+                         "path's t (default 1000, diffusers' SD3; 1 for Flux); for the SiT "
+                         "parameterizations default 1")
     cond = ap.add_argument_group(
         "condition held fixed (default: the null class of a class-conditional network, else none)")
     one = cond.add_mutually_exclusive_group()
@@ -1300,12 +1818,23 @@ def main(argv=None) -> int:
     cond.add_argument("--embedding-keyword", metavar="NAME",
                       help="keyword the embedding is passed as (default encoder_hidden_states)")
     cond.add_argument("--class-keyword", metavar="NAME", help="keyword of the class labels (default class_labels)")
+    cond.add_argument("--pooled-embedding", metavar="FILE",
+                      help="also pass this [D] or [1,D] tensor as pooled_projections (an SD3-style "
+                           "transformer's pooled text embedding), expanded to the batch")
+    cond.add_argument("--pooled-embedding-key", metavar="KEY",
+                      help="the pooled tensor's key, if FILE holds several")
     vae = ap.add_argument_group("VAE export (--vae)")
     vae.add_argument("--vae", action="store_true",
                      help="export a VAE (encode: posterior mean, scaled; decode) instead of a denoiser")
     vae.add_argument("--scaling-factor", type=float, help="default the VAE's config.scaling_factor")
     vae.add_argument("--shift-factor", type=float, help="default the VAE's config.shift_factor, or 0")
     ap.add_argument("--out", help="output TorchScript file")
+    return ap
+
+
+def main(argv=None) -> int:
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    ap = build_parser(prog if prog.startswith("diffmon-export") else "python -m diffmon.export")
     args = ap.parse_args(argv)
 
     if args.vae:
@@ -1318,10 +1847,28 @@ def main(argv=None) -> int:
                 ap.error(f"--{flag.replace('_', '-')} is used with --vae only")
         if (args.embedding_key or args.embedding_keyword) and not args.embedding:
             ap.error("--embedding-key and --embedding-keyword go with --embedding")
+        if args.pooled_embedding_key and not args.pooled_embedding:
+            ap.error("--pooled-embedding-key goes with --pooled-embedding")
         if args.class_keyword and (args.embedding or args.no_condition):
             ap.error("--class-keyword goes with class labels, not with --embedding or --no-condition")
 
-    module = _load_factory(args.factory)(**json.loads(args.factory_kwargs))
+    def fail(message: str) -> int:
+        # One line, never a traceback: the export is where a user's own network fails first.
+        print(f"{ap.prog}: error: {message}", file=sys.stderr)
+        return 1
+
+    try:
+        kwargs = json.loads(args.factory_kwargs)
+    except ValueError as e:
+        ap.error(f"--factory-kwargs is not JSON: {e}")
+    if not isinstance(kwargs, dict):
+        ap.error("--factory-kwargs must be a JSON object")
+    try:
+        module = _load_factory(args.factory)(**kwargs)
+    except SystemExit:
+        raise
+    except Exception as e:
+        return fail(f"--factory {args.factory} failed: {type(e).__name__}: {e}")
     if args.list_layers:
         marks = layer_marks(module)
         for name, m in module.named_modules():
@@ -1339,12 +1886,27 @@ def main(argv=None) -> int:
             hint = f" (suggested feature layer: {best})" if best else ""
         ap.error(f"--feature-layer, --shape and --out are required (or use --list-layers){hint}")
     if args.weights:
-        module.load_state_dict(load_weights(args.weights, args.weights_key, args.strip_prefix))
+        try:
+            module.load_state_dict(load_weights(args.weights, args.weights_key, args.strip_prefix))
+        except SystemExit:
+            raise
+        except Exception as e:
+            return fail(f"--weights {args.weights}: {type(e).__name__}: {e}")
     if args.vae:
-        export_vae(module, args.out, tuple(args.shape), scaling_factor=args.scaling_factor,
-                   shift_factor=args.shift_factor)
+        try:
+            export_vae(module, args.out, tuple(args.shape), scaling_factor=args.scaling_factor,
+                       shift_factor=args.shift_factor)
+        except (ExportError, ValueError, TypeError, OSError) as e:
+            return fail(str(e))
         print(f"wrote {args.out}")
         return 0
+    extra = []
+    if args.pooled_embedding:
+        try:
+            extra.append(Embedding.from_file(args.pooled_embedding, args.pooled_embedding_key,
+                                             "pooled_projections", pooled=True))
+        except (OSError, ValueError) as e:
+            ap.error(f"--pooled-embedding: {e}")
     if args.embedding:
         try:
             condition: Any = Embedding.from_file(args.embedding, args.embedding_key,
@@ -1363,11 +1925,17 @@ def main(argv=None) -> int:
     def given(value, default):
         return default if value is None else value
 
-    export(module, args.feature_layer, args.out, parameterization=given(args.parameterization, "edm"),
-           example_shape=tuple(args.shape), sigma_data=given(args.sigma_data, 0.5),
-           schedule=given(args.schedule, "linear"), beta_min=args.beta_min, beta_max=args.beta_max,
-           T=given(args.T, 1000), timestep=given(args.timestep, "nearest"), t_scale=args.t_scale,
-           condition=condition, class_keyword=given(args.class_keyword, "class_labels"))
+    # Trained weights: the high-noise consistency check means something (consistency_warning).
+    trained = bool(args.weights) or args.factory.endswith("from_pretrained")
+    try:
+        export(module, args.feature_layer, args.out, parameterization=given(args.parameterization, "edm"),
+               example_shape=tuple(args.shape), sigma_data=given(args.sigma_data, 0.5),
+               schedule=given(args.schedule, "linear"), beta_min=args.beta_min, beta_max=args.beta_max,
+               T=given(args.T, 1000), timestep=given(args.timestep, "nearest"), t_scale=args.t_scale,
+               condition=condition, class_keyword=given(args.class_keyword, "class_labels"),
+               extra_conditions=extra, scheduler=args.scheduler, warn_inconsistent=trained)
+    except (ExportError, ValueError, TypeError, OSError) as e:
+        return fail(str(e))
     print(f"wrote {args.out}")
     return 0
 

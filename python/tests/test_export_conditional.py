@@ -236,8 +236,9 @@ def test_no_condition_and_wrappers_that_fix_the_label(class_unet, tmp_path):
     out = tmp_path / "m.ts"
     export(Fixed(class_unet), "net.mid_block", out, "eps", (1, 8, 8))
     assert note(out)["condition"] is None
-    # condition=None (--no-condition) calls without labels: diffusers' own error for this UNet.
-    with pytest.raises(ValueError, match="class_labels should be provided"):
+    # condition=None (--no-condition) calls without labels: diffusers' own error for this UNet,
+    # in an ExportError that shows the call.
+    with pytest.raises(ExportError, match=r"forward\(x, t\): ValueError: class_labels should be provided"):
         export(class_unet, "mid_block", out, "eps", (1, 8, 8), condition=None)
 
 

@@ -1,6 +1,7 @@
 //! What `check-config` says of the model files: the exporter's notes (`diffmon.json`) of the
 //! architecture and of a latent model's autoencoder, so that the condition a conditional
-//! network is held at, and the latent space, are visible before a run starts.
+//! network is held at, the family and path it was exported with (with `icr.sigma` in the path's
+//! time for a flow-matching network), and the latent space, are visible before a run starts.
 
 use crate::config::Config;
 use crate::engine::model::export_note;
@@ -14,6 +15,7 @@ pub fn model_summary(config: &Config) -> String {
     let mut parts = Vec::new();
     match export_note(architecture) {
         Some(note) => {
+            parts.push(conversion(&note, config.icr.sigma));
             parts.push(condition(note.get("condition")));
             if let Some(layer) = note.get("feature_layer").and_then(Value::as_str) {
                 parts.push(format!("features of `{layer}`"));
@@ -50,13 +52,137 @@ fn precision(p: crate::config::Precision) -> &'static str {
     }
 }
 
+/// How the exporter converted the network to the EDM denoiser: the note's `family`, `path`,
+/// `prediction`, `t_scale` and `schedule` (docs/guide/model-contract.md).
+#[derive(Debug, Default, serde::Deserialize)]
+struct Conversion {
+    family: Option<Family>,
+    path: Option<FlowPath>,
+    prediction: Option<String>,
+    t_scale: Option<f64>,
+    schedule: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum Family {
+    Edm,
+    Vp,
+    Flow,
+}
+
+/// The flow-matching paths the exporter converts (`FLOW_PATHS` in `python/diffmon/export.py`).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum FlowPath {
+    RectifiedFlow,
+    Cosine,
+    SitLinear,
+    SitGvp,
+}
+
+impl FlowPath {
+    fn describe(self) -> &'static str {
+        match self {
+            FlowPath::RectifiedFlow => "rectified flow, x_t = (1 − t)·x + t·n",
+            FlowPath::Cosine => "the cosine path, x_t = cos(πt/2)·x + sin(πt/2)·n",
+            FlowPath::SitLinear => {
+                "SiT's Linear path, x_t = t·x + (1 − t)·n (SiT's code: data at t = 1)"
+            }
+            FlowPath::SitGvp => {
+                "SiT's GVP path, x_t = sin(πt/2)·x + cos(πt/2)·n (SiT's code: data at t = 1)"
+            }
+        }
+    }
+
+    /// The path's time at the EDM noise level `sigma` (= σ_t / α_t).
+    fn time_at(self, sigma: f64) -> f64 {
+        match self {
+            FlowPath::RectifiedFlow => sigma / (1.0 + sigma),
+            FlowPath::Cosine => sigma.atan() * std::f64::consts::FRAC_2_PI,
+            FlowPath::SitLinear => 1.0 / (1.0 + sigma),
+            FlowPath::SitGvp => (1.0 / sigma).atan() * std::f64::consts::FRAC_2_PI,
+        }
+    }
+
+    /// The EDM noise level at the path's time `t`.
+    fn sigma_at(self, t: f64) -> f64 {
+        match self {
+            FlowPath::RectifiedFlow => t / (1.0 - t),
+            FlowPath::Cosine => (t * std::f64::consts::FRAC_PI_2).tan(),
+            FlowPath::SitLinear => (1.0 - t) / t,
+            FlowPath::SitGvp => 1.0 / (t * std::f64::consts::FRAC_PI_2).tan(),
+        }
+    }
+
+    /// Whether the data is at t = 1 (SiT's code) rather than t = 0.
+    fn data_at_one(self) -> bool {
+        matches!(self, FlowPath::SitLinear | FlowPath::SitGvp)
+    }
+}
+
+/// The family and path the network was exported with; for a flow-matching network, `icr.sigma`
+/// in the path's time and the ICR paper's SiT setting in `icr.sigma`.
+fn conversion(note: &Value, icr_sigma: f64) -> String {
+    let name = note
+        .get("parameterization")
+        .and_then(Value::as_str)
+        .unwrap_or("?");
+    // A note this version cannot read (a newer family or path) says only its name.
+    let c: Conversion = serde_json::from_value(note.clone()).unwrap_or_default();
+    match (c.family, c.path) {
+        (Some(Family::Flow), Some(path)) => {
+            let prediction = c.prediction.as_deref().unwrap_or("?");
+            let scale = c.t_scale.unwrap_or(1.0);
+            let time = if scale == 1.0 {
+                "t".to_string()
+            } else {
+                format!("t·{scale}")
+            };
+            let t = path.time_at(icr_sigma);
+            let mut text = format!(
+                "exported as `{name}`: flow matching, {}, {prediction} prediction, network time {time}; \
+                 icr.sigma {icr_sigma} is t = {t:.4} on this path",
+                path.describe()
+            );
+            // The ICR paper's "t = 0.2 for SiT based models" counts t from the data (the SiT
+            // paper's convention): SiT's code time 0.8.
+            let paper_t = 0.2;
+            let code_t = if path.data_at_one() {
+                1.0 - paper_t
+            } else {
+                paper_t
+            };
+            if path.data_at_one() {
+                text += &format!(
+                    " ({:.4} counted from the data, the SiT paper's convention)",
+                    1.0 - t
+                );
+            }
+            text += &format!(
+                "; the ICR paper's SiT setting, t = 0.2 counted from the data, is icr.sigma {:.4}",
+                path.sigma_at(code_t)
+            );
+            text
+        }
+        (Some(Family::Vp), _) => format!(
+            "exported as `{name}`: DDPM-style {} prediction on the `{}` VP schedule",
+            c.prediction.as_deref().unwrap_or(name),
+            c.schedule.as_deref().unwrap_or("?")
+        ),
+        (Some(Family::Edm), _) => format!("exported as `{name}`: an EDM denoiser"),
+        _ => format!("exported as `{name}`"),
+    }
+}
+
 /// What the note's `condition` says: `null` (none), a class index, an embedding.
 fn condition(c: Option<&Value>) -> String {
     let Some(c) = c.filter(|c| !c.is_null()) else {
         return "unconditional (or its condition is not recorded)".into();
     };
     let keyword = c.get("keyword").and_then(Value::as_str).unwrap_or("?");
-    match c.get("kind").and_then(Value::as_str) {
+    let main = match c.get("kind").and_then(Value::as_str) {
+        Some("none") => "no condition but the extra inputs".to_string(),
         Some("class") => {
             let label = c.get("label").map(Value::to_string).unwrap_or_default();
             if c.get("null_class").and_then(Value::as_bool) == Some(true) {
@@ -71,7 +197,21 @@ fn condition(c: Option<&Value>) -> String {
             format!("held at the embedding of {file} {shape} (`{keyword}`)")
         }
         _ => format!("condition {c}"),
-    }
+    };
+    // Embeddings held next to the condition (an SD3-style transformer's pooled_projections).
+    let extra: Vec<String> = c
+        .get("extra")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .map(|e| {
+            let keyword = e.get("keyword").and_then(Value::as_str).unwrap_or("?");
+            let file = e.get("file").and_then(Value::as_str).unwrap_or("a tensor");
+            let shape = e.get("shape").map(Value::to_string).unwrap_or_default();
+            format!(", and `{keyword}` at the embedding of {file} {shape}")
+        })
+        .collect();
+    main + &extra.concat()
 }
 
 fn vae_summary(vae: &std::path::Path, config: &Config) -> String {
@@ -118,7 +258,52 @@ mod tests {
             condition(Some(&emb)),
             "held at the embedding of empty.pt [1,4,8] (`encoder_hidden_states`)"
         );
+        let sd3 = json!({"kind": "embedding", "keyword": "encoder_hidden_states", "file": "e.pt", "shape": [1, 4, 8],
+                         "extra": [{"kind": "embedding", "keyword": "pooled_projections", "file": "p.pt", "shape": [1, 8]}]});
+        assert_eq!(
+            condition(Some(&sd3)),
+            "held at the embedding of e.pt [1,4,8] (`encoder_hidden_states`), and `pooled_projections` at the embedding of p.pt [1,8]"
+        );
         assert!(condition(Some(&Value::Null)).starts_with("unconditional"));
         assert!(condition(None).starts_with("unconditional"));
+    }
+
+    #[test]
+    fn flow_notes_print_the_path_and_sigma_in_its_time() {
+        let rf = json!({"parameterization": "rectified_flow", "family": "flow", "path": "rectified_flow",
+                        "prediction": "velocity", "t_scale": 1000.0});
+        let text = conversion(&rf, 0.29);
+        assert!(text.contains("flow matching, rectified flow"), "{text}");
+        assert!(text.contains("network time t·1000"), "{text}");
+        // sigma* = 0.29 is t = 0.29 / 1.29 on the rectified-flow path; t = 0.2 is sigma 0.25.
+        assert!(text.contains("icr.sigma 0.29 is t = 0.2248"), "{text}");
+        assert!(text.contains("is icr.sigma 0.2500"), "{text}");
+        let linear = json!({"parameterization": "sit_linear_velocity", "family": "flow",
+                            "path": "sit_linear", "prediction": "velocity", "t_scale": 1.0});
+        let text = conversion(&linear, 0.29);
+        assert!(
+            text.contains("is t = 0.7752 on this path (0.2248 counted from the data"),
+            "{text}"
+        );
+        assert!(text.contains("is icr.sigma 0.2500"), "{text}");
+        let gvp = json!({"parameterization": "sit_gvp_score", "family": "flow", "path": "sit_gvp",
+                         "prediction": "score", "t_scale": 1.0});
+        let text = conversion(&gvp, 0.29);
+        // t = (2/π)·atan(1/0.29); the data-side t = 0.2 is σ = tan(0.1π) = 0.3249.
+        assert!(text.contains("score prediction, network time t;"), "{text}");
+        assert!(text.contains("is t = 0.8203"), "{text}");
+        assert!(text.contains("is icr.sigma 0.3249"), "{text}");
+        let eps = json!({"parameterization": "eps", "family": "vp", "prediction": "eps", "schedule": "linear"});
+        assert_eq!(
+            conversion(&eps, 0.29),
+            "exported as `eps`: DDPM-style eps prediction on the `linear` VP schedule"
+        );
+        // A note from before the families, or an unknown path: the name as recorded.
+        assert_eq!(
+            conversion(&json!({"parameterization": "x0"}), 0.29),
+            "exported as `x0`"
+        );
+        let odd = json!({"parameterization": "new", "family": "flow", "path": "elsewhere"});
+        assert_eq!(conversion(&odd, 0.29), "exported as `new`");
     }
 }

@@ -9,6 +9,7 @@ mod data;
 mod devices;
 mod early_stop;
 mod eval;
+mod flow;
 mod formats;
 mod hostile;
 mod hostile_files;
