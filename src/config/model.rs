@@ -17,6 +17,46 @@ pub struct ModelConfig {
     /// works on latents: ICR encodes its augmented views, the gap and PFD the images.
     #[serde(default)]
     pub vae: Option<PathBuf>,
+    /// The compiled network (`auto`, `off` or the path of a `.pt2` package): an AOTInductor
+    /// package of the same architecture, run instead of the TorchScript file where it fits
+    /// (docs/design.md §11, "The compiled network").
+    #[serde(default)]
+    pub compiled: CompiledSetting,
+}
+
+/// `model.compiled`: `auto` (the package beside the architecture, `model.pt2` for `model.ts`,
+/// when there is one that fits this machine; TorchScript, with a warning, when it does not),
+/// `off` (TorchScript), or a package's path (that package, or an error).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum CompiledSetting {
+    #[default]
+    Auto,
+    Off,
+    Path(PathBuf),
+}
+
+impl<'de> Deserialize<'de> for CompiledSetting {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        match s.as_str() {
+            "auto" => Ok(CompiledSetting::Auto),
+            "off" => Ok(CompiledSetting::Off),
+            "" => Err(serde::de::Error::custom(
+                "must be auto, off or the path of a .pt2 package, got an empty string",
+            )),
+            _ => Ok(CompiledSetting::Path(PathBuf::from(s))),
+        }
+    }
+}
+
+impl Serialize for CompiledSetting {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            CompiledSetting::Auto => s.serialize_str("auto"),
+            CompiledSetting::Off => s.serialize_str("off"),
+            CompiledSetting::Path(p) => s.collect_str(&p.display()),
+        }
+    }
 }
 
 /// `auto` (CUDA when available), `cpu`, `cuda` (device 0) or `cuda:N`.
@@ -112,6 +152,9 @@ pub(super) fn check_model_data(
     icr_enabled: bool,
 ) {
     v.file("model.architecture", &model.architecture);
+    if let CompiledSetting::Path(p) = &model.compiled {
+        v.file("model.compiled", p);
+    }
     if let Some(p) = &model.vae {
         v.file("model.vae", p);
     }
