@@ -98,32 +98,6 @@ fn vae_summary(vae: &std::path::Path, config: &Config) -> String {
     text
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    #[test]
-    fn conditions_are_described_as_recorded() {
-        let null =
-            json!({"kind": "class", "keyword": "class_labels", "label": 10, "null_class": true});
-        assert_eq!(
-            condition(Some(&null)),
-            "class-conditional, held at the null class 10 (`class_labels`)"
-        );
-        let three =
-            json!({"kind": "class", "keyword": "class_labels", "label": 3, "null_class": false});
-        assert!(condition(Some(&three)).contains("held at class 3"));
-        let emb = json!({"kind": "embedding", "keyword": "encoder_hidden_states", "file": "empty.pt", "shape": [1, 4, 8]});
-        assert_eq!(
-            condition(Some(&emb)),
-            "held at the embedding of empty.pt [1,4,8] (`encoder_hidden_states`)"
-        );
-        assert!(condition(Some(&Value::Null)).starts_with("unconditional"));
-        assert!(condition(None).starts_with("unconditional"));
-    }
-}
-
 /// Which format will run the network ([`crate::engine::model::compiled::decide`], nothing
 /// loaded), one line per architecture, and `model.compiled` problems: a package its path names
 /// that does not fit this machine.
@@ -154,4 +128,30 @@ pub fn network_format(runs: &[Config]) -> (Vec<String>, Vec<crate::config::Probl
         }
     }
     (lines, problems)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn conditions_are_described_as_recorded() {
+        let null =
+            json!({"kind": "class", "keyword": "class_labels", "label": 10, "null_class": true});
+        assert_eq!(
+            condition(Some(&null)),
+            "class-conditional, held at the null class 10 (`class_labels`)"
+        );
+        let three =
+            json!({"kind": "class", "keyword": "class_labels", "label": 3, "null_class": false});
+        assert!(condition(Some(&three)).contains("held at class 3"));
+        let emb = json!({"kind": "embedding", "keyword": "encoder_hidden_states", "file": "empty.pt", "shape": [1, 4, 8]});
+        assert_eq!(
+            condition(Some(&emb)),
+            "held at the embedding of empty.pt [1,4,8] (`encoder_hidden_states`)"
+        );
+        assert!(condition(Some(&Value::Null)).starts_with("unconditional"));
+        assert!(condition(None).starts_with("unconditional"));
+    }
 }

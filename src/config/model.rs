@@ -241,6 +241,46 @@ mod tests {
         assert_eq!(c.data.latents_dataset, "latents");
     }
 
+    /// `model.compiled`: `auto` by default, `off`, or a path resolved against the config's
+    /// folder and checked to exist; an empty value is an error naming the key.
+    #[test]
+    fn the_compiled_setting_parses_and_its_path_is_resolved_and_checked() {
+        use super::super::file::ConfigFile;
+        use super::super::test_support::MINIMAL;
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["m.ts", "d.h5", "m.pt2"] {
+            std::fs::write(dir.path().join(f), b"").unwrap();
+        }
+        let parse = |extra: &str| {
+            let text = MINIMAL.replace(
+                "{architecture: m.ts}",
+                &format!("{{architecture: m.ts{extra}}}"),
+            );
+            let mut file = ConfigFile::parse(&text, "c.yaml").map_err(|e| e.to_string())?;
+            file.resolve_paths(dir.path());
+            let problems: Vec<String> =
+                file.validate().into_iter().map(|p| p.to_string()).collect();
+            file.settings(false)
+                .map(|c| (c.model.compiled, problems))
+                .map_err(|e| format!("{e:?}"))
+        };
+        assert_eq!(parse("").unwrap().0, CompiledSetting::Auto);
+        assert_eq!(parse(", compiled: off").unwrap().0, CompiledSetting::Off);
+        let (path, problems) = parse(", compiled: m.pt2").unwrap();
+        assert_eq!(path, CompiledSetting::Path(dir.path().join("m.pt2")));
+        assert!(problems.is_empty(), "{problems:?}");
+        let missing = parse(", compiled: nope.pt2").unwrap_err();
+        assert!(
+            missing.contains("model.compiled") && missing.contains("does not exist"),
+            "{missing}"
+        );
+        let empty = parse(", compiled: ''").unwrap_err();
+        assert!(
+            empty.contains("model.compiled") && empty.contains("auto, off or the path"),
+            "{empty}"
+        );
+    }
+
     #[test]
     fn observables_and_devices_parse() {
         assert_eq!(

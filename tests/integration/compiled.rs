@@ -213,7 +213,8 @@ fn spoilable() -> (tempfile::TempDir, PathBuf, PathBuf) {
 #[test]
 fn bad_packages_are_refused_with_the_rebuild_command() {
     let ckpt = toy_run().join("ckpt_000060.pt");
-    let spoil: [(&str, &dyn Fn(&Path, &Path), &str); 5] = [
+    type Spoil<'a> = (&'a str, &'a dyn Fn(&Path, &Path), &'a str);
+    let spoil: [Spoil; 5] = [
         (
             "writable",
             &|pkg, _| {

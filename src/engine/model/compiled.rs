@@ -671,6 +671,15 @@ mod tests {
         }
         let wrong_torch = refusal(Some(sidecar("1.0.0", "fp32", &sha, &[])), 0o644);
         assert!(wrong_torch.contains("--compile"), "{wrong_torch}");
+        // Another user's file (chown needs root: where the tests run as a user, the mode
+        // checks above stand for the rule).
+        if unsafe { libc::geteuid() } == 0 {
+            write(&sidecar_path(&pkg), &ok, 0o644);
+            std::os::unix::fs::chown(&pkg, Some(4242), None).unwrap();
+            let other = vet(&pkg, &arch, cpu, fp32).map(|_| ()).unwrap_err();
+            assert!(other.to_string().contains("owned by user 4242"), "{other}");
+            std::os::unix::fs::chown(&pkg, Some(0), None).unwrap();
+        }
         // The device kind too.
         write(&sidecar_path(&pkg), &ok, 0o644);
         let cuda = vet(&pkg, &arch, Device::Cuda(0), fp32)
