@@ -1,5 +1,6 @@
 //! Compiles the small C++ shim over libtorch's TorchScript module API (named buffers are not
-//! exposed by tch) and embeds libtorch's folder as the binary's rpath.
+//! exposed by tch) and its AOTInductor package loader, and embeds libtorch's folder as the
+//! binary's rpath.
 fn main() {
     // torch-sys (`links = "tch"`) exports the folder it linked libtorch from.
     let lib = std::env::var("DEP_TCH_LIBTORCH_LIB")
@@ -22,6 +23,10 @@ fn main() {
         .compile("diffmon_shim");
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+    // A compiled package's shared object (AOTInductor) needs `libtorch.so`, which nothing of
+    // diffmon's own uses: linked whatever the linker's --as-needed says, it is loaded with the
+    // binary, so the package's dlopen finds it by its name.
+    println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-ltorch,--as-needed");
     println!("cargo:rerun-if-changed=src/ffi/module_shim.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
 }

@@ -1302,7 +1302,8 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
            timestep_dtype: Optional[torch.dtype] = None, device="cpu", atol: float = 1e-5,
            check: bool = True, condition: Any = "auto", class_keyword: str = "class_labels",
            extra_conditions: Sequence[Embedding] = (), scheduler: Any = None,
-           warn_inconsistent: bool = False, verbose: bool = True) -> torch.jit.ScriptModule:
+           warn_inconsistent: bool = False, verbose: bool = True,
+           compile: Optional[dict] = None) -> torch.jit.ScriptModule:
     """Wrap ``module`` into the diffmon model contract and save it as TorchScript at ``path``.
 
     Args:
@@ -1337,6 +1338,9 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
         warn_inconsistent: print a warning when the exported denoiser does not behave as a
             trained one at high noise (:func:`consistency_warning`); for trained weights only.
         verbose: print the condition applied (one line), if any.
+        compile: also compile the same wrapper into an AOTInductor package beside ``path``: the
+            keywords of :func:`diffmon.compile.compile_contract` (``device`` must be this
+            export's; ``{}`` for the defaults). ``None`` (default): TorchScript only.
 
     Returns the reloaded ``torch.jit.ScriptModule``.
     Raises ValueError for bad arguments and ExportError when tracing fails or the check differs.
@@ -1495,11 +1499,29 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
             if warning:
                 print(f"warning: {warning}", file=sys.stderr)
         os.replace(tmp, path)
+        if compile is not None:
+            _compile(net, path, shape, device, compile)
     finally:
         handle.remove()
         if tmp.exists():
             tmp.unlink()
     return loaded
+
+
+def _compile(net: nn.Module, path: Path, shape, device: torch.device, options: dict) -> None:
+    """The compiled package beside the TorchScript file (diffmon/compile.py)."""
+    from .compile import compile_contract
+
+    options = dict(options)
+    if torch.device(options.pop("device", device)) != device:
+        raise ValueError("compile: the package is compiled on the export's device; pass device= "
+                         "to export() as well")
+    try:
+        compile_contract(net, path, shape, device, **options)
+    except (ValueError, ExportError):
+        raise
+    except Exception as e:
+        raise ExportError(f"{path} written; compiling it with AOTInductor failed: {e}") from e
 
 
 def _posterior_mean(out: Any) -> Tensor:
@@ -1829,13 +1851,20 @@ def build_parser(prog: str = "python -m diffmon.export") -> argparse.ArgumentPar
     vae.add_argument("--scaling-factor", type=float, help="default the VAE's config.scaling_factor")
     vae.add_argument("--shift-factor", type=float, help="default the VAE's config.shift_factor, or 0")
     ap.add_argument("--out", help="output TorchScript file")
+    from . import compile as compiling
+    compiling.add_arguments(ap)
     return ap
 
 
 def main(argv=None) -> int:
+    from . import compile as compiling
+
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     ap = build_parser(prog if prog.startswith("diffmon-export") else "python -m diffmon.export")
     args = ap.parse_args(argv)
+    compile_options = compiling.options(args, sys.argv[1:] if argv is None else list(argv))
+    if compile_options is not None and args.vae:
+        ap.error("--compile: a denoiser only, not with --vae")
 
     if args.vae:
         given = [flag for dest, flag in _DENOISER_ONLY if getattr(args, dest) not in (None, False)]
@@ -1933,7 +1962,8 @@ def main(argv=None) -> int:
                schedule=given(args.schedule, "linear"), beta_min=args.beta_min, beta_max=args.beta_max,
                T=given(args.T, 1000), timestep=given(args.timestep, "nearest"), t_scale=args.t_scale,
                condition=condition, class_keyword=given(args.class_keyword, "class_labels"),
-               extra_conditions=extra, scheduler=args.scheduler, warn_inconsistent=trained)
+               extra_conditions=extra, scheduler=args.scheduler, warn_inconsistent=trained,
+               device=(compile_options or {}).get("device", "cpu"), compile=compile_options)
     except (ExportError, ValueError, TypeError, OSError) as e:
         return fail(str(e))
     print(f"wrote {args.out}")

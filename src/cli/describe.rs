@@ -1,7 +1,8 @@
 //! What `check-config` says of the model files: the exporter's notes (`diffmon.json`) of the
 //! architecture and of a latent model's autoencoder, so that the condition a conditional
 //! network is held at, the family and path it was exported with (with `icr.sigma` in the path's
-//! time for a flow-matching network), and the latent space, are visible before a run starts.
+//! time for a flow-matching network), and the latent space, are visible before a run starts; and
+//! which format (a compiled package or TorchScript) will run the network, and why.
 
 use crate::config::Config;
 use crate::engine::model::export_note;
@@ -235,6 +236,38 @@ fn vae_summary(vae: &std::path::Path, config: &Config) -> String {
         text += &format!("; PFD against the latents of {}", p.display());
     }
     text
+}
+
+/// Which format will run the network ([`crate::engine::model::compiled::decide`], nothing
+/// loaded), one line per architecture, and `model.compiled` problems: a package its path names
+/// that does not fit this machine.
+pub fn network_format(runs: &[Config]) -> (Vec<String>, Vec<crate::config::Problem>) {
+    use crate::engine::model::compiled::decide;
+    let (mut lines, mut problems) = (Vec::new(), Vec::new());
+    let mut seen = std::collections::HashSet::new();
+    for run in runs {
+        let arch = &run.model.architecture;
+        if !seen.insert((arch.clone(), format!("{:?}", run.model.compiled))) {
+            continue;
+        }
+        let device = crate::engine::model::select_device(run.device).unwrap_or(tch::Device::Cpu);
+        match decide(&run.model.compiled, arch, device, run.evaluation.precision) {
+            Ok(d) => lines.push(format!(
+                "network {}: {}{}",
+                arch.display(),
+                d.why,
+                if d.fell_back { " (warning)" } else { "" }
+            )),
+            Err(e) => problems.push(crate::config::Problem {
+                key: "model.compiled".into(),
+                message: match e {
+                    crate::engine::model::ModelError::Compiled { message, .. } => message,
+                    e => e.to_string(),
+                },
+            }),
+        }
+    }
+    (lines, problems)
 }
 
 #[cfg(test)]

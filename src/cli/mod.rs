@@ -337,6 +337,8 @@ pub fn run(command: Command) -> Result<()> {
             let runs = config.runs();
             let mut problems = missing_run_folders(&config, &runs);
             problems.extend(pinned_device_problems(&config, &runs));
+            let (formats, format_problems) = describe::network_format(&runs);
+            problems.extend(format_problems);
             if !problems.is_empty() {
                 return Err(ConfigError::Invalid {
                     file: file.display().to_string(),
@@ -369,6 +371,9 @@ pub fn run(command: Command) -> Result<()> {
             let mut out = output::stdout();
             writeln!(out, "{}: ok ({what})", file.display())?;
             writeln!(out, "{}", describe::model_summary(&config))?;
+            for line in formats {
+                writeln!(out, "{line}")?;
+            }
             writeln!(out, "{}", config.cost_summary())?;
             for line in measured_lines(&config, &runs) {
                 writeln!(out, "{line}")?;

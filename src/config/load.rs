@@ -163,6 +163,9 @@ impl ConfigFile {
             }
         }
         fix(&mut self.model.architecture);
+        if let super::model::CompiledSetting::Path(p) = &mut self.model.compiled {
+            fix(p);
+        }
         if let Some(data) = self.data.as_mut() {
             fix(&mut data.path);
         }

@@ -61,7 +61,7 @@ pub use http::HttpConfig;
 pub use icr::{AugmentConfig, BiasCorrection, IcrConfig};
 pub(crate) use load::normalize;
 pub use load::{ConfigError, MAX_CONFIG_BYTES};
-pub use model::{DataConfig, DeviceSpec, ModelConfig};
+pub use model::{CompiledSetting, DataConfig, DeviceSpec, ModelConfig};
 pub use pfd::{
     MemorizationConfig, MemorizationCriterion, Observable, PfdConfig, TailConfig, TailReference,
 };

@@ -17,6 +17,46 @@ pub struct ModelConfig {
     /// works on latents: ICR encodes its augmented views, the gap and PFD the images.
     #[serde(default)]
     pub vae: Option<PathBuf>,
+    /// The compiled network (`auto`, `off` or the path of a `.pt2` package): an AOTInductor
+    /// package of the same architecture, run instead of the TorchScript file where it fits
+    /// (docs/design.md §11, "The compiled network").
+    #[serde(default)]
+    pub compiled: CompiledSetting,
+}
+
+/// `model.compiled`: `auto` (the package beside the architecture, `model.pt2` for `model.ts`,
+/// when there is one that fits this machine; TorchScript, with a warning, when it does not),
+/// `off` (TorchScript), or a package's path (that package, or an error).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum CompiledSetting {
+    #[default]
+    Auto,
+    Off,
+    Path(PathBuf),
+}
+
+impl<'de> Deserialize<'de> for CompiledSetting {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        match s.as_str() {
+            "auto" => Ok(CompiledSetting::Auto),
+            "off" => Ok(CompiledSetting::Off),
+            "" => Err(serde::de::Error::custom(
+                "must be auto, off or the path of a .pt2 package, got an empty string",
+            )),
+            _ => Ok(CompiledSetting::Path(PathBuf::from(s))),
+        }
+    }
+}
+
+impl Serialize for CompiledSetting {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            CompiledSetting::Auto => s.serialize_str("auto"),
+            CompiledSetting::Off => s.serialize_str("off"),
+            CompiledSetting::Path(p) => s.collect_str(&p.display()),
+        }
+    }
 }
 
 /// `auto` (CUDA when available), `cpu`, `cuda` (device 0) or `cuda:N`.
@@ -112,6 +152,9 @@ pub(super) fn check_model_data(
     icr_enabled: bool,
 ) {
     v.file("model.architecture", &model.architecture);
+    if let CompiledSetting::Path(p) = &model.compiled {
+        v.file("model.compiled", p);
+    }
     if let Some(p) = &model.vae {
         v.file("model.vae", p);
     }
@@ -196,6 +239,46 @@ mod tests {
         let c = file.settings(false).unwrap();
         assert!(c.data.is_latent(&c.model));
         assert_eq!(c.data.latents_dataset, "latents");
+    }
+
+    /// `model.compiled`: `auto` by default, `off`, or a path resolved against the config's
+    /// folder and checked to exist; an empty value is an error naming the key.
+    #[test]
+    fn the_compiled_setting_parses_and_its_path_is_resolved_and_checked() {
+        use super::super::file::ConfigFile;
+        use super::super::test_support::MINIMAL;
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["m.ts", "d.h5", "m.pt2"] {
+            std::fs::write(dir.path().join(f), b"").unwrap();
+        }
+        let parse = |extra: &str| {
+            let text = MINIMAL.replace(
+                "{architecture: m.ts}",
+                &format!("{{architecture: m.ts{extra}}}"),
+            );
+            let mut file = ConfigFile::parse(&text, "c.yaml").map_err(|e| e.to_string())?;
+            file.resolve_paths(dir.path());
+            let problems: Vec<String> =
+                file.validate().into_iter().map(|p| p.to_string()).collect();
+            file.settings(false)
+                .map(|c| (c.model.compiled, problems))
+                .map_err(|e| format!("{e:?}"))
+        };
+        assert_eq!(parse("").unwrap().0, CompiledSetting::Auto);
+        assert_eq!(parse(", compiled: off").unwrap().0, CompiledSetting::Off);
+        let (path, problems) = parse(", compiled: m.pt2").unwrap();
+        assert_eq!(path, CompiledSetting::Path(dir.path().join("m.pt2")));
+        assert!(problems.is_empty(), "{problems:?}");
+        let missing = parse(", compiled: nope.pt2").unwrap_err();
+        assert!(
+            missing.contains("model.compiled") && missing.contains("does not exist"),
+            "{missing}"
+        );
+        let empty = parse(", compiled: ''").unwrap_err();
+        assert!(
+            empty.contains("model.compiled") && empty.contains("auto, off or the path"),
+            "{empty}"
+        );
     }
 
     #[test]

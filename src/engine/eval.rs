@@ -228,6 +228,10 @@ impl Evaluator {
         model
             .borrow_mut()
             .set_precision(config.evaluation.precision);
+        let format = model
+            .borrow_mut()
+            .use_compiled(&config.model.compiled)?
+            .to_string();
         let vae = match &config.model.vae {
             Some(path) => Some(Vae::load(path, device, config.icr.batch_size)?),
             None => None,
@@ -243,6 +247,7 @@ impl Evaluator {
             latent_shape = ?config.data.is_latent(&config.model).then_some(input_shape),
             feature_shape = ?contract.feature_shape,
             precision = config.evaluation.precision.as_str(),
+            network = %format,
             "{}",
             if shared { "model shared with an earlier run" } else { "model loaded" }
         );

@@ -8,7 +8,9 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/script.h>
+#include <torch/version.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -182,6 +184,80 @@ int dm_module_device_constants(void *module, void *data, dm_device_constant_cb c
         }
         return found;
       });
+}
+
+// The libtorch release this binary was built against, `MAJOR.MINOR.PATCH` (a compiled package
+// runs only on the release that compiled it).
+const char *dm_torch_version() {
+  static const std::string version = std::to_string(TORCH_VERSION_MAJOR) + "." +
+                                     std::to_string(TORCH_VERSION_MINOR) + "." +
+                                     std::to_string(TORCH_VERSION_PATCH);
+  return version.c_str();
+}
+
+// An AOTInductor package (`.pt2`): libtorch unpacks it into a temporary folder and loads the
+// shared object inside (native code: the caller decides whether the file is trusted first).
+// Only what torch 2.11 and 2.13 both declare is called: the five-argument constructor, run,
+// get_constant_fqns and the three-argument load_constants.
+void *dm_package_load(const char *path, int device_index, char **err) {
+  return guarded<void *>(err, nullptr, [&]() -> void * {
+    return new torch::inductor::AOTIModelPackageLoader(
+        path, "model", /*run_single_threaded=*/false, /*num_runners=*/1,
+        static_cast<c10::DeviceIndex>(device_index));
+  });
+}
+
+void dm_package_free(void *package) {
+  delete static_cast<torch::inductor::AOTIModelPackageLoader *>(package);
+}
+
+typedef void (*dm_name_cb)(void *data, const char *name);
+
+// Calls `cb` with the original name (`conv_in.weight`) of every weight the package takes, and
+// returns how many (-1 on error).
+int dm_package_weight_names(void *package, void *data, dm_name_cb cb, char **err) {
+  return guarded<int>(err, -1, [&]() -> int {
+    auto *p = static_cast<torch::inductor::AOTIModelPackageLoader *>(package);
+    int n = 0;
+    for (const auto &name : p->get_constant_fqns()) {
+      cb(data, name.c_str());
+      n++;
+    }
+    return n;
+  });
+}
+
+// Copies `n` tensors into the package's weights of those names (the active buffer, in place:
+// no recompilation, no reload). The tensors must be on the package's device.
+int dm_package_load_weights(void *package, int n, const char *const *names,
+                            torch::Tensor *const *tensors, char **err) {
+  return guarded<int>(err, -1, [&]() -> int {
+    auto *p = static_cast<torch::inductor::AOTIModelPackageLoader *>(package);
+    std::unordered_map<std::string, at::Tensor> weights;
+    for (int i = 0; i < n; i++) {
+      weights.emplace(names[i], *tensors[i]);
+    }
+    p->load_constants(weights, /*use_inactive=*/false, /*check_full_update=*/false);
+    return 0;
+  });
+}
+
+// forward(x, sigma) of the compiled contract: two outputs, (denoised, features).
+int dm_package_forward(void *package, torch::Tensor *x, torch::Tensor *sigma,
+                       torch::Tensor **denoised, torch::Tensor **features, char **err) {
+  return guarded<int>(err, -1, [&]() -> int {
+    auto *p = static_cast<torch::inductor::AOTIModelPackageLoader *>(package);
+    torch::NoGradGuard no_grad;
+    std::vector<at::Tensor> out = p->run({*x, *sigma});
+    if (out.size() != 2) {
+      *err = copy_message("the compiled package returned " + std::to_string(out.size()) +
+                          " outputs, expected 2 (denoised, features)");
+      return -1;
+    }
+    *denoised = new torch::Tensor(out[0]);
+    *features = new torch::Tensor(out[1]);
+    return 0;
+  });
 }
 
 // TF32 off for cuDNN convolutions and cuBLAS matrix products (libtorch's default leaves it on

@@ -4,6 +4,7 @@
 mod bad_input;
 mod cli;
 mod common;
+mod compiled;
 mod daemon;
 mod data;
 mod devices;

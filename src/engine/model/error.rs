@@ -20,6 +20,10 @@ pub enum ModelError {
         architecture: PathBuf,
         details: String,
     },
+    /// A compiled package that cannot be used where `model.compiled` names it (the message
+    /// names the file, the reason and the rebuild command).
+    #[error("model.compiled: {message}")]
+    Compiled { path: PathBuf, message: String },
     #[error("device {spec}: {message}")]
     Device { spec: DeviceSpec, message: String },
     #[error(
@@ -41,7 +45,9 @@ impl ModelError {
     pub fn is_usage(&self) -> bool {
         matches!(
             self,
-            ModelError::Device { .. } | ModelError::PinnedDevice { .. }
+            ModelError::Device { .. }
+                | ModelError::PinnedDevice { .. }
+                | ModelError::Compiled { .. }
         )
     }
 }

@@ -6,8 +6,10 @@
 //! Files: `error.rs` (why a model cannot be loaded or run), `module.rs` (the TorchScript module
 //! through the C++ shim), `device.rs` (the device, and files that pin one), this file (the
 //! `Model`: the contract check, weights by name, the forward in batches that fit), `gpu.rs` (the
-//! GPU time and memory of the forward passes, and their limits).
+//! GPU time and memory of the forward passes, and their limits), `compiled.rs` (the compiled
+//! network: an AOTInductor package vetted, loaded and given each checkpoint's weights).
 
+pub mod compiled;
 mod device;
 mod error;
 mod gpu;
@@ -18,7 +20,7 @@ pub use error::ModelError;
 pub use gpu::{GpuLimits, GpuUse};
 pub use module::PinnedDevice;
 
-use crate::config::Precision;
+use crate::config::{CompiledSetting, Precision};
 use crate::weights::{self, DType, Naming, RawTensor, ReadOptions};
 use module::{ForwardFailure, Module, set_tf32};
 use std::collections::HashMap;
@@ -62,6 +64,11 @@ pub struct Model {
     gpu_seconds: std::cell::Cell<f64>,
     /// The highest reservation seen since [`Model::begin_evaluation`] before a peak was reset.
     peak_seen: std::cell::Cell<i64>,
+    /// The compiled package that runs the forward passes in its precision
+    /// ([`Model::use_compiled`]); TorchScript when `None`.
+    compiled: Option<compiled::Package>,
+    /// Which format runs and why.
+    format: String,
 }
 
 /// The exporter's note inside the architecture archive (`extra/diffmon.json`).
@@ -139,7 +146,88 @@ impl Model {
             ceiling: std::cell::Cell::new(i64::MAX),
             gpu_seconds: std::cell::Cell::new(0.0),
             peak_seen: std::cell::Cell::new(0),
+            compiled: None,
+            format: "TorchScript".into(),
         })
+    }
+
+    /// Runs the compiled package `model.compiled` gives for this device and the current
+    /// precision ([`compiled::decide`]) from now on, the architecture's current weights copied
+    /// into it; returns which format runs and why. A package that fits neither this machine nor
+    /// the architecture is an error under a path and a warning (TorchScript runs) under `auto`.
+    /// Loaded once: a second call with the same package keeps it.
+    pub fn use_compiled(&mut self, setting: &CompiledSetting) -> Result<&str, ModelError> {
+        let decision = compiled::decide(setting, self.path(), self.device, self.precision)?;
+        let Some((path, sidecar)) = decision.package else {
+            if decision.fell_back {
+                tracing::warn!("{}", decision.why);
+            }
+            self.compiled = None;
+            self.format = decision.why;
+            return Ok(&self.format);
+        };
+        if self.compiled.as_ref().is_some_and(|c| c.path == path) {
+            return Ok(&self.format);
+        }
+        let loaded = compiled::Package::load(&path, sidecar, self.device).and_then(|p| {
+            self.push_weights(&p).map_err(|reason| compiled::Refusal {
+                package: path.clone(),
+                reason,
+                rebuild: p.sidecar.rebuild.clone(),
+            })?;
+            Ok(p)
+        });
+        match loaded {
+            Ok(p) => {
+                self.compiled = Some(p);
+                self.format = decision.why;
+            }
+            Err(refusal) if matches!(setting, CompiledSetting::Path(_)) => {
+                return Err(ModelError::Compiled {
+                    path,
+                    message: refusal.to_string(),
+                });
+            }
+            Err(refusal) => {
+                self.compiled = None;
+                self.format = format!("TorchScript (model.compiled: auto; {refusal})");
+                tracing::warn!("{}", self.format);
+            }
+        }
+        Ok(&self.format)
+    }
+
+    /// Which format runs the forward passes, and why ([`Model::use_compiled`]).
+    pub fn format(&self) -> &str {
+        &self.format
+    }
+
+    /// Copies the architecture's current weights into `package`: every weight it takes must be
+    /// a parameter or buffer of the architecture (else it was compiled from another network).
+    fn push_weights(&self, package: &compiled::Package) -> Result<(), String> {
+        let mut weights = Vec::with_capacity(package.names.len());
+        for name in &package.names {
+            let Some(&i) = self.index.get(name) else {
+                return Err(format!(
+                    "it takes the weight `{}`, which the architecture {} does not have",
+                    weights::quote(name),
+                    self.path().display()
+                ));
+            };
+            weights.push((name.as_str(), &self.tensors[i].1));
+        }
+        package
+            .load_weights(&weights)
+            .map_err(|e| format!("its weights cannot be replaced: {e}"))
+    }
+
+    /// One forward call of the format that runs: the compiled package where it serves the
+    /// precision, else the TorchScript module.
+    fn run(&self, x: &Tensor, sigma: &Tensor) -> Result<(Tensor, Tensor), ForwardFailure> {
+        match &self.compiled {
+            Some(p) if p.serves(self.precision) => p.forward(x, sigma),
+            _ => self.module.forward(x, sigma, self.bf16()),
+        }
     }
 
     /// The arithmetic of the forward passes from now on (`evaluation.precision`): bf16 runs
@@ -325,7 +413,7 @@ impl Model {
     /// ([`gpu::grown_batch`]), and stays once it does not.
     fn forward_once(&self, x: &Tensor, sigma: &Tensor) -> Result<(Tensor, Tensor), ForwardFailure> {
         let Some(i) = self.cuda() else {
-            return self.module.forward(x, sigma, self.bf16());
+            return self.run(x, sigma);
         };
         let images = x.size().first().copied().unwrap_or(0);
         let cap = self.gpu_limits.memory_cap;
@@ -335,7 +423,7 @@ impl Model {
             None => None,
         };
         let started = std::time::Instant::now();
-        let out = self.module.forward(x, sigma, self.bf16())?;
+        let out = self.run(x, sigma)?;
         tch::Cuda::synchronize(i as i64);
         let busy = started.elapsed();
         self.gpu_seconds
@@ -390,7 +478,7 @@ impl Model {
         shape.extend_from_slice(image_shape);
         let x = Tensor::zeros(shape.as_slice(), (Kind::Float, self.device));
         let sigma = Tensor::ones([2], (Kind::Float, self.device));
-        let (denoised, features) = self.module.forward(&x, &sigma, self.bf16()).map_err(|f| {
+        let (denoised, features) = self.run(&x, &sigma).map_err(|f| {
             contract(format!(
                 "forward(x: {shape:?} f32, sigma: [2] f32) failed: {}",
                 f.message
@@ -524,6 +612,14 @@ impl Model {
                 self.tensors[i].1.copy_(&src);
             }
         });
+        if let Some(package) = &self.compiled {
+            // The same weights into the compiled package (no recompilation, no reload).
+            self.push_weights(package)
+                .map_err(|message| ModelError::Compiled {
+                    path: package.path.clone(),
+                    message: format!("{}: {message}", package.path.display()),
+                })?;
+        }
         Ok(())
     }
 

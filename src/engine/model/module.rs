@@ -58,7 +58,7 @@ pub(super) fn take_error(err: *mut c_char) -> String {
     shorten(&take_full_error(err))
 }
 
-fn take_full_error(err: *mut c_char) -> String {
+pub(super) fn take_full_error(err: *mut c_char) -> String {
     if err.is_null() {
         return "unknown libtorch error".into();
     }
@@ -70,7 +70,7 @@ fn take_full_error(err: *mut c_char) -> String {
 }
 
 /// libtorch messages can carry a long TorchScript traceback; the first lines say what broke.
-fn shorten(message: &str) -> String {
+pub(super) fn shorten(message: &str) -> String {
     message.lines().take(8).collect::<Vec<_>>().join("\n")
 }
 

@@ -1,0 +1,223 @@
+"""The compiled network: an AOTInductor package of the model contract beside the TorchScript file.
+
+``diffmon-export ... --compile`` writes, next to ``model.ts``:
+
+* ``model.pt2``: ``torch.export`` of the very wrapper the TorchScript file was traced from
+  (``forward(x, sigma) -> (denoised, features)``, the condition and the parameterization
+  conversion inside, the same parameter and buffer names), compiled by
+  ``torch._inductor.aoti_compile_and_package`` for one device, with a dynamic batch dimension
+  (``min_batch`` to ``max_batch``; diffmon pads a shorter batch with copies of its last image and
+  drops their outputs, so the draws never change);
+* ``model.pt2.json``: the sidecar diffmon reads *before* it loads the package (which runs native
+  code): the format, the torch release, the device kind and its arch (the CPU's instruction-set
+  flags: Inductor compiles C++ with ``-march=native``; the CUDA compute capability), the
+  precision baked in (``fp32``, or ``bf16`` autocast inside the graph), the batch range, the
+  weight names the package takes per checkpoint, the SHA-256 of the TorchScript file it belongs
+  to, and the command that rebuilds it.
+
+Compile where the network will run. A package is tied to one torch release and one device arch,
+so the compile step belongs to the machine that evaluates (or one identical to it): the flag is
+on the exporter because the wrapper only exists in the exporter's process (the network's Python
+code, the feature hook, the conversion), and re-running ``diffmon-export ... --compile`` there is
+the rebuild command the daemon prints when it refuses a package. The TorchScript file, the format
+that always works, is written first, exactly as without the flag.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shlex
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["compile_contract", "sidecar_path", "cpu_isa_flags", "PRECISIONS", "FORMAT"]
+
+FORMAT = "diffmon-aoti/1"
+PRECISIONS = ("fp32", "bf16")
+
+# /proc/cpuinfo flags that name instructions (Inductor compiles with -march=native, so the code
+# may use any of them); the others (hypervisor, constant_tsc, ...) say nothing about what runs.
+_ISA_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "bmi", "amx", "popcnt", "movbe", "aes",
+                 "sha", "vaes", "vpclmulqdq", "gfni", "adx", "abm", "lzcnt", "asimd", "sve",
+                 "fp", "neon", "bf16", "i8mm", "dotprod")
+
+
+def cpu_isa_flags() -> list:
+    """The instruction-set flags of this CPU (Linux's /proc/cpuinfo ``flags`` or ``Features``)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return sorted({f for f in value.split() if f.startswith(_ISA_PREFIXES)})
+    return []
+
+
+def sidecar_path(package: Path) -> Path:
+    return Path(str(package) + ".json")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _device_arch(device: torch.device) -> dict:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return {"device": "cuda", "arch": f"sm_{major}{minor}",
+                "device_name": torch.cuda.get_device_name(device)}
+    return {"device": "cpu", "arch": platform.machine(), "cpu_flags": cpu_isa_flags()}
+
+
+def _examples(shape, batch: int, seed: int, device: torch.device):
+    g = torch.Generator().manual_seed(seed)
+    c, h, w = shape
+    sigma = torch.exp(torch.linspace(-4.0, 4.0, batch))
+    x = 0.5 * torch.randn(batch, c, h, w, generator=g) + sigma.reshape(-1, 1, 1, 1) * torch.randn(
+        batch, c, h, w, generator=g)
+    return x.to(device), sigma.to(device)
+
+
+def compile_contract(net: nn.Module, script: Path, shape, device, *, precision: str = "fp32",
+                     min_batch: int = 2, max_batch: int = 4096, out: Optional[Path] = None,
+                     rebuild: Optional[str] = None, atol: float = 1e-4,
+                     say: Callable[[str], None] = print) -> Path:
+    """Compile ``net`` (the exporter's wrapper: its ``forward`` is the model contract) into an
+    AOTInductor package beside the TorchScript file ``script``; returns the package's path.
+
+    The package is checked before it is kept: loaded back and run at batches ``min_batch`` and
+    ``min_batch + 1`` against the eager wrapper (``atol`` on both outputs in fp32; bf16 is
+    compared with eager bf16 autocast at 100 × ``atol``). Both files are written under temporary
+    names and renamed, the package first.
+    """
+    import torch._inductor  # noqa: F401  (the package API)
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if not 2 <= min_batch <= max_batch:
+        raise ValueError(f"need 2 <= min_batch <= max_batch, got {min_batch}, {max_batch}")
+    device = torch.device(device)
+    script = Path(script)
+    out = Path(out) if out is not None else script.with_suffix(".pt2")
+    contract = net.forward
+
+    def forward(x: Tensor, sigma: Tensor):
+        if precision == "fp32":
+            return contract(x, sigma)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            d, f = contract(x, sigma)
+        return d.float(), f.float()
+
+    net.forward = forward
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.pt2")
+    side_tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.json")
+    try:
+        x, s = _examples(shape, max(min_batch, 3), 0, device)
+        batch = torch.export.Dim("batch", min=min_batch, max=max_batch)
+        started = time.perf_counter()
+        with torch.no_grad():
+            program = torch.export.export(net, (x, s), dynamic_shapes=({0: batch}, {0: batch}),
+                                          strict=False)
+            # Small weights (a bias of 4 values) would otherwise be inlined as literals into the
+            # kernels, where no checkpoint could reach them.
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(tmp),
+                inductor_configs={"always_keep_tensor_constants": True})
+        seconds = time.perf_counter() - started
+        loaded = torch._inductor.aoti_load_package(str(tmp))
+        fqns = set(loaded.get_constant_fqns())
+        named = dict(net.named_parameters())
+        named.update(net.named_buffers())
+        # The graph's weights; any other parameter or buffer (num_batches_tracked) it never reads.
+        weights = [n for n in named if n in fqns]
+        tol = atol if precision == "fp32" else 100 * atol
+        for b in (min_batch, min_batch + 1):
+            _agree(loaded, forward, _examples(shape, b, 1 + b, device), tol, f"at batch {b}")
+        # Every weight the outputs depend on must be reachable by name: perturbed weights
+        # swapped in must give what the eager network gives with them.
+        saved = {n: t.detach().clone() for n, t in named.items()}
+        g = torch.Generator().manual_seed(7)
+        try:
+            with torch.no_grad():
+                for t in named.values():
+                    if t.is_floating_point() and t.numel() > 0:
+                        t.add_(0.05 * (t.std() if t.numel() > 1 else 1.0) * torch.randn(
+                            t.shape, generator=g).to(t.device))
+            loaded.load_constants({n: named[n] for n in weights}, check_full_update=False)
+            _agree(loaded, forward, _examples(shape, min_batch, 9, device), tol,
+                   "after new weights were swapped in (a weight is not reachable by name: folded "
+                   "into the code at compile time)")
+        finally:
+            with torch.no_grad():
+                for n, t in named.items():
+                    t.copy_(saved[n])
+        note = {
+            "format": FORMAT,
+            "torch": torch.__version__.split("+")[0],
+            **_device_arch(device),
+            "precision": precision,
+            "min_batch": min_batch,
+            "max_batch": max_batch,
+            "weights": weights,
+            "architecture": script.name,
+            "architecture_sha256": _sha256(script),
+            "rebuild": rebuild or f"diffmon-export ... --compile (the export of {script.name})",
+            "compile_seconds": round(seconds, 1),
+        }
+        side_tmp.write_text(json.dumps(note, indent=1) + "\n")
+        os.replace(tmp, out)
+        os.replace(side_tmp, sidecar_path(out))
+    finally:
+        net.forward = contract
+        for t in (tmp, side_tmp):
+            if t.exists():
+                t.unlink()
+    say(f"wrote {out} ({precision}, {device.type}, batch {min_batch}..{max_batch}, "
+        f"compiled in {seconds:.0f} s)")
+    return out
+
+
+def _agree(loaded, forward, inputs, tol: float, when: str) -> None:
+    with torch.no_grad():
+        want = forward(*inputs)
+        got = loaded(*inputs)
+    for what, a, w in zip(("denoised", "features"), got, want):
+        diff = float((a - w).abs().max()) if a.shape == w.shape else float("inf")
+        if not diff <= tol:
+            raise RuntimeError(f"the compiled package's {what} differs from the eager network "
+                               f"{when} by {diff:.3g} (> {tol:g})")
+
+
+def add_arguments(ap) -> None:
+    """The exporter's flags for the compiled package."""
+    g = ap.add_argument_group("compiled package (--compile: AOTInductor, beside --out)")
+    g.add_argument("--compile", action="store_true",
+                   help="also write OUT.pt2 (and OUT.pt2.json): the network compiled by "
+                        "AOTInductor for this machine's device, torch and arch")
+    g.add_argument("--compile-device", default="cpu", help="cpu (default), cuda or cuda:N")
+    g.add_argument("--compile-precision", choices=PRECISIONS, default="fp32",
+                   help="fp32 (default) or bf16 (autocast compiled in; evaluation.precision: bf16)")
+    g.add_argument("--compile-min-batch", type=int, default=2,
+                   help="smallest batch the package takes (default 2; diffusers' U-Nets: 64)")
+
+
+def options(args, argv) -> Optional[dict]:
+    """The :func:`compile_contract` keywords the flags ask for (``None`` without --compile)."""
+    if not args.compile:
+        return None
+    return {"device": args.compile_device, "precision": args.compile_precision,
+            "min_batch": args.compile_min_batch,
+            "rebuild": "diffmon-export " + shlex.join(argv)}

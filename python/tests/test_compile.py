@@ -1,0 +1,47 @@
+"""diffmon-export's compile step, the parts that need no compile (tests/integration/compiled.rs
+compiles a package once and checks it end to end: export, compile, daemon)."""
+
+import argparse
+import platform
+
+import pytest
+import torch
+
+from diffmon import compile as compiling
+from diffmon.export import main
+
+
+def test_compile_goes_with_a_denoiser_only():
+    with pytest.raises(SystemExit) as e:
+        main(["--factory", "x:y", "--vae", "--shape", "3", "8", "8", "--out", "v.ts", "--compile"])
+    assert e.value.code == 2
+
+
+def test_the_flags_become_the_compile_options_and_the_rebuild_command():
+    ap = argparse.ArgumentParser()
+    compiling.add_arguments(ap)
+    argv = ["--compile", "--compile-precision", "bf16", "--compile-min-batch", "64"]
+    opts = compiling.options(ap.parse_args(argv), ["--factory", "m:f", "--out", "a b.ts", *argv])
+    assert opts == {"device": "cpu", "precision": "bf16", "min_batch": 64,
+                    "rebuild": "diffmon-export --factory m:f --out 'a b.ts' --compile "
+                               "--compile-precision bf16 --compile-min-batch 64"}
+    assert compiling.options(ap.parse_args([]), []) is None
+
+
+def test_bad_arguments_are_refused_before_anything_is_compiled(tmp_path):
+    net = torch.nn.Identity()
+    with pytest.raises(ValueError, match="precision"):
+        compiling.compile_contract(net, tmp_path / "m.ts", (1, 4, 4), "cpu", precision="fp16")
+    with pytest.raises(ValueError, match="min_batch"):
+        compiling.compile_contract(net, tmp_path / "m.ts", (1, 4, 4), "cpu", min_batch=1)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="/proc/cpuinfo")
+def test_the_cpu_flags_are_instruction_sets_of_this_cpu():
+    flags = compiling.cpu_isa_flags()
+    text = open("/proc/cpuinfo").read()
+    assert flags and all(f" {f}" in text for f in flags)
+    if platform.machine() == "x86_64":
+        assert "sse2" in flags and "hypervisor" not in flags
+    assert compiling.sidecar_path(compiling.Path("a/m.pt2")) == compiling.Path("a/m.pt2.json")

@@ -1,0 +1,304 @@
+//! The compiled network: `diffmon-export --compile`'s AOTInductor package against the
+//! TorchScript file of the same checkpoint, through the `Model` and through `diffmon eval`, and
+//! packages that must be refused. The packages are compiled once (30 to 60 s on a CPU) and kept
+//! under `target/compiled-fixture/<hash of the sources that make them>/`.
+
+use crate::common::{diffmon, root, run_python, stderr, stdout, toy_run};
+use diffmon::config::{CompiledSetting, Precision};
+use diffmon::engine::model::{Model, compiled};
+use diffmon::weights::ReadOptions;
+use serde_json::Value;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use tch::{Device, Kind, Tensor};
+
+/// The fixture folder of `python/compiled_fixture.py`, made once per change of its sources (or
+/// of torch).
+fn fixture() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        use sha2::Digest;
+        let mut hash = sha2::Sha256::new();
+        for f in [
+            "python/compiled_fixture.py",
+            "python/diffmon/compile.py",
+            "python/diffmon/export.py",
+            "python/train_toy.py",
+        ] {
+            hash.update(std::fs::read(root().join(f)).unwrap());
+        }
+        hash.update(compiled::torch_version());
+        let key = format!("{:x}", hash.finalize());
+        let dir = root().join("target/compiled-fixture").join(&key[..16]);
+        if !dir.join("done").is_file() {
+            let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
+            run_python(&["python/compiled_fixture.py", tmp.to_str().unwrap()]);
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::rename(&tmp, &dir).unwrap();
+        }
+        dir
+    })
+}
+
+fn model(arch: &Path, setting: CompiledSetting) -> Model {
+    let mut m = Model::load(arch, Device::Cpu).unwrap();
+    m.set_precision(Precision::Fp32);
+    m.use_compiled(&setting).unwrap();
+    m
+}
+
+/// Noisy images at a spread of noise levels, the same for every format.
+fn draws(n: i64) -> (Tensor, Tensor) {
+    tch::manual_seed(11);
+    let x = Tensor::randn([n, 1, 16, 16], (Kind::Float, Device::Cpu));
+    let sigma = Tensor::linspace(-3.0, 3.0, n, (Kind::Float, Device::Cpu)).exp();
+    (x, sigma)
+}
+
+/// max |a − b| / max |b|.
+fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    let scale = b.abs().max().double_value(&[]);
+    (a - b).abs().max().double_value(&[]) / scale
+}
+
+/// fp32 compiled against fp32 TorchScript of the same weights, on identical draws (a short
+/// batch padded, a long one in parts): within 1e-5 relative (measured about 1e-7 on this CPU:
+/// the same float32 arithmetic, fused and reordered). The package swapped to a checkpoint's
+/// weights gives what a package compiled fresh from that checkpoint gives, and what its
+/// TorchScript gives; before the swap it gives something else.
+#[test]
+fn the_compiled_package_matches_torchscript_and_follows_checkpoints() {
+    let dir = fixture();
+    let arch = dir.join("arch.ts");
+    let ckpt = dir.join("ckpt_b.pt");
+    let mut swapped = model(&arch, CompiledSetting::Auto);
+    assert!(
+        swapped.format().starts_with("compiled package"),
+        "{}",
+        swapped.format()
+    );
+    let mut script = model(&arch, CompiledSetting::Off);
+    assert!(script.format().contains("off"), "{}", script.format());
+    let fresh = model(&dir.join("b.ts"), CompiledSetting::Path(dir.join("b.pt2")));
+    let fresh_script = model(&dir.join("b.ts"), CompiledSetting::Off);
+    let mut worst: f64 = 0.0;
+    let (x, sigma) = draws(2);
+    let (before, _) = swapped.forward(&x, &sigma).unwrap();
+    let (want, _) = fresh.forward(&x, &sigma).unwrap();
+    assert!(
+        rel(&before, &want) > 1e-3,
+        "the architecture's weights and the checkpoint's give the same outputs"
+    );
+    let started = std::time::Instant::now();
+    swapped
+        .load_weights(&ckpt, &ReadOptions::default())
+        .unwrap();
+    eprintln!("checkpoint read and swapped in {:?}", started.elapsed());
+    script.load_weights(&ckpt, &ReadOptions::default()).unwrap();
+    for n in [1, 2, 5, 64] {
+        let (x, sigma) = draws(n);
+        let (d, f) = swapped.forward(&x, &sigma).unwrap();
+        let (d_ts, f_ts) = script.forward(&x, &sigma).unwrap();
+        let (d_fresh, f_fresh) = fresh.forward(&x, &sigma).unwrap();
+        let (d_fts, f_fts) = fresh_script.forward(&x, &sigma).unwrap();
+        assert_eq!(d.size(), d_ts.size());
+        assert_eq!(f.size(), f_ts.size());
+        for (what, got) in [
+            ("swapped vs TorchScript, denoised", rel(&d, &d_ts)),
+            ("swapped vs TorchScript, features", rel(&f, &f_ts)),
+            ("swapped vs fresh package, denoised", rel(&d, &d_fresh)),
+            ("swapped vs fresh package, features", rel(&f, &f_fresh)),
+            ("fresh package vs its TorchScript", rel(&d_fresh, &d_fts)),
+            (
+                "fresh package vs its TorchScript, features",
+                rel(&f_fresh, &f_fts),
+            ),
+        ] {
+            assert!(got <= 1e-5, "batch {n}: {what}: {got:e}");
+            worst = worst.max(got);
+        }
+    }
+    eprintln!("compiled vs TorchScript: worst relative difference {worst:e}");
+}
+
+fn write_config(dir: &Path, name: &str, arch: &Path, compiled: &str) -> PathBuf {
+    let run = toy_run();
+    let cfg = dir.join(name);
+    std::fs::write(
+        &cfg,
+        format!(
+            "run: {{dir: {run:?}}}\nmodel: {{architecture: {arch:?}, compiled: {compiled}}}\n\
+             device: cpu\ndata: {{path: {train:?}, heldout_path: {heldout:?}}}\n\
+             icr: {{samples: 256, batch_size: 100, seed: 5}}\n",
+            train = run.join("train.h5"),
+            heldout = run.join("heldout.h5"),
+        ),
+    )
+    .unwrap();
+    cfg
+}
+
+fn eval(cfg: &Path, ckpt: &Path) -> std::process::Output {
+    diffmon(&[
+        "eval",
+        "--config",
+        cfg.to_str().unwrap(),
+        ckpt.to_str().unwrap(),
+        "--json",
+    ])
+}
+
+/// export → compile → `diffmon eval` on a trained toy's checkpoint: ICR, its traces, the losses
+/// and the gap of the compiled network agree with TorchScript's to 1e-5 relative (batches of
+/// 100 leave a short last batch); check-config says which format runs and why.
+#[test]
+fn eval_with_the_compiled_package_gives_torchscripts_numbers() {
+    let dir = fixture();
+    let tmp = tempfile::tempdir().unwrap();
+    let arch = dir.join("arch.ts");
+    let pkg = format!("{:?}", dir.join("arch.pt2"));
+    let compiled = write_config(tmp.path(), "compiled.yaml", &arch, &pkg);
+    let script = write_config(tmp.path(), "script.yaml", &arch, "off");
+    let checked = diffmon(&["check-config", compiled.to_str().unwrap()]);
+    assert!(checked.status.success(), "{}", stderr(&checked));
+    assert!(
+        stdout(&checked).contains("compiled package"),
+        "{}",
+        stdout(&checked)
+    );
+    let checked = diffmon(&["check-config", script.to_str().unwrap()]);
+    assert!(stdout(&checked).contains("TorchScript (model.compiled: off)"));
+    let ckpt = toy_run().join("ckpt_000060.pt");
+    let record = |cfg: &Path| -> Value {
+        let out = eval(cfg, &ckpt);
+        assert!(out.status.success(), "{}", stderr(&out));
+        serde_json::from_str(stdout(&out).lines().next().unwrap()).unwrap()
+    };
+    let (c, s) = (record(&compiled), record(&script));
+    for key in [
+        "icr",
+        "icr_invariant_trace",
+        "icr_residual_trace",
+        "loss_train",
+        "loss_heldout",
+        "generalization_gap",
+    ] {
+        let (a, b) = (c[key].as_f64().unwrap(), s[key].as_f64().unwrap());
+        let r = (a - b).abs() / b.abs().max(1e-12);
+        eprintln!("{key}: compiled {a}, TorchScript {b}, relative {r:e}");
+        assert!(r <= 1e-5, "{key}: compiled {a}, TorchScript {b} ({r:e})");
+    }
+}
+
+/// A copy of the fixture's architecture and package in a folder of the test's, to spoil.
+fn spoilable() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let arch = tmp.path().join("arch.ts");
+    let pkg = tmp.path().join("arch.pt2");
+    std::fs::copy(fixture().join("arch.ts"), &arch).unwrap();
+    std::fs::copy(fixture().join("arch.pt2"), &pkg).unwrap();
+    std::fs::copy(
+        fixture().join("arch.pt2.json"),
+        compiled::sidecar_path(&pkg),
+    )
+    .unwrap();
+    (tmp, arch, pkg)
+}
+
+/// Hostile and mismatched packages: writable by others, truncated, random bytes, another
+/// torch, another architecture. Named by path, each is an error of `eval` (exit 2) naming the
+/// file and the rebuild command, and of `check-config` where the vetting before the load finds
+/// it; under `auto`, TorchScript runs with a warning that says why. Never a crash.
+#[test]
+fn bad_packages_are_refused_with_the_rebuild_command() {
+    let ckpt = toy_run().join("ckpt_000060.pt");
+    type Spoil<'a> = (&'a str, &'a dyn Fn(&Path, &Path), &'a str);
+    let spoil: [Spoil; 5] = [
+        (
+            "writable",
+            &|pkg, _| {
+                std::fs::set_permissions(pkg, std::fs::Permissions::from_mode(0o666)).unwrap()
+            },
+            "writable by others",
+        ),
+        (
+            "truncated",
+            &|pkg, _| {
+                let bytes = std::fs::read(pkg).unwrap();
+                std::fs::write(pkg, &bytes[..bytes.len() / 2]).unwrap();
+            },
+            "libtorch cannot load it",
+        ),
+        (
+            "random",
+            &|pkg, _| std::fs::write(pkg, vec![0x5a_u8; 4096]).unwrap(),
+            "libtorch cannot load it",
+        ),
+        (
+            "torch",
+            &|pkg, _| {
+                let side = compiled::sidecar_path(pkg);
+                let mut v: Value =
+                    serde_json::from_str(&std::fs::read_to_string(&side).unwrap()).unwrap();
+                v["torch"] = "2.11.0-not-this".into();
+                std::fs::write(&side, v.to_string()).unwrap();
+            },
+            "compiled by torch 2.11.0-not-this",
+        ),
+        (
+            "architecture",
+            &|_, arch| {
+                std::fs::copy(toy_run().join("model.ts"), arch).unwrap();
+            },
+            "another architecture file",
+        ),
+    ];
+    for (name, spoil, says) in spoil {
+        let (tmp, arch, pkg) = spoilable();
+        spoil(&pkg, &arch);
+        let explicit = write_config(tmp.path(), "path.yaml", &arch, &format!("{pkg:?}"));
+        let out = eval(&explicit, &ckpt);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{name}: {err} {}", stdout(&out));
+        assert!(err.contains(says), "{name}: {err}");
+        assert!(err.contains(&pkg.display().to_string()), "{name}: {err}");
+        assert!(
+            err.contains("compiled_fixture.py"),
+            "{name}: rebuild: {err}"
+        );
+        // check-config vets without opening the package (no native code runs there): what only
+        // libtorch's loader finds (a corrupt zip) shows at the start of eval and watch.
+        let opened = says.starts_with("libtorch");
+        let checked = diffmon(&["check-config", explicit.to_str().unwrap()]);
+        let want = if opened { 0 } else { 2 };
+        assert_eq!(
+            checked.status.code(),
+            Some(want),
+            "{name}: {}",
+            stderr(&checked)
+        );
+        let auto = write_config(tmp.path(), "auto.yaml", &arch, "auto");
+        let out = diffmon(&[
+            "eval",
+            "--config",
+            auto.to_str().unwrap(),
+            ckpt.to_str().unwrap(),
+            "--json",
+        ]);
+        let err = stderr(&out);
+        assert!(out.status.success(), "{name}: auto: {err}");
+        assert!(
+            err.contains("WARN") && err.contains("TorchScript (model.compiled: auto;"),
+            "{name}: auto: {err}"
+        );
+        assert!(err.contains(says), "{name}: auto: {err}");
+        let checked = diffmon(&["check-config", auto.to_str().unwrap()]);
+        let text = stdout(&checked);
+        assert_eq!(
+            text.contains("TorchScript (model.compiled: auto;") && text.contains(says),
+            !opened,
+            "{name}: {text}"
+        );
+    }
+}
