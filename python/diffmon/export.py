@@ -590,6 +590,10 @@ class Embedding:
             t = t.unsqueeze(0)
         if t.dim() != 3 or t.shape[0] != 1:
             raise ValueError(f"the embedding must have shape [L,D] or [1,L,D], got {list(tensor.shape)}")
+        if t.numel() == 0:
+            raise ValueError(f"the embedding has a zero-sized dimension ({list(tensor.shape)}): no condition")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError("the embedding holds NaN or infinite values: every output would too")
         if not keyword or not str(keyword).isidentifier():
             raise ValueError(f"keyword must be a Python identifier, got {keyword!r}")
         self.tensor = t.to(device="cpu", dtype=torch.float32).contiguous()
@@ -601,7 +605,12 @@ class Embedding:
     def from_file(cls, path, key: Optional[str] = None,
                   keyword: str = "encoder_hidden_states") -> "Embedding":
         """:func:`load_embedding` of ``path``; the note records its basename and sha256."""
-        return cls(load_embedding(path, key), keyword, file=os.path.basename(str(path)), sha256=_sha256(path))
+        try:
+            return cls(load_embedding(path, key), keyword, file=os.path.basename(str(path)), sha256=_sha256(path))
+        except ValueError as e:
+            if str(e).startswith(str(path)):
+                raise
+            raise ValueError(f"{path}: {e}") from None
 
     def note(self) -> dict:
         return {"kind": "embedding", "keyword": self.keyword, "file": self.file, "sha256": self.sha256,
