@@ -295,9 +295,7 @@ pub fn host_allowed(host: Option<&str>, allowed: &[String]) -> bool {
         None => host,
     };
     let name = name.trim_end_matches('.').to_ascii_lowercase();
-    name.parse::<std::net::Ipv4Addr>().is_ok()
-        || name == "localhost"
-        || allowed.contains(&name)
+    name.parse::<std::net::Ipv4Addr>().is_ok() || name == "localhost" || allowed.contains(&name)
 }
 
 fn is_port(s: &str) -> bool {

@@ -790,6 +790,46 @@ mod tests {
         entries
     }
 
+    /// One best for `diffmon resume` and the restarted detector (issue #45): with the median of
+    /// 3, step 350 is named best only by the window 300, 350, 400; `resume` (no early stop yet)
+    /// takes it as the best so far, and the detector restarted on the lineage up to 350, which
+    /// alone would name 300 (the median of 250, 300, 350), goes on from 350 too.
+    #[test]
+    fn resume_and_the_restarted_detector_name_the_same_best() {
+        let window3 = EarlyStopSettings {
+            window: 3,
+            ..settings()
+        };
+        let mut entries: Vec<Entry> = [(250, 0.6), (300, 0.5), (350, 0.45), (400, 0.4), (450, 0.9)]
+            .into_iter()
+            .map(|(step, icr)| entry(&done(step, icr)))
+            .collect();
+        let before = Snapshot::replay("r", EarlyStopMetric::Icr, window3.clone(), &entries);
+        let best = before.best.clone().unwrap();
+        assert_eq!((best.step, best.value), (350, 0.45));
+        assert_eq!(before.fired, None);
+        entries.push(Entry::Resume {
+            at: at(460),
+            step: 350,
+            checkpoint: best.checkpoint.clone(),
+            restored: None,
+            set_aside: Vec::new(),
+        });
+        let (state, _) = RunState::replay(
+            "r",
+            "",
+            window3.clone(),
+            &entries,
+            Arc::new(Metrics::new("r")),
+            None,
+        );
+        let after = state.detector().best.clone().unwrap();
+        assert_eq!((after.step, after.value), (350, 0.45));
+        assert_eq!(status(&state)["best_step"], 350);
+        let report = Snapshot::replay("r", EarlyStopMetric::Icr, window3, &entries);
+        assert_eq!(report.best.map(|b| b.step), Some(350));
+    }
+
     /// After a resume the run is not stopped any more: the replay ends with a `resolved` event
     /// for the early stop that stood (its id the new segment's, so the same steps turning again
     /// fire anew), the status and metrics show the lineage's best and segment 2, and the live

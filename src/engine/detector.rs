@@ -502,9 +502,34 @@ pub fn replay<'a>(
                 ..
             } => {
                 lineage.retain(|r| r.step <= *step);
+                // What `diffmon resume` resumed from, when it is the best the early stop named or
+                // the best so far (the same replay picked it).
+                let before = &detector.state;
+                let resumed_best = [
+                    before.fired.as_ref().filter(|_| !before.resolved),
+                    before.best.as_ref(),
+                ]
+                .into_iter()
+                .flatten()
+                .find(|b| b.step == *step && b.checkpoint == *checkpoint)
+                .cloned();
                 *detector = Detector::new(detector.config.clone(), DetectorState::default());
                 for r in &lineage {
                     detector.observe(&Observation::of(r, metric));
+                }
+                // One best for `resume` and the detector: the lineage alone, cut at the resume
+                // step, lacks the later evaluations whose smoothing window named that best, and
+                // may name an earlier checkpoint (deleted, and not the kept one). The restarted
+                // detector goes on from the best training resumed from.
+                if let Some(b) = resumed_best
+                    && detector
+                        .state
+                        .best
+                        .as_ref()
+                        .is_none_or(|n| n.step != b.step)
+                {
+                    detector.state.best = Some(b);
+                    detector.state.wait = 0;
                 }
                 each(Replayed::Resume {
                     step: *step,

@@ -374,7 +374,7 @@ fn accelerate_folders_written_and_rotated_while_watched() {
         .iter()
         .map(|r| (r["step"].as_i64().unwrap(), r["icr"].as_f64().unwrap()))
         .collect();
-    let named = named_best_by_median_of_3(&series);
+    let (named, late) = named_best_by_median_of_3(&series);
     let log = d.log();
     assert!(
         !log.contains("cannot keep the best checkpoint"),
@@ -400,16 +400,19 @@ fn accelerate_folders_written_and_rotated_while_watched() {
         .collect();
     assert!(pins.len() <= 2, "{pins:?}");
     eprintln!(
-        "accelerate: evaluated {steps:?} in {evaluating:.1} s, training {:.1} s",
+        "accelerate: evaluated {steps:?} in {evaluating:.1} s, training {:.1} s; named best \
+         {named:?}, of which named at a later evaluation than their own {late:?}",
         trained.as_secs_f64()
     );
 }
 
 /// The steps the default detector (the median of the last 3 values; for 2, their mean, named
 /// after the lower one) names best over `series`, in order, each time the best's step changes:
-/// the reference the daemon's keeper is checked against.
-fn named_best_by_median_of_3(series: &[(i64, f64)]) -> Vec<i64> {
+/// the reference the daemon's keeper is checked against; and those named at a later
+/// evaluation than their own (when rotation had deleted them), as (step, named at).
+fn named_best_by_median_of_3(series: &[(i64, f64)]) -> (Vec<i64>, Vec<(i64, i64)>) {
     let mut named = Vec::new();
+    let mut late = Vec::new();
     let mut best = f64::INFINITY;
     for end in 1..=series.len() {
         let mut window = series[end.saturating_sub(3)..end].to_vec();
@@ -424,10 +427,14 @@ fn named_best_by_median_of_3(series: &[(i64, f64)]) -> Vec<i64> {
             best = smoothed;
             if named.last() != Some(&step) {
                 named.push(step);
+                let at = series[end - 1].0;
+                if at != step {
+                    late.push((step, at));
+                }
             }
         }
     }
-    named
+    (named, late)
 }
 
 /// Detector settings whose decisions have a closed form ([`Decided`]): window 1, warm-up 1,
