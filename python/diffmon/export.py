@@ -795,6 +795,10 @@ class Embedding:
             want = "[D] or [1,D]" if pooled else "[L,D] or [1,L,D]"
             raise ValueError(f"the {'pooled ' if pooled else ''}embedding must have shape {want}, "
                              f"got {list(tensor.shape)}")
+        if t.numel() == 0:
+            raise ValueError(f"the embedding has a zero-sized dimension ({list(tensor.shape)}): no condition")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError("the embedding holds NaN or infinite values: every output would too")
         self.pooled = bool(pooled)
         if not keyword or not str(keyword).isidentifier():
             raise ValueError(f"keyword must be a Python identifier, got {keyword!r}")
@@ -807,8 +811,13 @@ class Embedding:
     def from_file(cls, path, key: Optional[str] = None,
                   keyword: str = "encoder_hidden_states", pooled: bool = False) -> "Embedding":
         """:func:`load_embedding` of ``path``; the note records its basename and sha256."""
-        return cls(load_embedding(path, key), keyword, file=os.path.basename(str(path)), sha256=_sha256(path),
-                   pooled=pooled)
+        try:
+            return cls(load_embedding(path, key), keyword, file=os.path.basename(str(path)),
+                       sha256=_sha256(path), pooled=pooled)
+        except ValueError as e:
+            if str(e).startswith(str(path)):
+                raise
+            raise ValueError(f"{path}: {e}") from None
 
     def expand(self, tensor: Tensor, batch: int) -> Tensor:
         """``tensor`` (this embedding on some device) expanded to the batch."""

@@ -261,6 +261,12 @@ def test_error_cases(tmp_path, capsys):
     assert torch.equal(load_embedding(two, "negative"), torch.ones(4, 8))
     with pytest.raises(ValueError, match=r"\[L,D\] or \[1,L,D\]"):
         Embedding(torch.zeros(2, 4, 8))
+    # Hostile embeddings (issue #45): a zero-sized dimension, NaN or Inf, refused naming the file.
+    for name, bad in [("empty.pt", torch.zeros(1, 0, 8)), ("nan.pt", torch.full((4, 8), float("nan"))),
+                      ("inf.pt", torch.tensor([[1.0, float("inf")]]))]:
+        torch.save(bad, tmp_path / name)
+        with pytest.raises(ValueError, match=rf"{name}: the embedding (has a zero-sized|holds NaN)"):
+            Embedding.from_file(tmp_path / name)
     with pytest.raises(SystemExit):  # mutually exclusive
         main(["--factory", "x:y", "--class-label", "1", "--null-class"])
     with pytest.raises(SystemExit):

@@ -17,7 +17,9 @@ const ZERO_TIME: &str = "0001-01-01T00:00:00Z";
 pub fn webhook_body(format: WebhookFormat, event: &Event) -> Vec<u8> {
     let value = match format {
         WebhookFormat::Json => serde_json::to_value(event).unwrap_or(Value::Null),
-        WebhookFormat::Slack => json!({ "text": slack_escape(&summary(event)) }),
+        // Markdown off: `*`, `_`, `~` and backticks in a run's or checkpoint's name are shown as
+        // they are, never as formatting.
+        WebhookFormat::Slack => json!({ "text": slack_escape(&summary(event)), "mrkdwn": false }),
         WebhookFormat::Alertmanager => alertmanager_webhook_payload(event),
     };
     serde_json::to_vec(&value).unwrap_or_default()
@@ -257,7 +259,10 @@ mod tests {
             WebhookFormat::Slack,
             &event(EventKind::EarlyStop),
         ));
-        assert_eq!(v.as_object().unwrap().len(), 1);
+        // The text and Slack's switch for its markdown, off (issue #45: `*`, backticks in names
+        // were formatting).
+        assert_eq!(v.as_object().unwrap().len(), 2);
+        assert_eq!(v["mrkdwn"], false);
         let text = v["text"].as_str().unwrap();
         assert!(!text.contains('\n'));
         for part in [

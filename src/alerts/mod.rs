@@ -255,7 +255,7 @@ impl Alerter {
                 &name.to_string_lossy(),
             );
         }
-        let stop_event = std::fs::read(&stop_path)
+        let stop_event = crate::store::safe_fs::read_bounded(&stop_path, 1 << 20)
             .ok()
             .and_then(|b| serde_json::from_slice::<Event>(&b).ok());
         let actives: Vec<Option<Event>> = dests

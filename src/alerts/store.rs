@@ -98,16 +98,22 @@ const MAX_ENTRY_BYTES: u64 = 1 << 20;
 /// refused, and the history's replay sends again what was not delivered).
 pub fn state_key(path: &Path) -> io::Result<[u8; 32]> {
     use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let read = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
-        .open(path)
-        .and_then(|f| {
-            let mut bytes = Vec::new();
-            f.take(64).read_to_end(&mut bytes)?;
-            Ok(bytes)
-        });
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let read = crate::store::safe_fs::open_regular(path).and_then(|f| {
+        // Readable by others (made so by hand, or copied): made private, as the state folder
+        // is, before its key is used.
+        let mode = f.metadata()?.mode() & 0o777;
+        if mode & 0o077 != 0 {
+            f.set_permissions(fs::Permissions::from_mode(0o600))?;
+            tracing::warn!(
+                path = %crate::store::safe_fs::untrusted(path),
+                "the outbox key was readable by others (mode {mode:04o}): made 0600"
+            );
+        }
+        let mut bytes = Vec::new();
+        f.take(64).read_to_end(&mut bytes)?;
+        Ok(bytes)
+    });
     match read.map(<[u8; 32]>::try_from) {
         Ok(Ok(key)) => return Ok(key),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -353,7 +359,8 @@ impl Ledger {
             order: VecDeque::new(),
             set: HashSet::new(),
         };
-        match fs::read(&ledger.path) {
+        // No link followed, no FIFO waited on, bounded: a full ledger is some 100 KB.
+        match crate::store::safe_fs::read_bounded(&ledger.path, 4 << 20) {
             Ok(bytes) => match serde_json::from_slice::<LedgerFile>(&bytes) {
                 Ok(file) => {
                     for key in file.delivered {
@@ -520,6 +527,13 @@ mod tests {
             fs::metadata(&path).unwrap().permissions().mode() & 0o777,
             0o600
         );
+        // Found readable by others (issue #45): the same key, made private.
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
+        assert_eq!(state_key(&path).unwrap(), k);
+        assert_eq!(
+            fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
         fs::write(&path, "short").unwrap();
         assert_ne!(state_key(&path).unwrap(), k);
     }
@@ -542,6 +556,19 @@ mod tests {
         assert!(!l4.contains("a/x") && !l4.contains("b/x"));
         assert!(l4.contains("last") && l4.contains("k999"));
         fs::write(&path, "{not json").unwrap();
+        assert!(!Ledger::load(path.clone()).contains("last"));
+        // A link to /dev/zero is not followed, a FIFO not waited on (issue #45: the ledger grew
+        // to 1.2 GB before a warning), an oversized file not read: each an empty ledger.
+        fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+        assert!(!Ledger::load(path.clone()).contains("last"));
+        fs::remove_file(&path).unwrap();
+        let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert!(!Ledger::load(path.clone()).contains("last"));
+        fs::remove_file(&path).unwrap();
+        fs::write(&path, vec![b' '; 5 << 20]).unwrap();
         assert!(!Ledger::load(path).contains("last"));
     }
 

@@ -123,13 +123,44 @@ pub fn resume(request: &Request) -> Result<String> {
     let set_aside = if request.keep_later {
         Vec::new()
     } else {
-        set_aside(
+        let (moved, left) = set_aside(
             &config,
             (&state_dir, held.as_deref()),
             point.step,
             segment,
             &mut report,
-        )
+        );
+        if !left.is_empty() {
+            // Not the whole job: the training job would resume with the abandoned branch's
+            // later checkpoints beside it (its "latest" is one of them). Nothing more is done.
+            let done = report.split_once('\n').map_or("", |(_, rest)| rest);
+            return Err(ResumeError::Failed(format!(
+                "resume of run `{}` from step {} not complete; done:\n{done}cannot move {} of the abandoned branch aside into {} (another file \
+                 system: the state folder must be on the run folder's file system to move them; \
+                 they are left in place), so the resume is not complete: the stop file and the \
+                 history are unchanged{}. Move {} out of the run folder yourself (or pass \
+                 --keep-later to leave them), then run `diffmon resume` again.",
+                config.run_name(),
+                point.step,
+                left.join(", "),
+                untrusted(&state_dir.join(SET_ASIDE_DIR)),
+                if moved.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "; moved aside already: {}",
+                        moved
+                            .iter()
+                            .map(|m| untrusted(Path::new(m)))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                },
+                if left.len() == 1 { "it" } else { "them" }
+            ))
+            .into());
+        }
+        moved
     };
     let stop = config.run.dir.join(&config.alerts.stop_file);
     if std::fs::symlink_metadata(&stop).is_ok() {
@@ -158,7 +189,11 @@ pub fn resume(request: &Request) -> Result<String> {
         })?;
         history.write_hdf5()?;
     }
-    report.push_str(&how_to_resume(&point.checkpoint));
+    // Its shape from what is there, or from the kept copy a dry run would restore.
+    let is_dir = point.checkpoint.is_dir()
+        || (!point.checkpoint.exists()
+            && keep_best::lookup(&state_dir, &point.checkpoint).is_some_and(|k| k.is_dir()));
+    report.push_str(&how_to_resume(&point.checkpoint, is_dir));
     let _ = write!(
         report,
         "Then start `diffmon watch --config {}` again: it follows the new segment, from the steps up to {} of the branch it left.",
@@ -269,16 +304,17 @@ fn put_back(
 }
 
 /// Moves the checkpoints of `run.dir` with a step after `step` into
-/// `<state_dir>/set-aside/segment-<segment>/`; returns their new paths. `state_dir` is (its
-/// path, the lock's handle on it); without a handle (a dry run) nothing moves. One that cannot
-/// be moved (another file system) stays, with a line in the report.
+/// `<state_dir>/set-aside/segment-<segment>/`; returns their new paths, and the names of those
+/// that could not be moved (another file system: they stay, with a line in the report).
+/// `state_dir` is (its path, the lock's handle on it); without a handle (a dry run) nothing
+/// moves.
 fn set_aside(
     config: &Config,
     (state_dir, held): (&Path, Option<&Path>),
     step: i64,
     segment: u32,
     report: &mut String,
-) -> Vec<String> {
+) -> (Vec<String>, Vec<String>) {
     let c = &config.checkpoints;
     let mut later: Vec<(i64, PathBuf)> = std::fs::read_dir(&config.run.dir)
         .into_iter()
@@ -292,7 +328,7 @@ fn set_aside(
         .collect();
     later.sort();
     if later.is_empty() {
-        return Vec::new();
+        return (Vec::new(), Vec::new());
     }
     let folder = format!("{SET_ASIDE_DIR}/segment-{segment}");
     let dir = state_dir.join(&folder);
@@ -305,6 +341,7 @@ fn set_aside(
     });
     let mut moved = Vec::new();
     let mut names = Vec::new();
+    let mut left = Vec::new();
     for (_, path) in &later {
         let Some(name) = path.file_name() else {
             continue;
@@ -320,6 +357,7 @@ fn set_aside(
                     "  left        {} in place: cannot move it aside ({e})",
                     untrusted(path)
                 );
+                left.push(untrusted(Path::new(name)));
                 continue;
             }
         }
@@ -339,17 +377,16 @@ fn set_aside(
             untrusted(&dir)
         );
     }
-    moved
+    (moved, left)
 }
 
-/// How the training stacks resume from `checkpoint`, by its shape.
-fn how_to_resume(checkpoint: &Path) -> String {
+/// How the training stacks resume from `checkpoint`, by its shape (`is_dir`: a folder).
+fn how_to_resume(checkpoint: &Path, is_dir: bool) -> String {
     let name = checkpoint
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let shown = untrusted(checkpoint);
-    let is_dir = checkpoint.is_dir();
     let mut text = String::from("Resume training from it:\n");
     if is_dir {
         let _ = writeln!(

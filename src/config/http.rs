@@ -9,9 +9,12 @@ use std::num::NonZeroUsize;
 use std::time::Duration;
 
 /// `http`: the metrics server's address and bounds.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct HttpConfig {
     pub listen: SocketAddr,
+    /// `http.allowed_hosts`: host names the server answers besides IP addresses and
+    /// `localhost` (the `Host` header is checked against DNS rebinding), lower case.
+    pub allowed_hosts: Vec<String>,
     /// `http.header_timeout_secs`: a request's headers must arrive within this time after its
     /// first byte, else the connection is closed.
     pub header_timeout: Duration,
@@ -44,6 +47,10 @@ pub(super) struct Http {
     /// Connections open at once; one more is accepted and closed at once. Range 1 to 65536.
     #[serde(default = "default_max_connections")]
     pub(super) max_connections: u32,
+    /// Host names the server answers besides IP addresses and `localhost` (the names
+    /// Prometheus or a browser reach it by, when not an address). At most 64.
+    #[serde(default)]
+    pub(super) allowed_hosts: Vec<String>,
 }
 
 fn default_listen() -> String {
@@ -69,6 +76,7 @@ impl Default for Http {
             header_timeout_secs: default_header_timeout_secs(),
             idle_timeout_secs: default_idle_timeout_secs(),
             max_connections: default_max_connections(),
+            allowed_hosts: Vec::new(),
         }
     }
 }
@@ -100,8 +108,33 @@ pub(super) fn http(v: &mut Validator, h: &Http) -> Option<HttpConfig> {
         "http.max_connections",
         format!("must be between 1 and 65536, got {}", h.max_connections),
     );
+    v.check(
+        h.allowed_hosts.len() <= 64,
+        "http.allowed_hosts",
+        format!("at most 64 names, got {}", h.allowed_hosts.len()),
+    );
+    for (i, name) in h.allowed_hosts.iter().enumerate() {
+        let ok = !name.is_empty()
+            && name.len() <= 253
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || ".-_".contains(c));
+        v.check(
+            ok,
+            &format!("http.allowed_hosts[{i}]"),
+            format!(
+                "must be a host name (letters, digits, `.`, `-`, `_`; no port), got `{}`",
+                name.escape_debug()
+            ),
+        );
+    }
     Some(HttpConfig {
         listen: listen?,
+        allowed_hosts: h
+            .allowed_hosts
+            .iter()
+            .map(|n| n.trim_end_matches('.').to_ascii_lowercase())
+            .collect(),
         header_timeout: header_timeout?,
         idle_timeout: idle_timeout?,
         max_connections: max_connections?,

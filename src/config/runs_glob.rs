@@ -59,12 +59,29 @@ impl RunsGlob {
     /// The runs now: the folder's entries that match, are folders (not links), are not hidden
     /// and have a run's name, as (name, folder), sorted by name; all of them, of which the sweep
     /// watches at most `max_runs`. A folder that cannot be read has none.
+    /// Only the first [`MAX_GLOB_ENTRIES`] entries of the folder are looked at: a WARN says so,
+    /// once per process, when it holds more.
     pub fn matches(&self) -> Vec<(String, PathBuf)> {
+        static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        let (found, beyond) = self.matches_within(MAX_GLOB_ENTRIES);
+        if beyond && !WARNED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            tracing::warn!(folder = %self.parent.display(), limit = MAX_GLOB_ENTRIES,
+                "the runs_glob folder holds more than {MAX_GLOB_ENTRIES} entries: only the first \
+                 {MAX_GLOB_ENTRIES} the file system lists are looked at for runs, at every \
+                 rescan; a run folder among the others is never found (move old entries away)");
+        }
+        found
+    }
+
+    /// [`RunsGlob::matches`] over the first `max` entries, and whether there were more.
+    fn matches_within(&self, max: usize) -> (Vec<(String, PathBuf)>, bool) {
         let Ok(entries) = std::fs::read_dir(&self.parent) else {
-            return Vec::new();
+            return (Vec::new(), false);
         };
+        let mut entries = entries.peekable();
         let mut found: Vec<(String, PathBuf)> = entries
-            .take(MAX_GLOB_ENTRIES)
+            .by_ref()
+            .take(max)
             .filter_map(|e| {
                 let e = e.ok()?;
                 let name = e.file_name().into_string().ok()?;
@@ -77,6 +94,28 @@ impl RunsGlob {
             })
             .collect();
         found.sort();
-        found
+        (found, entries.peek().is_some())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A folder with more entries than a scan reads says so (issue #45: runs past the cap were
+    /// never seen, and nothing said it).
+    #[test]
+    fn a_folder_past_the_cap_is_said_to_be() {
+        let dir = tempfile::tempdir().unwrap();
+        for i in 0..5 {
+            std::fs::create_dir(dir.path().join(format!("lr-{i}"))).unwrap();
+        }
+        let file = ConfigFile::parse(super::super::test_support::MINIMAL, "c.yaml").unwrap();
+        let glob = RunsGlob::compile(&dir.path().join("lr-*"), &file).unwrap();
+        let (found, beyond) = glob.matches_within(3);
+        assert_eq!((found.len(), beyond), (3, true));
+        let (found, beyond) = glob.matches_within(5);
+        assert_eq!((found.len(), beyond), (5, false));
+        assert_eq!(glob.matches().len(), 5);
     }
 }

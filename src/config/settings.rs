@@ -108,8 +108,17 @@ impl Config {
     pub fn run_name(&self) -> String {
         self.run.name.clone().unwrap_or_else(|| {
             let dir = std::fs::canonicalize(&self.run.dir).unwrap_or_else(|_| self.run.dir.clone());
+            // The folder's name, its control characters escaped (it reaches logs and labels).
             dir.file_name()
-                .map(|n| n.to_string_lossy().into_owned())
+                .map(|n| {
+                    n.to_string_lossy()
+                        .chars()
+                        .flat_map(|c| match c.is_control() {
+                            true => c.escape_default().collect::<Vec<char>>(),
+                            false => vec![c],
+                        })
+                        .collect()
+                })
                 .unwrap_or_else(|| "run".into())
         })
     }
@@ -283,7 +292,16 @@ impl ConfigFile {
     ) -> Result<Config, Vec<Problem>> {
         let mut v = Validator::default();
         if let Some(name) = &run.name {
-            v.check(!name.trim().is_empty(), "run.name", "must not be empty");
+            // As a sweep's run names are: a name holding a newline or ESC would forge log lines
+            // and reach the terminal and the metrics' label raw.
+            v.check(
+                super::run::valid_run_name(name),
+                "run.name",
+                format!(
+                    "`{}`: a run's name is letters, digits, `.`, `_` or `-` (it is a URL path and a label)",
+                    name.escape_debug()
+                ),
+            );
         }
 
         let checkpoints = checkpoints(&mut v, &self.checkpoints);

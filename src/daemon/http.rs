@@ -264,11 +264,42 @@ pub struct EarlyStopStatus {
 }
 
 /// The bounds of [`serve`], from `http.*` of the config.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Limits {
     pub header_timeout: Duration,
     pub idle_timeout: Duration,
     pub max_connections: usize,
+    /// `http.allowed_hosts` (see [`host_allowed`]).
+    pub allowed_hosts: Arc<[String]>,
+}
+
+/// Is `host` (a request's `Host` header) one the server answers? An IP address (IPv4, or IPv6
+/// in brackets), `localhost`, or a name of `allowed` (lower case), with or without a port; a
+/// request without the header is answered. A page of another site that rebinds its own name to
+/// 127.0.0.1 reaches the server under that name, which is none of these, so it cannot read
+/// `/v1/early-stop` from the user's browser.
+pub fn host_allowed(host: Option<&str>, allowed: &[String]) -> bool {
+    let Some(host) = host else {
+        return true;
+    };
+    let host = host.trim();
+    if let Some(rest) = host.strip_prefix('[') {
+        return rest.split_once(']').is_some_and(|(ip, port)| {
+            ip.parse::<std::net::Ipv6Addr>().is_ok()
+                && (port.is_empty() || port.strip_prefix(':').is_some_and(is_port))
+        });
+    }
+    let name = match host.rsplit_once(':') {
+        Some((name, port)) if is_port(port) => name,
+        Some(_) => return false,
+        None => host,
+    };
+    let name = name.trim_end_matches('.').to_ascii_lowercase();
+    name.parse::<std::net::Ipv4Addr>().is_ok() || name == "localhost" || allowed.contains(&name)
+}
+
+fn is_port(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 5 && s.bytes().all(|b| b.is_ascii_digit())
 }
 
 impl Limits {
@@ -278,12 +309,31 @@ impl Limits {
             header_timeout: c.header_timeout,
             idle_timeout: c.idle_timeout,
             max_connections: c.max_connections.get(),
+            allowed_hosts: c.allowed_hosts.clone().into(),
         }
     }
 }
 
 /// Serves `app` on `listener` until the task is dropped, under `limits`.
 pub async fn serve(listener: TcpListener, app: Router, limits: Limits) {
+    let allowed = limits.allowed_hosts.clone();
+    let app = app.layer(axum::middleware::from_fn(
+        move |req: axum::extract::Request, next: axum::middleware::Next| {
+            let allowed = allowed.clone();
+            async move {
+                let host = req.headers().get(header::HOST).map(|h| h.to_str().unwrap_or("\u{0}"));
+                if host_allowed(host, &allowed) {
+                    next.run(req).await
+                } else {
+                    (
+                        StatusCode::FORBIDDEN,
+                        "host not allowed: add its name to http.allowed_hosts (docs/guide/monitoring.md)\n",
+                    )
+                        .into_response()
+                }
+            }
+        },
+    ));
     let open = Arc::new(AtomicUsize::new(0));
     // Log the first connection refused of a burst, not every one.
     let mut refusing = false;
@@ -313,6 +363,7 @@ pub async fn serve(listener: TcpListener, app: Router, limits: Limits) {
         open.fetch_add(1, Ordering::AcqRel);
         let slot = Slot(open.clone());
         let app = app.clone();
+        let limits = limits.clone();
         tokio::spawn(async move {
             let _slot = slot;
             serve_connection(stream, app, limits).await;
@@ -517,6 +568,8 @@ mod tests {
             ("idle_timeout_secs: 0.01", "http.idle_timeout_secs"),
             ("max_connections: 0", "http.max_connections"),
             ("max_connections: 1000000", "http.max_connections"),
+            ("allowed_hosts: [\"evil.com:80\"]", "http.allowed_hosts[0]"),
+            ("allowed_hosts: [\"\"]", "http.allowed_hosts[0]"),
         ] {
             let text = format!("{MINIMAL}http: {{{yaml}}}\n");
             let c = ConfigFile::parse(&text, "t.yaml").unwrap();
@@ -525,6 +578,39 @@ mod tests {
                 problems.len() == 1 && problems[0].starts_with(&format!("{key}: ")),
                 "{yaml}: {problems:?}"
             );
+        }
+    }
+
+    /// The `Host` header (issue #45: a DNS-rebinding page could read `/v1/early-stop`): IP
+    /// addresses, `localhost` and the configured names are answered, with or without a port;
+    /// any other name is not.
+    #[test]
+    fn only_addresses_localhost_and_configured_names_are_answered() {
+        let allowed = ["metrics.lab.example".to_string()];
+        for host in [
+            None,
+            Some("127.0.0.1:9464"),
+            Some("127.0.0.1"),
+            Some("10.1.2.3:80"),
+            Some("[::1]:9464"),
+            Some("[::1]"),
+            Some("localhost:9464"),
+            Some("LOCALHOST"),
+            Some("metrics.lab.example:9464"),
+            Some("Metrics.Lab.Example."),
+        ] {
+            assert!(host_allowed(host, &allowed), "{host:?}");
+        }
+        for host in [
+            Some("attacker.example:9464"),
+            Some("attacker.example"),
+            Some("localhost.attacker.example"),
+            Some("127.0.0.1.attacker.example"),
+            Some("[::1]x"),
+            Some("metrics.lab.example:port"),
+            Some(""),
+        ] {
+            assert!(!host_allowed(host, &allowed), "{host:?}");
         }
     }
 }

@@ -311,11 +311,15 @@ impl Pace {
                 run = %run, seconds_per_checkpoint = seconds, checkpoint_interval = interval,
                 "evaluation keeps pace: {each} per checkpoint{at_once} (median of {n}), a checkpoint every {every} (median of {gaps} gaps)"
             ),
-            Some(Told::Behind) => tracing::warn!(
-                run = %run, seconds_per_checkpoint = seconds, checkpoint_interval = interval, pending,
-                "evaluation falls behind: {each} per checkpoint{at_once} (median of {n}), a checkpoint every {every} (median of {gaps} gaps); {pending} checkpoints wait, and rotation may delete them before their turn. {}",
-                self.remedies
-            ),
+            Some(Told::Behind) => {
+                let pinned = self.metrics.pinned_bytes();
+                tracing::warn!(
+                    run = %run, seconds_per_checkpoint = seconds, checkpoint_interval = interval, pending, pinned_bytes = pinned,
+                    "evaluation falls behind: {each} per checkpoint{at_once} (median of {n}), a checkpoint every {every} (median of {gaps} gaps); {pending} checkpoints wait, {}. {}",
+                    pins_note(pinned),
+                    self.remedies
+                )
+            }
             Some(Told::CaughtUp) => tracing::info!(
                 run = %run, seconds_per_checkpoint = seconds, checkpoint_interval = interval, pending,
                 "evaluation keeps pace again: {each} per checkpoint{at_once}, a checkpoint every {every}; {pending} checkpoints wait"
@@ -323,6 +327,17 @@ impl Pace {
             _ => {}
         }
     }
+}
+
+/// What the warning says of the waiting checkpoints' safety: pins protect them (up to
+/// [`crate::store::pin::MAX_PINS`]), at the cost of the disk `pinned` bytes that only the pins
+/// hold once rotation deleted the originals.
+fn pins_note(pinned: u64) -> String {
+    format!(
+        "pinned against rotation (docs/guide/watching.md, \"Rotation\"; beyond {} pins, or where          the state folder cannot hold links to the run folder's files, rotation may delete one          before its turn); the pins alone hold {:.1} MB of checkpoints rotation has deleted          (diffmon_pinned_bytes)",
+        crate::store::pin::MAX_PINS,
+        pinned as f64 / 1e6
+    )
 }
 
 /// What makes a checkpoint cheaper or evaluation faster, as the config stands: the warning's
@@ -531,6 +546,12 @@ pub(super) mod tests {
         );
         assert_eq!(lock(&pace).told, Told::Behind);
         assert!(pace.remedies.contains("icr.samples"), "{}", pace.remedies);
+        // The warning says the waiting checkpoints are pinned, and what the pins hold.
+        metrics.set_pinned_bytes(61_234_567);
+        let note = pins_note(metrics.pinned_bytes());
+        assert!(note.contains("pinned against rotation"), "{note}");
+        assert!(note.contains("61.2 MB"), "{note}");
+        assert!(!note.contains("rotation may delete them before their turn"));
         assert!(pace.remedies.contains("network calls per checkpoint"));
     }
 

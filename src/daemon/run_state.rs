@@ -40,11 +40,11 @@ pub struct RunState {
     snapshot: Arc<Mutex<Snapshot>>,
     /// Keeps the best checkpoint safe from rotation (`early_stop.keep_best`).
     keeper: Option<Keeper>,
-    /// The pin ([`crate::store::pin`]) of the evaluation being observed, by checkpoint.
-    observed_pin: Option<(String, Arc<Pin>)>,
-    /// The pin of the best checkpoint, held while it is the best: the keeper links from it
-    /// once rotation deleted the original.
-    best_pin: Option<(String, Arc<Pin>)>,
+    /// The pins ([`crate::store::pin`]) of the evaluated checkpoints that are the best or that
+    /// the detector may still name best ([`Detector::contenders`]; with smoothing, a checkpoint
+    /// is named best evaluations after its own), by checkpoint: the keeper links from the pin
+    /// once rotation has deleted the original. Released when neither.
+    held: HashMap<String, Arc<Pin>>,
     /// With a keeper: each evaluated checkpoint's key when it was evaluated, so that what is
     /// kept is what was measured (`keep_best::keep`).
     evaluated: HashMap<String, CheckpointKey>,
@@ -100,8 +100,7 @@ impl RunState {
             snapshot,
             evaluated: HashMap::new(),
             keeper,
-            observed_pin: None,
-            best_pin: None,
+            held: HashMap::new(),
             segment: 1,
         };
         if state.keeper.is_some() {
@@ -153,10 +152,12 @@ impl RunState {
                         .insert(record.checkpoint.clone(), item.key.clone());
                 }
                 self.metrics.record(record);
-                // Its pin, should it be the new best: the keeper links from it.
-                self.observed_pin = item.pin.clone().map(|p| (record.checkpoint.clone(), p));
+                // Its pin, should it be the best now or later: the keeper links from it.
+                if let (Some(pin), Some(_)) = (&item.pin, &self.keeper) {
+                    self.held.insert(record.checkpoint.clone(), pin.clone());
+                }
                 let event = self.decide(record, at);
-                self.observed_pin = None;
+                self.release_pins();
                 // Counted once the status and the live page have it: whoever waits for the
                 // count sees them complete.
                 self.metrics.evaluated(record);
@@ -170,17 +171,37 @@ impl RunState {
         }
     }
 
+    /// Releases the pins of the checkpoints that are neither the best nor one the detector may
+    /// still name best.
+    fn release_pins(&mut self) {
+        if self.held.is_empty() {
+            return;
+        }
+        let best = self
+            .detector
+            .state
+            .best
+            .as_ref()
+            .map(|b| b.checkpoint.as_str());
+        let contenders = self.detector.contenders();
+        self.held
+            .retain(|c, _| Some(c.as_str()) == best || contenders.contains(&c.as_str()));
+    }
+
+    /// The checkpoints whose pins are held, for tests.
+    #[cfg(test)]
+    fn held(&self) -> Vec<String> {
+        let mut held: Vec<String> = self.held.keys().cloned().collect();
+        held.sort();
+        held
+    }
+
     /// Asks the keeper (if any) to keep the best checkpoint, as it was evaluated, from its pin
-    /// while there is one (the best's pin is held until another checkpoint is the best).
+    /// while there is one (held while it is the best or may become it: [`RunState::release_pins`]).
     fn keep_best(&mut self) {
         if let (Some(keeper), Some(best)) = (&self.keeper, &self.detector.state.best) {
             let evaluated = self.evaluated.get(&best.checkpoint).cloned();
-            let pin = [&self.observed_pin, &self.best_pin]
-                .into_iter()
-                .flatten()
-                .find(|(c, _)| *c == best.checkpoint)
-                .map(|(_, p)| p.clone());
-            self.best_pin = pin.clone().map(|p| (best.checkpoint.clone(), p));
+            let pin = self.held.get(&best.checkpoint).cloned();
             let source = pin.map(|p| crate::store::keep_best::Source {
                 path: p.path().to_path_buf(),
                 hold: p,
@@ -664,6 +685,89 @@ mod tests {
         wait_for(&state, KeptCopy::NotKept);
     }
 
+    /// Evaluation behind rotation with a smoothed detector (median of 3): each checkpoint is
+    /// deleted by rotation as soon as it is pinned, and is named best only one or two
+    /// evaluations after its own. Its pin is held until the detector can no longer name it, so
+    /// every step ever named best is kept, from its pin, with the files that were evaluated;
+    /// then only the best's and the contenders' pins remain.
+    #[test]
+    fn every_best_is_kept_from_its_pin_though_named_after_rotation_deleted_it() {
+        let run = tempfile::tempdir().unwrap();
+        let state_dir = run.path().join("state");
+        std::fs::create_dir(&state_dir).unwrap();
+        let pins = crate::store::pin::Pins::open(&state_dir).unwrap();
+        let (mut state, _) = RunState::replay(
+            "r",
+            "",
+            EarlyStopSettings {
+                window: 3,
+                ..settings()
+            },
+            &[],
+            Arc::new(Metrics::new("r")),
+            Some(Keeper::new(&state_dir)),
+        );
+        let mut named = Vec::new();
+        for (step, icr) in [
+            (10, 5.0),
+            (20, 4.5),
+            (30, 4.0),
+            (40, 3.0),
+            (50, 2.0),
+            (60, 2.5),
+        ]
+        .into_iter()
+        .chain([(70, 1.0), (80, 3.5), (90, 4.0), (100, 4.5)])
+        {
+            let path = run.path().join(format!("ckpt_{step}.pt"));
+            std::fs::write(&path, format!("weights {step}")).unwrap();
+            let key = crate::store::unit::key(&path).unwrap();
+            let mut work = WorkItem::new(path.clone(), step, key.clone());
+            work.pin = pins.pin(&path, &key, step);
+            assert!(work.pin.is_some());
+            std::fs::remove_file(&path).unwrap(); // rotation, long before its turn
+            let record = Evaluation {
+                step,
+                checkpoint: path.display().to_string(),
+                icr: Some(icr),
+                ..Evaluation::default()
+            };
+            let before = state.detector().best.as_ref().map(|b| b.step);
+            state.observe(&Outcome::Done(work, Box::new(record)), &at(step));
+            let best = state.detector().best.clone().unwrap();
+            if before != Some(best.step) {
+                named.push(best.step);
+                let kept = state
+                    .keeper
+                    .as_ref()
+                    .unwrap()
+                    .kept(Path::new(&best.checkpoint));
+                let expected = state_dir.join(format!("best/ckpt_{}.pt", best.step));
+                assert_eq!(
+                    kept.as_ref(),
+                    Some(&expected),
+                    "step {} named best",
+                    best.step
+                );
+                assert_eq!(
+                    std::fs::read_to_string(&expected).unwrap(),
+                    format!("weights {}", best.step)
+                );
+            }
+        }
+        // The medians of 3 are 5, 4.75, 4.5, 4, 3, 2.5, 2, 2.5, 3.5, 4: each names the middle
+        // value's step, one evaluation late (30 at 40's), or two (50 at 70's).
+        assert_eq!(named, [10, 20, 30, 40, 60, 50]);
+        // Left held: the best's pin (50, 2.0); the window's 4.0 and 4.5 cannot be named.
+        let best = state.detector().best.clone().unwrap();
+        assert_eq!(state.held(), [best.checkpoint]);
+        let on_disk = std::fs::read_dir(state_dir.join(crate::store::pin::PINS_DIR))
+            .unwrap()
+            .count();
+        assert_eq!(on_disk, 1);
+        drop(state);
+    }
+
     /// `diffmon report` draws what the live page of a restarted daemon shows.
     #[test]
     fn the_replayed_snapshot_is_the_reports() {
@@ -684,6 +788,46 @@ mod tests {
             set_aside: vec!["set-aside/segment-1/ckpt_500.pt".into()],
         });
         entries
+    }
+
+    /// One best for `diffmon resume` and the restarted detector (issue #45): with the median of
+    /// 3, step 350 is named best only by the window 300, 350, 400; `resume` (no early stop yet)
+    /// takes it as the best so far, and the detector restarted on the lineage up to 350, which
+    /// alone would name 300 (the median of 250, 300, 350), goes on from 350 too.
+    #[test]
+    fn resume_and_the_restarted_detector_name_the_same_best() {
+        let window3 = EarlyStopSettings {
+            window: 3,
+            ..settings()
+        };
+        let mut entries: Vec<Entry> = [(250, 0.6), (300, 0.5), (350, 0.45), (400, 0.4), (450, 0.9)]
+            .into_iter()
+            .map(|(step, icr)| entry(&done(step, icr)))
+            .collect();
+        let before = Snapshot::replay("r", EarlyStopMetric::Icr, window3.clone(), &entries);
+        let best = before.best.clone().unwrap();
+        assert_eq!((best.step, best.value), (350, 0.45));
+        assert_eq!(before.fired, None);
+        entries.push(Entry::Resume {
+            at: at(460),
+            step: 350,
+            checkpoint: best.checkpoint.clone(),
+            restored: None,
+            set_aside: Vec::new(),
+        });
+        let (state, _) = RunState::replay(
+            "r",
+            "",
+            window3.clone(),
+            &entries,
+            Arc::new(Metrics::new("r")),
+            None,
+        );
+        let after = state.detector().best.clone().unwrap();
+        assert_eq!((after.step, after.value), (350, 0.45));
+        assert_eq!(status(&state)["best_step"], 350);
+        let report = Snapshot::replay("r", EarlyStopMetric::Icr, window3, &entries);
+        assert_eq!(report.best.map(|b| b.step), Some(350));
     }
 
     /// After a resume the run is not stopped any more: the replay ends with a `resolved` event

@@ -296,6 +296,36 @@ impl Detector {
         }
     }
 
+    /// The checkpoints of the smoothing window that a later observation may still name best
+    /// (besides the best itself): whoever holds their files against rotation (the pins,
+    /// `RunState`) must hold them until they leave this list. A window that is full loses its
+    /// oldest point at the next observation. The median names a point whose value is the
+    /// smoothed one (or, for an even window, below it), so only points below the best's value
+    /// can be named a new best; the average names the point `(window − 1)/2` back, so only the
+    /// newest `(window − 1)/2` points can still be named. At most half the window.
+    pub fn contenders(&self) -> Vec<&str> {
+        let window = self.config.window.max(1);
+        let recent = &self.state.recent;
+        let staying = &recent[(recent.len() + 1).saturating_sub(window).min(recent.len())..];
+        match self.config.smoother {
+            Smoother::Median => {
+                let best = self.state.best.as_ref().map_or(f64::INFINITY, |b| b.value);
+                staying
+                    .iter()
+                    .filter(|p| p.value < best)
+                    .map(|p| p.checkpoint.as_str())
+                    .collect()
+            }
+            Smoother::Ema => {
+                let back = (window - 1) / 2;
+                staying[staying.len().saturating_sub(back)..]
+                    .iter()
+                    .map(|p| p.checkpoint.as_str())
+                    .collect()
+            }
+        }
+    }
+
     /// Adds one evaluation; returns what it decided.
     pub fn observe(&mut self, o: &Observation) -> Decision {
         self.state.last_step = Some(o.step);
@@ -472,9 +502,34 @@ pub fn replay<'a>(
                 ..
             } => {
                 lineage.retain(|r| r.step <= *step);
+                // What `diffmon resume` resumed from, when it is the best the early stop named or
+                // the best so far (the same replay picked it).
+                let before = &detector.state;
+                let resumed_best = [
+                    before.fired.as_ref().filter(|_| !before.resolved),
+                    before.best.as_ref(),
+                ]
+                .into_iter()
+                .flatten()
+                .find(|b| b.step == *step && b.checkpoint == *checkpoint)
+                .cloned();
                 *detector = Detector::new(detector.config.clone(), DetectorState::default());
                 for r in &lineage {
                     detector.observe(&Observation::of(r, metric));
+                }
+                // One best for `resume` and the detector: the lineage alone, cut at the resume
+                // step, lacks the later evaluations whose smoothing window named that best, and
+                // may name an earlier checkpoint (deleted, and not the kept one). The restarted
+                // detector goes on from the best training resumed from.
+                if let Some(b) = resumed_best
+                    && detector
+                        .state
+                        .best
+                        .as_ref()
+                        .is_none_or(|n| n.step != b.step)
+                {
+                    detector.state.best = Some(b);
+                    detector.state.wait = 0;
                 }
                 each(Replayed::Resume {
                     step: *step,
@@ -576,6 +631,52 @@ mod tests {
         let best = d.state.best.unwrap();
         assert_eq!(best.step, 100);
         assert!((best.value - 0.75).abs() < 1e-12);
+    }
+
+    /// Every checkpoint the detector ever names best was among its `contenders` at every
+    /// observation from its own evaluation until it was named (so a pin held while it is one
+    /// is there when the keeper needs it), for both smoothers and windows 1 to 7 over noisy
+    /// U-curves with ties; and there are never more than half the window of them.
+    #[test]
+    fn every_checkpoint_named_best_was_a_contender_until_then() {
+        for smoother in [Smoother::Median, Smoother::Ema] {
+            for window in 1..=7 {
+                for seed in 0..6 {
+                    let config = EarlyStopSettings {
+                        smoother,
+                        window,
+                        ..EarlyStopSettings::default()
+                    };
+                    let mut d = Detector::new(config, DetectorState::default());
+                    // contenders after observation k, and the best it named.
+                    let mut held: Vec<Vec<String>> = Vec::new();
+                    for i in 0..40 {
+                        let x = i as f64 - 15.0 - seed as f64;
+                        // Rounded: ties between values.
+                        let v = ((0.8 + 0.001 * x * x + 0.05 * noise(i + 100 * seed)) * 100.0)
+                            .round()
+                            / 100.0;
+                        let before = d.state.best.clone();
+                        d.observe(&observation(i, v, None));
+                        let best = d.state.best.clone().unwrap();
+                        if before.as_ref() != Some(&best) {
+                            let evaluated = (best.step / 50 - 1) as usize;
+                            for (k, c) in held.iter().enumerate().skip(evaluated) {
+                                assert!(
+                                    c.contains(&best.checkpoint),
+                                    "{smoother:?} window {window} seed {seed}: {} named best at \
+                                     observation {i}, not a contender after {k}: {c:?}",
+                                    best.checkpoint
+                                );
+                            }
+                        }
+                        let c: Vec<String> = d.contenders().into_iter().map(String::from).collect();
+                        assert!(c.len() <= window / 2, "{c:?}, window {window}");
+                        held.push(c);
+                    }
+                }
+            }
+        }
     }
 
     #[test]

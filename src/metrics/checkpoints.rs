@@ -30,6 +30,18 @@ impl Metrics {
             .set(seconds);
     }
 
+    /// The bytes only the pins hold (`store::pin::Pins::held_bytes`).
+    pub fn set_pinned_bytes(&self, bytes: u64) {
+        self.pinned_bytes
+            .get_or_create(&self.label())
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
+
+    /// The bytes only the pins hold, as last set.
+    pub fn pinned_bytes(&self) -> u64 {
+        self.pinned_bytes.get_or_create(&self.label()).get().max(0) as u64
+    }
+
     pub fn set_ignored(&self, n: usize) {
         self.checkpoints_ignored
             .get_or_create(&self.label())

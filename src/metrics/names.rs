@@ -20,6 +20,8 @@ pub const CHECKPOINT_FAILURES: &str = "diffmon_checkpoint_failures";
 pub const CHECKPOINTS_PENDING: &str = "diffmon_checkpoints_pending";
 pub const CHECKPOINTS_SKIPPED: &str = "diffmon_checkpoints_skipped";
 pub const CHECKPOINTS_IGNORED: &str = "diffmon_checkpoints_ignored";
+/// The disk only diffmon's pins hold (`store::pin`): pinned files rotation has deleted.
+pub const PINNED_BYTES: &str = "diffmon_pinned_bytes";
 pub const EVALUATION_DURATION: &str = "diffmon_evaluation_duration_seconds";
 // The run's pace (`daemon/pace.rs`): absent until measured.
 pub const EVALUATION_SECONDS: &str = "diffmon_evaluation_seconds";
@@ -108,6 +110,7 @@ pub fn exported_names() -> Vec<String> {
             HISTORY_SEGMENT,
             CHECKPOINTS_PENDING,
             CHECKPOINTS_IGNORED,
+            PINNED_BYTES,
             EVALUATION_DURATION,
             EVALUATION_SECONDS,
             CHECKPOINT_INTERVAL,

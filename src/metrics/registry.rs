@@ -36,6 +36,7 @@ pub struct Metrics {
     pub(super) checkpoint_failures: Family<ReasonLabels, Counter>,
     pub(super) checkpoints_pending: Family<RunLabel, Gauge>,
     pub(super) checkpoints_ignored: Family<RunLabel, Gauge>,
+    pub(super) pinned_bytes: Family<RunLabel, Gauge>,
     pub(super) checkpoints_skipped: Family<RunLabel, Counter>,
     pub(super) evaluation_duration: Family<StageLabels, Histogram>,
     pub(super) evaluation_seconds: Family<RunLabel, FGauge>,
@@ -99,6 +100,7 @@ impl Metrics {
             checkpoints_evaluated: Family::default(),
             checkpoint_failures: Family::default(),
             checkpoints_pending: Family::default(),
+            pinned_bytes: Family::default(),
             checkpoints_ignored: Family::default(),
             checkpoints_skipped: Family::default(),
             evaluation_duration: Family::new_with_constructor(duration_histogram),
@@ -189,6 +191,11 @@ impl Metrics {
             m.checkpoints_ignored.clone(),
         );
         registry.register(
+            PINNED_BYTES,
+            "Bytes that only diffmon's pins hold: files of pinned checkpoints (waiting, or the best and those the detector may still name best) that the training job's rotation has deleted",
+            m.pinned_bytes.clone(),
+        );
+        registry.register(
             CHECKPOINTS_SKIPPED,
             "Checkpoints skipped by the `latest` backlog policy",
             m.checkpoints_skipped.clone(),
@@ -275,6 +282,7 @@ impl Metrics {
         m.checkpoints_skipped.get_or_create(&l).inc_by(0);
         m.checkpoints_pending.get_or_create(&l).set(0);
         m.checkpoints_ignored.get_or_create(&l).set(0);
+        m.pinned_bytes.get_or_create(&l).set(0);
         m.early_stop_triggered
             .get_or_create(&m.early_stop_labels())
             .set(0);

@@ -252,6 +252,69 @@ mod tests {
         Snapshot::replay(hostile, EarlyStopMetric::Icr, config, &entries)
     }
 
+    /// After a resume the report still shows the early stop of the segment it ended, and after
+    /// a second resume both segments' (issue #45: "no early stop" although segment 2 fired).
+    #[test]
+    fn the_note_shows_every_segments_early_stop() {
+        let evaluation = |step: i64, icr: f64| {
+            let checkpoint = format!("/runs/x/ckpt_{step}.pt");
+            Entry::Evaluation {
+                key: crate::store::history::CheckpointKey {
+                    path: checkpoint.clone(),
+                    size: 1,
+                    mtime_ns: step,
+                },
+                at: "2026-01-01T00:00:00Z".into(),
+                record: Box::new(record(step, icr, &checkpoint)),
+            }
+        };
+        let resume = |step: i64| Entry::Resume {
+            at: "2026-01-01T01:00:00Z".into(),
+            step,
+            checkpoint: format!("/runs/x/ckpt_{step}.pt"),
+            restored: None,
+            set_aside: Vec::new(),
+        };
+        // Window 1, patience 1, no rise needed: a curve fires at its first rise.
+        let config = EarlyStopSettings {
+            window: 1,
+            warmup: 1,
+            patience: 1,
+            min_rise: 0.0,
+            noise_multiple: 0.0,
+            ..EarlyStopSettings::default()
+        };
+        let mut entries = vec![
+            evaluation(100, 0.9),
+            evaluation(200, 0.8),
+            evaluation(300, 0.85),
+            resume(200),
+            evaluation(300, 0.7),
+            evaluation(400, 0.75),
+        ];
+        let note = |entries: &[Entry]| {
+            let s = Snapshot::replay("r", EarlyStopMetric::Icr, config.clone(), entries);
+            plot::early_stop_note(&s)
+        };
+        let after_one = note(&entries);
+        assert!(
+            after_one.starts_with("EARLY STOP fired at step 400: best checkpoint step 300"),
+            "{after_one}"
+        );
+        assert!(
+            after_one.contains("segment 1: early stop fired at step 300 (best step 200)"),
+            "{after_one}"
+        );
+        entries.push(resume(300));
+        let after_two = note(&entries);
+        assert!(!after_two.contains("EARLY STOP"), "{after_two}");
+        assert!(
+            after_two.contains("segment 1: early stop fired at step 300 (best step 200)")
+                && after_two.contains("segment 2: early stop fired at step 400 (best step 300)"),
+            "{after_two}"
+        );
+    }
+
     /// A sweep's run pages are named after the output, the run's name appended.
     #[test]
     fn a_runs_file_is_the_output_with_its_name_appended() {

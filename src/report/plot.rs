@@ -206,10 +206,21 @@ pub(super) fn plots(s: &Snapshot) -> Vec<Plot> {
 
 pub(super) fn early_stop_note(s: &Snapshot) -> String {
     let state = state_note(s);
-    match s.resumes.last() {
+    let mut note = match s.resumes.last() {
         Some((step, segment)) => format!("{state} (segment {segment}: resumed from step {step})"),
         None => state,
+    };
+    // The stops of the segments a resume ended: the current segment's note does not show them.
+    for stop in &s.earlier_stops {
+        note.push_str(&format!(
+            "; segment {}: early stop fired at step {} (best step {}){}",
+            stop.segment,
+            stop.at,
+            stop.best.step,
+            if stop.resolved { ", then resolved" } else { "" }
+        ));
     }
+    note
 }
 
 fn state_note(s: &Snapshot) -> String {

@@ -72,6 +72,20 @@ pub struct Snapshot {
     pub segment: u32,
     /// Each resume: (the step training resumed from, the segment it started).
     pub resumes: Vec<(i64, u32)>,
+    /// The early stops of the segments a resume ended (the current one's is `fired`), oldest
+    /// first: after a resume, the report and the live page still show them.
+    pub earlier_stops: Vec<EarlierStop>,
+}
+
+/// The early stop of a segment that a resume ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EarlierStop {
+    pub segment: u32,
+    /// The best it named, and the step it fired at.
+    pub best: Marker,
+    pub at: i64,
+    /// A later dip below that best resolved it before the resume.
+    pub resolved: bool,
 }
 
 impl Snapshot {
@@ -89,6 +103,7 @@ impl Snapshot {
             kept: None,
             segment: 1,
             resumes: Vec::new(),
+            earlier_stops: Vec::new(),
         }
     }
 
@@ -128,6 +143,14 @@ impl Snapshot {
     pub fn resumed(&mut self, step: i64, segment: u32, at: &str, state: &DetectorState) {
         for row in self.rows.iter_mut().filter(|r| !r.abandoned) {
             row.abandoned = row.step > step;
+        }
+        if let Some((best, at)) = self.fired.take() {
+            self.earlier_stops.push(EarlierStop {
+                segment: self.segment,
+                best,
+                at,
+                resolved: self.resolved,
+            });
         }
         self.segment = segment;
         self.resumes.push((step, segment));

@@ -16,7 +16,7 @@ use crate::record::{Evaluation, FIELDS, Get};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -440,6 +440,9 @@ fn corrupt_lines(corrupt: &[(usize, String, Vec<u8>)]) -> String {
     text.join(", ")
 }
 
+/// The longest journal line read as an entry (an entry is a few kilobytes).
+const MAX_LINE: usize = 1 << 20;
+
 /// The complete lines of a journal, their length in bytes (a torn last line is dropped), and
 /// what was repaired: blank lines and lines that are not entries are skipped, and a second entry
 /// for the same checkpoint version is dropped (the first is kept).
@@ -448,7 +451,8 @@ fn read_journal(path: &Path) -> Result<(Vec<Entry>, u64, Repairs), HistoryError>
         path: path.to_path_buf(),
         message: e.to_string(),
     };
-    let file = File::open(path).map_err(io)?;
+    // No link followed, no FIFO waited on, a regular file; each line read bounded below.
+    let file = crate::store::safe_fs::open_regular(path).map_err(io)?;
     let mut reader = BufReader::new(file);
     let mut entries = Vec::new();
     let mut repairs = Repairs::default();
@@ -459,11 +463,40 @@ fn read_journal(path: &Path) -> Result<(Vec<Entry>, u64, Repairs), HistoryError>
     let mut number = 0;
     loop {
         line.clear();
-        let n = reader.read_until(b'\n', &mut line).map_err(io)?;
+        let n = (&mut reader)
+            .take(MAX_LINE as u64 + 1)
+            .read_until(b'\n', &mut line)
+            .map_err(io)?;
         if n == 0 {
             break;
         }
         number += 1;
+        if n > MAX_LINE && !line.ends_with(b"\n") {
+            // No entry is this long: skipped to its end, unkept, as a line that is not one.
+            let mut skipped = n as u64;
+            let ended = loop {
+                line.clear();
+                let m = (&mut reader)
+                    .take(1 << 20)
+                    .read_until(b'\n', &mut line)
+                    .map_err(io)?;
+                skipped += m as u64;
+                if m == 0 || line.ends_with(b"\n") {
+                    break m > 0;
+                }
+            };
+            if !ended {
+                tracing::warn!(journal = %path.display(), line = number, "dropping an incomplete last journal line");
+                break;
+            }
+            good_len += skipped;
+            repairs.corrupt.push((
+                number,
+                format!("longer than {MAX_LINE} bytes ({skipped}): not an entry"),
+                Vec::new(),
+            ));
+            continue;
+        }
         if !line.ends_with(b"\n") {
             // A torn last line from a kill mid-write.
             tracing::warn!(journal = %path.display(), line = number, "dropping an incomplete last journal line");
@@ -815,6 +848,43 @@ mod tests {
         h.append(entry(150, None)).unwrap();
         drop(h);
         assert_eq!(History::open(dir.path()).unwrap().entries().len(), 3);
+    }
+
+    /// The journal is read without following a link and line by line with a bound (issue #45:
+    /// `history.jsonl -> /dev/zero` grew without end and aborted `watch`): a link, or a FIFO,
+    /// is an error naming the file, at once; a line of 3 MiB without an entry is skipped, kept
+    /// aside as a line that is not one.
+    #[test]
+    fn a_journal_is_read_with_a_bound_and_never_through_a_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = dir.path().join(JOURNAL);
+        std::os::unix::fs::symlink("/dev/zero", &journal).unwrap();
+        let e = History::read(dir.path()).unwrap_err().to_string();
+        assert!(e.contains(JOURNAL) && e.contains("symbolic link"), "{e}");
+        std::fs::remove_file(&journal).unwrap();
+        let c = std::ffi::CString::new(journal.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = History::open(dir.path())
+            .err()
+            .expect("a FIFO refused")
+            .to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        std::fs::remove_file(&journal).unwrap();
+        let mut bytes = format!("{}\n", line(&entry(50, Some(0.5)))).into_bytes();
+        bytes.extend(std::iter::repeat_n(b'x', 3 << 20));
+        bytes.push(b'\n');
+        bytes.extend_from_slice(format!("{}\n", line(&entry(100, None))).as_bytes());
+        std::fs::write(&journal, &bytes).unwrap();
+        let (entries, len, repairs) = read_journal(&journal).unwrap();
+        assert_eq!(entries.len(), 2);
+        assert_eq!(len, bytes.len() as u64);
+        assert_eq!(repairs.corrupt.len(), 1);
+        assert!(
+            repairs.corrupt[0].1.contains("longer than"),
+            "{:?}",
+            repairs.corrupt[0].1
+        );
     }
 
     /// A line in the middle that is not an entry (here garbage with bytes that are not UTF-8,

@@ -36,7 +36,7 @@ use crate::store::unit::{MAX_DEPTH, MAX_ENTRIES};
 use std::ffi::OsStr;
 use std::fs::{self, OpenOptions};
 use std::io;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -341,8 +341,9 @@ pub(super) fn link_or_copy(
     }
 }
 
-/// Copies the regular file `from` (not through a link) to the new file `to` (mode 0600), with
-/// `from`'s modification time, and syncs it.
+/// Copies the regular file `from` (not through a link) to the new file `to` (made 0600, then
+/// given `from`'s permission bits: a restored copy has the training job's mode, and a kept one
+/// is inside the 0700 `best/`), with `from`'s modification time, and syncs it.
 fn copy_file(from: &Path, to: &Path) -> Result<(), KeepBestError> {
     let mut src = OpenOptions::new()
         .read(true)
@@ -371,10 +372,14 @@ fn copy_file(from: &Path, to: &Path) -> Result<(), KeepBestError> {
     if let Ok(modified) = meta.modified() {
         dst.set_modified(modified).map_err(io_error(to))?;
     }
+    dst.set_permissions(fs::Permissions::from_mode(meta.mode() & 0o777))
+        .map_err(io_error(to))?;
     dst.sync_all().map_err(io_error(to))
 }
 
-/// Copies the folder `from` (looked at as `meta`) to the new folder `to`: its folders made, its
+/// Copies the folder `from` (looked at as `meta`) to the new folder `to`: its folders made (0700
+/// while they are filled, then with their source's permission bits, so that a restored folder
+/// has the training job's modes; a kept or pinned one is inside a 0700 folder of diffmon's), its
 /// regular files linked or copied, links and special files skipped; bounded like the watcher's
 /// walk. Each folder is opened without following a link and read through its descriptor
 /// (`/proc/self/fd/<n>/<name>`), so a folder swapped for a link while it is copied is never
@@ -403,6 +408,8 @@ pub(super) fn copy_tree(
         });
     }
     mkdir(to)?;
+    // Each folder made and its source's permission bits, set once it is filled.
+    let mut modes: Vec<(PathBuf, u32)> = vec![(to.to_path_buf(), now.mode() & 0o777)];
     let too_large = || KeepBestError::TooLarge {
         folder: from.to_path_buf(),
     };
@@ -422,7 +429,11 @@ pub(super) fn copy_tree(
             Some(name) => {
                 let at = under(&parent, &name);
                 match open_dir(&at) {
-                    Ok(d) => std::rc::Rc::new(d),
+                    Ok(d) => {
+                        let mode = d.metadata().map_err(io_error(&from.join(&name)))?.mode();
+                        modes.push((dst.clone(), mode & 0o777));
+                        std::rc::Rc::new(d)
+                    }
                     // A link now: not walked into.
                     Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
                         let _ = fs::remove_dir(&dst);
@@ -454,6 +465,10 @@ pub(super) fn copy_tree(
                 skipped += 1;
             }
         }
+    }
+    // Innermost first: a folder whose mode forbids writing is set after what is inside it.
+    for (folder, mode) in modes.iter().rev() {
+        fs::set_permissions(folder, fs::Permissions::from_mode(*mode)).map_err(io_error(folder))?;
     }
     if skipped > 0 {
         tracing::info!(
@@ -873,6 +888,11 @@ mod tests {
         let ck = run.path().join("checkpoint-500");
         write(&ck.join("a/b/weights.bin"), &vec![7u8; 100_000]);
         write(&ck.join("optimizer.bin"), b"opt");
+        fs::set_permissions(
+            ck.join("a/b/weights.bin"),
+            fs::Permissions::from_mode(0o640),
+        )
+        .unwrap();
         let exdev = |_: &Path, _: &Path| Err(io::Error::from_raw_os_error(libc::EXDEV));
         let kept = keep_with(&state, &ck, &ck, None, &exdev).unwrap();
         assert_eq!((kept.linked, kept.copied), (0, 2));
@@ -882,9 +902,10 @@ mod tests {
             fs::metadata(&copy).unwrap().ino(),
             fs::metadata(ck.join("a/b/weights.bin")).unwrap().ino()
         );
+        // The original's mode (a restored copy has the training job's), inside the 0700 best/.
         assert_eq!(
             fs::metadata(&copy).unwrap().permissions().mode() & 0o777,
-            0o600
+            0o640
         );
         // Recognized as complete: a second call copies nothing.
         let again = keep_with(&state, &ck, &ck, None, &exdev).unwrap();

@@ -121,24 +121,42 @@ impl Pins {
         if name.as_encoded_bytes().starts_with(b".") {
             return None;
         }
+        // A link the user placed in the run folder is followed to be evaluated, but never
+        // pinned (pins follow no link): that checkpoint's matter, not the pins'.
+        if fs::symlink_metadata(unit).is_ok_and(|m| m.file_type().is_symlink()) {
+            tracing::info!(checkpoint = %untrusted(unit),
+                "a symbolic link: evaluated where it points, not pinned (should rotation delete \
+                 it before its turn, it is counted as `rotated`)");
+            return None;
+        }
         let folder = self.new_folder()?;
         let target = folder.join(name);
         let made = keep_best::link_unit(unit, &target)
-            .map_err(|e| e.to_string())
-            .and_then(|()| crate::store::unit::key(&target).map_err(|e| e.to_string()));
+            .map_err(|e| {
+                let refused = matches!(&e, keep_best::KeepBestError::Io { source, .. }
+                    if matches!(source.raw_os_error(),
+                        Some(libc::EXDEV | libc::EPERM | libc::EMLINK | libc::EOPNOTSUPP)));
+                (e.to_string(), refused)
+            })
+            .and_then(|()| crate::store::unit::key(&target).map_err(|e| (e.to_string(), false)));
         let pin_key = match made {
             Ok(k) => k,
-            Err(e) => {
+            Err((e, refused)) => {
                 remove(&folder);
-                let no_links = !fs::symlink_metadata(unit).is_err_and(|e| {
-                    e.kind() == std::io::ErrorKind::NotFound // rotated meanwhile: not the folder's fault
-                });
-                if no_links && !self.unavailable.swap(true, Ordering::SeqCst) {
+                let e = crate::store::safe_fs::untrusted_text(&e);
+                // Only a link the file system refuses says pins cannot work here; anything else
+                // (a link or a special file inside, rotated meanwhile, unreadable) is this
+                // checkpoint's, which waits unpinned.
+                if !refused {
+                    tracing::info!(checkpoint = %untrusted(unit),
+                        "not pinned ({e}): evaluated in place; should rotation delete it before \
+                         its turn, it is counted as `rotated`");
+                } else if !self.unavailable.swap(true, Ordering::SeqCst) {
                     tracing::warn!(checkpoint = %untrusted(unit), pins = %self.dir.display(),
-                        "cannot pin checkpoints ({}): the state folder must be on the run \
+                        "cannot pin checkpoints ({e}): the state folder must be on the run \
                          folder's file system for hard links; checkpoints are evaluated in \
                          place, and one that rotation deletes before its turn is counted as \
-                         `rotated`", crate::store::safe_fs::untrusted_text(&e));
+                         `rotated`");
                 }
                 return None;
             }
@@ -156,6 +174,41 @@ impl Pins {
             live: self.live.clone(),
             kept_on_disk: AtomicBool::new(false),
         }))
+    }
+
+    /// The disk the pins alone hold: the bytes of pinned files that have no other link (the
+    /// training job's rotation deleted the original, and no kept copy shares them). A walk of
+    /// `pins/` without following links, bounded as a checkpoint's walk is
+    /// ([`crate::store::unit::MAX_ENTRIES`] entries, [`crate::store::unit::MAX_DEPTH`] levels);
+    /// what lies beyond is not counted.
+    pub fn held_bytes(&self) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        let mut bytes = 0u64;
+        let mut entries = 0usize;
+        let mut stack = vec![(self.dir.clone(), 0usize)];
+        while let Some((dir, depth)) = stack.pop() {
+            let Ok(listing) = fs::read_dir(&dir) else {
+                continue;
+            };
+            for entry in listing.flatten() {
+                entries += 1;
+                if entries > crate::store::unit::MAX_ENTRIES {
+                    return bytes;
+                }
+                let Ok(meta) = fs::symlink_metadata(entry.path()) else {
+                    continue;
+                };
+                if meta.is_dir() && depth + 1 < crate::store::unit::MAX_DEPTH {
+                    stack.push((entry.path(), depth + 1));
+                } else if meta.is_file()
+                    && meta.nlink() == 1
+                    && !(depth == 1 && entry.file_name() == KEY_FILE)
+                {
+                    bytes += meta.len();
+                }
+            }
+        }
+        bytes
     }
 
     /// A new, empty folder `pins/<id>` (mode 0700) for one pin.
@@ -187,21 +240,25 @@ impl Pins {
             return Vec::new();
         };
         let mut found = Vec::new();
+        let mut read = 0usize;
+        let mut beyond = 0usize;
         for entry in entries.flatten().take(crate::store::unit::MAX_ENTRIES) {
             let folder = entry.path();
+            // Bounded: a daemon leaves at most MAX_PINS per run; planted thousands would add
+            // tens of seconds to every start.
+            if read >= MAX_LEFTOVERS {
+                beyond += 1;
+                continue;
+            }
+            read += 1;
             if !entry.file_type().is_ok_and(|t| t.is_dir()) {
                 remove(&folder);
                 continue;
             }
-            // Read bounded: a record longer than 64 KiB is not one of ours.
-            let recorded = fs::File::open(folder.join(KEY_FILE))
+            // Read bounded, never through a link, never waiting on a FIFO: a record longer than
+            // 64 KiB is not one of ours.
+            let recorded = crate::store::safe_fs::read_bounded(&folder.join(KEY_FILE), 64 << 10)
                 .ok()
-                .and_then(|f| {
-                    let mut b = Vec::new();
-                    std::io::Read::read_to_end(&mut std::io::Read::take(f, 64 << 10), &mut b)
-                        .ok()?;
-                    Some(b)
-                })
                 .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
                 .and_then(|v| {
                     let key: CheckpointKey = serde_json::from_value(v.get("key")?.clone()).ok()?;
@@ -236,9 +293,17 @@ impl Pins {
                 _ => remove(&folder),
             }
         }
+        if beyond > 0 {
+            tracing::warn!(pins = %self.dir.display(), read = MAX_LEFTOVERS, beyond,
+                "more leftover pins than a daemon leaves: those beyond were not read (not one of \
+                 ours: remove them)");
+        }
         found
     }
 }
+
+/// The most leftover pin folders a start reads.
+pub const MAX_LEFTOVERS: usize = 4 * MAX_PINS;
 
 /// The record in a pin's folder: the checkpoint's key and step.
 const KEY_FILE: &str = "key.json";
@@ -352,6 +417,93 @@ mod tests {
         drop(old);
         assert!(new.unchanged());
         assert_eq!(fs::read(new.path()).unwrap(), b"new weights");
+    }
+
+    /// The pins' own disk use counts only the files rotation deleted: nothing while the
+    /// originals exist, their size once they are gone.
+    #[test]
+    fn held_bytes_count_what_only_the_pins_hold() {
+        let run = tempfile::tempdir().unwrap();
+        let state = tempfile::tempdir().unwrap();
+        let pins = Pins::open(state.path()).unwrap();
+        let ck = run.path().join("checkpoint-10");
+        fs::create_dir_all(ck.join("unet")).unwrap();
+        fs::write(ck.join("unet/model.safetensors"), vec![1u8; 1000]).unwrap();
+        fs::write(ck.join("optimizer.bin"), vec![2u8; 300]).unwrap();
+        let other = run.path().join("ckpt_20.pt");
+        fs::write(&other, vec![3u8; 50]).unwrap();
+        let held = [
+            pins.pin(&ck, &key_of(&ck), 10).unwrap(),
+            pins.pin(&other, &key_of(&other), 20).unwrap(),
+        ];
+        assert_eq!(pins.held_bytes(), 0);
+        fs::remove_dir_all(&ck).unwrap();
+        assert_eq!(pins.held_bytes(), 1300);
+        fs::remove_file(&other).unwrap();
+        assert_eq!(pins.held_bytes(), 1350);
+        drop(held);
+        assert_eq!(pins.held_bytes(), 0);
+    }
+
+    /// A checkpoint that is a symbolic link (placed by the user) is not pinned, and pinning
+    /// goes on for every other checkpoint (issue #45: one link turned pins off for good).
+    #[test]
+    fn a_linked_checkpoint_is_not_pinned_and_pins_go_on() {
+        let run = tempfile::tempdir().unwrap();
+        let state = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let good = elsewhere.path().join("good.pt");
+        fs::write(&good, b"weights").unwrap();
+        let linked = run.path().join("ckpt_000010.pt");
+        std::os::unix::fs::symlink(&good, &linked).unwrap();
+        let pins = Pins::open(state.path()).unwrap();
+        assert!(pins.pin(&linked, &key_of(&linked), 10).is_none());
+        // A folder with a link inside is pinned without it.
+        let ck = run.path().join("checkpoint-30");
+        fs::create_dir(&ck).unwrap();
+        fs::write(ck.join("model.safetensors"), b"w").unwrap();
+        std::os::unix::fs::symlink(&good, ck.join("extra.bin")).unwrap();
+        let folder = pins.pin(&ck, &key_of(&ck), 30).expect("pinned");
+        assert!(!folder.path().join("extra.bin").exists());
+        for step in [50, 60, 70] {
+            let ck = run.path().join(format!("ckpt_0000{step}.pt"));
+            fs::write(&ck, b"w").unwrap();
+            let pin = pins
+                .pin(&ck, &key_of(&ck), step)
+                .expect("pins go on after a link");
+            fs::remove_file(&ck).unwrap(); // rotation
+            assert!(pin.path().is_file());
+        }
+        assert_eq!(fs::read(&good).unwrap(), b"weights");
+    }
+
+    /// Planted leftovers (issue #45): a FIFO as a pin's record is not waited on (the start
+    /// hung before HTTP), and a start reads at most MAX_LEFTOVERS pin folders.
+    #[test]
+    fn planted_leftovers_neither_hang_nor_slow_a_start() {
+        let run = tempfile::tempdir().unwrap();
+        let state = tempfile::tempdir().unwrap();
+        let pins = Pins::open(state.path()).unwrap();
+        let fifo = state.path().join(PINS_DIR).join("fifo");
+        fs::create_dir(&fifo).unwrap();
+        let c = std::ffi::CString::new(fifo.join(KEY_FILE).to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let dir = run.path().to_path_buf();
+        std::thread::spawn(move || tx.send(pins.leftovers(&dir).len()).unwrap());
+        let found = rx
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("the start hung on a FIFO");
+        assert_eq!(found, 0);
+        assert!(!fifo.exists(), "not one of ours: removed");
+        for i in 0..MAX_LEFTOVERS + 20 {
+            fs::create_dir(state.path().join(PINS_DIR).join(format!("planted{i}"))).unwrap();
+        }
+        let pins = Pins::open(state.path()).unwrap();
+        assert!(pins.leftovers(run.path()).is_empty());
+        let left = fs::read_dir(state.path().join(PINS_DIR)).unwrap().count();
+        assert_eq!(left, 20, "read (and removed) only MAX_LEFTOVERS");
     }
 
     /// At most MAX_PINS at once; a dropped pin frees its place.

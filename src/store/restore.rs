@@ -182,6 +182,34 @@ mod tests {
         assert!(!is_copy_of_kept(&state, &ck));
     }
 
+    /// A restored folder has the modes the training job gave its folders and files, not the
+    /// 0700/0600 of diffmon's own state folder (issue #45).
+    #[test]
+    fn a_restored_folder_has_the_training_jobs_modes() {
+        use std::os::unix::fs::PermissionsExt;
+        let run = tempfile::tempdir().unwrap();
+        let state = run.path().join("state");
+        fs::create_dir(&state).unwrap();
+        let ck = run.path().join("checkpoint-40");
+        write(&ck.join("unet/model.safetensors"), b"model");
+        write(&ck.join("random_states_0.pkl"), b"rng");
+        let set = |p: &Path, mode: u32| {
+            fs::set_permissions(p, fs::Permissions::from_mode(mode)).unwrap();
+        };
+        set(&ck.join("unet/model.safetensors"), 0o640);
+        set(&ck.join("unet"), 0o751);
+        set(&ck, 0o750);
+        keep(&state, &ck, None).unwrap();
+        fs::remove_dir_all(&ck).unwrap();
+        restore(&lookup(&state, &ck).unwrap(), &ck).unwrap();
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&ck), 0o750);
+        assert_eq!(mode(&ck.join("unet")), 0o751);
+        assert_eq!(mode(&ck.join("unet/model.safetensors")), 0o640);
+        // The state folder's own best/ stays private.
+        assert_eq!(mode(&state.join(KEPT_DIR)), 0o700);
+    }
+
     /// A file swapped for a FIFO between the listing and the comparison is not the same file,
     /// and opening it does not block (the watcher would hang on a FIFO nobody writes).
     #[test]

@@ -94,6 +94,45 @@ pub fn atomic_write(path: &Path, bytes: &[u8]) -> io::Result<()> {
     result
 }
 
+/// Opens the file `path` to read it as a file of the state folder (or another file others may
+/// plant): no link followed (`O_NOFOLLOW`), no wait on a FIFO (`O_NONBLOCK`), and a regular
+/// file once open, else `InvalidData` naming what it is.
+pub fn open_regular(path: &Path) -> io::Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => {
+                io::Error::new(io::ErrorKind::InvalidData, "a symbolic link: not followed")
+            }
+            _ => e,
+        })?;
+    if !file.metadata()?.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "not a regular file (a FIFO, device or folder): not read",
+        ));
+    }
+    Ok(file)
+}
+
+/// Reads the whole of `path`, opened by [`open_regular`], if it holds at most `max` bytes;
+/// `InvalidData` when it holds more (nothing beyond `max + 1` bytes is read).
+pub fn read_bounded(path: &Path, max: u64) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    let file = open_regular(path)?;
+    let mut bytes = Vec::new();
+    file.take(max.saturating_add(1)).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("larger than {max} bytes: not read"),
+        ));
+    }
+    Ok(bytes)
+}
+
 /// Renames `from` to `to` unless `to` exists (`renameat2(RENAME_NOREPLACE)`): never replaces
 /// a file or folder, not even an empty folder; fails with `AlreadyExists` then.
 pub fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {

@@ -1243,10 +1243,31 @@ fn slow_and_idle_http_clients_are_closed_and_the_connection_cap_frees_up() {
     let dir = run.path();
     let d = start_daemon_with_http(
         dir,
-        "header_timeout_secs: 1, idle_timeout_secs: 2, max_connections: 16",
+        "header_timeout_secs: 1, idle_timeout_secs: 2, max_connections: 16, allowed_hosts: [trainbox]",
         "",
     );
     let port = d.port;
+    // The `Host` header (issue #45, DNS rebinding): another site's name is refused, an
+    // address, localhost and a configured name are answered.
+    let with_host = |host: &str| {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        write!(s, "GET /v1/early-stop HTTP/1.0\r\nHost: {host}\r\n\r\n").unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).unwrap();
+        text
+    };
+    let refused = with_host(&format!("attacker.example:{port}"));
+    assert!(refused.starts_with("HTTP/1.0 403"), "{refused}");
+    assert!(refused.contains("http.allowed_hosts"), "{refused}");
+    for host in [
+        format!("127.0.0.1:{port}"),
+        "localhost".into(),
+        format!("trainbox:{port}"),
+    ] {
+        let answer = with_host(&host);
+        assert!(answer.starts_with("HTTP/1.0 200"), "{host}: {answer}");
+    }
     // A head of 230 bytes: 23 s at a byte every 100 ms, if nothing closes it.
     let head = format!(
         "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: {}\r\n\r\n",

@@ -163,3 +163,85 @@ fn resume_restores_the_kept_best_and_the_detector_fires_again_only_when_it_turns
         "the table does not mark the branch"
     );
 }
+
+/// `diffmon resume` with the state folder on another file system (tmpfs, issue #45): the kept
+/// copy comes back as a copy with the training job's mode; the later checkpoints cannot be moved
+/// aside there, so it exits 1 saying what it did and what it did not, leaving the stop file and
+/// the history as they were; `--keep-later` then completes it.
+#[test]
+fn resume_across_file_systems_does_the_whole_job_or_says_what_it_did_not() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let Ok(state) = tempfile::tempdir_in("/dev/shm") else {
+        eprintln!("skipped: no /dev/shm");
+        return;
+    };
+    if fs::metadata(dir.path()).unwrap().dev() == fs::metadata(state.path()).unwrap().dev() {
+        eprintln!("skipped: /dev/shm is on the run folder's file system");
+        return;
+    }
+    let run = dir.path();
+    for f in ["model.ts", "train.h5"] {
+        fs::write(run.join(f), b"").unwrap();
+    }
+    fs::write(
+        run.join("diffmon.yaml"),
+        format!(
+            "run: {{dir: .}}\nstate_dir: {:?}\nmodel: {{architecture: model.ts}}\ndata: {{path: train.h5}}\n",
+            state.path()
+        ),
+    )
+    .unwrap();
+    let mut lines = String::new();
+    for (step, icr) in [(1, 0.9), (2, 0.5), (3, 0.7)] {
+        let ck = run.join(format!("ckpt_{step}.pt"));
+        fs::write(&ck, format!("weights {step}")).unwrap();
+        fs::set_permissions(&ck, fs::Permissions::from_mode(0o640)).unwrap();
+        let m = fs::metadata(&ck).unwrap();
+        let entry = serde_json::json!({
+            "kind": "evaluation",
+            "key": {"path": ck.display().to_string(), "size": m.len(),
+                    "mtime_ns": m.mtime() * 1_000_000_000 + m.mtime_nsec()},
+            "at": "2026-01-01T00:00:00.000Z",
+            "record": {"step": step, "checkpoint": ck.display().to_string(), "icr": icr,
+                       "seconds": 1.0},
+        });
+        lines.push_str(&format!("{entry}\n"));
+    }
+    let journal = state.path().join("history.jsonl");
+    fs::write(&journal, &lines).unwrap();
+    fs::set_permissions(state.path(), fs::Permissions::from_mode(0o700)).unwrap();
+    // The kept best (as keep_best leaves it: the original's mode and time), then rotation.
+    let best = run.join("ckpt_2.pt");
+    fs::create_dir(state.path().join("best")).unwrap();
+    let kept = state.path().join("best/ckpt_2.pt");
+    fs::copy(&best, &kept).unwrap();
+    let f = fs::File::options().write(true).open(&kept).unwrap();
+    f.set_modified(fs::metadata(&best).unwrap().modified().unwrap())
+        .unwrap();
+    drop(f);
+    fs::remove_file(&best).unwrap();
+    fs::write(run.join("EARLY_STOP"), "{}").unwrap();
+
+    let out = resume(run, &["--step", "2"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    let said = stderr(&out);
+    assert!(said.contains("not complete"), "{said}");
+    assert!(said.contains("restored from"), "{said}");
+    assert!(said.contains("cannot move ckpt_3.pt"), "{said}");
+    assert!(run.join("ckpt_3.pt").exists());
+    assert!(run.join("EARLY_STOP").exists(), "the stop file went");
+    assert_eq!(
+        fs::read_to_string(&journal).unwrap(),
+        lines,
+        "a resume entry"
+    );
+    // Restored as a copy, with the training job's mode (was 0600).
+    assert_eq!(fs::read_to_string(&best).unwrap(), "weights 2");
+    assert_eq!(fs::metadata(&best).unwrap().mode() & 0o777, 0o640);
+
+    let out = resume(run, &["--step", "2", "--keep-later"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("(in place)"), "{}", stdout(&out));
+    assert!(!run.join("EARLY_STOP").exists());
+}

@@ -11,13 +11,6 @@ pub enum SlurmError {
         #[source]
         source: std::io::Error,
     },
-    #[error("the jobs journal {path} is corrupt at line {line}")]
-    Corrupt {
-        path: PathBuf,
-        line: usize,
-        #[source]
-        source: serde_json::Error,
-    },
     #[error("cannot create the jobs folder {path}")]
     JobsDir {
         path: PathBuf,

@@ -55,37 +55,54 @@ pub(super) struct Journaled {
     pub(super) failed: Option<String>,
 }
 
-/// Reads the journal: the latest attempt of each key.
+/// The file beside the journal where lines that are not journal lines are kept aside.
+pub const JOURNAL_CORRUPT: &str = "jobs.jsonl.corrupt";
+
+/// Reads the journal at start: the latest attempt of each key. Repaired as the history journal
+/// is: a line that is not a journal line (garbage, bytes that are not UTF-8; a byte-order mark
+/// is dropped) is skipped with a WARN, kept aside in [`JOURNAL_CORRUPT`] and removed, and a last
+/// line cut short by a crash is dropped (its attempt was never submitted), so appends start on a
+/// line of their own. A link, a FIFO or anything but a regular file is an error, never waited on.
 pub(super) fn read_journal(path: &Path) -> Result<HashMap<CheckpointKey, Journaled>, SlurmError> {
     let mut map: HashMap<CheckpointKey, Journaled> = HashMap::new();
-    let text = match read_bounded(path) {
+    let journal_error = |source| SlurmError::Journal {
+        path: path.into(),
+        source,
+    };
+    let bytes = match read_bytes(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(map),
-        Err(source) => {
-            return Err(SlurmError::Journal {
-                path: path.into(),
-                source,
-            });
-        }
+        Err(source) => return Err(journal_error(source)),
     };
-    let mut by_folder: HashMap<String, CheckpointKey> = HashMap::new();
-    let n = text.lines().count();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
+    let mut good = Vec::new();
+    let mut bad: Vec<(usize, &[u8])> = Vec::new();
+    let torn = !bytes.is_empty() && !bytes.ends_with(b"\n");
+    let lines: Vec<&[u8]> = bytes.split(|b| *b == b'\n').collect();
+    let complete = lines.len() - 1; // after the last newline: empty, or the torn line
+    let mut parsed_lines = Vec::new();
+    for (i, raw) in lines[..complete].iter().enumerate() {
+        let line = raw.strip_prefix(b"\xEF\xBB\xBF".as_slice()).unwrap_or(raw);
+        if line.trim_ascii().is_empty() {
             continue;
         }
-        let parsed: JournalLine = match serde_json::from_str(line) {
-            Ok(l) => l,
-            // A last line cut short by a crash is dropped: its attempt was never submitted.
-            Err(_) if i + 1 == n && !text.ends_with('\n') => break,
-            Err(source) => {
-                return Err(SlurmError::Corrupt {
-                    path: path.into(),
-                    line: i + 1,
-                    source,
-                });
+        match std::str::from_utf8(line)
+            .ok()
+            .and_then(|t| serde_json::from_str::<JournalLine>(t).ok())
+        {
+            Some(l) => {
+                good.extend_from_slice(line);
+                good.push(b'\n');
+                parsed_lines.push(l);
             }
-        };
+            None => bad.push((i + 1, raw)),
+        }
+    }
+    if !bad.is_empty() || torn || bytes.starts_with(b"\xEF\xBB\xBF") {
+        set_aside(path, &bad, torn);
+        crate::store::safe_fs::atomic_write(path, &good).map_err(journal_error)?;
+    }
+    let mut by_folder: HashMap<String, CheckpointKey> = HashMap::new();
+    for parsed in parsed_lines {
         match parsed {
             JournalLine::Submitting {
                 key,
@@ -125,14 +142,54 @@ pub(super) fn read_journal(path: &Path) -> Result<HashMap<CheckpointKey, Journal
     Ok(map)
 }
 
+/// The journal's bytes: no link followed, no FIFO waited on, a regular file, at most
+/// [`MAX_JOURNAL_BYTES`].
+fn read_bytes(path: &Path) -> std::io::Result<Vec<u8>> {
+    let file = crate::store::safe_fs::open_regular(path)?;
+    let mut bytes = Vec::new();
+    file.take(MAX_JOURNAL_BYTES).read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// The journal's text for the tests' counts (lines that are not UTF-8 are lost).
 fn read_bounded(path: &Path) -> std::io::Result<String> {
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)?;
-    let mut text = String::new();
-    file.take(MAX_JOURNAL_BYTES).read_to_string(&mut text)?;
-    Ok(text)
+    Ok(String::from_utf8_lossy(&read_bytes(path)?).into_owned())
+}
+
+/// Says which lines of the journal are dropped, and appends those that are not journal lines
+/// to [`JOURNAL_CORRUPT`] (never through a link).
+fn set_aside(path: &Path, bad: &[(usize, &[u8])], torn: bool) {
+    use std::io::Write;
+    if torn {
+        tracing::warn!(journal = %path.display(), "dropping an incomplete last line of the jobs journal (its job was never submitted)");
+    }
+    if bad.is_empty() {
+        return;
+    }
+    let numbers: Vec<String> = bad.iter().map(|(n, _)| n.to_string()).collect();
+    let aside = crate::store::safe_fs::parent(path).join(JOURNAL_CORRUPT);
+    let kept = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(&aside)
+        .and_then(|mut f| {
+            for (_, line) in bad {
+                f.write_all(line)?;
+                f.write_all(b"\n")?;
+            }
+            f.sync_all()
+        });
+    tracing::warn!(
+        journal = %path.display(),
+        lines = %numbers.join(", "),
+        "lines of the jobs journal that are not journal lines: skipped and removed{}",
+        match kept {
+            Ok(()) => format!(", kept in {}", aside.display()),
+            Err(e) => format!(" (cannot keep them in {}: {e})", aside.display()),
+        }
+    );
 }
 
 /// Every attempt journaled for each step: what the tests count.
@@ -249,8 +306,34 @@ mod tests {
         );
         let counts = submissions_per_step(dir.path()).unwrap();
         assert_eq!((counts[&1], counts[&2]), (2, 1));
-        std::fs::write(&path, format!("garbage\n{text}")).unwrap();
-        let e = read_journal(&path).unwrap_err();
-        assert!(e.to_string().contains("line 1"), "{e}");
+        // Garbage, a BOM and bytes that are not UTF-8 (issue #45: each stopped every start)
+        // are skipped, kept aside and removed; the torn last line is dropped from the file.
+        let mut hostile = b"garbage\n".to_vec();
+        hostile.extend_from_slice(b"\xEF\xBB\xBF");
+        hostile.extend_from_slice(text.as_bytes());
+        let torn_at = hostile.len() - text.rsplit('\n').next().unwrap().len();
+        hostile.splice(torn_at..torn_at, b"\xff\xfe not json\n".iter().copied());
+        std::fs::write(&path, &hostile).unwrap();
+        let again = read_journal(&path).unwrap();
+        assert_eq!(again, map);
+        let repaired = std::fs::read(&path).unwrap();
+        let clean: String = lines
+            .iter()
+            .map(|l| serde_json::to_string(l).unwrap() + "\n")
+            .collect();
+        assert_eq!(String::from_utf8(repaired).unwrap(), clean);
+        assert_eq!(
+            std::fs::read(dir.path().join(JOURNAL_CORRUPT)).unwrap(),
+            b"garbage\n\xff\xfe not json\n"
+        );
+        // A FIFO is not waited on, a link not followed.
+        std::fs::remove_file(&path).unwrap();
+        let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert!(read_journal(&path).is_err());
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+        assert!(read_journal(&path).is_err());
     }
 }

@@ -311,6 +311,9 @@ impl Watcher {
             self.ready.insert((step, path), item);
         }
         self.metrics.set_pending(self.ready.len());
+        if let Some(pins) = &self.pins {
+            self.metrics.set_pinned_bytes(pins.held_bytes());
+        }
     }
 
     /// Checkpoints deleted before their turn, found by a scan that listed `present` (those not

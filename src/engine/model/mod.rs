@@ -89,6 +89,32 @@ pub fn export_note(path: &Path) -> Option<serde_json::Value> {
     serde_json::from_str(&text).ok()
 }
 
+/// Refuses a file whose exporter's note records a fixed condition embedding with a zero-sized
+/// dimension (an older exporter accepted `[1,0,8]`): every forward would condition on nothing.
+fn check_condition(path: &Path) -> Result<(), ModelError> {
+    let Some(note) = export_note(path) else {
+        return Ok(());
+    };
+    let condition = &note["condition"];
+    if condition["kind"] != "embedding" {
+        return Ok(());
+    }
+    let shape: Vec<i64> = condition["shape"]
+        .as_array()
+        .map(|s| s.iter().filter_map(serde_json::Value::as_i64).collect())
+        .unwrap_or_default();
+    if shape.len() != 3 || shape.iter().any(|d| *d <= 0) {
+        return Err(ModelError::Contract {
+            path: path.to_path_buf(),
+            message: format!(
+                "its fixed condition embedding has shape {shape:?}: a zero-sized dimension (or \
+                 not [1,L,D]); re-export it with an embedding of values"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// The names of the non-persistent buffers the exporter listed in the architecture file (none
 /// for a file made otherwise).
 fn non_persistent_buffers(path: &Path) -> Vec<String> {
@@ -111,6 +137,7 @@ impl Model {
     /// A file whose graph pins another device than `device` is refused
     /// ([`ModelError::PinnedDevice`]); one that pins `device` itself is loaded, with a warning.
     pub fn load(path: &Path, device: Device) -> Result<Model, ModelError> {
+        check_condition(path)?;
         let module = Module::load(path, device)?;
         check_pins(path, &module.device_constants()?, device)?;
         let (tensors, params) = module.named_tensors()?;
@@ -770,5 +797,40 @@ fn raw_view(raw: &RawTensor) -> Tensor {
             kind_of(raw.dtype),
             Device::Cpu,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// A file whose exporter's note records a zero-sized condition embedding is refused at load,
+    /// naming the file, before libtorch reads it (issue #45).
+    #[test]
+    fn a_zero_sized_condition_embedding_is_refused_at_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let note = |shape: &str| {
+            let path = dir.path().join(format!("m{}.ts", shape.len()));
+            let mut z = zip::ZipWriter::new(std::fs::File::create(&path).unwrap());
+            z.start_file(
+                "m/extra/diffmon.json",
+                zip::write::SimpleFileOptions::default(),
+            )
+            .unwrap();
+            write!(
+                z,
+                "{{\"condition\": {{\"kind\": \"embedding\", \"shape\": {shape}}}}}"
+            )
+            .unwrap();
+            z.finish().unwrap();
+            path
+        };
+        let empty = note("[1, 0, 8]");
+        let e = check_condition(&empty).unwrap_err().to_string();
+        assert!(e.contains(&empty.display().to_string()), "{e}");
+        assert!(e.contains("zero-sized"), "{e}");
+        assert!(Model::load(&empty, Device::Cpu).is_err());
+        assert!(check_condition(&note("[1, 77, 768]")).is_ok());
     }
 }
