@@ -39,7 +39,7 @@ pub fn model_summary(config: &Config) -> String {
 /// Images read for [`noise_summary`]'s standard deviation (pixel space) and encoded for it
 /// (latent space, on the CPU).
 const PIXEL_IMAGES: usize = 256;
-const ENCODED_IMAGES: usize = 16;
+const ENCODED_IMAGES: usize = 8;
 
 /// `check-config`'s line on `icr.sigma` against the data the network sees: the training
 /// images' standard deviation (pixel space), or their latents' (a latent model: the first

@@ -566,7 +566,7 @@ fn watch_ends_with_the_training_job_after_the_last_evaluation() {
 
     let config = until_config(dir, "pid", rise);
     let go = dir.join("go-pid");
-    let job = training(
+    let mut job = training(
         &dir.join("pid"),
         &go,
         &[&hi, &lo, &lo, &hi, &hi],
@@ -584,13 +584,13 @@ fn watch_ends_with_the_training_job_after_the_last_evaluation() {
         (stop["best_step"].as_i64(), stop["current_step"].as_i64()),
         (Some(2), Some(5))
     );
-    drop(job);
+    job.wait().unwrap(); // a zombie until now, while the daemon ran
 
     let config = until_config(dir, "file", rise);
     let go = dir.join("go-file");
     let marker = dir.join("file/DONE");
     let touch = format!("touch '{}'\n", marker.display());
-    let _job = training(&dir.join("file"), &go, &[&hi, &lo], &touch);
+    let mut job = training(&dir.join("file"), &go, &[&hi, &lo], &touch);
     let (code, log) = watch_until(&config, dir, &["--until-file", "file/DONE"], &go);
     assert_eq!(code, Some(0), "{log}");
     assert!(marker.is_file());
@@ -598,4 +598,5 @@ fn watch_ends_with_the_training_job_after_the_last_evaluation() {
     assert!(log.contains("DONE exists"), "{log}");
     assert!(log.contains("exiting with status 0"), "{log}");
     assert!(!dir.join("file/EARLY_STOP").exists());
+    assert!(job.wait().unwrap().success());
 }
