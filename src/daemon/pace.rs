@@ -17,12 +17,13 @@
 //! - Behind: the seconds per checkpoint, over the evaluations at once (`evaluation.max_in_flight`
 //!   on Slurm, else 1), exceed the interval; judged once there are an evaluation and two gaps.
 //! - Said with hysteresis, since a run whose evaluation takes as long as its interval swings
-//!   around it: the WARN only once the queue grows (every verdict Behind over the last
+//!   around it: the WARN only once the queue grows (no verdict that it keeps pace over the last
 //!   [`HYSTERESIS_INTERVALS`] intervals, at least [`GROWING_QUEUE`] checkpoints waiting, more
 //!   than at the start of that span), and the INFO that it keeps pace again only once the queue
 //!   has stayed drained (at most [`DRAINED_QUEUE`] waiting) over as many intervals and the
-//!   verdict is that it keeps pace. The
-//!   checkpoints waiting are sampled at each judgment: each offer and each evaluation.
+//!   verdict is that it keeps pace. The checkpoints waiting are sampled at each offer and each
+//!   evaluation, from the first (before any verdict: a queue may grow during the first
+//!   evaluation).
 
 use crate::config::{Backlog, Config, DeviceSpec, ExecutorKind};
 use crate::metrics::{Metrics, STAGE_PFD};
@@ -228,19 +229,20 @@ pub enum Told {
     CaughtUp,
 }
 
-/// One judgment: when (seconds), the checkpoints waiting, and the verdict.
+/// One judgment: when (seconds), the checkpoints waiting, and the verdict (`None` before both
+/// estimates are known: the queue may grow during the first evaluation, before any verdict).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sample {
     pub at: f64,
     pub pending: i64,
-    pub behind: bool,
+    pub behind: Option<bool>,
 }
 
 /// The queue over the last span of [`HYSTERESIS_INTERVALS`] intervals.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Queue {
-    /// Every verdict Behind, at least [`GROWING_QUEUE`] waiting, and more than at the span's
-    /// start.
+    /// No verdict that it keeps pace, at least [`GROWING_QUEUE`] waiting, and more than at the
+    /// span's start.
     Growing,
     /// At most [`DRAINED_QUEUE`] waiting at every judgment.
     Drained,
@@ -257,7 +259,7 @@ pub fn queue(samples: &VecDeque<Sample>, span: f64) -> Queue {
     if first.at > last.at - span {
         return Queue::Unsettled;
     }
-    if samples.iter().all(|s| s.behind)
+    if samples.iter().all(|s| s.behind != Some(false))
         && last.pending >= GROWING_QUEUE
         && last.pending > first.pending
     {
@@ -382,25 +384,31 @@ impl Pace {
         self.judge(&mut inner, now);
     }
 
-    /// Judges the pace now, with the checkpoints waiting now, and says what changed.
+    /// Judges the pace now, with the checkpoints waiting now, and says what changed; before both
+    /// estimates are known, only keeps the checkpoints waiting.
     fn judge(&self, inner: &mut Inner, now: f64) {
-        let (Some(seconds), Some((interval, gaps))) = (
+        let pending = self.metrics.pending();
+        let known = (
             inner.recent.seconds_per_checkpoint(self.every),
             interval(&inner.mtimes),
-        ) else {
-            return;
+        );
+        let verdict = match known {
+            (Some(seconds), Some((interval, _))) => Some(verdict(seconds, self.parallel, interval)),
+            _ => None,
         };
-        let pending = self.metrics.pending();
-        let verdict = verdict(seconds, self.parallel, interval);
-        let span = HYSTERESIS_INTERVALS * interval;
         inner.samples.push_back(Sample {
             at: now,
             pending,
-            behind: verdict == Verdict::Behind,
+            behind: verdict.map(|v| v == Verdict::Behind),
         });
-        while inner.samples.len() > MAX_SAMPLES
-            || inner.samples.get(1).is_some_and(|s| s.at <= now - span)
-        {
+        while inner.samples.len() > MAX_SAMPLES {
+            inner.samples.pop_front();
+        }
+        let (Some(verdict), (Some(seconds), Some((interval, gaps)))) = (verdict, known) else {
+            return;
+        };
+        let span = HYSTERESIS_INTERVALS * interval;
+        while inner.samples.get(1).is_some_and(|s| s.at <= now - span) {
             inner.samples.pop_front();
         }
         let before = inner.samples.front().map_or(0, |s| s.pending);
@@ -634,7 +642,7 @@ pub(super) mod tests {
     /// nothing before the judgments cover the span.
     #[test]
     fn the_queue_grows_or_drains_over_the_span() {
-        let samples = |s: &[(f64, i64, bool)]| -> VecDeque<Sample> {
+        let samples = |s: &[(f64, i64, Option<bool>)]| -> VecDeque<Sample> {
             s.iter()
                 .map(|&(at, pending, behind)| Sample {
                     at,
@@ -644,20 +652,24 @@ pub(super) mod tests {
                 .collect()
         };
         assert_eq!(queue(&samples(&[]), 10.0), Queue::Unsettled);
-        let grew = samples(&[(0.0, 1, true), (5.0, 2, true), (10.0, 3, true)]);
+        let (b, k) = (Some(true), Some(false));
+        let grew = samples(&[(0.0, 1, b), (5.0, 2, b), (10.0, 3, b)]);
         assert_eq!(queue(&grew, 10.0), Queue::Growing);
         assert_eq!(queue(&grew, 11.0), Queue::Unsettled, "the span not covered");
-        let once_kept_up = samples(&[(0.0, 1, true), (5.0, 2, false), (10.0, 3, true)]);
+        let once_kept_up = samples(&[(0.0, 1, b), (5.0, 2, k), (10.0, 3, b)]);
         assert_eq!(queue(&once_kept_up, 10.0), Queue::Unsettled);
-        let level = samples(&[(0.0, 3, true), (10.0, 3, true)]);
+        let level = samples(&[(0.0, 3, b), (10.0, 3, b)]);
         assert_eq!(queue(&level, 10.0), Queue::Unsettled, "not growing");
-        let one = samples(&[(0.0, 0, true), (10.0, 1, true)]);
+        // Grown during the first evaluation, before any verdict.
+        let first = samples(&[(0.0, 0, None), (10.0, 4, None), (10.0, 4, b)]);
+        assert_eq!(queue(&first, 10.0), Queue::Growing);
+        let one = samples(&[(0.0, 0, b), (10.0, 1, b)]);
         assert_eq!(
             queue(&one, 10.0),
             Queue::Drained,
             "one waiting is not a queue"
         );
-        let drained = samples(&[(0.0, 1, false), (5.0, 0, true), (10.0, 1, false)]);
+        let drained = samples(&[(0.0, 1, k), (5.0, 0, b), (10.0, 1, k)]);
         assert_eq!(queue(&drained, 10.0), Queue::Drained);
     }
 
