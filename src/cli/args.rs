@@ -7,25 +7,32 @@ use std::path::PathBuf;
 
 /// The top-level help's epilogue: the workflow, logging and exit codes (the table [`Exit`](super::Exit)).
 pub(super) const AFTER_HELP: &str = "\
-Workflow, for a training run saving checkpoints into runs/exp1:
-  1. diffmon-export writes the model's architecture as TorchScript, e.g. runs/exp1/model.ts
-     (README, \"Your own run\"); pip install ./ installs it with diffmon (pip install ./python,
-     the helpers alone, only where the daemon never runs: it replaces the binary)
-  2. diffmon init --run-dir runs/exp1 --out diffmon.yaml
-                                    a config for what the run folder holds; edit it
-  3. diffmon check-config --config diffmon.yaml
-                                    every problem of the config, with its key
-  4. diffmon eval --config diffmon.yaml runs/exp1/checkpoint-500
+Workflow (README, \"Your own run\"), for a training run saving checkpoints into runs/exp1:
+  1. diffmon-export ... --out runs/exp1/model.ts
+                                    the network's architecture as TorchScript, once; pip
+                                    install ./ installs it with diffmon (pip install ./python,
+                                    the helpers alone, only where the daemon never runs)
+  2. the training images as HDF5: runs/exp1/train.h5, dataset `images`, [N,C,H,W] floats in
+     [-1, 1] or uint8; and held-out images the training never sees, runs/exp1/heldout.h5
+     (a name with heldout or val): they confirm the early stop best
+  3. diffmon init --run-dir runs/exp1 > diffmon.yaml
+                                    a config for what the run folder holds: its checkpoints,
+                                    the *.ts architecture, train.h5 and the held-out file;
+                                    what it found goes to stderr (--out FILE: paths relative
+                                    to that file instead of absolute)
+  4. diffmon check-config --config diffmon.yaml
+                                    every problem of the config, with its key; the cost
+  5. diffmon eval --config diffmon.yaml runs/exp1/ckpt_000200.pt
                                     evaluate one checkpoint to see the numbers and the time
-  5. diffmon watch --config diffmon.yaml
+  6. diffmon watch --config diffmon.yaml
                                     the daemon: evaluates every new checkpoint, serves
-                                    /metrics, writes the early-stop file
-  6. diffmon replay --config diffmon.yaml [--set early_stop.min_rise=0.01]
-                                    what the early stop decided at each checkpoint, and
-                                    would decide with other settings
-  7. diffmon resume --config diffmon.yaml
-                                    after the early stop, with the daemon stopped: the best
-                                    checkpoint back in the run folder, a new history segment
+                                    /metrics, writes the early-stop file; --until-pid PID
+                                    ends it with the training process
+  7. diffmon.should_stop(\"runs/exp1\") in the training loop obeys the early stop
+Afterwards: diffmon replay --config diffmon.yaml [--set early_stop.min_rise=0.01] (what the
+early stop decided at each checkpoint, and would decide with other settings); diffmon resume
+--config diffmon.yaml (after the early stop, with the daemon stopped: the best checkpoint back
+in the run folder, a new history segment).
 
 Logging goes to stderr, filtered by the DIFFMON_LOG environment variable (default: info; e.g.
 DIFFMON_LOG=debug, or DIFFMON_LOG=warn).
@@ -39,6 +46,8 @@ Exit codes:
      unknown format, a device that is not there, a TorchScript file that pins another device
   1  any other failure, e.g. a checkpoint that could not be evaluated (eval evaluates the
      others first), a model that cannot be loaded, a port in use, a locked state folder
+  3  watch --until-pid/--until-file: the training job ended, every checkpoint it left is
+     evaluated, and the early stop has fired (0: it has not)
   watch also exits 130 on a second SIGINT/SIGTERM (the first drains the evaluation in flight).
 
 Each command has its own help: diffmon help COMMAND, or diffmon COMMAND --help.";
@@ -58,10 +67,24 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Run the daemon: watch the checkpoint folder and evaluate every new checkpoint.
+    ///
+    /// It runs until SIGINT/SIGTERM (exit 0 once the evaluation in flight is recorded), or,
+    /// with --until-pid or --until-file, until the training job ends: then it evaluates every
+    /// checkpoint the job left and exits 0, or 3 when the early stop has fired
+    /// (docs/guide/watching.md, "Ending with the training job").
     Watch {
         /// The config file (YAML; `diffmon init` writes one).
         #[arg(long, value_name = "FILE")]
         config: PathBuf,
+        /// End with the training process PID: once it has ended, evaluate the checkpoints left
+        /// (ready or still settling), record them, and exit (0, or 3 when the early stop has
+        /// fired). Not with a sweep config.
+        #[arg(long, value_name = "PID")]
+        until_pid: Option<u32>,
+        /// End once FILE exists (a marker the training writes after its last checkpoint; never
+        /// taken for a checkpoint), as --until-pid does; with both, whichever comes first.
+        #[arg(long, value_name = "FILE")]
+        until_file: Option<PathBuf>,
     },
     /// Evaluate checkpoints once.
     Eval {
@@ -219,6 +242,10 @@ pub enum Command {
         /// to its folder, as a config's paths are read.
         #[arg(long, value_name = "FILE")]
         out: Option<PathBuf>,
+        /// The exported architecture to name (model.architecture), where the run folder holds
+        /// several (init lists them and asks for this instead of choosing one).
+        #[arg(long, value_name = "FILE", requires = "run_dir")]
+        architecture: Option<PathBuf>,
     },
 }
 
@@ -379,9 +406,35 @@ mod tests {
         assert!(at("diffmon init --run-dir") < at("diffmon check-config --config"));
         assert!(at("diffmon check-config --config") < at("diffmon eval --config"));
         assert!(at("diffmon eval --config") < at("diffmon watch --config"));
+        assert!(at("train.h5") < at("diffmon init --run-dir"));
+        assert!(at("diffmon watch --config") < at("diffmon.should_stop"));
         at("DIFFMON_LOG environment variable (default: info");
         at("  0  success");
         at("  2  bad usage or config");
         at("  1  any other failure");
+    }
+
+    /// One workflow: each `diffmon` command line of the help's steps is in the README's
+    /// "Your own run" as written there (the same file names, `>` and checkpoint).
+    #[test]
+    fn the_help_workflow_is_the_readmes() {
+        let readme = include_str!("../../README.md");
+        let own_run = &readme[readme.find("## Your own run").expect("the section")..];
+        let mut commands = 0;
+        for line in AFTER_HELP.lines() {
+            let Some(at) = line.find(". diffmon ") else {
+                continue;
+            };
+            let command = line[at + 2..].trim_end();
+            if command.starts_with("diffmon.") {
+                continue;
+            }
+            commands += 1;
+            assert!(
+                own_run.contains(command),
+                "`{command}` (the help's workflow) is not in the README's \"Your own run\""
+            );
+        }
+        assert_eq!(commands, 4, "init, check-config, eval, watch");
     }
 }

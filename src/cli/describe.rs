@@ -39,6 +39,54 @@ pub fn model_summary(config: &Config) -> String {
     format!("model {}: {}", architecture.display(), parts.join("; "))
 }
 
+/// Images read for [`noise_summary`]'s standard deviation (pixel space) and encoded for it
+/// (latent space, on the CPU).
+const PIXEL_IMAGES: usize = 256;
+const ENCODED_IMAGES: usize = 8;
+
+/// `check-config`'s line on `icr.sigma` against the data the network sees: the training
+/// images' standard deviation (pixel space), or their latents' (a latent model: the first
+/// images encoded by `model.vae`, since the noise is added in latent units), and the
+/// signal-to-noise ratio std / σ, beside what EDM's σ_data = 0.5 gives at this σ. `None` when
+/// ICR is off or has no images (a latent model without an autoencoder).
+pub fn noise_summary(config: &Config) -> Option<String> {
+    if !config.icr.enabled || (config.model.vae.is_none() && config.data.latents_path.is_some()) {
+        return None;
+    }
+    let sigma = config.icr.sigma;
+    Some(match data_std(config) {
+        Ok((std, n, what)) => format!(
+            "icr.sigma {sigma} against a standard deviation of {std:.3} of {what} ({n} images): a signal-to-noise ratio of {:.2} (std / σ; in pixel space EDM's σ_data = 0.5 gives {:.2})",
+            std / sigma,
+            0.5 / sigma
+        ),
+        Err(e) => format!("icr.sigma {sigma}: its signal-to-noise ratio is not known ({e})"),
+    })
+}
+
+/// The standard deviation of the values the ICR noise is added to, the images it is from, and
+/// what they are.
+fn data_std(config: &Config) -> Result<(f64, usize, &'static str), String> {
+    let images = crate::engine::data::ImageSet::open(&config.data.path, &config.data.dataset)
+        .map_err(|e| e.to_string())?;
+    let std = |t: &tch::Tensor| t.to_kind(tch::Kind::Double).std(true).double_value(&[]);
+    match &config.model.vae {
+        None => {
+            let n = images.len().min(PIXEL_IMAGES);
+            let x = images.read(0, n).map_err(|e| e.to_string())?;
+            Ok((std(&x), n, "the training images"))
+        }
+        Some(vae) => {
+            let n = images.len().min(ENCODED_IMAGES);
+            let x = images.read(0, n).map_err(|e| e.to_string())?;
+            let vae = crate::engine::latent::Vae::load(vae, tch::Device::Cpu, n.max(1))
+                .map_err(|e| e.to_string())?;
+            let z = vae.encode(&x).map_err(|e| e.to_string())?;
+            Ok((std(&z), n, "their latents (model.vae)"))
+        }
+    }
+}
+
 /// What `evaluation.precision` does to the forward passes.
 fn precision(p: crate::config::Precision) -> &'static str {
     use crate::config::Precision;
@@ -274,6 +322,39 @@ pub fn network_format(runs: &[Config]) -> (Vec<String>, Vec<crate::config::Probl
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// Pixel space: the training images' standard deviation against `icr.sigma`, as numpy's
+    /// `x.std(ddof=1)` gives it for 128 values of ±0.5 (0.5 · sqrt(128/127) = 0.50197).
+    #[test]
+    fn the_signal_to_noise_ratio_of_icr_sigma_is_said_for_the_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("d.h5");
+        let values: Vec<f32> = (0..128)
+            .map(|i| if i % 2 == 0 { 0.5 } else { -0.5 })
+            .collect();
+        let a = ndarray::Array4::from_shape_vec((8, 1, 4, 4), values).unwrap();
+        let file = hdf5::File::create(&data).unwrap();
+        file.new_dataset_builder()
+            .with_data(&a)
+            .create("images")
+            .unwrap();
+        drop(file);
+        std::fs::write(dir.path().join("m.ts"), b"").unwrap();
+        let text = format!(
+            "run: {{dir: r}}\nmodel: {{architecture: {}}}\ndata: {{path: {}}}\nicr: {{sigma: 0.25}}\n",
+            dir.path().join("m.ts").display(),
+            data.display()
+        );
+        let config = crate::config::ConfigFile::parse(&text, "t.yaml")
+            .unwrap()
+            .settings(false)
+            .unwrap();
+        let line = noise_summary(&config).unwrap();
+        let want = "icr.sigma 0.25 against a standard deviation of 0.502 of the training images \
+                    (8 images): a signal-to-noise ratio of 2.01 (std / σ; in pixel space EDM's \
+                    σ_data = 0.5 gives 2.00)";
+        assert_eq!(line, want);
+    }
 
     #[test]
     fn conditions_are_described_as_recorded() {

@@ -27,13 +27,28 @@ pub struct Found {
 #[derive(Debug, Default)]
 pub struct Survey {
     pub checkpoints: Vec<Found>,
+    /// The architecture the config names: the one candidate, or the one `--architecture` chose.
     pub architecture: Option<PathBuf>,
+    /// Every exported architecture found: TorchScript `*.ts` files without a step, in the run
+    /// folder or one level down in a folder without a step (`unet/model.ts`), autoencoders
+    /// left out.
+    pub architectures: Vec<PathBuf>,
     /// A latent model's autoencoder: a `*.ts` whose exporter note says `"kind": "vae"`.
     pub vae: Option<PathBuf>,
     pub train: Option<PathBuf>,
     pub heldout: Option<PathBuf>,
     /// A pattern matching exactly the checkpoints' names (digits as `*`), when they share one.
     pub pattern: Option<String>,
+    /// The CPU cores this process may use (its affinity and CPU quota: a Slurm job's
+    /// `--cpus-per-task`), from which `cpu_threads` is written ([`threads_beside_training`]).
+    pub cores: Option<usize>,
+}
+
+/// The `cpu_threads` init writes for a machine with `cores` cores: half of them, at least one,
+/// so that a training job on the same machine keeps the other half (libtorch's default is one
+/// thread per core, which competes with it).
+pub fn threads_beside_training(cores: usize) -> usize {
+    (cores / 2).max(1)
 }
 
 impl Survey {
@@ -64,10 +79,47 @@ fn generalize(name: &str) -> String {
     out
 }
 
+/// A TorchScript file named `*.ts`.
+fn is_exported(name: &str, path: &Path) -> bool {
+    name.ends_with(".ts")
+        && std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file())
+        && matches!(
+            weights::detect_format(path),
+            Ok(CheckpointFormat::TorchScript)
+        )
+}
+
+/// The exported architectures in a folder of the run folder without a step (`unet/model.ts`):
+/// TorchScript `*.ts` files directly in it, autoencoders left out; at most [`MAX_ENTRIES`]
+/// entries looked at.
+fn exported_files_in(folder: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(folder) else {
+        return Vec::new();
+    };
+    let mut found: Vec<PathBuf> = entries
+        .take(MAX_ENTRIES)
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_str()?.to_string();
+            let path = e.path();
+            (!name.starts_with('.') && is_exported(&name, &path)).then_some(path)
+        })
+        .filter(|p| {
+            crate::engine::model::export_note(p)
+                .is_none_or(|n| n.get("kind").and_then(|k| k.as_str()) != Some("vae"))
+        })
+        .collect();
+    found.sort();
+    found
+}
+
 /// Looks at `dir` with the default checkpoint settings.
 pub fn survey(dir: &Path) -> std::io::Result<Survey> {
     let cfg = CheckpointsConfig::default();
-    let mut s = Survey::default();
+    let mut s = Survey {
+        cores: std::thread::available_parallelism().ok().map(|n| n.get()),
+        ..Survey::default()
+    };
     let mut entries: Vec<_> = std::fs::read_dir(dir)?
         .take(MAX_ENTRIES)
         .flatten()
@@ -89,23 +141,22 @@ pub fn survey(dir: &Path) -> std::io::Result<Survey> {
             }
             continue;
         }
+        if is_dir && step.is_none() {
+            // A folder without a step is no checkpoint; it may hold an export (`unet/model.ts`).
+            s.architectures.extend(exported_files_in(&path));
+            continue;
+        }
         if !cfg.pattern.is_match(&name) {
             continue;
         }
         if step.is_none() {
-            if !is_dir
-                && name.ends_with(".ts")
-                && matches!(
-                    weights::detect_format(&path),
-                    Ok(CheckpointFormat::TorchScript)
-                )
-            {
+            if is_exported(&name, &path) {
                 let is_vae = crate::engine::model::export_note(&path)
                     .is_some_and(|n| n.get("kind").and_then(|k| k.as_str()) == Some("vae"));
                 if is_vae {
                     s.vae.get_or_insert(path);
                 } else {
-                    s.architecture.get_or_insert(path);
+                    s.architectures.push(path);
                 }
             }
             continue;
@@ -128,6 +179,9 @@ pub fn survey(dir: &Path) -> std::io::Result<Survey> {
                 .to_string(),
             format,
         });
+    }
+    if let [one] = s.architectures.as_slice() {
+        s.architecture = Some(one.clone());
     }
     s.checkpoints.sort_by_key(|f| f.step);
     let mut globs: Vec<String> = s.checkpoints.iter().map(|f| generalize(&f.name)).collect();
@@ -193,6 +247,15 @@ pub fn describe(dir: &Path, s: &Survey) -> Vec<String> {
             &path(a),
             "the exported architecture",
         )),
+        None if s.architectures.len() > 1 => out.push(format!(
+            "{} exported architectures found: {}; choose one with --architecture",
+            s.architectures.len(),
+            s.architectures
+                .iter()
+                .map(|a| a.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
         None => out.push(
             "no exported architecture (*.ts) found: export one with diffmon-export (docs/guide/training-stacks.md, \"Exporting the architecture\") and set model.architecture".into(),
         ),
@@ -220,6 +283,15 @@ pub fn describe(dir: &Path, s: &Survey) -> Vec<String> {
             "no held-out images (*.h5 named *heldout* or *val*) found: data.heldout_path is left out (set it for the generalization gap)".into(),
         ),
     }
+    if let Some(cores) = s.cores {
+        out.push(filled(
+            "cpu_threads",
+            &threads_beside_training(cores).to_string(),
+            &format!(
+                "half of the {cores} cores this machine gives it, the rest left to a training job beside it; {cores} when diffmon has the machine to itself"
+            ),
+        ));
+    }
     out
 }
 
@@ -237,13 +309,50 @@ pub enum InitError {
     },
     #[error("{0}: cannot make the path absolute: {1}")]
     Path(PathBuf, std::io::Error),
+    #[error(
+        "{dir}: {} exported architectures, and init does not guess which one the checkpoints are for: {}; \
+         name it with --architecture FILE (e.g. diffmon init --run-dir {dir} --architecture {})",
+        candidates.len(),
+        candidates.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(", "),
+        candidates.first().map(|c| c.display().to_string()).unwrap_or_default()
+    )]
+    Ambiguous {
+        dir: String,
+        candidates: Vec<PathBuf>,
+    },
 }
 
 impl InitError {
-    /// A usage error (exit code 2): the output file is the user's choice.
+    /// A usage error (exit code 2): the output file, or the architecture, is the user's choice.
     pub fn is_usage(&self) -> bool {
-        matches!(self, InitError::OutExists(_))
+        matches!(self, InitError::OutExists(_) | InitError::Ambiguous { .. })
     }
+}
+
+/// The architecture the config names: `chosen` (`--architecture`, kept relative when it is
+/// under `dir` as given, else made absolute), else the survey's one candidate; with several and
+/// none chosen, [`InitError::Ambiguous`] listing them.
+pub fn choose_architecture(
+    dir: &Path,
+    survey: &mut Survey,
+    chosen: Option<&Path>,
+) -> Result<(), InitError> {
+    if let Some(chosen) = chosen {
+        let path = if chosen.starts_with(dir) {
+            chosen.to_path_buf()
+        } else {
+            std::path::absolute(chosen).map_err(|e| InitError::Path(chosen.to_path_buf(), e))?
+        };
+        survey.architecture = Some(path);
+        return Ok(());
+    }
+    if survey.architecture.is_none() && survey.architectures.len() > 1 {
+        return Err(InitError::Ambiguous {
+            dir: dir.display().to_string(),
+            candidates: survey.architectures.clone(),
+        });
+    }
+    Ok(())
 }
 
 /// How a config saved at `out` names the run folder `dir`: relative to `out`'s folder (a config's
@@ -363,6 +472,13 @@ pub fn config_for(dir: &Path, written: &Path, s: &Survey) -> String {
             )
         }
         None => text = text.replacen("  heldout_path: ", "  # heldout_path: ", 1),
+    }
+    if let Some(cores) = s.cores {
+        text = replace_value(
+            &text.replacen("# cpu_threads: ", "cpu_threads: ", 1),
+            "cpu_threads: ",
+            &threads_beside_training(cores).to_string(),
+        );
     }
     let header: String = describe(dir, s)
         .iter()
@@ -512,10 +628,12 @@ mod tests {
                 format: Ok(CheckpointFormat::TorchScript),
             }],
             architecture: Some(dir.join("model.ts")),
+            architectures: vec![dir.join("model.ts")],
             vae: Some(dir.join("vae.ts")),
             train: Some(dir.join("train.h5")),
             heldout: Some(dir.join("heldout.h5")),
             pattern: Some("ckpt_*.pt".into()),
+            cores: Some(16),
         };
         let text = config_for(dir, dir, &everything);
         let keys = filled_keys(&text);
@@ -532,6 +650,11 @@ mod tests {
             "{text}"
         );
         let report = describe(dir, &everything);
+        assert!(text.contains("\ncpu_threads: 8 "), "{text}");
+        assert!(
+            report.iter().any(|l| l.starts_with("cpu_threads: 8 (")),
+            "{report:#?}"
+        );
         for (key, value) in &keys {
             let named = format!("{key}: {value} (");
             assert!(
@@ -557,6 +680,61 @@ mod tests {
                 "{key} is not in the report: {report:#?}"
             );
         }
+    }
+
+    /// A stand-in TorchScript archive: a zip with `constants.pkl` beside `data.pkl`, which is
+    /// what the format check looks for.
+    fn torchscript_stub(path: &Path) {
+        use std::io::Write;
+        let mut w = zip::ZipWriter::new(std::fs::File::create(path).unwrap());
+        let opts = zip::write::SimpleFileOptions::default()
+            .compression_method(zip::CompressionMethod::Stored);
+        for name in ["m/data.pkl", "m/constants.pkl"] {
+            w.start_file(name, opts).unwrap();
+            w.write_all(b"").unwrap();
+        }
+        w.finish().unwrap();
+    }
+
+    /// Two exported architectures (`pixart.ts`, and `unet/model.ts` one level down): none is
+    /// chosen; init lists both and asks for --architecture, which settles it. One alone is
+    /// taken as before; a `*.ts` that is not TorchScript is no candidate.
+    #[test]
+    fn two_architectures_are_listed_and_one_must_be_chosen() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        torchscript_stub(&dir.join("pixart.ts"));
+        std::fs::write(dir.join("notes.ts"), "export const x = 1;").unwrap();
+        let mut s = survey(dir).unwrap();
+        assert_eq!(s.architectures, [dir.join("pixart.ts")]);
+        assert_eq!(s.architecture, Some(dir.join("pixart.ts")));
+        choose_architecture(dir, &mut s, None).unwrap();
+
+        std::fs::create_dir(dir.join("unet")).unwrap();
+        torchscript_stub(&dir.join("unet/model.ts"));
+        let mut s = survey(dir).unwrap();
+        assert_eq!(
+            s.architectures,
+            [dir.join("pixart.ts"), dir.join("unet/model.ts")]
+        );
+        assert_eq!(s.architecture, None);
+        let e = choose_architecture(dir, &mut s, None).unwrap_err();
+        assert!(e.is_usage());
+        let text = e.to_string();
+        for want in ["pixart.ts", "unet/model.ts", "--architecture"] {
+            assert!(text.contains(want), "{want} not in: {text}");
+        }
+        assert!(
+            describe(dir, &s)
+                .iter()
+                .any(|l| l.contains("2 exported architectures") && l.contains("--architecture")),
+            "{:#?}",
+            describe(dir, &s)
+        );
+        choose_architecture(dir, &mut s, Some(&dir.join("unet/model.ts"))).unwrap();
+        assert_eq!(s.architecture, Some(dir.join("unet/model.ts")));
+        let text = config_for(dir, Path::new("."), &s);
+        assert!(text.contains("\n  architecture: unet/model.ts"), "{text}");
     }
 
     #[test]

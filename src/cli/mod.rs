@@ -58,7 +58,7 @@ pub fn main() -> ExitCode {
     init_logging();
     keep_freed_memory();
     match run(cli.command) {
-        Ok(()) => Exit::Success.into(),
+        Ok(exit) => exit.into(),
         // The reader has all it wanted (`| head -1`): nothing to say.
         Err(e) if output::is_stdout_closed(&e) => Exit::Success.into(),
         Err(e) => {
@@ -239,6 +239,10 @@ pub enum Exit {
     /// a [`ModelError`] that [`ModelError::is_usage`] (a device that is not there, a TorchScript
     /// file that pins another device), also inside an [`EvalError`] or a [`PfdError`].
     Usage = 2,
+    /// 3: `watch --until-pid`/`--until-file` ended with the training job, every checkpoint it left
+    /// evaluated, and the early stop has fired (and was not resolved since); 0 when it has not
+    /// (`daemon::Ended::JobEnded`).
+    EarlyStopped = 3,
     /// 130: `watch` on a second SIGINT/SIGTERM, from its signal handler (`daemon::run`; the first
     /// one drains the evaluation in flight).
     Interrupted = 130,
@@ -246,7 +250,13 @@ pub enum Exit {
 
 impl Exit {
     /// Every row of the table.
-    pub const ALL: [Exit; 4] = [Exit::Success, Exit::Failure, Exit::Usage, Exit::Interrupted];
+    pub const ALL: [Exit; 5] = [
+        Exit::Success,
+        Exit::Failure,
+        Exit::Usage,
+        Exit::EarlyStopped,
+        Exit::Interrupted,
+    ];
 
     /// The process exit status.
     pub const fn code(self) -> u8 {
@@ -328,7 +338,57 @@ impl<W: std::io::Write> std::io::Write for Unproc<W> {
     }
 }
 
-pub fn run(command: Command) -> Result<()> {
+/// Runs a command: the exit status of one that worked ([`Exit::Success`], or `watch`'s
+/// [`Exit::EarlyStopped`]).
+pub fn run(command: Command) -> Result<Exit> {
+    match command {
+        Command::Watch {
+            config,
+            until_pid,
+            until_file,
+        } => watch(&config, until_pid, until_file),
+        command => one_shot(command).map(|()| Exit::Success),
+    }
+}
+
+/// `diffmon watch`: the daemon ([`crate::daemon::run`]).
+fn watch(
+    path: &std::path::Path,
+    until_pid: Option<u32>,
+    until_file: Option<std::path::PathBuf>,
+) -> Result<Exit> {
+    let mut config = Config::load(path)?;
+    config.imply_memorization();
+    let until = crate::daemon::Until {
+        pid: until_pid,
+        // As given on the command line: relative to the current folder.
+        file: until_file.map(|f| std::path::absolute(&f).unwrap_or(f)),
+    };
+    if until.is_set() && config.is_sweep() {
+        return Err(RunChoice {
+            message: "--until-pid and --until-file end one run's daemon with its training job; \
+                      a sweep's runs end at different times (stop its daemon with SIGTERM)"
+                .into(),
+            config: path.to_path_buf(),
+        }
+        .into());
+    }
+    // The console's lines are best effort: a reader that goes away (`watch | head`) does not
+    // end the daemon. Put back when the daemon returns.
+    let _stdout = output::BestEffort::install().unwrap_or_else(|e| {
+        tracing::warn!("standard output stays as it is: {e}");
+        None
+    });
+    Ok(match crate::daemon::run(config, until)? {
+        crate::daemon::Ended::JobEnded {
+            early_stop_fired: true,
+        } => Exit::EarlyStopped,
+        _ => Exit::Success,
+    })
+}
+
+/// The commands other than `watch`.
+fn one_shot(command: Command) -> Result<()> {
     match command {
         Command::CheckConfig { file, config } => {
             let file = config.or(file).expect("clap requires the file or --config");
@@ -374,6 +434,11 @@ pub fn run(command: Command) -> Result<()> {
             for line in formats {
                 writeln!(out, "{line}")?;
             }
+            if !config.is_sweep()
+                && let Some(line) = describe::noise_summary(&config)
+            {
+                writeln!(out, "{line}")?;
+            }
             writeln!(out, "{}", config.cost_summary())?;
             for line in measured_lines(&config, &runs) {
                 writeln!(out, "{line}")?;
@@ -382,11 +447,15 @@ pub fn run(command: Command) -> Result<()> {
             out.flush()?;
             Ok(())
         }
-        Command::Init { run_dir, out } => {
+        Command::Init {
+            run_dir,
+            out,
+            architecture,
+        } => {
             let text = match run_dir {
                 Some(dir) => {
                     let written = crate::cli::init::written_dir(&dir, out.as_deref())?;
-                    let survey = match crate::cli::init::survey(&dir) {
+                    let mut survey = match crate::cli::init::survey(&dir) {
                         Ok(survey) => {
                             // They name entries of the run folder: escaped as in the logs.
                             for line in crate::cli::init::describe(&dir, &survey) {
@@ -402,6 +471,11 @@ pub fn run(command: Command) -> Result<()> {
                             crate::cli::init::Survey::default()
                         }
                     };
+                    crate::cli::init::choose_architecture(
+                        &dir,
+                        &mut survey,
+                        architecture.as_deref(),
+                    )?;
                     crate::cli::init::config_for(&dir, &written, &survey)
                 }
                 None => config::EXAMPLE.to_string(),
@@ -434,17 +508,7 @@ pub fn run(command: Command) -> Result<()> {
             evaluated_before,
             json && failure_lines,
         ),
-        Command::Watch { config } => {
-            let mut config = Config::load(&config)?;
-            config.imply_memorization();
-            // The console's lines are best effort: a reader that goes away (`watch | head`)
-            // does not end the daemon. Put back when the daemon returns.
-            let _stdout = output::BestEffort::install().unwrap_or_else(|e| {
-                tracing::warn!("standard output stays as it is: {e}");
-                None
-            });
-            crate::daemon::run(config)
-        }
+        Command::Watch { .. } => unreachable!("`run` runs watch"),
         Command::IcrFeatures { input, ridge } => icr_features(&input, ridge),
         Command::Sample(args) => sample(args),
         Command::Tail {
@@ -655,6 +719,30 @@ mod tests {
         };
         assert_eq!(Exit::of_error(&choice.into()), Exit::Usage);
         assert_eq!(Exit::Usage.code(), 2);
+    }
+
+    #[test]
+    fn exit_table_early_stopped() {
+        assert_eq!(Exit::EarlyStopped.code(), 3);
+        let cli = Cli::try_parse_from([
+            "diffmon",
+            "watch",
+            "--config",
+            "c.yaml",
+            "--until-pid",
+            "12",
+            "--until-file",
+            "DONE",
+        ])
+        .unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Watch {
+                until_pid: Some(12),
+                until_file: Some(_),
+                ..
+            }
+        ));
     }
 
     #[test]

@@ -43,6 +43,7 @@ mod shutdown;
 mod sinks;
 pub mod slurm;
 mod sweep;
+mod until;
 pub mod watcher;
 
 use crate::config::{Config, ExecutorKind};
@@ -56,11 +57,23 @@ pub use pace::{measured_in_history, pf_ode_every};
 use pipeline::{OUTCOMES_BOUND, Opened, bind, open, serve};
 use sinks::Console;
 use std::time::Duration;
+pub use until::Until;
 
-/// Runs the daemon until a signal: on one run, or on every run of a sweep ([`sweep`]).
-pub fn run(config: Config) -> Result<()> {
+/// How `watch` ended, when it ended well.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ended {
+    /// SIGINT or SIGTERM.
+    Signalled,
+    /// The training job ended (`until`) and every checkpoint it left is recorded; whether the
+    /// early stop has fired (and was not resolved since).
+    JobEnded { early_stop_fired: bool },
+}
+
+/// Runs the daemon until a signal, or with `until` set until the training job ends: on one
+/// run, or on every run of a sweep ([`sweep`], which takes no `until`: the caller refuses it).
+pub fn run(config: Config, until: Until) -> Result<Ended> {
     if config.is_sweep() {
-        return sweep::run(config);
+        return sweep::run(config).map(|()| Ended::Signalled);
     }
     shutdown::exit_on_panic();
     // Held until the process ends (the kernel releases it, however the process ends).
@@ -98,13 +111,19 @@ pub fn run(config: Config) -> Result<()> {
         .iter()
         .filter_map(|e| e.done().cloned())
         .collect();
-    let watcher = Watcher::new(&config.run.dir, &config.checkpoints, done, metrics.clone())
+    let mut watcher = Watcher::new(&config.run.dir, &config.checkpoints, done, metrics.clone())
         .pacing(published.pace.clone())
         .with_excluded(config.named_files())
         .with_crash_marker(lock.state().path())
         .with_pins(lock.state().path())
         .recognizing_kept(lock.state().path())
         .following(lock.state().clone());
+    let mut finished = None;
+    if until.is_set() {
+        let finish = until::Finish::new(until);
+        finished = Some(finish.flag());
+        watcher = watcher.until(finish);
+    }
     let watcher = std::thread::Builder::new()
         .name("diffmon-watch".into())
         .spawn(move || watcher.run(work_tx, stopped))?;
@@ -115,6 +134,7 @@ pub fn run(config: Config) -> Result<()> {
             published.sinks
         })?;
 
+    let status = view.status.clone();
     let app = crate::daemon::http::router(metrics.clone(), view.status, view.snapshot);
     let server = serve(&runtime, listener, app, &config);
     tracing::info!(
@@ -126,16 +146,29 @@ pub fn run(config: Config) -> Result<()> {
     tracing::info!("{}", config.cost_summary());
 
     let drain = config.shutdown_drain;
-    let (signalled, sinks) = shutdown::until_stopped(&runtime, stop, watcher, recorder, drain)?;
+    let (stopped, sinks) =
+        shutdown::until_stopped(&runtime, stop, watcher, recorder, drain, finished)?;
     let _ = executor.join();
     sinks.close(&runtime);
     server.abort();
     runtime.shutdown_timeout(Duration::from_secs(1));
-    tracing::info!("stopped");
-    if !signalled {
-        anyhow::bail!("the evaluator stopped unexpectedly");
+    match stopped {
+        shutdown::Stopped::Signal => {
+            tracing::info!("stopped");
+            Ok(Ended::Signalled)
+        }
+        shutdown::Stopped::JobEnded => {
+            let early_stop_fired = status.lock().unwrap_or_else(|e| e.into_inner()).fired;
+            let what = if early_stop_fired {
+                "the early stop has fired: exiting with status 3"
+            } else {
+                "the early stop has not fired: exiting with status 0"
+            };
+            tracing::info!("stopped: {what}");
+            Ok(Ended::JobEnded { early_stop_fired })
+        }
+        shutdown::Stopped::Failed => anyhow::bail!("the evaluator stopped unexpectedly"),
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -16,6 +16,14 @@
 //!   judged by the old cost.
 //! - Behind: the seconds per checkpoint, over the evaluations at once (`evaluation.max_in_flight`
 //!   on Slurm, else 1), exceed the interval; judged once there are an evaluation and two gaps.
+//! - Said with hysteresis, since a run whose evaluation takes as long as its interval swings
+//!   around it: the WARN only once the queue grows (no verdict that it keeps pace over the last
+//!   [`HYSTERESIS_INTERVALS`] intervals, at least [`GROWING_QUEUE`] checkpoints waiting, more
+//!   than at the start of that span), and the INFO that it keeps pace again only once the queue
+//!   has stayed drained (at most [`DRAINED_QUEUE`] waiting) over as many intervals and the
+//!   verdict is that it keeps pace. The checkpoints waiting are sampled at each offer and each
+//!   evaluation, from the first (before any verdict: a queue may grow during the first
+//!   evaluation).
 
 use crate::config::{Backlog, Config, DeviceSpec, ExecutorKind};
 use crate::metrics::{Metrics, STAGE_PFD};
@@ -30,6 +38,15 @@ pub const INTERVAL_GAPS: usize = 8;
 pub const RECENT: usize = 9;
 /// Evaluations with the PF-ODE probe whose median is its cost.
 pub const RECENT_PF_ODE: usize = 3;
+/// Intervals over which the queue must grow before the warning, or stay drained before it clears.
+pub const HYSTERESIS_INTERVALS: f64 = 3.0;
+/// Checkpoints waiting, at least, for the queue to be said to grow.
+pub const GROWING_QUEUE: i64 = 2;
+/// Checkpoints waiting, at most, for the queue to be said drained (one may arrive while another
+/// is evaluated, at any pace).
+pub const DRAINED_QUEUE: i64 = 1;
+/// Judgments kept, at most, whatever the span (a bound on memory).
+const MAX_SAMPLES: usize = 4096;
 
 /// The median of `xs` (the mean of the two middle values for an even count); `None` for none.
 fn median(mut xs: Vec<f64>) -> Option<f64> {
@@ -199,7 +216,7 @@ pub fn verdict(seconds: f64, parallel: usize, interval: f64) -> Verdict {
     }
 }
 
-/// What has been said of the pace so far: each line at most once per run.
+/// What has been said of the pace so far.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Told {
     #[default]
@@ -208,20 +225,83 @@ pub enum Told {
     KeepsUp,
     /// The warning (WARN).
     Behind,
-    /// It kept up again after the warning (INFO); nothing more is said.
+    /// It kept up again after the warning (INFO).
     CaughtUp,
 }
 
-/// What a verdict makes the pace say, having said `told`: the new state, and the line to log
-/// (the state it announces), if any.
-pub fn tell(told: Told, verdict: Verdict) -> (Told, Option<Told>) {
-    let next = match (told, verdict) {
-        (Told::Nothing, Verdict::KeepsUp) => Told::KeepsUp,
-        (Told::Nothing | Told::KeepsUp, Verdict::Behind) => Told::Behind,
-        (Told::Behind, Verdict::KeepsUp) => Told::CaughtUp,
+/// One judgment: when (seconds), the checkpoints waiting, and the verdict (`None` before both
+/// estimates are known: the queue may grow during the first evaluation, before any verdict).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample {
+    pub at: f64,
+    pub pending: i64,
+    pub behind: Option<bool>,
+}
+
+/// The queue over the last span of [`HYSTERESIS_INTERVALS`] intervals.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Queue {
+    /// No verdict that it keeps pace, at least [`GROWING_QUEUE`] waiting, and more than at the
+    /// span's start.
+    Growing,
+    /// At most [`DRAINED_QUEUE`] waiting at every judgment.
+    Drained,
+    /// Neither, or the judgments do not cover the span yet.
+    Unsettled,
+}
+
+/// The queue from `samples` (oldest first, the last one now), over the `span` seconds before the
+/// last. The first sample is the one at or before the span's start, when there is one.
+pub fn queue(samples: &VecDeque<Sample>, span: f64) -> Queue {
+    let (Some(first), Some(last)) = (samples.front(), samples.back()) else {
+        return Queue::Unsettled;
+    };
+    if first.at > last.at - span {
+        return Queue::Unsettled;
+    }
+    if samples.iter().all(|s| s.behind != Some(false))
+        && last.pending >= GROWING_QUEUE
+        && last.pending > first.pending
+    {
+        Queue::Growing
+    } else if samples.iter().all(|s| s.pending <= DRAINED_QUEUE) {
+        Queue::Drained
+    } else {
+        Queue::Unsettled
+    }
+}
+
+/// What a judgment makes the pace say, having said `told`: the new state, and the line to log
+/// (the state it announces), if any. The first verdict that it keeps pace is said; the warning
+/// only when the queue grows, and keeping pace again only when it has drained and the verdict
+/// is that it keeps pace (a queue drained because the training stopped writing is not that).
+pub fn tell(told: Told, verdict: Verdict, queue: Queue) -> (Told, Option<Told>) {
+    let next = match (told, verdict, queue) {
+        (Told::Behind, Verdict::KeepsUp, Queue::Drained) => Told::CaughtUp,
+        (Told::Behind, _, _) => return (told, None),
+        (_, _, Queue::Growing) => Told::Behind,
+        (Told::Nothing, Verdict::KeepsUp, _) => Told::KeepsUp,
         _ => return (told, None),
     };
     (next, Some(next))
+}
+
+/// `n` of `what` with its plural: "1 evaluation", "2 evaluations".
+fn count(n: impl Into<i64>, what: &str) -> String {
+    match n.into() {
+        1 => format!("1 {what}"),
+        n => format!("{n} {what}s"),
+    }
+}
+
+/// The checkpoints waiting, as a clause: "no checkpoint waits", "1 checkpoint waits", "3
+/// checkpoints wait".
+fn waiting(n: i64) -> String {
+    match n {
+        0 => "no checkpoint waits".into(),
+        1 => "1 checkpoint waits".into(),
+        n => format!("{n} checkpoints wait"),
+    }
 }
 
 #[derive(Debug, Default)]
@@ -230,6 +310,8 @@ struct Inner {
     mtimes: BTreeMap<i64, i64>,
     recent: Recent,
     told: Told,
+    /// The judgments of the last span (and the one before it).
+    samples: VecDeque<Sample>,
 }
 
 /// A run's pace, shared by its watcher and its recorder thread.
@@ -239,6 +321,8 @@ pub struct Pace {
     parallel: usize,
     /// The remedies, for the warning.
     remedies: String,
+    /// The origin of the judgments' times.
+    started: std::time::Instant,
     inner: Mutex<Inner>,
 }
 
@@ -253,59 +337,91 @@ impl Pace {
             every: pf_ode_every(config),
             parallel,
             remedies: remedies(config),
+            started: std::time::Instant::now(),
             inner: Mutex::new(Inner::default()),
         }
+    }
+
+    /// Seconds since the pace was made.
+    fn now(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
     }
 
     /// The watcher offers a checkpoint: `checkpoints` are (step, mtime in ns) of those it offers
     /// and holds ready.
     pub fn offered(&self, checkpoints: impl IntoIterator<Item = (i64, i64)>) {
+        self.offered_at(checkpoints, self.now());
+    }
+
+    /// [`Pace::offered`] at `now` (seconds on the pace's clock).
+    pub fn offered_at(&self, checkpoints: impl IntoIterator<Item = (i64, i64)>, now: f64) {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let before = interval(&inner.mtimes);
         inner.mtimes.extend(checkpoints);
         while inner.mtimes.len() > INTERVAL_GAPS + 1 {
             inner.mtimes.pop_first();
         }
-        let now = interval(&inner.mtimes);
-        if now != before
-            && let Some((seconds, _)) = now
+        if let Some((seconds, _)) = interval(&inner.mtimes)
+            && interval(&inner.mtimes) != before
         {
             self.metrics.set_checkpoint_interval(seconds);
-            self.judge(&mut inner);
         }
+        self.judge(&mut inner, now);
     }
 
     /// An evaluation was recorded, live.
     pub fn evaluated(&self, record: &Evaluation) {
+        self.evaluated_at(record, self.now());
+    }
+
+    /// [`Pace::evaluated`] at `now` (seconds on the pace's clock).
+    pub fn evaluated_at(&self, record: &Evaluation, now: f64) {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         inner.recent.push(Timed::of(record));
         if let Some(seconds) = inner.recent.seconds_per_checkpoint(self.every) {
             self.metrics.set_evaluation_seconds(seconds);
         }
-        self.judge(&mut inner);
+        self.judge(&mut inner, now);
     }
 
-    /// Says what the pace is now, if that was not said yet.
-    fn judge(&self, inner: &mut Inner) {
-        let (Some(seconds), Some((interval, gaps))) = (
+    /// Judges the pace now, with the checkpoints waiting now, and says what changed; before both
+    /// estimates are known, only keeps the checkpoints waiting.
+    fn judge(&self, inner: &mut Inner, now: f64) {
+        let pending = self.metrics.pending();
+        let known = (
             inner.recent.seconds_per_checkpoint(self.every),
             interval(&inner.mtimes),
-        ) else {
+        );
+        let verdict = match known {
+            (Some(seconds), Some((interval, _))) => Some(verdict(seconds, self.parallel, interval)),
+            _ => None,
+        };
+        inner.samples.push_back(Sample {
+            at: now,
+            pending,
+            behind: verdict.map(|v| v == Verdict::Behind),
+        });
+        while inner.samples.len() > MAX_SAMPLES {
+            inner.samples.pop_front();
+        }
+        let (Some(verdict), (Some(seconds), Some((interval, gaps)))) = (verdict, known) else {
             return;
         };
-        let (told, say) = tell(inner.told, verdict(seconds, self.parallel, interval));
+        let span = HYSTERESIS_INTERVALS * interval;
+        while inner.samples.get(1).is_some_and(|s| s.at <= now - span) {
+            inner.samples.pop_front();
+        }
+        let before = inner.samples.front().map_or(0, |s| s.pending);
+        let (told, say) = tell(inner.told, verdict, queue(&inner.samples, span));
         inner.told = told;
         let run = self.metrics.run();
-        let pending = self.metrics.pending();
         let at_once = match self.parallel {
             1 => String::new(),
             n => format!(" ({n} at once: {})", secs(seconds / n as f64)),
         };
-        let (each, every) = (secs(seconds), secs(interval));
-        let n = match inner.recent.len() {
-            1 => "1 evaluation".to_string(),
-            n => format!("{n} evaluations"),
-        };
+        let (each, every, over) = (secs(seconds), secs(interval), secs(span));
+        let n = count(inner.recent.len() as i64, "evaluation");
+        let wait = waiting(pending);
         match say {
             Some(Told::KeepsUp) => tracing::info!(
                 run = %run, seconds_per_checkpoint = seconds, checkpoint_interval = interval,
@@ -315,14 +431,16 @@ impl Pace {
                 let pinned = self.metrics.pinned_bytes();
                 tracing::warn!(
                     run = %run, seconds_per_checkpoint = seconds, checkpoint_interval = interval, pending, pinned_bytes = pinned,
-                    "evaluation falls behind: {each} per checkpoint{at_once} (median of {n}), a checkpoint every {every} (median of {gaps} gaps); {pending} checkpoints wait, {}. {}",
+                    "evaluation falls behind: {each} per checkpoint{at_once} (median of {n}), a checkpoint every {every} (median of {gaps} gaps); {wait} ({} more than {over} ago), {}. {}",
+                    pending - before,
                     pins_note(pinned),
                     self.remedies
                 )
             }
             Some(Told::CaughtUp) => tracing::info!(
                 run = %run, seconds_per_checkpoint = seconds, checkpoint_interval = interval, pending,
-                "evaluation keeps pace again: {each} per checkpoint{at_once}, a checkpoint every {every}; {pending} checkpoints wait"
+                "evaluation keeps pace again: {each} per checkpoint{at_once}, a checkpoint every {every}; at most {} waited over the last {over}",
+                count(DRAINED_QUEUE, "checkpoint")
             ),
             _ => {}
         }
@@ -334,7 +452,10 @@ impl Pace {
 /// hold once rotation deleted the originals.
 fn pins_note(pinned: u64) -> String {
     format!(
-        "pinned against rotation (docs/guide/watching.md, \"Rotation\"; beyond {} pins, or where          the state folder cannot hold links to the run folder's files, rotation may delete one          before its turn); the pins alone hold {:.1} MB of checkpoints rotation has deleted          (diffmon_pinned_bytes)",
+        "pinned against rotation (docs/guide/watching.md, \"Rotation\"; beyond {} pins, or where \
+         the state folder cannot hold links to the run folder's files, rotation may delete one \
+         before its turn); the pins alone hold {:.1} MB of checkpoints rotation has deleted \
+         (diffmon_pinned_bytes)",
         crate::store::pin::MAX_PINS,
         pinned as f64 / 1e6
     )
@@ -497,28 +618,147 @@ pub(super) mod tests {
         assert_eq!(verdict(59.0, 0, 9.0), Verdict::Behind);
     }
 
-    /// Each line at most once per run: the first verdict, the warning, keeping up again; then
-    /// nothing, however the pace swings.
+    /// The first verdict that it keeps pace is said; the warning waits for a growing queue,
+    /// keeping pace again for a drained one and a verdict that it keeps pace; nothing in
+    /// between, however the verdicts swing.
     #[test]
-    fn the_warning_is_told_once_and_keeping_up_again_once() {
+    fn the_warning_waits_for_a_growing_queue_and_clears_on_a_drained_one() {
+        use Queue::*;
         use Verdict::*;
-        let said = |verdicts: &[Verdict]| {
+        let said = |judgments: &[(Verdict, Queue)]| {
             let mut told = Told::Nothing;
             let mut lines = Vec::new();
-            for &v in verdicts {
-                let (next, say) = tell(told, v);
+            for &(v, q) in judgments {
+                let (next, say) = tell(told, v, q);
                 told = next;
                 lines.extend(say);
             }
             lines
         };
         assert_eq!(said(&[]), []);
-        assert_eq!(said(&[KeepsUp, KeepsUp]), [Told::KeepsUp]);
-        assert_eq!(said(&[Behind, Behind, Behind]), [Told::Behind]);
+        assert_eq!(said(&[(KeepsUp, Unsettled); 3]), [Told::KeepsUp]);
+        assert_eq!(said(&[(Behind, Unsettled); 5]), [], "no growing queue yet");
         assert_eq!(
-            said(&[KeepsUp, Behind, Behind, KeepsUp, Behind, KeepsUp, Behind]),
-            [Told::KeepsUp, Told::Behind, Told::CaughtUp]
+            said(&[
+                (KeepsUp, Unsettled),
+                (Behind, Unsettled),
+                (KeepsUp, Drained),
+                (Behind, Growing),
+                (KeepsUp, Unsettled),
+                (Behind, Growing),
+                (Behind, Drained),
+                (KeepsUp, Drained),
+                (KeepsUp, Drained),
+                (Behind, Unsettled),
+                (Behind, Growing),
+            ]),
+            [Told::KeepsUp, Told::Behind, Told::CaughtUp, Told::Behind]
         );
+    }
+
+    /// The queue over the span: growing only when every verdict was Behind and at least two
+    /// wait, more than at the span's start; drained when at most one waited throughout;
+    /// nothing before the judgments cover the span.
+    #[test]
+    fn the_queue_grows_or_drains_over_the_span() {
+        let samples = |s: &[(f64, i64, Option<bool>)]| -> VecDeque<Sample> {
+            s.iter()
+                .map(|&(at, pending, behind)| Sample {
+                    at,
+                    pending,
+                    behind,
+                })
+                .collect()
+        };
+        assert_eq!(queue(&samples(&[]), 10.0), Queue::Unsettled);
+        let (b, k) = (Some(true), Some(false));
+        let grew = samples(&[(0.0, 1, b), (5.0, 2, b), (10.0, 3, b)]);
+        assert_eq!(queue(&grew, 10.0), Queue::Growing);
+        assert_eq!(queue(&grew, 11.0), Queue::Unsettled, "the span not covered");
+        let once_kept_up = samples(&[(0.0, 1, b), (5.0, 2, k), (10.0, 3, b)]);
+        assert_eq!(queue(&once_kept_up, 10.0), Queue::Unsettled);
+        let level = samples(&[(0.0, 3, b), (10.0, 3, b)]);
+        assert_eq!(queue(&level, 10.0), Queue::Unsettled, "not growing");
+        // Grown during the first evaluation, before any verdict.
+        let first = samples(&[(0.0, 0, None), (10.0, 4, None), (10.0, 4, b)]);
+        assert_eq!(queue(&first, 10.0), Queue::Growing);
+        let one = samples(&[(0.0, 0, b), (10.0, 1, b)]);
+        assert_eq!(
+            queue(&one, 10.0),
+            Queue::Drained,
+            "one waiting is not a queue"
+        );
+        let drained = samples(&[(0.0, 1, k), (5.0, 0, b), (10.0, 1, k)]);
+        assert_eq!(queue(&drained, 10.0), Queue::Drained);
+    }
+
+    /// Plurals.
+    #[test]
+    fn counts_are_said_with_their_plural() {
+        assert_eq!(count(1, "evaluation"), "1 evaluation");
+        assert_eq!(count(9, "evaluation"), "9 evaluations");
+        assert_eq!(waiting(0), "no checkpoint waits");
+        assert_eq!(waiting(1), "1 checkpoint waits");
+        assert_eq!(waiting(12), "12 checkpoints wait");
+    }
+
+    /// A run simulated as the threads drive the pace: the training writes a checkpoint every
+    /// `interval` seconds; the evaluator takes the oldest waiting one when idle (an offer) and
+    /// spends `seconds(k)` on the k-th (an evaluation). Returns what the pace said, in order.
+    fn simulate(interval: f64, n: usize, seconds: impl Fn(usize) -> f64) -> Vec<Told> {
+        let metrics = Arc::new(Metrics::new("r"));
+        let pace = Pace::new(&config(), metrics.clone());
+        // A hair past each multiple of the interval, which float division may put just below.
+        let written = |t: f64| ((t / interval + 1e-9).floor() as usize).min(n);
+        let mtime = |k: usize| ((k as f64 + 1.0) * interval * S as f64).round() as i64;
+        let (mut now, mut taken, mut said) = (interval, 0usize, Vec::new());
+        let record = |pace: &Pace, told: &mut Vec<Told>| {
+            let t = lock(pace).told;
+            if told.last().copied().unwrap_or_default() != t {
+                told.push(t);
+            }
+        };
+        while taken < n {
+            if written(now) <= taken {
+                now = (taken + 1) as f64 * interval; // idle until the next checkpoint
+                continue;
+            }
+            let k = taken;
+            taken += 1;
+            metrics.set_pending(written(now) - taken);
+            pace.offered_at((k..written(now)).map(|j| (j as i64, mtime(j))), now);
+            record(&pace, &mut said);
+            now += seconds(k);
+            metrics.set_pending(written(now) - taken);
+            let record_k = Evaluation {
+                step: k as i64,
+                seconds: seconds(k),
+                ..Evaluation::default()
+            };
+            pace.evaluated_at(&record_k, now);
+            record(&pace, &mut said);
+        }
+        said
+    }
+
+    /// The issue's run: a checkpoint every 4.8 s and 4.8 s an evaluation, give or take a tenth
+    /// of a second. The verdicts swing on every checkpoint, at most one checkpoint ever waits:
+    /// the pace says once that it keeps pace, and never warns.
+    #[test]
+    fn no_flapping_when_the_evaluation_takes_the_interval() {
+        let jitter = |k: usize| [0.0, 0.1, -0.1, 0.05, -0.05, 0.1, -0.1][k % 7];
+        let said = simulate(4.8, 300, |k| 4.8 + jitter(k));
+        assert_eq!(said, [Told::KeepsUp], "{said:?}");
+        // Exactly the interval, every time.
+        assert_eq!(simulate(4.8, 300, |_| 4.8), [Told::KeepsUp]);
+    }
+
+    /// Evaluation at 1.5 intervals for 40 checkpoints, then at half an interval: one warning
+    /// once the queue grows, one INFO once it has drained, nothing else.
+    #[test]
+    fn a_run_that_falls_behind_then_catches_up_is_told_once_each() {
+        let said = simulate(4.8, 200, |k| if k < 40 { 7.2 } else { 2.4 });
+        assert_eq!(said, [Told::Behind, Told::CaughtUp], "{said:?}");
     }
 
     /// The pace as the threads drive it: the gauges appear once known, and the verdict waits
@@ -544,7 +784,11 @@ pub(super) mod tests {
             "{}",
             text()
         );
-        assert_eq!(lock(&pace).told, Told::Behind);
+        assert_eq!(
+            lock(&pace).told,
+            Told::Nothing,
+            "behind, but no queue has grown"
+        );
         assert!(pace.remedies.contains("icr.samples"), "{}", pace.remedies);
         // The warning says the waiting checkpoints are pinned, and what the pins hold.
         metrics.set_pinned_bytes(61_234_567);

@@ -1,6 +1,7 @@
 //! The one shutdown path (ARCHITECTURE.md, "Shutdown"). [`until_stopped`] is the one place that
-//! decides to stop: on the first SIGINT/SIGTERM, or when the pipeline ends by itself (the
-//! executor stopped). The stages see it one way: their input channel closes. The stop channel
+//! decides to stop: on the first SIGINT/SIGTERM, or when the pipeline ends by itself: the
+//! training job ended and the watcher handed everything over (`watch --until-pid`, `until.rs`),
+//! or the executor stopped. The stages see it one way: their input channel closes. The stop channel
 //! ([`stop_channel`]) closes first; the watcher sees it and drops the work channel, the
 //! executor finishes the item in flight and drops the outcome channel, the recorder records
 //! what is left and ends. That drain is bounded by `shutdown_drain_secs`; past it, or on a
@@ -8,8 +9,22 @@
 //! 1 past the drain (as the stop was a signal or not), 130 on a second signal, 1 on a panic.
 
 use crossbeam_channel::{Receiver, Sender};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
+
+/// Why the daemon stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stopped {
+    /// SIGINT or SIGTERM.
+    Signal,
+    /// The training job ended (`--until-pid`, `--until-file`) and every checkpoint it left was
+    /// evaluated and recorded.
+    JobEnded,
+    /// The executor stopped by itself (an error).
+    Failed,
+}
 
 /// Closes the stop channel when dropped.
 pub struct Stop {
@@ -37,8 +52,9 @@ pub fn exit_on_panic() {
 
 /// Waits for the first SIGINT/SIGTERM or the end of the recorder thread (which ends only once
 /// the executor has ended), whichever comes first, then stops the pipeline (drops `stop`) and
-/// waits for the watcher and the recorder to end, at most `drain` in all. Returns whether a
-/// signal stopped it, and what the recorder thread returned. Past `drain` it exits the process
+/// waits for the watcher and the recorder to end, at most `drain` in all. Returns why it
+/// stopped (the recorder's end is the job's end when `finished` was set by the watcher, else a
+/// failure), and what the recorder thread returned. Past `drain` it exits the process
 /// (status 0 after a signal, else 1): the evaluation in flight is not waited for, and the crash
 /// marker is disarmed first, so that checkpoint is not blamed. From the stop on, a signal
 /// exits the process at once with status 130.
@@ -48,21 +64,27 @@ pub fn until_stopped<T: Send + 'static>(
     watcher: JoinHandle<()>,
     recorder: JoinHandle<T>,
     drain: Duration,
-) -> std::io::Result<(bool, T)> {
+    finished: Option<Arc<AtomicBool>>,
+) -> std::io::Result<(Stopped, T)> {
     let mut signals = {
         let _guard = runtime.enter();
         Signals::install()?
     };
     let mut recorded = runtime.spawn_blocking(move || recorder.join());
-    let (signalled, early) = runtime.block_on(async {
+    let (stopped, early) = runtime.block_on(async {
         let stopped = tokio::select! {
             _ = signals.next() => {
                 tracing::info!("draining: the evaluation in flight finishes (signal again to exit now)");
-                (true, None)
+                (Stopped::Signal, None)
             }
             ended = &mut recorded => {
-                tracing::error!("the evaluator stopped unexpectedly");
-                (false, Some(ended))
+                if finished.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) {
+                    tracing::info!("every checkpoint the training job left is evaluated and recorded");
+                    (Stopped::JobEnded, Some(ended))
+                } else {
+                    tracing::error!("the evaluator stopped unexpectedly");
+                    (Stopped::Failed, Some(ended))
+                }
             }
         };
         drop(stop);
@@ -95,9 +117,9 @@ pub fn until_stopped<T: Send + 'static>(
             "the evaluation in flight did not finish within {drain:?} (shutdown_drain_secs); it will be evaluated again after a restart"
         );
         tracing::info!("stopped");
-        crate::store::crash::exit_now(if signalled { 0 } else { 1 });
+        crate::store::crash::exit_now(if stopped == Stopped::Signal { 0 } else { 1 });
     };
-    Ok((signalled, value))
+    Ok((stopped, value))
 }
 
 /// The second signal: exits at once, with status 130 (`cli::Exit::Interrupted`).
@@ -190,8 +212,9 @@ mod tests {
         };
         let recorder = std::thread::spawn(|| 42);
         let drain = Duration::from_secs(60);
-        let (signalled, value) = until_stopped(&runtime, stop, watcher, recorder, drain).unwrap();
-        assert_eq!((signalled, value), (false, 42));
+        let (stopped, value) =
+            until_stopped(&runtime, stop, watcher, recorder, drain, None).unwrap();
+        assert_eq!((stopped, value), (Stopped::Failed, 42));
         assert!(saw_stop.load(Ordering::SeqCst));
     }
 }

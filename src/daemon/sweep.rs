@@ -129,8 +129,8 @@ pub fn run(config: Config) -> Result<()> {
     tracing::info!("{}", config.cost_summary());
 
     let drain = config.shutdown_drain;
-    let (signalled, (sinks, locks)) =
-        shutdown::until_stopped(&runtime, stop, watcher, recorder, drain)?;
+    let (stopped, (sinks, locks)) =
+        shutdown::until_stopped(&runtime, stop, watcher, recorder, drain, None)?;
     let _ = executor.join();
     for sinks in sinks {
         sinks.close(&runtime);
@@ -139,7 +139,7 @@ pub fn run(config: Config) -> Result<()> {
     runtime.shutdown_timeout(Duration::from_secs(1));
     drop(locks);
     tracing::info!("stopped");
-    if !signalled {
+    if stopped != shutdown::Stopped::Signal {
         anyhow::bail!("the evaluator stopped unexpectedly");
     }
     Ok(())

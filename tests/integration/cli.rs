@@ -41,6 +41,48 @@ fn init_then_check(cwd: &Path, run: &str, config: &Path) -> String {
     stdout(&check)
 }
 
+/// A run folder with two exported architectures (`model.ts`, `unet/model.ts`): init chooses
+/// none, lists both, asks for `--architecture` and writes nothing (exit 2); with it, the config
+/// names that one and passes `check-config`, which prints `icr.sigma`'s signal-to-noise ratio.
+#[test]
+fn init_with_two_architectures_asks_which() {
+    let dir = run_dir();
+    let d = dir.path();
+    fs::create_dir(d.join("unet")).unwrap();
+    fs::copy(fixtures().join("arch.ts"), d.join("unet/model.ts")).unwrap();
+    let config = d.join("diffmon.yaml");
+    let out = diffmon_in(d, &["init", "--run-dir", ".", "--out", "diffmon.yaml"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    for want in ["./model.ts", "./unet/model.ts", "--architecture"] {
+        assert!(stderr(&out).contains(want), "{want}: {}", stderr(&out));
+    }
+    assert!(!config.exists(), "nothing written");
+
+    let out = diffmon_in(
+        d,
+        &[
+            "init",
+            "--run-dir",
+            ".",
+            "--out",
+            "diffmon.yaml",
+            "--architecture",
+            "./unet/model.ts",
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = fs::read_to_string(&config).unwrap();
+    assert!(text.contains("\n  architecture: unet/model.ts"), "{text}");
+    assert!(text.contains("\ncpu_threads: "), "{text}");
+    let check = diffmon_in(d, &["check-config", "--config", "diffmon.yaml"]);
+    assert!(check.status.success(), "{}", stderr(&check));
+    assert!(
+        stdout(&check).contains("a signal-to-noise ratio of "),
+        "{}",
+        stdout(&check)
+    );
+}
+
 #[test]
 fn init_output_passes_check_config() {
     let dir = run_dir();

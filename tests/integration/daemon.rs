@@ -394,22 +394,29 @@ fn a_daemon_slower_than_the_checkpoints_warns_once_that_it_falls_behind() {
     assert!(check.status.success(), "{}", stderr(&check));
     assert!(!stdout(&check).contains("measured"), "{}", stdout(&check));
 
-    // Written a minute ago, 0.05 s apart, then renamed into place together.
-    let steps = [100, 200, 300, 400];
+    // Written a minute ago, 0.05 s apart, then renamed into place four at a time: the second
+    // four once the first is evaluated, so that the queue grows (the warning waits for that).
     let written = std::time::SystemTime::now() - Duration::from_secs(60);
-    for (k, step) in steps.iter().enumerate() {
-        let tmp = dir.join(format!("ckpt_{step:06}.pt.tmp"));
-        fs::copy(toy_run().join("ckpt_000030.pt"), &tmp).unwrap();
-        let f = fs::File::options().write(true).open(&tmp).unwrap();
-        f.set_modified(written + Duration::from_millis(50 * k as u64))
-            .unwrap();
-    }
-    for step in steps {
-        let name = format!("ckpt_{step:06}.pt");
-        fs::rename(dir.join(format!("{name}.tmp")), dir.join(name)).unwrap();
-    }
-    d.wait_for(Duration::from_secs(300), "four evaluations", |d| {
-        d.evaluated() >= 4.0
+    let place = |steps: std::ops::RangeInclusive<i64>| {
+        for step in steps.clone() {
+            let tmp = dir.join(format!("ckpt_{:06}.pt.tmp", step * 100));
+            fs::copy(toy_run().join("ckpt_000030.pt"), &tmp).unwrap();
+            let f = fs::File::options().write(true).open(&tmp).unwrap();
+            f.set_modified(written + Duration::from_millis(50 * step as u64))
+                .unwrap();
+        }
+        for step in steps {
+            let name = format!("ckpt_{:06}.pt", step * 100);
+            fs::rename(dir.join(format!("{name}.tmp")), dir.join(name)).unwrap();
+        }
+    };
+    place(1..=4);
+    d.wait_for(Duration::from_secs(300), "one evaluation", |d| {
+        d.evaluated() >= 1.0
+    });
+    place(5..=8);
+    d.wait_for(Duration::from_secs(300), "eight evaluations", |d| {
+        d.evaluated() >= 8.0
     });
 
     let log = d.log();
@@ -423,7 +430,8 @@ fn a_daemon_slower_than_the_checkpoints_warns_once_that_it_falls_behind() {
         "WARN",
         "run=test",
         "a checkpoint every 0.050 s",
-        "checkpoints wait",
+        "checkpoints wait (",
+        " more than 0.150 s ago)",
         "Remedies (docs/guide/watching.md, \"When diffmon falls behind\"): lower icr.samples (now 1024)",
         "checkpoints.backlog: latest",
         "device: cuda",
@@ -451,7 +459,7 @@ fn a_daemon_slower_than_the_checkpoints_warns_once_that_it_falls_behind() {
         .find(|l| l.starts_with("measured: "))
         .unwrap_or_else(|| panic!("no measured line in\n{out}"));
     assert!(
-        line.contains(" s per checkpoint (median of the last 4 evaluations in ")
+        line.contains(" s per checkpoint (median of the last 8 evaluations in ")
             && line.ends_with(".diffmon)"),
         "{line}"
     );
@@ -462,4 +470,133 @@ fn a_daemon_slower_than_the_checkpoints_warns_once_that_it_falls_behind() {
         .parse()
         .unwrap();
     assert!(measured > 4.0 * interval, "{line}");
+}
+
+/// Starts `diffmon watch --config config` with `until` (its other arguments) from `cwd`, waits
+/// until it watches, then creates `go` (the training waits for it) and waits for the daemon to
+/// exit by itself (at most 300 s): its exit code and log.
+fn watch_until(config: &Path, cwd: &Path, until: &[&str], go: &Path) -> (Option<i32>, String) {
+    let log = config.with_extension("log");
+    let out = fs::File::create(&log).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_diffmon"))
+        .args(["watch", "--config", config.to_str().unwrap()])
+        .args(until)
+        .current_dir(cwd)
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let text = || fs::read_to_string(&log).unwrap_or_default();
+    let start = Instant::now();
+    let mut started = false;
+    let status = loop {
+        if !started && text().contains("watching for checkpoints") {
+            fs::write(go, b"").unwrap();
+            started = true;
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > Duration::from_secs(300) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("watch {until:?} did not end within 300 s:\n{}", text());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    (status.code(), text())
+}
+
+/// A config for the run folder `<dir>/<run>` (its model and data in `dir`), with the U-turn
+/// detector of `early_stop.rs`.
+fn until_config(dir: &Path, run: &str, rise: f64) -> PathBuf {
+    let config = dir.join(format!("{run}.yaml"));
+    fs::write(
+        &config,
+        format!(
+            "run: {{dir: {run}, name: test}}\nmodel: {{architecture: model.ts}}\ndevice: cpu\n\
+             data: {{path: train.h5, heldout_path: heldout.h5}}\n\
+             http: {{listen: \"127.0.0.1:{}\"}}\nicr: {{samples: 256, batch_size: 256}}\n\
+             checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{}",
+            free_port(),
+            crate::early_stop::detector_config(rise)
+        ),
+    )
+    .unwrap();
+    fs::create_dir(dir.join(run)).unwrap();
+    config
+}
+
+/// A training job as a real process: a shell that waits for the file `go`, then writes
+/// `sources` as `ckpt_1.pt`, `ckpt_2.pt`, ... into `run` (each copied under a temporary name,
+/// then renamed into place), the last one just before it runs `last` and exits. Not waited
+/// for: once it exits it stays a zombie, which has ended all the same.
+fn training(run: &Path, go: &Path, sources: &[&PathBuf], last: &str) -> Child {
+    let mut script = format!(
+        "set -e\nwhile [ ! -e '{}' ]; do sleep 0.1; done\n",
+        go.display()
+    );
+    for (k, src) in sources.iter().enumerate() {
+        let step = k + 1;
+        script.push_str(&format!(
+            "cp '{src}' '{run}/.ckpt_{step}.tmp'\nmv '{run}/.ckpt_{step}.tmp' '{run}/ckpt_{step}.pt'\n",
+            src = src.display(),
+            run = run.display()
+        ));
+        if step < sources.len() {
+            script.push_str("sleep 0.3\n");
+        }
+    }
+    script.push_str(last);
+    Command::new("sh").args(["-c", &script]).spawn().unwrap()
+}
+
+/// `watch --until-pid` under a real training process (five checkpoints, ICR high, low, low,
+/// high, high, the last written as the process exits): the daemon evaluates and records every
+/// checkpoint, then exits 3, the early stop having fired at the fifth. `--until-file` with a
+/// marker written after two checkpoints (no turn): exit 0, both recorded, the marker no
+/// checkpoint.
+#[test]
+fn watch_ends_with_the_training_job_after_the_last_evaluation() {
+    let run = empty_run();
+    let dir = run.path();
+    crate::early_stop::write_base_config(dir, "");
+    let (hi, lo, rise) = crate::early_stop::checkpoints_by_icr(dir);
+
+    let config = until_config(dir, "pid", rise);
+    let go = dir.join("go-pid");
+    let mut job = training(
+        &dir.join("pid"),
+        &go,
+        &[&hi, &lo, &lo, &hi, &hi],
+        "exit 0\n",
+    );
+    let pid = job.id().to_string();
+    let (code, log) = watch_until(&config, dir, &["--until-pid", &pid], &go);
+    assert_eq!(code, Some(3), "{log}");
+    assert_eq!(journal(&dir.join("pid")).0, [1, 2, 3, 4, 5], "{log}");
+    assert!(log.contains(&format!("process {pid} ended")), "{log}");
+    assert!(log.contains("exiting with status 3"), "{log}");
+    let stop: Value =
+        serde_json::from_str(&fs::read_to_string(dir.join("pid/EARLY_STOP")).unwrap()).unwrap();
+    assert_eq!(
+        (stop["best_step"].as_i64(), stop["current_step"].as_i64()),
+        (Some(2), Some(5))
+    );
+    job.wait().unwrap(); // a zombie until now, while the daemon ran
+
+    let config = until_config(dir, "file", rise);
+    let go = dir.join("go-file");
+    let marker = dir.join("file/DONE");
+    let touch = format!("touch '{}'\n", marker.display());
+    let mut job = training(&dir.join("file"), &go, &[&hi, &lo], &touch);
+    let (code, log) = watch_until(&config, dir, &["--until-file", "file/DONE"], &go);
+    assert_eq!(code, Some(0), "{log}");
+    assert!(marker.is_file());
+    assert_eq!(journal(&dir.join("file")), (vec![1, 2], vec![]), "{log}");
+    assert!(log.contains("DONE exists"), "{log}");
+    assert!(log.contains("exiting with status 0"), "{log}");
+    assert!(!dir.join("file/EARLY_STOP").exists());
+    assert!(job.wait().unwrap().success());
 }

@@ -96,6 +96,8 @@ pub struct Watcher {
     pub(super) pins: Option<crate::store::pin::Pins>,
     /// The run's pace, told the checkpoints offered (see [`Watcher::pacing`]).
     pub(super) pace: Option<Arc<crate::daemon::pace::Pace>>,
+    /// The training job's end (`watch --until-pid`/`--until-file`; see [`Watcher::until`]).
+    pub(super) finish: Option<crate::daemon::until::Finish>,
 }
 
 /// A daemon that stops leaves the pins of the checkpoints still waiting on disk: the next start
@@ -145,6 +147,7 @@ impl Watcher {
             pins: None,
             kept_from: None,
             pace: None,
+            finish: None,
         }
     }
 
@@ -189,6 +192,16 @@ impl Watcher {
         self
     }
 
+    /// Ends the watcher once the training job has ended and everything it wrote has been
+    /// handed over (`daemon/until.rs`); its marker file is never a checkpoint.
+    pub(crate) fn until(mut self, finish: crate::daemon::until::Finish) -> Watcher {
+        if let Some(file) = finish.file() {
+            self.excluded.insert(crate::config::normalize(file));
+        }
+        self.finish = Some(finish);
+        self
+    }
+
     /// Notifications through a sweep's one inotify instance instead of one of its own.
     pub fn with_notifications(mut self, shared: Option<SharedNotifications>) -> Watcher {
         self.shared_notifications = shared;
@@ -203,10 +216,8 @@ impl Watcher {
 
     /// Files that are never checkpoints, whatever their name (those the config names).
     pub fn with_excluded(mut self, paths: impl IntoIterator<Item = PathBuf>) -> Watcher {
-        self.excluded = paths
-            .into_iter()
-            .map(|p| crate::config::normalize(&p))
-            .collect();
+        self.excluded
+            .extend(paths.into_iter().map(|p| crate::config::normalize(&p)));
         self
     }
 
@@ -249,10 +260,10 @@ impl Watcher {
 
     /// Marks `item` as handed over; with `latest`, drops the older pending items.
     pub(super) fn taken(&mut self, item: &WorkItem) {
-        if let Some(pace) = &self.pace {
-            let ready = self.ready.values().chain([item]);
-            pace.offered(ready.map(|w| (w.step, w.key.mtime_ns)));
-        }
+        // The pace reads the checkpoints waiting after this one was taken.
+        let offered: Vec<(i64, i64)> = (self.ready.values().chain([item]))
+            .map(|w| (w.step, w.key.mtime_ns))
+            .collect();
         self.offered.insert(item.key.clone());
         self.ready.remove(&(item.step, item.path.clone()));
         if self.config.backlog == Backlog::Latest && !self.ready.is_empty() {
@@ -264,6 +275,33 @@ impl Watcher {
             self.metrics.skipped(skipped.len());
         }
         self.metrics.set_pending(self.ready.len());
+        if let Some(pace) = &self.pace {
+            pace.offered(offered);
+        }
+    }
+
+    /// Checkpoints that can still be handed over: ready, or settling (not those that cannot be
+    /// read now: after the job's end they are left, with a WARN).
+    fn left(&self) -> usize {
+        let settling = self.candidates.keys();
+        self.ready.len() + settling.filter(|p| !self.unreadable.contains(*p)).count()
+    }
+
+    /// After the training job's end (`--until-pid`/`--until-file`): whether everything is
+    /// handed over, so that the watcher ends.
+    fn finished(&self) -> bool {
+        let left = self.left();
+        let Some(finish) = &self.finish else {
+            return false;
+        };
+        if !finish.done(left) {
+            return false;
+        }
+        for path in self.candidates.keys() {
+            tracing::warn!(checkpoint = %shown(path), "cannot be read: not evaluated before the daemon stops");
+        }
+        finish.finish();
+        true
     }
 
     /// Runs until `stop` is closed (the daemon stops; nothing is ever sent on it) or the
@@ -291,10 +329,19 @@ impl Watcher {
             (self.settle() / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
         let mut next_poll = Instant::now();
         while !matches!(stop.try_recv(), Err(TryRecvError::Disconnected)) {
+            if self.finish.as_mut().is_some_and(|f| f.check()) {
+                next_poll = Instant::now(); // a scan now: what the job wrote last
+            }
             let now = Instant::now();
             if now >= next_poll {
                 self.scan();
                 next_poll = now + poll;
+                if let Some(finish) = &mut self.finish {
+                    finish.scanned();
+                }
+            }
+            if self.finished() {
+                return; // the work channel closes: the evaluator finishes and ends
             }
             if std::mem::take(&mut self.rewatch) && self.config.inotify {
                 // The old watch went with the deleted folder; a shared one is removed first,
