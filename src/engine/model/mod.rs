@@ -7,22 +7,26 @@
 //! through the C++ shim), `device.rs` (the device, and files that pin one), this file (the
 //! `Model`: the contract check, weights by name, the forward in batches that fit), `gpu.rs` (the
 //! GPU time and memory of the forward passes, and their limits), `compiled.rs` (the compiled
-//! network: an AOTInductor package vetted, loaded and given each checkpoint's weights).
+//! network: an AOTInductor package vetted, loaded and given each checkpoint's weights),
+//! `note.rs` (what the exporter recorded in the architecture file).
 
 pub mod compiled;
 mod device;
 mod error;
 mod gpu;
 mod module;
+mod note;
 
 pub use device::{check_pins, pinned_devices, pins_problem, select_device};
 pub use error::ModelError;
 pub use gpu::{GpuLimits, GpuUse};
 pub use module::PinnedDevice;
+pub use note::export_note;
 
 use crate::config::{CompiledSetting, Precision};
 use crate::weights::{self, DType, Naming, RawTensor, ReadOptions};
 use module::{ForwardFailure, Module, set_tf32};
+use note::{check_condition, non_persistent_buffers};
 use std::collections::HashMap;
 use std::path::Path;
 use tch::{Device, Kind, Tensor};
@@ -69,66 +73,6 @@ pub struct Model {
     compiled: Option<compiled::Package>,
     /// Which format runs and why.
     format: String,
-}
-
-/// The exporter's note inside the architecture archive (`extra/diffmon.json`).
-const EXPORT_NOTE: &str = "extra/diffmon.json";
-
-/// The exporter's note of a TorchScript file (`diffmon.json`: what `diffmon-export` recorded,
-/// e.g. the condition held fixed), `None` for a file made otherwise. The file is trusted, but
-/// the note is still read bounded (1 MiB).
-pub fn export_note(path: &Path) -> Option<serde_json::Value> {
-    let mut zip = zip::ZipArchive::new(std::fs::File::open(path).ok()?).ok()?;
-    let name = zip
-        .file_names()
-        .find(|n| n.ends_with(EXPORT_NOTE))?
-        .to_string();
-    let entry = zip.by_name(&name).ok()?;
-    let mut text = String::new();
-    std::io::Read::read_to_string(&mut std::io::Read::take(entry, 1 << 20), &mut text).ok()?;
-    serde_json::from_str(&text).ok()
-}
-
-/// Refuses a file whose exporter's note records a fixed condition embedding with a zero-sized
-/// dimension (an older exporter accepted `[1,0,8]`): every forward would condition on nothing.
-fn check_condition(path: &Path) -> Result<(), ModelError> {
-    let Some(note) = export_note(path) else {
-        return Ok(());
-    };
-    let condition = &note["condition"];
-    if condition["kind"] != "embedding" {
-        return Ok(());
-    }
-    let shape: Vec<i64> = condition["shape"]
-        .as_array()
-        .map(|s| s.iter().filter_map(serde_json::Value::as_i64).collect())
-        .unwrap_or_default();
-    if shape.len() != 3 || shape.iter().any(|d| *d <= 0) {
-        return Err(ModelError::Contract {
-            path: path.to_path_buf(),
-            message: format!(
-                "its fixed condition embedding has shape {shape:?}: a zero-sized dimension (or \
-                 not [1,L,D]); re-export it with an embedding of values"
-            ),
-        });
-    }
-    Ok(())
-}
-
-/// The names of the non-persistent buffers the exporter listed in the architecture file (none
-/// for a file made otherwise).
-fn non_persistent_buffers(path: &Path) -> Vec<String> {
-    export_note(path)
-        .and_then(|v| {
-            Some(
-                v.get("non_persistent_buffers")?
-                    .as_array()?
-                    .iter()
-                    .filter_map(|n| n.as_str().map(String::from))
-                    .collect(),
-            )
-        })
-        .unwrap_or_default()
 }
 
 impl Model {
