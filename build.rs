@@ -19,14 +19,15 @@ fn main() {
             std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into())
         ))
         .flag("-DGLOG_USE_GLOG_EXPORT")
+        // Where the shim finds `libtorch.so` when a compiled package needs it (dm_package_load).
+        .define(
+            "DM_LIBTORCH_SO",
+            format!("{:?}", lib.join("libtorch.so").display().to_string()).as_str(),
+        )
         .file("src/ffi/module_shim.cpp")
         .compile("diffmon_shim");
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
-    // A compiled package's shared object (AOTInductor) needs `libtorch.so`, which nothing of
-    // diffmon's own uses: linked whatever the linker's --as-needed says, it is loaded with the
-    // binary, so the package's dlopen finds it by its name.
-    println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-ltorch,--as-needed");
     println!("cargo:rerun-if-changed=src/ffi/module_shim.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
 }

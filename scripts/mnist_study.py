@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The lead-time study on real images (docs/guide/early-stop.md, "Real images: the MNIST lead-time
-study"): how early does each early-stop rule name a checkpoint from before the model starts
-copying its training images, on MNIST at its own 28x28?
+"""The lead-time study on real images: how early does each early-stop rule name a checkpoint
+from before the model starts copying its training images, on MNIST at its own 28x28?
+(docs/guide/early-stop.md, "Real images: the MNIST lead-time study")
 
     .venv/bin/python scripts/mnist_study.py OUT_DIR [--sizes 64,256,1024,rich] [--seeds 0,1,2]
         [--steps 2000] [--rich-size 20000] [--rich-steps 4000] [--ckpt-every 100] [--width 32]

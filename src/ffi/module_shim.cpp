@@ -12,6 +12,8 @@
 #include <torch/script.h>
 #include <torch/version.h>
 
+#include <dlfcn.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -199,8 +201,18 @@ const char *dm_torch_version() {
 // shared object inside (native code: the caller decides whether the file is trusted first).
 // Only what torch 2.11 and 2.13 both declare is called: the five-argument constructor, run,
 // get_constant_fqns and the three-argument load_constants.
+// The package's shared object needs `libtorch.so`, which nothing else of diffmon uses: linking it
+// into the binary would load libtorch's CUDA libraries into every diffmon process (hundreds of
+// MB), so it is loaded here, globally, only when a package is (then the package's own dlopen
+// finds it by its name).
 void *dm_package_load(const char *path, int device_index, char **err) {
   return guarded<void *>(err, nullptr, [&]() -> void * {
+    if (dlopen(DM_LIBTORCH_SO, RTLD_NOW | RTLD_GLOBAL) == nullptr &&
+        dlopen("libtorch.so", RTLD_NOW | RTLD_GLOBAL) == nullptr) {
+      const char *why = dlerror();
+      throw std::runtime_error(std::string("cannot load libtorch.so for the compiled package: ") +
+                               (why ? why : "unknown error"));
+    }
     return new torch::inductor::AOTIModelPackageLoader(
         path, "model", /*run_single_threaded=*/false, /*num_runners=*/1,
         static_cast<c10::DeviceIndex>(device_index));

@@ -235,33 +235,37 @@ fn hostile_checkpoints_are_recorded_failures_and_the_daemon_goes_on() {
     assert!(!log.contains(SECRET), "{log}");
 }
 
-/// Peak resident memory (KiB) and output of a `diffmon eval` child, from `wait4` on that child
-/// alone (not the other tests' children).
-// The child is reaped by `wait4` below (which also returns its rusage), not by `Child::wait`.
-#[allow(clippy::zombie_processes)]
+/// Peak resident memory (KiB), exit code and stderr of a `diffmon eval` child, measured by GNU
+/// time (`make setup` installs it) around that child alone. Not from this process's own `wait4`:
+/// Linux carries a process's peak RSS across `exec`, so a child forked from this test binary
+/// would report the binary's own peak (other tests in it may have loaded libtorch's CUDA
+/// libraries, hundreds of MB) when that is higher than the child's.
 fn eval_peak_rss(cfg: &Path, ckpt: &Path) -> (i64, i32, String) {
-    let child = Command::new(env!("CARGO_BIN_EXE_diffmon"))
+    let dir = tempfile::tempdir().unwrap();
+    let peak = dir.path().join("peak");
+    let out = Command::new("/usr/bin/time")
+        .arg("-o")
+        .arg(&peak)
+        .args(["-f", "%M"])
+        .arg(env!("CARGO_BIN_EXE_diffmon"))
         .args(["eval", "--config", cfg.to_str().unwrap(), "--json"])
         .arg(ckpt)
         .env("DIFFMON_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
-        .spawn()
+        .output()
         .unwrap();
-    let pid = child.id() as libc::pid_t;
-    let mut stderr_pipe = child.stderr.unwrap();
-    let mut err = String::new();
-    std::io::Read::read_to_string(&mut stderr_pipe, &mut err).unwrap();
-    let mut status = 0;
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
-    assert_eq!(r, pid);
-    let code = if libc::WIFEXITED(status) {
-        libc::WEXITSTATUS(status)
-    } else {
-        -libc::WTERMSIG(status)
-    };
-    (usage.ru_maxrss, code, err)
+    let text = fs::read_to_string(&peak).unwrap();
+    // GNU time writes "Command exited with non-zero status N" before the number then.
+    let kib = text
+        .lines()
+        .last()
+        .unwrap_or("")
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{text}"));
+    let code = out.status.code().unwrap_or(-1);
+    (kib, code, String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 #[test]
@@ -424,7 +428,9 @@ pub(crate) fn declared_gib(multi: &Path, bomb: &Path, run: &Path, gib: u32) {
 }
 
 /// Peak resident memory (KiB) of a `diffmon watch` over `dir` until the journal holds
-/// `records` entries, from `wait4` on that child after a SIGTERM.
+/// `records` entries: the daemon's own high-water mark (`VmHWM` of /proc/PID/status, which
+/// starts afresh at `exec`, unlike `wait4`'s, which carries this test binary's peak over), read
+/// once the records are written, before the SIGTERM.
 fn watch_peak_rss(dir: &Path, records: usize) -> (i64, Vec<i64>, Vec<(i64, String)>) {
     let d = Daemon::start(
         dir,
@@ -434,14 +440,15 @@ fn watch_peak_rss(dir: &Path, records: usize) -> (i64, Vec<i64>, Vec<(i64, Strin
         let (evals, failures) = journal(dir);
         evals.len() + failures.len() >= records
     });
-    let pid = d.child.id() as libc::pid_t;
-    // SAFETY: kill(2) and wait4(2) on our own child, which `Daemon`'s drop no longer finds.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
-    let mut status = 0;
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    assert_eq!(unsafe { libc::wait4(pid, &mut status, 0, &mut usage) }, pid);
+    let status = fs::read_to_string(format!("/proc/{}/status", d.child.id())).unwrap();
+    let hwm = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no VmHWM in {status}"));
+    drop(d);
     let (evals, failures) = journal(dir);
-    (usage.ru_maxrss, evals, failures)
+    (hwm, evals, failures)
 }
 
 #[test]
