@@ -4,7 +4,7 @@ from before the model starts copying its training images, on MNIST at its own 28
 (docs/guide/early-stop.md, "Real images: the MNIST lead-time study")
 
     .venv/bin/python scripts/mnist_study.py OUT_DIR [--sizes 64,256,1024,rich] [--seeds 0,1,2]
-        [--steps 2000] [--rich-size 20000] [--rich-steps 4000] [--ckpt-every 100] [--width 32]
+        [--steps 4000] [--rich-size 20000] [--rich-steps 4000] [--ckpt-every 100] [--width 32]
         [--icr-samples 1024] [--truth-samples 256] [--truth-every 2] [--weights ema,raw]
         [--pattern 'ckpt_*.pt']
         [--lanes 2] [--phase train|evaluate|truth|decide|all] [--train-device cpu|cuda]
@@ -395,7 +395,7 @@ def main() -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--sizes", default="64,256,1024,rich")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--steps", type=int, default=2000, help="steps of a data-limited run")
+    ap.add_argument("--steps", type=int, default=4000, help="steps of a data-limited run")
     ap.add_argument("--rich-size", type=int, default=20000)
     ap.add_argument("--rich-steps", type=int, default=4000)
     ap.add_argument("--ckpt-every", type=int, default=100)
