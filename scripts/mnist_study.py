@@ -3,10 +3,10 @@
 from before the model starts copying its training images, on MNIST at its own 28x28?
 (docs/guide/early-stop.md, "Real images: the MNIST lead-time study")
 
-    .venv/bin/python scripts/mnist_study.py OUT_DIR [--sizes 64,256,1024,rich] [--seeds 0,1,2]
-        [--steps 4000] [--rich-size 20000] [--rich-steps 4000] [--ckpt-every 100] [--width 32]
-        [--icr-samples 1024] [--truth-samples 256] [--truth-every 2] [--weights ema,raw]
-        [--pattern 'ckpt_*.pt']
+    .venv/bin/python scripts/mnist_study.py OUT_DIR [--sizes 16:1200,32:1800,64:3000,rich]
+        [--seeds 0,1,2] [--steps 3000] [--rich-size 20000] [--rich-steps 1000] [--ckpt-every 100]
+        [--width 32] [--icr-samples 1024] [--mem-samples 64] [--truth-samples 256]
+        [--truth-every 2] [--weights ema,raw] [--pattern 'ckpt_*.pt']
         [--lanes 2] [--phase train|evaluate|truth|decide|all] [--train-device cpu|cuda]
         [--bin DIFFMON]
 
@@ -19,7 +19,7 @@ it stopped (run it again with the same arguments):
    last checkpoint exactly as an uninterrupted run would;
 2. evaluate: `diffmon watch` evaluates every checkpoint once per weights variant, with the
    held-out set configured, so each record has ICR, the generalization gap and diffmon's
-   memorization ratio (128 PF-ODE latents);
+   memorization ratio (`--mem-samples` PF-ODE latents);
 3. truth: ground truth independent of diffmon, computed here: `--truth-samples` samples of the EMA
    weights from the EDM Heun sampler written below (18 steps, fixed latents) on every
    `--truth-every`-th checkpoint, each a copy when its nearest training image is 3x closer than
@@ -71,8 +71,10 @@ ARGS: argparse.Namespace  # the command line, set by main()
 def runs(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
     """(name, training images, seed, steps) of every run of the study."""
     out = []
-    for size in args.sizes.split(","):
+    for item in args.sizes.split(","):
+        size, _, own_steps = item.partition(":")  # "64:3000": 64 images, 3000 steps
         n, steps = (args.rich_size, args.rich_steps) if size == "rich" else (int(size), args.steps)
+        steps = int(own_steps) if own_steps else steps
         name = "rich" if size == "rich" else f"n{size}"
         out += [(f"{name}-s{seed}", n, int(seed), steps) for seed in args.seeds.split(",")]
     return out
@@ -120,7 +122,8 @@ def config(run_dir: Path, variant: str, heldout: bool) -> Path:
         f"state_dir: {run_dir / ('state-' + variant)}\n"
         f"model: {{architecture: {run_dir / 'model.ts'}}}\ndevice: cpu\ncpu_threads: 1\n"
         f"{data}icr: {{samples: {ARGS.icr_samples}}}\n"
-        "pfd: {enabled: true, samples: 128, batch_size: 128}\nmemorization: {enabled: true}\n"
+        f"pfd: {{enabled: true, samples: {ARGS.mem_samples}, batch_size: {ARGS.mem_samples}}}\n"
+        "memorization: {enabled: true}\n"
         f"checkpoints: {{pattern: '{ARGS.pattern}', weights_key: {WEIGHTS[variant]}}}\n"
         f"alerts: {{stop_file: EARLY_STOP_{variant}}}\nhttp: {{listen: '127.0.0.1:0'}}\n"
     )
@@ -393,14 +396,19 @@ def cell(v) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--sizes", default="64,256,1024,rich")
+    ap.add_argument("--sizes", default="16:1200,32:1800,64:3000,rich",
+                    help="training images per data-limited run, each with its own steps after a "
+                         "colon (else --steps); `rich` for the data-rich runs")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--steps", type=int, default=4000, help="steps of a data-limited run")
+    ap.add_argument("--steps", type=int, default=3000,
+                    help="steps of a data-limited run whose size names none")
     ap.add_argument("--rich-size", type=int, default=20000)
-    ap.add_argument("--rich-steps", type=int, default=4000)
+    ap.add_argument("--rich-steps", type=int, default=1000)
     ap.add_argument("--ckpt-every", type=int, default=100)
     ap.add_argument("--width", type=int, default=32, help="the U-Net's base channels")
     ap.add_argument("--icr-samples", type=int, default=1024)
+    ap.add_argument("--mem-samples", type=int, default=64,
+                    help="PF-ODE latents of diffmon's memorization ratio (pfd.samples)")
     ap.add_argument("--truth-samples", type=int, default=256)
     ap.add_argument("--truth-every", type=int, default=2)
     ap.add_argument("--weights", default="ema,raw",

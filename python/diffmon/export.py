@@ -1475,6 +1475,7 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
             # note tells diffmon not to expect them in checkpoints (they keep these values).
             note = {"non_persistent_buffers": _non_persistent_buffers(net),
                     "device_independent": True, "torch": torch.__version__,
+                    "input_shape": [int(d) for d in shape],
                     "feature_layer": feature_layer, "parameterization": parameterization,
                     "learned_sigma": bool(learned_sigma[0]), "condition": cond.note, **conv.note()}
             torch.jit.save(traced, str(tmp), _extra_files={"diffmon.json": json.dumps(note)})

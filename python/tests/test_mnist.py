@@ -132,9 +132,9 @@ def test_trainer_reports_the_missing_package(tmp_path, monkeypatch, capsys):
 @pytest.mark.skipif(not BIN.exists(), reason="needs the release build (make setup)")
 def test_study_tiny_grid_end_to_end(tmp_path):
     out = tmp_path / "study"
-    cmd = [sys.executable, str(ROOT / "scripts" / "mnist_study.py"), str(out), "--sizes", "8,rich",
-           "--rich-size", "48", "--rich-steps", "60", "--steps", "60", "--seeds", "0",
-           "--ckpt-every", "10", "--width", "4", "--icr-samples", "32", "--truth-samples", "12",
+    cmd = [sys.executable, str(ROOT / "scripts" / "mnist_study.py"), str(out), "--sizes", "8:60,rich",
+           "--rich-size", "48", "--rich-steps", "60", "--steps", "20", "--seeds", "0",
+           "--ckpt-every", "10", "--width", "4", "--icr-samples", "32", "--mem-samples", "16", "--truth-samples", "12",
            "--truth-every", "2", "--weights", "ema,raw", "--lanes", "2", "--bin", str(BIN)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -144,6 +144,8 @@ def test_study_tiny_grid_end_to_end(tmp_path):
     assert len(rows) == 2 * 2 * 5
     assert {r["rule"] for r in rows} == {"heldout-loss", "memorization-alert", "icr-alone",
                                          "default", "default+heldout"}
+    # "8:60" gave that run its own 60 steps, not --steps' 20.
+    assert (out / "n8-s0" / "ckpt_000060.pt").exists()
     steps = set(range(10, 61, 10))
     for r in rows:
         assert r["best_step"] is None or r["best_step"] in steps

@@ -93,39 +93,16 @@ const ENTRY_TAG: &str = "diffmon-outbox-v2";
 /// The most of an outbox file that is read: entries are a few hundred bytes.
 const MAX_ENTRY_BYTES: u64 = 1 << 20;
 
-/// The state folder's own random key (32 bytes in `path`, mode 0600), made at the first start
-/// (again when it is unreadable or not 32 bytes: entries written under the old one are then
-/// refused, and the history's replay sends again what was not delivered).
+/// The state folder's own random key for the outbox (32 bytes in `path`, mode 0600), made at the
+/// first start (again when it is unreadable or not 32 bytes: entries written under the old one
+/// are then refused, and the history's replay sends again what was not delivered).
 pub fn state_key(path: &Path) -> io::Result<[u8; 32]> {
-    use std::io::Read;
-    use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    let read = crate::store::safe_fs::open_regular(path).and_then(|f| {
-        // Readable by others (made so by hand, or copied): made private, as the state folder
-        // is, before its key is used.
-        let mode = f.metadata()?.mode() & 0o777;
-        if mode & 0o077 != 0 {
-            f.set_permissions(fs::Permissions::from_mode(0o600))?;
-            tracing::warn!(
-                path = %crate::store::safe_fs::untrusted(path),
-                "the outbox key was readable by others (mode {mode:04o}): made 0600"
-            );
-        }
-        let mut bytes = Vec::new();
-        f.take(64).read_to_end(&mut bytes)?;
-        Ok(bytes)
-    });
-    match read.map(<[u8; 32]>::try_from) {
-        Ok(Ok(key)) => return Ok(key),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        other => tracing::warn!(
-            path = %crate::store::safe_fs::untrusted(path),
-            "the outbox key is unreadable or not 32 bytes ({}); making a new one: pending alerts written under the old one are refused, and the history's replay sends again what was not delivered",
-            match other { Err(e) => e.to_string(), _ => "wrong length".into() }
-        ),
-    }
-    let key: [u8; 32] = rand::random();
-    atomic_write(path, &key)?;
-    Ok(key)
+    crate::store::safe_fs::private_key(
+        path,
+        "the outbox key",
+        "pending alerts written under the old one are refused, and the history's replay sends \
+         again what was not delivered",
+    )
 }
 
 /// The key that authenticates the outbox entries of destination `dest`: derived from the state

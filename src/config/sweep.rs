@@ -153,8 +153,14 @@ impl ConfigFile {
         let mut shared = self.clone();
         shared.runs_glob = None;
         let mut found = glob.matches();
-        // The first by name; the daemon warns about the others (`daemon/sweep.rs`).
+        // At most `max_runs`: first those with a history (runs a daemon watches or watched, so
+        // that a folder made later that sorts before them pushes none out of `report` or a
+        // restart), then the others by name; the daemon warns about the rest (`daemon/sweep.rs`).
+        // The default state folder's journal (`store::history::JOURNAL`; config is below store).
+        let journal = |dir: &Path| dir.join(".diffmon").join("history.jsonl");
+        found.sort_by_key(|(_, dir)| !journal(dir).exists()); // stable: by name within each
         found.truncate(self.max_runs);
+        found.sort();
         let mut config = if found.is_empty() {
             let run = RunConfig {
                 name: Some("runs_glob".into()),
@@ -460,6 +466,51 @@ data: {path: d.h5}
         assert!(e[0].starts_with("data missing field `data`"), "{e:?}");
         let e = load(&format!("runs_glob: s/*\n{model}")).unwrap_err();
         assert!(e[0].starts_with("data missing field `data`"), "{e:?}");
+    }
+
+    /// Of the folders `runs_glob` matches, at most `max_runs` are runs: first those with a
+    /// history (a daemon watches them: a folder made later that sorts before them must not push
+    /// them out of `report` or a restart), then the others by name.
+    #[test]
+    fn runs_glob_keeps_the_runs_with_a_history_at_max_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("m.ts"), b"").unwrap();
+        std::fs::write(dir.path().join("d.h5"), b"").unwrap();
+        for run in ["lr-2", "lr-3"] {
+            let state = dir.path().join("s").join(run).join(".diffmon");
+            std::fs::create_dir_all(&state).unwrap();
+            std::fs::write(state.join(crate::store::history::JOURNAL), b"").unwrap();
+        }
+        std::fs::create_dir_all(dir.path().join("s/lr-1")).unwrap(); // made later, sorts first
+        let text = "runs_glob: s/lr-*
+max_runs: 2
+model: {architecture: m.ts}
+data: {path: d.h5}
+";
+        let mut file = ConfigFile::parse(text, "c.yaml").unwrap();
+        file.resolve_paths(dir.path());
+        let names: Vec<String> = file
+            .settings(false)
+            .unwrap()
+            .runs()
+            .iter()
+            .map(|r| r.run_name())
+            .collect();
+        assert_eq!(names, ["lr-2", "lr-3"]);
+        std::fs::remove_file(
+            dir.path()
+                .join("s/lr-3/.diffmon")
+                .join(crate::store::history::JOURNAL),
+        )
+        .unwrap();
+        let names: Vec<String> = file
+            .settings(false)
+            .unwrap()
+            .runs()
+            .iter()
+            .map(|r| r.run_name())
+            .collect();
+        assert_eq!(names, ["lr-1", "lr-2"]);
     }
 
     /// `run` xor `runs`; names and state folders unique; an entry's own sections' problems are

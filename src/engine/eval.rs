@@ -238,7 +238,27 @@ impl Evaluator {
         };
         let input_shape = latent::input_shape(config, vae.as_ref(), &train)?;
         let shape: Vec<i64> = input_shape.iter().map(|&d| d as i64).collect();
-        let contract = model.borrow().check_contract(&shape)?;
+        let contract = model.borrow().check_contract(&shape).map_err(|e| {
+            // Precomputed latents set the network's input shape: name their file.
+            match (&config.data.latents_path, e) {
+                (
+                    Some(path),
+                    ModelError::Contract {
+                        path: model,
+                        message,
+                    },
+                ) => EvalError::Latent(LatentError::Latents {
+                    path: path.clone(),
+                    message: format!(
+                        "dataset `{}` holds latents of shape {input_shape:?}, on which \
+                             {} fails: {message}",
+                        config.data.latents_dataset,
+                        model.display()
+                    ),
+                }),
+                (_, e) => e.into(),
+            }
+        })?;
         tracing::info!(
             architecture = %config.model.architecture.display(),
             ?device,

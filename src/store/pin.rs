@@ -20,6 +20,9 @@
 //!   that stops leaves the pins of the checkpoints still waiting ([`Pin::leave_on_disk`]), as
 //!   does one that dies. At start, [`Pins::leftovers`] lists them: a checkpoint that rotation
 //!   has deleted since is evaluated from its pin; any other leftover is removed.
+//! - **Authenticated.** `key.json` carries an HMAC-SHA256 of the record under the state folder's
+//!   own random key (`<state_dir>/pins.key`, 0600): a pin the daemon did not make (planted in
+//!   its state folder) is removed at start, never evaluated and journalled as the checkpoint.
 
 use crate::store::history::CheckpointKey;
 use crate::store::keep_best;
@@ -31,6 +34,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// The folder of `state_dir` that holds the pins.
 pub const PINS_DIR: &str = "pins";
+/// The file of `state_dir` with the key that authenticates the pins' records.
+pub const PINS_KEY: &str = "pins.key";
 /// The most checkpoints one run keeps pinned at once.
 pub const MAX_PINS: usize = 16;
 
@@ -94,6 +99,8 @@ pub struct Leftover {
 /// The pins of one run.
 pub struct Pins {
     dir: PathBuf,
+    /// Authenticates the records (`key.json`): [`PINS_KEY`].
+    mac_key: [u8; 32],
     live: Arc<AtomicUsize>,
     /// Linking failed once (another file system): no more tries, one warning.
     unavailable: AtomicBool,
@@ -104,8 +111,16 @@ impl Pins {
     pub fn open(state_dir: &Path) -> std::io::Result<Pins> {
         let dir = state_dir.join(PINS_DIR);
         crate::store::safe_fs::create_private_dir(&dir)?;
+        crate::store::safe_fs::remove_leftover_temps(state_dir, PINS_KEY);
+        let mac_key = crate::store::safe_fs::private_key(
+            &state_dir.join(PINS_KEY),
+            "the pins' key",
+            "pins left under the old one are removed, and their checkpoints, if rotation has \
+             deleted them, are counted as `rotated`",
+        )?;
         Ok(Pins {
             dir,
+            mac_key,
             live: Arc::new(AtomicUsize::new(0)),
             unavailable: AtomicBool::new(false),
         })
@@ -161,7 +176,8 @@ impl Pins {
                 return None;
             }
         };
-        let note = serde_json::json!({"key": key, "step": step}).to_string();
+        let mac = self.mac(key, step);
+        let note = serde_json::json!({"key": key, "step": step, "mac": mac}).to_string();
         if let Err(e) = crate::store::safe_fs::atomic_write(&folder.join(KEY_FILE), note.as_bytes())
         {
             tracing::debug!("cannot record the pin's key: {e}");
@@ -209,6 +225,21 @@ impl Pins {
             }
         }
         bytes
+    }
+
+    /// The authentication of a pin's record: HMAC-SHA256 under [`PINS_KEY`] of the checkpoint's
+    /// key and step, hex.
+    fn mac(&self, key: &CheckpointKey, step: i64) -> String {
+        use hmac::Mac;
+        let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&self.mac_key)
+            .expect("HMAC accepts keys of any length");
+        let record = serde_json::json!({"key": key, "step": step}).to_string();
+        mac.update(record.as_bytes());
+        mac.finalize()
+            .into_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
     }
 
     /// A new, empty folder `pins/<id>` (mode 0700) for one pin.
@@ -262,12 +293,27 @@ impl Pins {
                 .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
                 .and_then(|v| {
                     let key: CheckpointKey = serde_json::from_value(v.get("key")?.clone()).ok()?;
-                    Some((key, v.get("step")?.as_i64()?))
+                    let mac = v.get("mac")?.as_str()?.to_owned();
+                    Some((key, v.get("step")?.as_i64()?, mac))
                 });
-            let Some((key, step)) = recorded else {
+            let Some((key, step, mac)) = recorded else {
                 remove(&folder);
                 continue;
             };
+            let expected = self.mac(&key, step);
+            let differ = mac.len() != expected.len()
+                || mac
+                    .bytes()
+                    .zip(expected.bytes())
+                    .fold(0u8, |d, (a, b)| d | (a ^ b))
+                    != 0;
+            if differ {
+                tracing::warn!(pin = %untrusted(&folder), checkpoint = %untrusted(Path::new(&key.path)),
+                    "a pin this daemon did not make (its record is not authenticated by \
+                     pins.key): removed, not evaluated");
+                remove(&folder);
+                continue;
+            }
             let original = PathBuf::from(&key.path);
             let name = original.file_name().map(|n| n.to_owned());
             let in_run = original.parent() == Some(run_dir);
@@ -504,6 +550,53 @@ mod tests {
         assert!(pins.leftovers(run.path()).is_empty());
         let left = fs::read_dir(state.path().join(PINS_DIR)).unwrap().count();
         assert_eq!(left, 20, "read (and removed) only MAX_LEFTOVERS");
+    }
+
+    /// A pin planted in the state folder, with a record that names a deleted checkpoint of the
+    /// run but not authenticated by `pins.key` (none, a forged one, or one of another state
+    /// folder's key), is removed at start, never offered for evaluation; the daemon's own is.
+    #[test]
+    fn forged_pins_are_removed_not_evaluated() {
+        let run = tempfile::tempdir().unwrap();
+        let state = tempfile::tempdir().unwrap();
+        let other_state = tempfile::tempdir().unwrap();
+        let ck = run.path().join("ckpt_000999.pt");
+        fs::write(&ck, b"weights").unwrap();
+        let key = key_of(&ck);
+        let own = Pins::open(state.path())
+            .unwrap()
+            .pin(&ck, &key, 999)
+            .unwrap();
+        own.leave_on_disk();
+        let other = Pins::open(other_state.path()).unwrap();
+        let record = |mac: Option<String>| {
+            let mut v = serde_json::json!({"key": key, "step": 999});
+            if let Some(mac) = mac {
+                v["mac"] = mac.into();
+            }
+            v.to_string()
+        };
+        let planted = [
+            record(None),
+            record(Some("00".repeat(32))),
+            record(Some(other.mac(&key, 999))),
+        ];
+        for (i, text) in planted.iter().enumerate() {
+            let folder = state.path().join(PINS_DIR).join(format!("planted{i}"));
+            fs::create_dir(&folder).unwrap();
+            fs::write(folder.join("ckpt_000999.pt"), b"attacker's weights").unwrap();
+            fs::write(folder.join(KEY_FILE), text).unwrap();
+        }
+        drop(own);
+        fs::remove_file(&ck).unwrap(); // rotation
+        let left = Pins::open(state.path()).unwrap().leftovers(run.path());
+        assert_eq!(left.len(), 1, "only the daemon's own pin");
+        assert_eq!(fs::read(left[0].pin.path()).unwrap(), b"weights");
+        let names: Vec<_> = fs::read_dir(state.path().join(PINS_DIR))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert!(names.iter().all(|n| !n.starts_with("planted")), "{names:?}");
     }
 
     /// At most MAX_PINS at once; a dropped pin frees its place.

@@ -133,6 +133,36 @@ pub fn read_bounded(path: &Path, max: u64) -> io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
+/// A private random key of the state folder (32 bytes in `path`, mode 0600; `what` names it in
+/// messages): read, or made at the first start, and again when it is unreadable or not 32 bytes
+/// (`lost` says what that costs). One that others can read (made so by hand, or copied) is made
+/// private, as the state folder is, before it is used.
+pub fn private_key(path: &Path, what: &str, lost: &str) -> io::Result<[u8; 32]> {
+    use std::io::Read;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let read = open_regular(path).and_then(|f| {
+        let mode = f.metadata()?.mode() & 0o777;
+        if mode & 0o077 != 0 {
+            f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+            tracing::warn!(path = %untrusted(path),
+                "{what} was readable by others (mode {mode:04o}): made 0600");
+        }
+        let mut bytes = Vec::new();
+        f.take(64).read_to_end(&mut bytes)?;
+        Ok(bytes)
+    });
+    match read.map(<[u8; 32]>::try_from) {
+        Ok(Ok(key)) => return Ok(key),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        other => tracing::warn!(path = %untrusted(path),
+            "{what} is unreadable or not 32 bytes ({}); making a new one: {lost}",
+            match other { Err(e) => e.to_string(), _ => "wrong length".into() }),
+    }
+    let key: [u8; 32] = rand::random();
+    atomic_write(path, &key)?;
+    Ok(key)
+}
+
 /// Renames `from` to `to` unless `to` exists (`renameat2(RENAME_NOREPLACE)`): never replaces
 /// a file or folder, not even an empty folder; fails with `AlreadyExists` then.
 pub fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {

@@ -329,12 +329,14 @@ z = h5py.File({cache:?})["latents"][:]
 for name, factor in (("latents.h5", 1.0), ("doubled.h5", 2.0)):
     with h5py.File({d:?} + "/" + name, "w") as f:
         f.create_dataset("latents", data=z * factor)
+with h5py.File({d:?} + "/small.h5", "w") as f:  # 4x4 latents: the DiT's grid is 8x8
+    f.create_dataset("latents", data=z[:, :, :4, :4])
 "#,
         cache = cached[0].display().to_string(),
         d = d.display().to_string()
     );
     run_python(&["-c", &copy]);
-    let pfd_only = |file: &str| {
+    let pfd_config = |file: &str| {
         let config = d.join(format!("{file}.yaml"));
         std::fs::write(
             &config,
@@ -349,8 +351,9 @@ for name, factor in (("latents.h5", 1.0), ("doubled.h5", 2.0)):
             ),
         )
         .unwrap();
-        eval(&config, &run.join("checkpoint-100"))
+        config
     };
+    let pfd_only = |file: &str| eval(&pfd_config(file), &run.join("checkpoint-100"));
     let same = pfd_only("latents.h5");
     let watched = &records[1];
     for key in ["pfd_memorization", "memorization_ratio"] {
@@ -366,4 +369,26 @@ for name, factor in (("latents.h5", 1.0), ("doubled.h5", 2.0)):
     );
     let doubled = pfd_only("doubled.h5");
     assert_ne!(doubled["pfd_memorization"], same["pfd_memorization"]);
+
+    // Latents of a shape the network cannot take: a message naming the file, the shapes and
+    // the reason, not TorchScript's traceback.
+    let small = pfd_config("small.h5");
+    let ckpt = run.join("checkpoint-100");
+    let out = diffmon(&[
+        "eval",
+        "--json",
+        "--config",
+        small.to_str().unwrap(),
+        ckpt.to_str().unwrap(),
+    ]);
+    let stderr = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    for part in [
+        "small.h5: dataset `latents` holds latents of shape [4, 4, 4]",
+        "model.ts fails",
+        "it was exported for inputs of shape [4, 8, 8]",
+    ] {
+        assert!(stderr.contains(part), "{part:?} not in {stderr}");
+    }
+    assert!(!stderr.contains("Traceback"), "{stderr}");
 }

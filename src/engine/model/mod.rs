@@ -450,9 +450,15 @@ impl Model {
         let x = Tensor::zeros(shape.as_slice(), (Kind::Float, self.device));
         let sigma = Tensor::ones([2], (Kind::Float, self.device));
         let (denoised, features) = self.run(&x, &sigma).map_err(|f| {
+            // TorchScript's message is a traceback through the traced code: the reason is its
+            // last line; the whole of it goes to the debug log.
+            tracing::debug!(architecture = %self.module.path.display(), "forward failed: {}", f.message);
+            let exported = note::input_shape(&self.module.path)
+                .map(|s| format!(" (it was exported for inputs of shape {s:?})"))
+                .unwrap_or_default();
             contract(format!(
-                "forward(x: {shape:?} f32, sigma: [2] f32) failed: {}",
-                f.message
+                "forward(x: {shape:?} f32, sigma: [2] f32) failed{exported}: {}",
+                last_line(&f.message)
             ))
         })?;
         if denoised.size() != shape {
@@ -742,6 +748,16 @@ fn raw_view(raw: &RawTensor) -> Tensor {
             Device::Cpu,
         )
     }
+}
+
+/// The last non-empty line of an error message (a TorchScript traceback ends with the reason).
+fn last_line(message: &str) -> &str {
+    message
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or(message)
 }
 
 #[cfg(test)]

@@ -23,6 +23,19 @@ pub fn export_note(path: &Path) -> Option<serde_json::Value> {
     serde_json::from_str(&text).ok()
 }
 
+/// The input shape `[C,H,W]` the exporter traced the network with (the note's `input_shape`,
+/// absent from files of older exporters), for messages: a network may run at other shapes too.
+pub(super) fn input_shape(path: &Path) -> Option<Vec<i64>> {
+    let note = export_note(path)?;
+    let shape: Vec<i64> = note
+        .get("input_shape")?
+        .as_array()?
+        .iter()
+        .map(|d| d.as_i64())
+        .collect::<Option<_>>()?;
+    (shape.len() == 3).then_some(shape)
+}
+
 /// Refuses a file whose exporter's note records a fixed condition embedding with a zero-sized
 /// dimension (an older exporter accepted `[1,0,8]`): every forward would condition on nothing.
 pub(super) fn check_condition(path: &Path) -> Result<(), ModelError> {
