@@ -8,7 +8,7 @@ generalization gap, E_gen against a data-rich teacher, E_mem, memorization ratio
         [--pfd-samples 128]
 
 The runs use the settings of `make demo` and of the integration test
-`toy_training::default_detector_fires_on_data_limited_training_and_not_on_data_rich`: batch 64,
+`early_stop_training::default_detector_fires_on_data_limited_training`: batch 64,
 EMA 0.995, one thread for the trainer and one for diffmon, 2048 ICR view pairs.
 
 Prints one table per run and a summary line per run (ICR minimum, the step the detector fired

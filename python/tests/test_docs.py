@@ -150,13 +150,39 @@ def test_every_cited_section_is_a_heading_of_the_file_it_names():
     assert cited >= 20, cited
 
 
-def test_every_source_path_the_docs_name_exists():
-    """`src/...`, `tests/...`, `scripts/...` paths in the Markdown files name files or folders
-    that exist (the tree moves; ARCHITECTURE.md, "Modules")."""
+# Paths into the tree: a top-level folder, then names (`diffmon@.service` has an @); in the
+# Markdown files and in the comments of the build files.
+TOP = ("src", "python", "scripts", "tests", "docs", "bench", "config", "dashboards", "deploy",
+       "examples", "fuzz", "tools", ".ci")
+TREE_PATH = re.compile(r"(?<![\w./@-])((?:%s)/[\w./@-]*[\w/@])" % "|".join(re.escape(t) for t in TOP))
+# Made by a command, not kept in the tree.
+GENERATED = ("fuzz/target/", "fuzz/corpus/", "fuzz/artifacts/")
+
+
+def named_paths(text: str):
+    for number, line in enumerate(text.splitlines(), 1):
+        for m in TREE_PATH.finditer(line):
+            path = m.group(1)
+            # Placeholders (`docs/guide/NAME.md`, `<run>`), globs and `..` are not files.
+            if re.search(r"[*<>{}]|\.\.|/[A-Z]+\.md$", path) or path.startswith(GENERATED):
+                continue
+            yield number, path
+
+
+def test_every_path_the_docs_name_exists():
+    """Every path into the tree that a Markdown file or a build file's comment names (in
+    backticks or not) is a file or folder that exists: the tree moves (ARCHITECTURE.md,
+    "Modules"). ARCHITECTURE.md's tables name the modules' files relative to `src/`."""
     missing = []
-    for doc in files("**/*.md"):
-        for m in re.finditer(r"`((?:src|tests|scripts|python)/[A-Za-z0-9_./-]+)`", (ROOT / doc).read_text()):
-            path = m.group(1).rstrip(".")
-            if not (ROOT / path).exists():
-                missing.append(f"{doc}: {path}")
-    assert not missing, "\n".join(missing)
+    for doc in [*files("**/*.md"), Path("Cargo.toml"), Path("Makefile")]:
+        for number, path in named_paths((ROOT / doc).read_text()):
+            if not ((ROOT / path).exists() or (ROOT / "src" / path).exists()):
+                missing.append(f"{doc}:{number}: {path}")
+    assert not missing, "documents name files that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_path_check_finds_paths_as_the_docs_write_them():
+    line = "see `src/store/pin.rs`, python/diffmon/export.py, [x](docs/guide/nothere.md) and `docs/guide/NAME.md`."
+    assert [p for _, p in named_paths(line)] == [
+        "src/store/pin.rs", "python/diffmon/export.py", "docs/guide/nothere.md"]
+    assert not (ROOT / "docs/guide/nothere.md").exists()

@@ -13,6 +13,8 @@ differences are below 5e-7.
 
 import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,6 +99,23 @@ def test_help_lists_every_parameterization_on_one_line_and_every_option_has_help
     assert "shift" in text and "sampler" in text
     undocumented = [a.dest for a in build_parser()._actions if not a.help]
     assert undocumented == []
+
+
+def test_the_model_contract_lists_exactly_the_exporters_parameterizations():
+    """docs/guide/model-contract.md's table is tested against PARAMETERIZATION_TABLE, the one
+    definition (a name added to the code and not to the docs, or the reverse, fails here)."""
+    text = (Path(__file__).resolve().parents[2] / "docs/guide/model-contract.md").read_text()
+    table = text.split("| `--parameterization` |", 1)[1].split("\n\n", 1)[0]
+    listed = set()
+    for row in table.splitlines()[2:]:
+        stem = ""
+        for name in re.findall(r"`(\w+)`", row.split("|")[1]):
+            if name.startswith("_"):  # `sit_linear_velocity`, `_score`: the same stem
+                name = stem + name
+            else:
+                stem = name.rsplit("_", 1)[0]
+            listed.add(name)
+    assert listed == {p.name for p in PARAMETERIZATION_TABLE}
 
 
 # -- SD3: the diffusers rectified-flow transformer --------------------------------------------
