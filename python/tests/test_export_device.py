@@ -14,7 +14,7 @@ from torch import nn
 from diffmon.export import ExportError, device_constants, export
 
 # `diffmon.export` the attribute is the function (diffmon/__init__.py); the module is needed to patch.
-export_module = importlib.import_module("diffmon.export")
+export_module = importlib.import_module("diffmon.export.trace")  # where the export traces
 
 UNET = dict(sample_size=16, in_channels=3, out_channels=3, block_out_channels=(32, 64),
             layers_per_block=1, down_block_types=("DownBlock2D", "AttnDownBlock2D"),

@@ -16,7 +16,8 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from diffmon.export import _is_safetensors, main  # noqa: E402
+from diffmon.export import main  # noqa: E402
+from diffmon.export.condition import _is_safetensors  # noqa: E402
 from stacks import tiny_unet  # noqa: E402
 
 
@@ -78,7 +79,7 @@ def test_diffusers_tracer_warnings_are_filtered_and_the_networks_own_kept(tmp_pa
 
     from diffmon.export import export
 
-    exporter = importlib.import_module("diffmon.export")  # the module; diffmon.export is the function
+    exporter = importlib.import_module("diffmon.export.trace")  # the tracing module of the package
 
     def unet():
         export(tiny_unet(), "mid_block", tmp_path / "unet.ts", parameterization="eps", example_shape=(1, 8, 8))

@@ -345,7 +345,8 @@ def test_flow_toy_writes_a_run_whose_checkpoints_load_into_its_architecture(tmp_
 
 
 def test_the_scheduler_round_trip_compares_the_noising_itself(tmp_path):
-    from diffmon.export import _Converter, scheduler_round_trip
+    from diffmon.export import scheduler_round_trip
+    from diffmon.export.parameterization import _Converter
 
     ddpm = {"_class_name": "DDPMScheduler", "prediction_type": "epsilon", "beta_schedule": "linear",
             "beta_start": 1e-4, "beta_end": 0.02, "num_train_timesteps": 1000}

@@ -120,7 +120,7 @@ enum Family {
     Flow,
 }
 
-/// The flow-matching paths the exporter converts (`FLOW_PATHS` in `python/diffmon/export.py`).
+/// The flow-matching paths the exporter converts (`FLOW_PATHS` in `python/diffmon/export/parameterization.py`).
 #[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 enum FlowPath {

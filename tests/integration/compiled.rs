@@ -20,13 +20,24 @@ fn fixture() -> &'static Path {
     DIR.get_or_init(|| {
         use sha2::Digest;
         let mut hash = sha2::Sha256::new();
-        for f in [
+        let mut sources: Vec<PathBuf> = [
             "python/compiled_fixture.py",
             "python/diffmon/compile.py",
-            "python/diffmon/export.py",
             "python/train_toy.py",
-        ] {
-            hash.update(std::fs::read(root().join(f)).unwrap());
+        ]
+        .iter()
+        .map(|f| root().join(f))
+        .collect();
+        // The exporter's package, every module of it, in a fixed order.
+        let mut export: Vec<PathBuf> = std::fs::read_dir(root().join("python/diffmon/export"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "py"))
+            .collect();
+        export.sort();
+        sources.extend(export);
+        for f in sources {
+            hash.update(std::fs::read(f).unwrap());
         }
         hash.update(compiled::torch_version());
         let key = format!("{:x}", hash.finalize());
