@@ -157,10 +157,13 @@ impl ConfigFile {
         // that a folder made later that sorts before them pushes none out of `report` or a
         // restart), then the others by name; the daemon warns about the rest (`daemon/sweep.rs`).
         // The default state folder's journal (`store::history::JOURNAL`; config is below store).
-        let journal = |dir: &Path| dir.join(".diffmon").join("history.jsonl");
-        found.sort_by_key(|(_, dir)| !journal(dir).exists()); // stable: by name within each
-        found.truncate(self.max_runs);
-        found.sort();
+        // Only past the cap: the daemon rescans the glob at every poll.
+        if found.len() > self.max_runs {
+            let journal = |dir: &Path| dir.join(".diffmon").join("history.jsonl");
+            found.sort_by_key(|(_, dir)| !journal(dir).exists()); // stable: by name within each
+            found.truncate(self.max_runs);
+            found.sort();
+        }
         let mut config = if found.is_empty() {
             let run = RunConfig {
                 name: Some("runs_glob".into()),
@@ -489,28 +492,18 @@ data: {path: d.h5}
 ";
         let mut file = ConfigFile::parse(text, "c.yaml").unwrap();
         file.resolve_paths(dir.path());
-        let names: Vec<String> = file
-            .settings(false)
-            .unwrap()
-            .runs()
-            .iter()
-            .map(|r| r.run_name())
-            .collect();
-        assert_eq!(names, ["lr-2", "lr-3"]);
+        let names = || -> Vec<String> {
+            let runs = file.settings(false).unwrap().runs();
+            runs.iter().map(|r| r.run_name()).collect()
+        };
+        assert_eq!(names(), ["lr-2", "lr-3"]);
         std::fs::remove_file(
             dir.path()
                 .join("s/lr-3/.diffmon")
                 .join(crate::store::history::JOURNAL),
         )
         .unwrap();
-        let names: Vec<String> = file
-            .settings(false)
-            .unwrap()
-            .runs()
-            .iter()
-            .map(|r| r.run_name())
-            .collect();
-        assert_eq!(names, ["lr-1", "lr-2"]);
+        assert_eq!(names(), ["lr-1", "lr-2"]);
     }
 
     /// `run` xor `runs`; names and state folders unique; an entry's own sections' problems are
