@@ -427,7 +427,8 @@ impl Finder {
         } else {
             Vec::new()
         };
-        self.views.sweep_metrics().set_runs_ignored(left_out.len());
+        // The metric after the warning: whoever sees the count finds the warning logged.
+        let count = left_out.len();
         let due = self
             .left_out_warned
             .is_none_or(|t| t.elapsed() >= LEFT_OUT_WARNING_EVERY);
@@ -435,6 +436,7 @@ impl Finder {
             if left_out.is_empty() {
                 self.left_out.clear();
             }
+            self.views.sweep_metrics().set_runs_ignored(count);
             return;
         }
         let named: Vec<&str> = left_out.iter().take(5).map(String::as_str).collect();
@@ -453,6 +455,7 @@ impl Finder {
         );
         self.left_out = left_out;
         self.left_out_warned = Some(std::time::Instant::now());
+        self.views.sweep_metrics().set_runs_ignored(count);
     }
 
     /// Opens and starts a new run, and hands its lane to the evaluator.
