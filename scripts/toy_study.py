@@ -7,9 +7,9 @@ generalization gap, E_gen against a data-rich teacher, E_mem, memorization ratio
     .venv/bin/python scripts/toy_study.py OUT_DIR [--seeds 0,1,2] [--rich-seeds 0] [--steps 1600]
         [--pfd-samples 128]
 
-The runs use the settings of `make demo` and of the integration test
-`early_stop_training::default_detector_fires_on_data_limited_training`: batch 64,
-EMA 0.995, one thread for the trainer and one for diffmon, 2048 ICR view pairs.
+The runs use the settings of `make demo` (the integration test
+`early_stop_training::default_detector_fires_on_data_limited_training` uses them at 8×8): batch
+64, EMA 0.995, one thread for the trainer and one for diffmon, 2048 ICR view pairs.
 
 Prints one table per run and a summary line per run (ICR minimum, the step the detector fired
 at and the best step it named, the first step with a memorization ratio ≥ 5%); writes every
