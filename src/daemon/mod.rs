@@ -115,7 +115,7 @@ pub fn run(config: Config, until: Until) -> Result<Ended> {
         .pacing(published.pace.clone())
         .with_excluded(config.named_files())
         .with_crash_marker(lock.state().path())
-        .with_pins(lock.state().path())
+        .with_pins(lock.state().path(), config.early_stop.keep_best)
         .recognizing_kept(lock.state().path())
         .following(lock.state().clone());
     let mut finished = None;

@@ -310,7 +310,7 @@ impl Started {
         .with_excluded(config.named_files())
         .with_notifications(self.notifications.clone())
         .with_crash_marker(lock.state().path())
-        .with_pins(lock.state().path())
+        .with_pins(lock.state().path(), config.early_stop.keep_best)
         .recognizing_kept(lock.state().path())
         .following(lock.state().clone());
         let stopped = stopped.clone();

@@ -150,6 +150,47 @@ pub fn link_unit(from: &Path, to: &Path) -> Result<(), KeepBestError> {
     }
 }
 
+/// Hard-links only the file `relative` of the folder `unit` (its weights) to the same place under
+/// the new folder `to`: the folders on the way are opened through their parent's descriptor,
+/// none followed if it is a link (a link anywhere is [`KeepBestError::Link`]), and made 0700.
+pub fn link_file_of(unit: &Path, relative: &Path, to: &Path) -> Result<(), KeepBestError> {
+    let names: Option<Vec<&OsStr>> = relative
+        .components()
+        .map(|c| match c {
+            std::path::Component::Normal(name) => Some(name),
+            _ => None,
+        })
+        .collect();
+    let Some((file, folders)) = names.as_deref().and_then(<[&OsStr]>::split_last) else {
+        return Err(KeepBestError::NotRegular {
+            path: unit.join(relative),
+        });
+    };
+    let mkdir = |p: &Path| {
+        use std::os::unix::fs::DirBuilderExt;
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(p)
+            .map_err(io_error(p))
+    };
+    let mut dir = open_dir(unit).map_err(|e| link_or_io(unit, e))?;
+    let (mut from, mut dst) = (unit.to_path_buf(), to.to_path_buf());
+    mkdir(&dst)?;
+    for name in folders {
+        from.push(name);
+        dir = open_dir(&under(&dir, name)).map_err(|e| link_or_io(&from, e))?;
+        dst.push(name);
+        mkdir(&dst)?;
+    }
+    let mut kept = Kept {
+        path: to.to_path_buf(),
+        linked: 0,
+        copied: 0,
+    };
+    let link = |a: &Path, b: &Path| fs::hard_link(a, b);
+    link_or_copy(&under(&dir, file), &dst.join(file), &link, false, &mut kept)
+}
+
 /// The kept copy of `checkpoint`, if `<state_dir>/best/` holds a complete one: the same files,
 /// or, once rotation has deleted the checkpoint, whatever is kept under its name (only complete
 /// copies are renamed to it).

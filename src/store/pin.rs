@@ -8,7 +8,9 @@
 //! checkpoint in place: it may outlive the daemon that submitted it, and its pins.)
 //!
 //! - **Links only.** Every regular file of the unit is hard-linked ([`keep_best::link_unit`]:
-//!   bounded, no link followed); nothing is copied. A pin costs no disk while the original
+//!   bounded, no link followed), or with `early_stop.keep_best: false` only a folder's weights
+//!   file ([`Pins::only_weights`]: the optimizer state beside it is never needed); nothing is
+//!   copied. A pin costs no disk while the original
 //!   exists, and the checkpoint's size once rotation deleted it, until its record. Where links
 //!   are not possible (the state folder on another file system) nothing is pinned, and one
 //!   warning says so: a checkpoint deleted before its turn is then counted as `rotated`.
@@ -24,6 +26,7 @@
 //!   own random key (`<state_dir>/pins.key`, 0600): a pin the daemon did not make (planted in
 //!   its state folder) is removed at start, never evaluated and journalled as the checkpoint.
 
+use crate::config::WeightsFile;
 use crate::store::history::CheckpointKey;
 use crate::store::keep_best;
 use crate::store::safe_fs::untrusted;
@@ -104,6 +107,8 @@ pub struct Pins {
     live: Arc<AtomicUsize>,
     /// Linking failed once (another file system): no more tries, one warning.
     unavailable: AtomicBool,
+    /// [`Pins::only_weights`]: the weights files a folder's evaluation reads.
+    only_weights: Option<Vec<WeightsFile>>,
 }
 
 impl Pins {
@@ -123,7 +128,32 @@ impl Pins {
             mac_key,
             live: Arc::new(AtomicUsize::new(0)),
             unavailable: AtomicBool::new(false),
+            only_weights: None,
         })
+    }
+
+    /// Pins of checkpoint folders hold only the file their evaluation reads, the first of
+    /// `weights_files` found in them (`early_stop.keep_best: false`: nothing else of them is
+    /// ever kept), not the optimizer state and the rest a training stack saves beside it. A
+    /// sharded or distributed checkpoint's files, and a folder whose weights cannot be found,
+    /// are pinned whole.
+    pub fn only_weights(mut self, weights_files: Vec<WeightsFile>) -> Pins {
+        self.only_weights = Some(weights_files);
+        self
+    }
+
+    /// With [`Pins::only_weights`]: the weights file of the folder `unit`, relative to it, when
+    /// it is one file that names no others.
+    fn weights_in(&self, unit: &Path) -> Option<PathBuf> {
+        let files = self.only_weights.as_ref()?;
+        if !fs::symlink_metadata(unit).ok()?.is_dir() {
+            return None;
+        }
+        let weights = crate::store::unit::find_weights(unit, files).ok()?;
+        if crate::weights::names_other_files(&weights) {
+            return None;
+        }
+        weights.strip_prefix(unit).ok().map(Path::to_path_buf)
     }
 
     /// Pins the checkpoint unit `unit` (found complete with key `key` at `step`); `None` when it
@@ -146,14 +176,17 @@ impl Pins {
         }
         let folder = self.new_folder()?;
         let target = folder.join(name);
-        let made = keep_best::link_unit(unit, &target)
-            .map_err(|e| {
-                let refused = matches!(&e, keep_best::KeepBestError::Io { source, .. }
+        let made = match self.weights_in(unit) {
+            Some(weights) => keep_best::link_file_of(unit, &weights, &target),
+            None => keep_best::link_unit(unit, &target),
+        }
+        .map_err(|e| {
+            let refused = matches!(&e, keep_best::KeepBestError::Io { source, .. }
                     if matches!(source.raw_os_error(),
                         Some(libc::EXDEV | libc::EPERM | libc::EMLINK | libc::EOPNOTSUPP)));
-                (e.to_string(), refused)
-            })
-            .and_then(|()| crate::store::unit::key(&target).map_err(|e| (e.to_string(), false)));
+            (e.to_string(), refused)
+        })
+        .and_then(|()| crate::store::unit::key(&target).map_err(|e| (e.to_string(), false)));
         let pin_key = match made {
             Ok(k) => k,
             Err((e, refused)) => {
@@ -463,6 +496,60 @@ mod tests {
         drop(old);
         assert!(new.unchanged());
         assert_eq!(fs::read(new.path()).unwrap(), b"new weights");
+    }
+
+    /// Without `keep_best` a folder's pin holds only the weights file its evaluation reads (at
+    /// the same place, so the evaluation finds it there), not the optimizer state beside it; a
+    /// sharded checkpoint's index names other files, and its folder is pinned whole.
+    #[test]
+    fn only_the_weights_are_pinned_when_nothing_is_kept() {
+        let run = tempfile::tempdir().unwrap();
+        let state = tempfile::tempdir().unwrap();
+        let files = crate::store::unit::default_weights_files(true);
+        let pins = Pins::open(state.path())
+            .unwrap()
+            .only_weights(files.clone());
+        let ck = run.path().join("checkpoint-10");
+        fs::create_dir_all(ck.join("unet_ema")).unwrap();
+        fs::create_dir_all(ck.join("unet")).unwrap();
+        let ema = "unet_ema/diffusion_pytorch_model.safetensors";
+        fs::write(ck.join(ema), vec![1u8; 1000]).unwrap();
+        fs::write(
+            ck.join("unet/diffusion_pytorch_model.safetensors"),
+            vec![4u8; 900],
+        )
+        .unwrap();
+        fs::write(ck.join("optimizer.bin"), vec![2u8; 2000]).unwrap();
+        let pin = pins.pin(&ck, &key_of(&ck), 10).unwrap();
+        fs::remove_dir_all(&ck).unwrap();
+        assert_eq!(pins.held_bytes(), 1000);
+        let found = crate::store::unit::find_weights(pin.path(), &files).unwrap();
+        assert_eq!(found, pin.path().join(ema));
+        assert!(!pin.path().join("optimizer.bin").exists());
+        assert!(!pin.path().join("unet").exists());
+        assert!(pin.unchanged());
+        drop(pin);
+
+        let sharded = run.path().join("checkpoint-20");
+        fs::create_dir_all(&sharded).unwrap();
+        let index = r#"{"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}"#;
+        fs::write(sharded.join("model.safetensors.index.json"), index).unwrap();
+        fs::write(
+            sharded.join("model-00001-of-00001.safetensors"),
+            vec![3u8; 500],
+        )
+        .unwrap();
+        let pin = pins.pin(&sharded, &key_of(&sharded), 20).unwrap();
+        assert!(pin.path().join("model-00001-of-00001.safetensors").exists());
+
+        // With keep_best (the default) every file is pinned: the kept best is made from it.
+        let whole = Pins::open(state.path()).unwrap();
+        let ck = run.path().join("checkpoint-30");
+        fs::create_dir_all(ck.join("unet")).unwrap();
+        fs::write(ck.join("unet/diffusion_pytorch_model.safetensors"), b"w").unwrap();
+        fs::write(ck.join("optimizer.bin"), b"o").unwrap();
+        let pin = whole.pin(&ck, &key_of(&ck), 30).unwrap();
+        assert!(pin.path().join("optimizer.bin").exists());
     }
 
     /// The pins' own disk use counts only the files rotation deleted: nothing while the

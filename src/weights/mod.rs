@@ -205,6 +205,12 @@ pub fn detect_format(path: &Path) -> Result<CheckpointFormat, WeightsError> {
     detect_format_from(file, len, path)
 }
 
+/// Does the file `path` name other files that hold its tensors (a sharded safetensors index, a
+/// distributed checkpoint's `.metadata`)? Reads its first bytes only; `false` when unreadable.
+pub fn names_other_files(path: &Path) -> bool {
+    multifile::head(path, 256).is_ok_and(|head| multifile::kind(&head).is_some())
+}
+
 fn multifile_format(kind: multifile::Kind) -> CheckpointFormat {
     match kind {
         multifile::Kind::ShardedSafeTensors => CheckpointFormat::ShardedSafeTensors,

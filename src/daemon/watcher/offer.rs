@@ -153,10 +153,12 @@ impl Watcher {
 
     /// Pins complete checkpoints in `state_dir` until their outcome is recorded
     /// ([`crate::store::pin`]); the pins a previous daemon left of checkpoints deleted since are
-    /// offered again, to be evaluated from the pin, unless the history has them.
-    pub fn with_pins(mut self, state_dir: &Path) -> Watcher {
+    /// offered again, to be evaluated from the pin, unless the history has them. Without
+    /// `keep_best` (`early_stop.keep_best`), a folder's pin holds only its weights file.
+    pub fn with_pins(mut self, state_dir: &Path, keep_best: bool) -> Watcher {
         let pins = match crate::store::pin::Pins::open(state_dir) {
-            Ok(p) => p,
+            Ok(p) if keep_best => p,
+            Ok(p) => p.only_weights(crate::store::unit::weights_files(&self.config)),
             Err(e) => {
                 tracing::warn!(state_dir = %state_dir.display(), "cannot make the folder for pins ({e}): checkpoints are not pinned against rotation");
                 return self;
