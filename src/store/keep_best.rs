@@ -150,47 +150,6 @@ pub fn link_unit(from: &Path, to: &Path) -> Result<(), KeepBestError> {
     }
 }
 
-/// Hard-links only the file `relative` of the folder `unit` (its weights) to the same place under
-/// the new folder `to`: the folders on the way are opened through their parent's descriptor,
-/// none followed if it is a link (a link anywhere is [`KeepBestError::Link`]), and made 0700.
-pub fn link_file_of(unit: &Path, relative: &Path, to: &Path) -> Result<(), KeepBestError> {
-    let names: Option<Vec<&OsStr>> = relative
-        .components()
-        .map(|c| match c {
-            std::path::Component::Normal(name) => Some(name),
-            _ => None,
-        })
-        .collect();
-    let Some((file, folders)) = names.as_deref().and_then(<[&OsStr]>::split_last) else {
-        return Err(KeepBestError::NotRegular {
-            path: unit.join(relative),
-        });
-    };
-    let mkdir = |p: &Path| {
-        use std::os::unix::fs::DirBuilderExt;
-        fs::DirBuilder::new()
-            .mode(0o700)
-            .create(p)
-            .map_err(io_error(p))
-    };
-    let mut dir = open_dir(unit).map_err(|e| link_or_io(unit, e))?;
-    let (mut from, mut dst) = (unit.to_path_buf(), to.to_path_buf());
-    mkdir(&dst)?;
-    for name in folders {
-        from.push(name);
-        dir = open_dir(&under(&dir, name)).map_err(|e| link_or_io(&from, e))?;
-        dst.push(name);
-        mkdir(&dst)?;
-    }
-    let mut kept = Kept {
-        path: to.to_path_buf(),
-        linked: 0,
-        copied: 0,
-    };
-    let link = |a: &Path, b: &Path| fs::hard_link(a, b);
-    link_or_copy(&under(&dir, file), &dst.join(file), &link, false, &mut kept)
-}
-
 /// The kept copy of `checkpoint`, if `<state_dir>/best/` holds a complete one: the same files,
 /// or, once rotation has deleted the checkpoint, whatever is kept under its name (only complete
 /// copies are renamed to it).
@@ -522,7 +481,7 @@ pub(super) fn copy_tree(
 }
 
 /// Opens the folder `path` without following a link at its last component.
-fn open_dir(path: &Path) -> io::Result<fs::File> {
+pub(super) fn open_dir(path: &Path) -> io::Result<fs::File> {
     OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
@@ -536,13 +495,13 @@ fn fd_path(dir: &fs::File) -> PathBuf {
 }
 
 /// `name` inside the open folder `dir`, resolved through its descriptor.
-fn under(dir: &fs::File, name: &OsStr) -> PathBuf {
+pub(super) fn under(dir: &fs::File, name: &OsStr) -> PathBuf {
     fd_path(dir).join(name)
 }
 
 /// An error opening the folder `path` without following links: a link (Linux says ENOTDIR for
 /// a link opened with `O_DIRECTORY|O_NOFOLLOW`), or another I/O error.
-fn link_or_io(path: &Path, e: io::Error) -> KeepBestError {
+pub(super) fn link_or_io(path: &Path, e: io::Error) -> KeepBestError {
     match e.raw_os_error() {
         Some(libc::ELOOP | libc::ENOTDIR) => KeepBestError::Link {
             path: path.to_path_buf(),

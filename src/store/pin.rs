@@ -28,8 +28,9 @@
 
 use crate::config::WeightsFile;
 use crate::store::history::CheckpointKey;
-use crate::store::keep_best;
+use crate::store::keep_best::{self, KeepBestError};
 use crate::store::safe_fs::untrusted;
+use std::ffi::OsStr;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -177,7 +178,7 @@ impl Pins {
         let folder = self.new_folder()?;
         let target = folder.join(name);
         let made = match self.weights_in(unit) {
-            Some(weights) => keep_best::link_file_of(unit, &weights, &target),
+            Some(weights) => link_file_of(unit, &weights, &target),
             None => keep_best::link_unit(unit, &target),
         }
         .map_err(|e| {
@@ -386,6 +387,55 @@ pub const MAX_LEFTOVERS: usize = 4 * MAX_PINS;
 
 /// The record in a pin's folder: the checkpoint's key and step.
 const KEY_FILE: &str = "key.json";
+
+/// [`Pins::only_weights`]: hard-links only the file `relative` of the folder `unit` (its
+/// weights) to the same place under the new folder `to`: the folders on the way are opened
+/// through their parent's descriptor, none followed if it is a link (a link anywhere is
+/// [`KeepBestError::Link`]), and made 0700.
+fn link_file_of(unit: &Path, relative: &Path, to: &Path) -> Result<(), KeepBestError> {
+    let names: Option<Vec<&OsStr>> = relative
+        .components()
+        .map(|c| match c {
+            std::path::Component::Normal(name) => Some(name),
+            _ => None,
+        })
+        .collect();
+    let Some((file, folders)) = names.as_deref().and_then(<[&OsStr]>::split_last) else {
+        return Err(KeepBestError::NotRegular {
+            path: unit.join(relative),
+        });
+    };
+    let mkdir = |p: &Path| {
+        use std::os::unix::fs::DirBuilderExt;
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(p)
+            .map_err(keep_best::io_error(p))
+    };
+    let mut dir = keep_best::open_dir(unit).map_err(|e| keep_best::link_or_io(unit, e))?;
+    let (mut from, mut dst) = (unit.to_path_buf(), to.to_path_buf());
+    mkdir(&dst)?;
+    for name in folders {
+        from.push(name);
+        dir = keep_best::open_dir(&keep_best::under(&dir, name))
+            .map_err(|e| keep_best::link_or_io(&from, e))?;
+        dst.push(name);
+        mkdir(&dst)?;
+    }
+    let mut kept = keep_best::Kept {
+        path: to.to_path_buf(),
+        linked: 0,
+        copied: 0,
+    };
+    let link = |a: &Path, b: &Path| fs::hard_link(a, b);
+    keep_best::link_or_copy(
+        &keep_best::under(&dir, file),
+        &dst.join(file),
+        &link,
+        false,
+        &mut kept,
+    )
+}
 
 /// Removes `path` without following links: a folder with its tree.
 fn remove(path: &Path) {
