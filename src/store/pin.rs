@@ -391,7 +391,7 @@ const KEY_FILE: &str = "key.json";
 /// [`Pins::only_weights`]: hard-links only the file `relative` of the folder `unit` (its
 /// weights) to the same place under the new folder `to`: the folders on the way are opened
 /// through their parent's descriptor, none followed if it is a link (a link anywhere is
-/// [`KeepBestError::Link`]), and made 0700.
+/// [`KeepBestError::Link`]); their copies under `to` (a new folder of the pin's) are made 0700.
 fn link_file_of(unit: &Path, relative: &Path, to: &Path) -> Result<(), KeepBestError> {
     let names: Option<Vec<&OsStr>> = relative
         .components()
@@ -405,23 +405,17 @@ fn link_file_of(unit: &Path, relative: &Path, to: &Path) -> Result<(), KeepBestE
             path: unit.join(relative),
         });
     };
-    let mkdir = |p: &Path| {
-        use std::os::unix::fs::DirBuilderExt;
-        fs::DirBuilder::new()
-            .mode(0o700)
-            .create(p)
-            .map_err(keep_best::io_error(p))
-    };
     let mut dir = keep_best::open_dir(unit).map_err(|e| keep_best::link_or_io(unit, e))?;
-    let (mut from, mut dst) = (unit.to_path_buf(), to.to_path_buf());
-    mkdir(&dst)?;
+    let mut from = unit.to_path_buf();
     for name in folders {
         from.push(name);
         dir = keep_best::open_dir(&keep_best::under(&dir, name))
             .map_err(|e| keep_best::link_or_io(&from, e))?;
-        dst.push(name);
-        mkdir(&dst)?;
     }
+    let dst = folders
+        .iter()
+        .fold(to.to_path_buf(), |p, name| p.join(name));
+    crate::store::safe_fs::create_private_dir(&dst).map_err(keep_best::io_error(&dst))?;
     let mut kept = keep_best::Kept {
         path: to.to_path_buf(),
         linked: 0,

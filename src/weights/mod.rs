@@ -198,7 +198,7 @@ pub use types::{
 /// Detects the format by content (zip magic + archive layout; safetensors 8-byte header length
 /// + JSON), never by extension.
 pub fn detect_format(path: &Path) -> Result<CheckpointFormat, WeightsError> {
-    if let Some(kind) = multifile::kind(&multifile::head(path, 256)?) {
+    if let Some(kind) = multifile_kind(path)? {
         return Ok(multifile_format(kind));
     }
     let (file, len) = open(path)?;
@@ -208,7 +208,12 @@ pub fn detect_format(path: &Path) -> Result<CheckpointFormat, WeightsError> {
 /// Does the file `path` name other files that hold its tensors (a sharded safetensors index, a
 /// distributed checkpoint's `.metadata`)? Reads its first bytes only; `false` when unreadable.
 pub fn names_other_files(path: &Path) -> bool {
-    multifile::head(path, 256).is_ok_and(|head| multifile::kind(&head).is_some())
+    multifile_kind(path).is_ok_and(|kind| kind.is_some())
+}
+
+/// The kind of multi-file checkpoint whose index or metadata `path` is, told by its first bytes.
+fn multifile_kind(path: &Path) -> Result<Option<multifile::Kind>, WeightsError> {
+    Ok(multifile::kind(&multifile::head(path, 256)?))
 }
 
 fn multifile_format(kind: multifile::Kind) -> CheckpointFormat {
@@ -226,7 +231,7 @@ pub fn read_checkpoint(path: &Path, opts: &ReadOptions) -> Result<StateDict, Wei
 
 /// [`read_checkpoint`] that also says which format the file had (one open, one parse).
 pub fn read_weights(path: &Path, opts: &ReadOptions) -> Result<Checkpoint, WeightsError> {
-    if let Some(kind) = multifile::kind(&multifile::head(path, 256)?) {
+    if let Some(kind) = multifile_kind(path)? {
         let mut state = match kind {
             multifile::Kind::ShardedSafeTensors => multifile::read_sharded(path, opts)?,
             multifile::Kind::Dcp => multifile::read_dcp(path, opts)?,
@@ -257,7 +262,7 @@ fn strip_prefix(sd: &mut StateDict, opts: &ReadOptions) {
 /// readable and data.pkl present / safetensors header parses and file length matches the
 /// header's offsets). Reads no tensor data.
 pub fn validate_structure(path: &Path) -> Result<CheckpointFormat, WeightsError> {
-    if let Some(kind) = multifile::kind(&multifile::head(path, 256)?) {
+    if let Some(kind) = multifile_kind(path)? {
         match kind {
             multifile::Kind::ShardedSafeTensors => multifile::validate_sharded(path)?,
             multifile::Kind::Dcp => multifile::validate_dcp(path)?,
