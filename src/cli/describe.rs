@@ -5,8 +5,7 @@
 //! which format (a compiled package or TorchScript) will run the network, and why.
 
 use crate::config::Config;
-use crate::engine::model::export_note;
-use serde_json::Value;
+use crate::engine::model::{Condition, ExportNote, Family, NetworkNote, export_note};
 
 /// One line on the model: the condition it is held at (or that it takes none), its feature
 /// layer, for a latent model the autoencoder's scaling and shapes, and the forward passes'
@@ -15,17 +14,25 @@ pub fn model_summary(config: &Config) -> String {
     let architecture = &config.model.architecture;
     let mut parts = Vec::new();
     match export_note(architecture) {
-        Some(note) => {
+        Ok(Some(ExportNote::Network(note))) => {
             parts.push(conversion(&note, config.icr.sigma));
-            parts.push(condition(note.get("condition")));
-            if let Some(layer) = note.get("feature_layer").and_then(Value::as_str) {
+            parts.push(condition(note.condition.as_ref()));
+            if let Some(layer) = &note.feature_layer {
                 parts.push(format!("features of `{layer}`"));
             }
-            if note.get("learned_sigma").and_then(Value::as_bool) == Some(true) {
+            if note.learned_sigma {
                 parts.push("learned-sigma output: the first half of its channels is used".into());
             }
+            parts.push(match note.note_version {
+                Some(v) => format!("exporter note version {v}"),
+                None => "exporter note from before its versions".into(),
+            });
         }
-        None => parts.push("no exporter note (not written by diffmon-export)".into()),
+        Ok(Some(ExportNote::Vae(_))) => {
+            parts.push("an autoencoder's file (diffmon-export's VAE export), not a network".into())
+        }
+        Ok(None) => parts.push("no exporter note (not written by diffmon-export)".into()),
+        Err(e) => parts.push(e.to_string()),
     }
     match (&config.model.vae, &config.data.latents_path) {
         (Some(vae), _) => parts.push(vae_summary(vae, config)),
@@ -101,84 +108,10 @@ fn precision(p: crate::config::Precision) -> &'static str {
     }
 }
 
-/// How the exporter converted the network to the EDM denoiser: the note's `family`, `path`,
-/// `prediction`, `t_scale` and `schedule` (docs/guide/model-contract.md).
-#[derive(Debug, Default, serde::Deserialize)]
-struct Conversion {
-    family: Option<Family>,
-    path: Option<FlowPath>,
-    prediction: Option<String>,
-    t_scale: Option<f64>,
-    schedule: Option<String>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-enum Family {
-    Edm,
-    Vp,
-    Flow,
-}
-
-/// The flow-matching paths the exporter converts (`FLOW_PATHS` in `python/diffmon/export/parameterization.py`).
-#[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-enum FlowPath {
-    RectifiedFlow,
-    Cosine,
-    SitLinear,
-    SitGvp,
-}
-
-impl FlowPath {
-    fn describe(self) -> &'static str {
-        match self {
-            FlowPath::RectifiedFlow => "rectified flow, x_t = (1 − t)·x + t·n",
-            FlowPath::Cosine => "the cosine path, x_t = cos(πt/2)·x + sin(πt/2)·n",
-            FlowPath::SitLinear => {
-                "SiT's Linear path, x_t = t·x + (1 − t)·n (SiT's code: data at t = 1)"
-            }
-            FlowPath::SitGvp => {
-                "SiT's GVP path, x_t = sin(πt/2)·x + cos(πt/2)·n (SiT's code: data at t = 1)"
-            }
-        }
-    }
-
-    /// The path's time at the EDM noise level `sigma` (= σ_t / α_t).
-    fn time_at(self, sigma: f64) -> f64 {
-        match self {
-            FlowPath::RectifiedFlow => sigma / (1.0 + sigma),
-            FlowPath::Cosine => sigma.atan() * std::f64::consts::FRAC_2_PI,
-            FlowPath::SitLinear => 1.0 / (1.0 + sigma),
-            FlowPath::SitGvp => (1.0 / sigma).atan() * std::f64::consts::FRAC_2_PI,
-        }
-    }
-
-    /// The EDM noise level at the path's time `t`.
-    fn sigma_at(self, t: f64) -> f64 {
-        match self {
-            FlowPath::RectifiedFlow => t / (1.0 - t),
-            FlowPath::Cosine => (t * std::f64::consts::FRAC_PI_2).tan(),
-            FlowPath::SitLinear => (1.0 - t) / t,
-            FlowPath::SitGvp => 1.0 / (t * std::f64::consts::FRAC_PI_2).tan(),
-        }
-    }
-
-    /// Whether the data is at t = 1 (SiT's code) rather than t = 0.
-    fn data_at_one(self) -> bool {
-        matches!(self, FlowPath::SitLinear | FlowPath::SitGvp)
-    }
-}
-
 /// The family and path the network was exported with; for a flow-matching network, `icr.sigma`
 /// in the path's time and the ICR paper's SiT setting in `icr.sigma`.
-fn conversion(note: &Value, icr_sigma: f64) -> String {
-    let name = note
-        .get("parameterization")
-        .and_then(Value::as_str)
-        .unwrap_or("?");
-    // A note this version cannot read (a newer family or path) says only its name.
-    let c: Conversion = serde_json::from_value(note.clone()).unwrap_or_default();
+fn conversion(c: &NetworkNote, icr_sigma: f64) -> String {
+    let name = c.parameterization.as_deref().unwrap_or("?");
     match (c.family, c.path) {
         (Some(Family::Flow), Some(path)) => {
             let prediction = c.prediction.as_deref().unwrap_or("?");
@@ -225,58 +158,81 @@ fn conversion(note: &Value, icr_sigma: f64) -> String {
 }
 
 /// What the note's `condition` says: `null` (none), a class index, an embedding.
-fn condition(c: Option<&Value>) -> String {
-    let Some(c) = c.filter(|c| !c.is_null()) else {
+fn condition(c: Option<&Condition>) -> String {
+    let Some(c) = c else {
         return "unconditional (or its condition is not recorded)".into();
     };
-    let keyword = c.get("keyword").and_then(Value::as_str).unwrap_or("?");
-    let main = match c.get("kind").and_then(Value::as_str) {
-        Some("none") => "no condition but the extra inputs".to_string(),
-        Some("class") => {
-            let label = c.get("label").map(Value::to_string).unwrap_or_default();
-            if c.get("null_class").and_then(Value::as_bool) == Some(true) {
-                format!("class-conditional, held at the null class {label} (`{keyword}`)")
+    let (main, extra) = match c {
+        Condition::None { extra } => ("no condition but the extra inputs".to_string(), extra),
+        Condition::Class {
+            keyword,
+            label,
+            null_class,
+            extra,
+            ..
+        } => {
+            let class = if *null_class {
+                "the null class"
             } else {
-                format!("class-conditional, held at class {label} (`{keyword}`)")
-            }
+                "class"
+            };
+            (
+                format!("class-conditional, held at {class} {label} (`{keyword}`)"),
+                extra,
+            )
         }
-        Some("embedding") => {
-            let file = c.get("file").and_then(Value::as_str).unwrap_or("?");
-            let shape = c.get("shape").map(Value::to_string).unwrap_or_default();
-            format!("held at the embedding of {file} {shape} (`{keyword}`)")
-        }
-        _ => format!("condition {c}"),
+        Condition::Embedding {
+            keyword,
+            file,
+            shape,
+            extra,
+            ..
+        } => (
+            format!(
+                "held at the embedding of {} {} (`{keyword}`)",
+                file.as_deref().unwrap_or("a tensor"),
+                shape_text(shape)
+            ),
+            extra,
+        ),
     };
     // Embeddings held next to the condition (an SD3-style transformer's pooled_projections).
-    let extra: Vec<String> = c
-        .get("extra")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
+    let extra: Vec<String> = extra
+        .iter()
         .map(|e| {
-            let keyword = e.get("keyword").and_then(Value::as_str).unwrap_or("?");
-            let file = e.get("file").and_then(Value::as_str).unwrap_or("a tensor");
-            let shape = e.get("shape").map(Value::to_string).unwrap_or_default();
-            format!(", and `{keyword}` at the embedding of {file} {shape}")
+            format!(
+                ", and `{}` at the embedding of {} {}",
+                e.keyword,
+                e.file.as_deref().unwrap_or("a tensor"),
+                shape_text(&e.shape)
+            )
         })
         .collect();
     main + &extra.concat()
 }
 
+/// `[1,4,8]`.
+fn shape_text(shape: &[i64]) -> String {
+    let dims: Vec<String> = shape.iter().map(i64::to_string).collect();
+    format!("[{}]", dims.join(","))
+}
+
 fn vae_summary(vae: &std::path::Path, config: &Config) -> String {
-    let note = export_note(vae).unwrap_or(Value::Null);
-    let number = |k: &str| note.get(k).and_then(Value::as_f64);
-    let shape = |k: &str| note.get(k).map(Value::to_string).unwrap_or("?".into());
+    let note = match export_note(vae) {
+        Ok(Some(ExportNote::Vae(note))) => note,
+        _ => Default::default(),
+    };
+    let shape = |s: &Option<Vec<i64>>| s.as_deref().map_or("?".into(), shape_text);
     let mut text = format!(
         "latent, autoencoder {} (latents {} of images {}",
         vae.display(),
-        shape("latent_shape"),
-        shape("image_shape")
+        shape(&note.latent_shape),
+        shape(&note.image_shape)
     );
-    if let Some(s) = number("scaling_factor") {
+    if let Some(s) = note.scaling_factor {
         text += &format!(", scaling factor {s}");
     }
-    if let Some(s) = number("shift_factor").filter(|s| *s != 0.0) {
+    if let Some(s) = note.shift_factor.filter(|s| *s != 0.0) {
         text += &format!(", shift {s}");
     }
     text += ")";
@@ -284,6 +240,27 @@ fn vae_summary(vae: &std::path::Path, config: &Config) -> String {
         text += &format!("; PFD against the latents of {}", p.display());
     }
     text
+}
+
+/// The exporter's notes that break the contract (malformed, a newer version, a field this
+/// version does not know), of each run's architecture and autoencoder: `Model::load` would
+/// refuse them, so `check-config` does.
+pub fn note_problems(runs: &[Config]) -> Vec<crate::config::Problem> {
+    let mut seen = std::collections::HashSet::new();
+    let files = runs.iter().flat_map(|r| {
+        std::iter::once(("model.architecture", &r.model.architecture))
+            .chain(r.model.vae.as_ref().map(|v| ("model.vae", v)))
+    });
+    files
+        .filter(|(_, path)| seen.insert(path.to_path_buf()))
+        .filter_map(|(key, path)| {
+            let e = export_note(path).err()?;
+            Some(crate::config::Problem {
+                key: key.into(),
+                message: e.to_string(),
+            })
+        })
+        .collect()
 }
 
 /// Which format will run the network ([`crate::engine::model::compiled::decide`], nothing
@@ -321,7 +298,18 @@ pub fn network_format(runs: &[Config]) -> (Vec<String>, Vec<crate::config::Probl
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+
+    fn network(json: &str) -> NetworkNote {
+        ExportNote::parse(json).unwrap().network().unwrap().clone()
+    }
+
+    fn cond(json: &str) -> String {
+        condition(
+            network(&format!("{{\"condition\": {json}}}"))
+                .condition
+                .as_ref(),
+        )
+    }
 
     /// Pixel space: the training images' standard deviation against `icr.sigma`, as numpy's
     /// `x.std(ddof=1)` gives it for 128 values of ±0.5 (0.5 · sqrt(128/127) = 0.50197).
@@ -359,65 +347,71 @@ mod tests {
     #[test]
     fn conditions_are_described_as_recorded() {
         let null =
-            json!({"kind": "class", "keyword": "class_labels", "label": 10, "null_class": true});
+            r#"{"kind": "class", "keyword": "class_labels", "label": 10, "null_class": true}"#;
         assert_eq!(
-            condition(Some(&null)),
+            cond(null),
             "class-conditional, held at the null class 10 (`class_labels`)"
         );
         let three =
-            json!({"kind": "class", "keyword": "class_labels", "label": 3, "null_class": false});
-        assert!(condition(Some(&three)).contains("held at class 3"));
-        let emb = json!({"kind": "embedding", "keyword": "encoder_hidden_states", "file": "empty.pt", "shape": [1, 4, 8]});
+            r#"{"kind": "class", "keyword": "class_labels", "label": 3, "null_class": false}"#;
+        assert!(cond(three).contains("held at class 3"));
+        let emb = r#"{"kind": "embedding", "keyword": "encoder_hidden_states", "file": "empty.pt", "shape": [1, 4, 8]}"#;
         assert_eq!(
-            condition(Some(&emb)),
+            cond(emb),
             "held at the embedding of empty.pt [1,4,8] (`encoder_hidden_states`)"
         );
-        let sd3 = json!({"kind": "embedding", "keyword": "encoder_hidden_states", "file": "e.pt", "shape": [1, 4, 8],
-                         "extra": [{"kind": "embedding", "keyword": "pooled_projections", "file": "p.pt", "shape": [1, 8]}]});
+        let sd3 = r#"{"kind": "embedding", "keyword": "encoder_hidden_states", "file": "e.pt", "shape": [1, 4, 8],
+                      "extra": [{"kind": "embedding", "keyword": "pooled_projections", "file": "p.pt", "shape": [1, 8]}]}"#;
         assert_eq!(
-            condition(Some(&sd3)),
+            cond(sd3),
             "held at the embedding of e.pt [1,4,8] (`encoder_hidden_states`), and `pooled_projections` at the embedding of p.pt [1,8]"
         );
-        assert!(condition(Some(&Value::Null)).starts_with("unconditional"));
+        assert!(cond("null").starts_with("unconditional"));
         assert!(condition(None).starts_with("unconditional"));
     }
 
     #[test]
     fn flow_notes_print_the_path_and_sigma_in_its_time() {
-        let rf = json!({"parameterization": "rectified_flow", "family": "flow", "path": "rectified_flow",
-                        "prediction": "velocity", "t_scale": 1000.0});
+        let rf = network(
+            r#"{"parameterization": "rectified_flow", "family": "flow", "path": "rectified_flow",
+                "prediction": "velocity", "t_scale": 1000.0}"#,
+        );
         let text = conversion(&rf, 0.29);
         assert!(text.contains("flow matching, rectified flow"), "{text}");
         assert!(text.contains("network time t·1000"), "{text}");
         // sigma* = 0.29 is t = 0.29 / 1.29 on the rectified-flow path; t = 0.2 is sigma 0.25.
         assert!(text.contains("icr.sigma 0.29 is t = 0.2248"), "{text}");
         assert!(text.contains("is icr.sigma 0.2500"), "{text}");
-        let linear = json!({"parameterization": "sit_linear_velocity", "family": "flow",
-                            "path": "sit_linear", "prediction": "velocity", "t_scale": 1.0});
+        let linear = network(
+            r#"{"parameterization": "sit_linear_velocity", "family": "flow",
+                "path": "sit_linear", "prediction": "velocity", "t_scale": 1.0}"#,
+        );
         let text = conversion(&linear, 0.29);
         assert!(
             text.contains("is t = 0.7752 on this path (0.2248 counted from the data"),
             "{text}"
         );
         assert!(text.contains("is icr.sigma 0.2500"), "{text}");
-        let gvp = json!({"parameterization": "sit_gvp_score", "family": "flow", "path": "sit_gvp",
-                         "prediction": "score", "t_scale": 1.0});
+        let gvp = network(
+            r#"{"parameterization": "sit_gvp_score", "family": "flow", "path": "sit_gvp",
+                "prediction": "score", "t_scale": 1.0}"#,
+        );
         let text = conversion(&gvp, 0.29);
         // t = (2/π)·atan(1/0.29); the data-side t = 0.2 is σ = tan(0.1π) = 0.3249.
         assert!(text.contains("score prediction, network time t;"), "{text}");
         assert!(text.contains("is t = 0.8203"), "{text}");
         assert!(text.contains("is icr.sigma 0.3249"), "{text}");
-        let eps = json!({"parameterization": "eps", "family": "vp", "prediction": "eps", "schedule": "linear"});
+        let eps = network(
+            r#"{"parameterization": "eps", "family": "vp", "prediction": "eps", "schedule": "linear"}"#,
+        );
         assert_eq!(
             conversion(&eps, 0.29),
             "exported as `eps`: DDPM-style eps prediction on the `linear` VP schedule"
         );
-        // A note from before the families, or an unknown path: the name as recorded.
+        // A note from before the families: the name as recorded.
         assert_eq!(
-            conversion(&json!({"parameterization": "x0"}), 0.29),
+            conversion(&network(r#"{"parameterization": "x0"}"#), 0.29),
             "exported as `x0`"
         );
-        let odd = json!({"parameterization": "new", "family": "flow", "path": "elsewhere"});
-        assert_eq!(conversion(&odd, 0.29), "exported as `new`");
     }
 }

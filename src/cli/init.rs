@@ -105,8 +105,7 @@ fn exported_files_in(folder: &Path) -> Vec<PathBuf> {
             (!name.starts_with('.') && is_exported(&name, &path)).then_some(path)
         })
         .filter(|p| {
-            crate::engine::model::export_note(p)
-                .is_none_or(|n| n.get("kind").and_then(|k| k.as_str()) != Some("vae"))
+            !crate::engine::model::export_note(p).is_ok_and(|n| n.is_some_and(|n| n.is_vae()))
         })
         .collect();
     found.sort();
@@ -152,7 +151,7 @@ pub fn survey(dir: &Path) -> std::io::Result<Survey> {
         if step.is_none() {
             if is_exported(&name, &path) {
                 let is_vae = crate::engine::model::export_note(&path)
-                    .is_some_and(|n| n.get("kind").and_then(|k| k.as_str()) == Some("vae"));
+                    .is_ok_and(|n| n.is_some_and(|n| n.is_vae()));
                 if is_vae {
                     s.vae.get_or_insert(path);
                 } else {

@@ -397,6 +397,7 @@ fn one_shot(command: Command) -> Result<()> {
             let runs = config.runs();
             let mut problems = missing_run_folders(&config, &runs);
             problems.extend(pinned_device_problems(&config, &runs));
+            problems.extend(describe::note_problems(&runs));
             let (formats, format_problems) = describe::network_format(&runs);
             problems.extend(format_problems);
             if !problems.is_empty() {

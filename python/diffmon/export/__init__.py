@@ -124,7 +124,8 @@ The note
 --------
 The file holds ``extra/diffmon.json``::
 
-    {"non_persistent_buffers": [...], "device_independent": true, "torch": "2.13.0",
+    {"note_version": 1, "kind": "network", "non_persistent_buffers": [...],
+     "device_independent": true, "torch": "2.13.0", "input_shape": [1, 16, 16],
      "feature_layer": "mid_block", "parameterization": "eps", "learned_sigma": false,
      "condition": null, "family": "vp", "path": null, "prediction": "eps", "schedule": "linear"}
 
@@ -132,6 +133,11 @@ The file holds ``extra/diffmon.json``::
 and ``prediction`` come from :data:`PARAMETERIZATION_TABLE`; ``schedule`` is a VP network's
 (``alphas_cumprod`` for an explicit table), ``t_scale`` a flow or continuous-VP network's time
 scale. ``diffmon check-config`` prints them, and for a flow path ``icr.sigma`` in its time.
+
+The note is a versioned contract with the daemon (``diffmon.export.note``): diffmon reads it typed
+(``src/engine/model/note.rs``) and refuses a note of a newer ``note_version`` or, in a versioned
+note, a field it does not know, at ``check-config`` and at load, naming the file. A note without
+``note_version`` (an exporter before version 1) is read with the fields it has.
 
 ``condition`` is ``null`` (no condition), or ``{"kind": "class", "keyword": "class_labels",
 "label": 10, "null_class": true, "rule": "<how the null index was found>", "default": true}``
@@ -160,7 +166,7 @@ scripts draw ``latent_dist.sample()``, which adds ``std * noise``. ``scaling_fac
 or None: 1.0 / 0.0). The methods are traced with ``torch.jit.trace_module`` at batch 2 on the
 VAE itself (parameter names are those of ``vae.state_dict()``), every method graph gets the
 device rewrite below, and the reloaded file is compared with the eager VAE at batch 3, both
-methods. Its note: ``{"kind": "vae", "scaling_factor": 0.18215, "shift_factor": 0.0, "encode":
+methods. Its note: ``{"note_version": 1, "kind": "vae", "scaling_factor": 0.18215, "shift_factor": 0.0, "encode":
 "posterior mean", "image_shape": [C,H,W], "latent_shape": [c,h,w], "non_persistent_buffers":
 [...], "device_independent": true, "torch": "2.13.0"}``.
 

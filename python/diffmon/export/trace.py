@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from .condition import Embedding, _WRAPPER_HINT, _fixed_inputs, _resolve_condition, _time_keyword
 from .errors import ExportError
+from .note import NOTE_VERSION
 from .parameterization import _Converter, _as_tensor
 from .scheduler import consistency_warning, read_scheduler_config, scheduler_mismatches, scheduler_round_trip
 
@@ -386,7 +387,8 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
             warnings.filterwarnings("ignore", category=DeprecationWarning, message=r".*torch\.jit")
             # Non-persistent buffers are part of the module but never of a state_dict(): the
             # note tells diffmon not to expect them in checkpoints (they keep these values).
-            note = {"non_persistent_buffers": _non_persistent_buffers(net),
+            note = {"note_version": NOTE_VERSION, "kind": "network",
+                    "non_persistent_buffers": _non_persistent_buffers(net),
                     "device_independent": True, "torch": torch.__version__,
                     "input_shape": [int(d) for d in shape],
                     "feature_layer": feature_layer, "parameterization": parameterization,

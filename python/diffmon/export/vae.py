@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import ExportError
+from .note import NOTE_VERSION
 from .parameterization import _as_tensor
 from .trace import _atomic_tmp, _format_pins, _make_device_independent, _non_persistent_buffers, _parse_shape, _quiet_trace, device_constants
 
@@ -121,7 +122,7 @@ def export_vae(vae: nn.Module, path, example_shape, scaling_factor: Optional[flo
     tmp = _atomic_tmp(path)
     try:
         _make_device_independent(traced)
-        note = {"kind": "vae", "scaling_factor": scale, "shift_factor": shift, "encode": "posterior mean",
+        note = {"note_version": NOTE_VERSION, "kind": "vae", "scaling_factor": scale, "shift_factor": shift, "encode": "posterior mean",
                 "image_shape": list(shape), "latent_shape": list(z2.shape[1:]),
                 "non_persistent_buffers": _non_persistent_buffers(net),
                 "device_independent": True, "torch": torch.__version__}

@@ -21,12 +21,12 @@ pub use device::{check_pins, pinned_devices, pins_problem, select_device};
 pub use error::ModelError;
 pub use gpu::{GpuLimits, GpuUse};
 pub use module::PinnedDevice;
-pub use note::export_note;
+pub use note::{Condition, ExportNote, Family, FlowPath, NOTE_VERSION, NetworkNote, export_note};
 
 use crate::config::{CompiledSetting, Precision};
 use crate::weights::{self, DType, Naming, RawTensor, ReadOptions};
 use module::{ForwardFailure, Module, set_tf32};
-use note::{check_condition, non_persistent_buffers};
+use note::{checked_note, non_persistent_buffers};
 use std::collections::HashMap;
 use std::path::Path;
 use tch::{Device, Kind, Tensor};
@@ -81,7 +81,7 @@ impl Model {
     /// A file whose graph pins another device than `device` is refused
     /// ([`ModelError::PinnedDevice`]); one that pins `device` itself is loaded, with a warning.
     pub fn load(path: &Path, device: Device) -> Result<Model, ModelError> {
-        check_condition(path)?;
+        let note = checked_note(path)?;
         let module = Module::load(path, device)?;
         check_pins(path, &module.device_constants()?, device)?;
         let (tensors, params) = module.named_tensors()?;
@@ -90,7 +90,7 @@ impl Model {
             .enumerate()
             .map(|(i, (n, _))| (n.clone(), i))
             .collect();
-        let optional = non_persistent_buffers(path)
+        let optional = non_persistent_buffers(note.as_ref())
             .iter()
             .filter_map(|n| index.get(n).copied())
             .filter(|&i| i >= params)
@@ -780,17 +780,17 @@ mod tests {
             .unwrap();
             write!(
                 z,
-                "{{\"condition\": {{\"kind\": \"embedding\", \"shape\": {shape}}}}}"
+                "{{\"condition\": {{\"kind\": \"embedding\", \"keyword\": \"e\", \"shape\": {shape}}}}}"
             )
             .unwrap();
             z.finish().unwrap();
             path
         };
         let empty = note("[1, 0, 8]");
-        let e = check_condition(&empty).unwrap_err().to_string();
+        let e = checked_note(&empty).unwrap_err().to_string();
         assert!(e.contains(&empty.display().to_string()), "{e}");
         assert!(e.contains("zero-sized"), "{e}");
         assert!(Model::load(&empty, Device::Cpu).is_err());
-        assert!(check_condition(&note("[1, 77, 768]")).is_ok());
+        assert!(checked_note(&note("[1, 77, 768]")).is_ok());
     }
 }
