@@ -45,3 +45,18 @@ def test_the_cpu_flags_are_instruction_sets_of_this_cpu():
     if platform.machine() == "x86_64":
         assert "sse2" in flags and "hypervisor" not in flags
     assert compiling.sidecar_path(compiling.Path("a/m.pt2")) == compiling.Path("a/m.pt2.json")
+
+
+def test_a_loader_that_crashes_in_the_probe_is_an_error_that_says_so(tmp_path):
+    """The package runs in a child process (libtorch's AOTInductor loader segfaulted on CUDA
+    packages on torch 2.11 in the GPU tier): a child killed by a signal, or one that fails, is a
+    RuntimeError naming what happened, and the exporter's process lives on."""
+    import sys
+
+    case = (torch.zeros(2, 1, 4, 4), torch.ones(2))
+    crash = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
+    with pytest.raises(RuntimeError, match=r"loader crashed \(SIGSEGV\)"):
+        compiling.probe_package(tmp_path / "m.pt2", "cpu", [case], case, {}, child=crash)
+    fail = [sys.executable, "-c", "raise SystemExit('no such package')"]
+    with pytest.raises(RuntimeError, match="failed .exit 1: no such package"):
+        compiling.probe_package(tmp_path / "m.pt2", "cpu", [case], case, {}, child=fail)

@@ -412,7 +412,7 @@ pub(super) struct Package {
     ptr: *mut c_void,
     pub(super) path: PathBuf,
     pub(super) sidecar: Sidecar,
-    /// The weights it takes, by name, in its own order.
+    /// The weights each checkpoint gives it, by name: the sidecar's, each among its constants.
     pub(super) names: Vec<String>,
 }
 
@@ -473,7 +473,10 @@ impl Package {
                 "its sidecar names the weight `{w}`, which the package does not take"
             )));
         }
-        package.names = names;
+        // Its other constants (tensors the forward creates, a VP schedule's table, which
+        // torch.export lifts as `_tensor_constant<N>`) are no checkpoint's: they keep their
+        // compiled values.
+        package.names = package.sidecar.weights.clone();
         Ok(package)
     }
 
