@@ -30,6 +30,12 @@ Workloads (NAMES, comma-separated; all but the opt-in `slurm` by default, in thi
   http       `/metrics` and `/` under 200 requests/s (worker threads on loopback) while a
              `diffmon watch` evaluates checkpoints: latency p50/p99, errors, and the evaluation
              time with and without the load (phases alternate).
+  compiled   the compiled network (`model.compiled`): each model's AOTInductor package for this
+             CPU, fp32 and bf16 (`diffmon-export --compile`: compile seconds, package size),
+             then ICR per checkpoint (toy and wider U-Net, n = 1024) with the package against
+             TorchScript at the same precision, the two ICRs compared (identical draws), and the
+             network GFLOP/s against this CPU's fp32 FMA peak (cores x base clock x SIMD lanes x
+             2 x two FMA units).
   slurm      (opt-in: about 11 min here, 2-3 with --quick; needs root, slurm-wlm and munge)
              scale-out: all of a toy run's checkpoints present when `diffmon watch` starts;
              checkpoints per minute with the local executor (the reference, first and last)
@@ -992,9 +998,109 @@ def bench_limits(work: Path, repeat: int, quick: bool) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------------------------
+# The compiled network (model.compiled): an AOTInductor package beside TorchScript
+
+
+def compiled_export(work: Path, name: str, build, feature: str, shape: tuple, precision: str) -> Path:
+    """`build()`'s network (the same class and names as a run's architecture, so the run's
+    checkpoints fit it) exported with `diffmon-export`'s compile step for this CPU at
+    `precision`, into its own folder: model.ts, model.pt2 and its sidecar (compile seconds)."""
+    from diffmon import export
+
+    out = work / f"compiled-{name}-{precision}"
+    if not (out / "model.pt2.json").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(0)
+        export(build().eval(), feature, out / "model.ts", example_shape=(1, *shape),
+               compile={"precision": precision}, verbose=False)
+    return out
+
+
+def bench_compiled(work: Path, repeat: int, quick: bool):
+    """ICR per checkpoint with the compiled package (`model.compiled` naming it) against
+    TorchScript at the same precision, on the same checkpoints and draws; the package's compile
+    time and size; each network's GFLOP/s against this CPU's fp32 FMA peak. Rows come as they
+    are measured; bf16 runs once, at n = 256 for the wider U-Net (TorchScript's bf16 autocast is
+    slow on a CPU without AVX-512 BF16: minutes a checkpoint)."""
+    from train_toy import FEATURE_LAYER, ToyDenoiser
+
+    toy, wide = toy_run(work), wide_run(work)
+    wide_data = images_h5(work / "wide_train.h5", 1024, (3, 32, 32))
+    nets = [("toy", toy, toy / "train.h5", lambda: ToyDenoiser(1, 32), FEATURE_LAYER, (1, 16, 16)),
+            ("wide", wide, wide_data, lambda: _wide_unet(32), "mid2", (3, 32, 32))]
+    peak = fma_peak_gflops()
+    for name, run_dir, data, build, feature, shape in nets:
+        for precision in ("fp32", "bf16"):
+            # The wider U-Net's bf16 TorchScript took over 13 min for 3 checkpoints at n = 1024.
+            n = 128 if quick else 256 if (name, precision) == ("wide", "bf16") else 1024
+            out = compiled_export(work, name, build, feature, shape, precision)
+            side = json.loads((out / "model.pt2.json").read_text())
+            yield {"workload": f"compile the package, {name}, {precision} (torch.export and "
+                               "AOTInductor; the sidecar's compile_seconds)",
+                   "unit": "s", "diffmon": side["compile_seconds"],
+                   "package_mib": (out / "model.pt2").stat().st_size / 2**20,
+                   "torchscript_mib": (out / "model.ts").stat().st_size / 2**20}
+            times = repeat if precision == "fp32" else 1
+            ts, _, ts_rss, _ = icr_point(work, run_dir, data, n, times, with_ref=False,
+                                         precision=precision)
+            c, c_rss, icrs = compiled_icr(work, run_dir, out, data, n, times, precision)
+            extra = bound(name, 2 * n, c)
+            if "network_gflops" in extra and peak:
+                extra["of_fma_peak"] = extra["network_gflops"] / peak
+            yield row(f"ICR per checkpoint, {name}, n = {n}, compiled {precision} (against "
+                      f"TorchScript {precision})", c, ts, c_rss, ts_rss, "ratio ≥ 1",
+                      fma_peak_gflops=peak, **icrs, **extra)
+
+
+def compiled_icr(work: Path, run_dir: Path, out: Path, data: Path, n: int, repeat: int,
+                 precision: str) -> tuple[float, float, dict]:
+    """Steady-state seconds per checkpoint (best of `repeat`) and peak RSS of `diffmon eval` with
+    the package, and its ICR against TorchScript's on the same checkpoints and draws."""
+    extra = (f"icr: {{samples: {n}, batch_size: 256, sigma: 0.5}}\npfd: {{enabled: false}}\n"
+             f"early_stop: {{confirm: none}}\nevaluation: {{precision: {precision}}}\n")
+    cfgs = {}
+    for fmt_, compiled in (("compiled", out / "model.pt2"), ("torchscript", "off")):
+        cfg = write_config(work / f"icr_{out.name}_{fmt_}_{n}.yaml", run_dir, data, extra)
+        cfg.write_text(cfg.read_text().replace(
+            f"model: {{architecture: {run_dir / 'model.ts'}}}",
+            f"model: {{architecture: {out / 'model.ts'}, compiled: {compiled}}}"))
+        cfgs[fmt_] = cfg
+    ckpts = sorted(run_dir.glob("ckpt_*.pt"))[-3:]
+    times, rss, icr = [], 0.0, {}
+    for _ in range(repeat):
+        p = diffmon("eval", "--config", cfgs["compiled"], *ckpts, "--json", log="info")
+        if "network=compiled package" not in p.err:
+            raise RuntimeError(f"the package did not run:\n{p.err[-2000:]}")
+        recs = p.json_lines()
+        times += steady([r["seconds"] for r in recs])
+        rss = max(rss, p.rss_mib)
+        icr["compiled"] = recs[-1]["icr"]
+    icr["torchscript"] = diffmon("eval", "--config", cfgs["torchscript"], *ckpts[-1:],
+                                 "--json").json_lines()[-1]["icr"]
+    rel = abs(icr["compiled"] - icr["torchscript"]) / abs(icr["torchscript"])
+    return min(times), rss, {"icr_rel_diff": rel}
+
+
+def fma_peak_gflops() -> float:
+    """This CPU's fp32 peak in GFLOP/s: cores x base clock x SIMD lanes x 2 (multiply and add)
+    x FMA units a core. The base clock is the TSC's (lscpu's BogoMIPS / 2 on x86, which a VM
+    reports even where it hides the frequency); lanes from the widest vector flag (avx512f: 16,
+    avx2 or fma: 8); two FMA units a core, as on the Zen and the Xeon Scalable cores this runs
+    on. Turbo clocks exceed the base, so a rate above this peak is possible: it is a scale, not
+    a bound."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return float("nan")
+    flags = set(re.search(r"^flags\s*:(.*)$", info, re.M).group(1).split())
+    mips = float(re.search(r"^bogomips\s*:\s*([\d.]+)", info, re.M).group(1))
+    lanes = 16 if "avx512f" in flags else 8 if "fma" in flags else 4
+    return THREADS * (mips / 2 / 1000) * lanes * 2 * 2
+
 ENTRIES = {"limits": bench_limits, "icr": bench_icr, "pfd": bench_pfd, "empirical": bench_empirical,
            "load": bench_load, "latency": bench_daemon, "scaling": bench_scaling, "batch": bench_batch,
-           "http": bench_http_load, "slurm": bench_slurm}
+           "http": bench_http_load, "compiled": bench_compiled, "slurm": bench_slurm}
 OPT_IN = {"slurm"}  # run only when named in --only
 
 

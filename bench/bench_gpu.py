@@ -18,6 +18,12 @@ PARTS (comma-separated; all by default, in this order):
   share    a training job (the same network, bf16 autocast, batch 128, AdamW, a checkpoint every
            100 steps) alone, then with `diffmon watch` evaluating each of its checkpoints (ICR
            n = 4096) at the default gpu_share and at gpu_share 1: its steps/s in each phase
+  compile  the eager network under torch.compile (bf16 autocast, channels-last): the rate the
+           targets are stated against; the icr and pfd rows as shares of it
+  aoti     diffmon's compiled network: `diffmon-export --compile` for this GPU (bf16, then
+           fp32; compile time, package size), then the icr rows (and the pfd row in fp32) with
+           `model.compiled` naming the package: against diffmon's TorchScript rows (speed, ICR and
+           E_gen on identical draws), the torch.compile rate and the researcher's script
 
 The binary is DIFFMON_BIN, else target/release/diffmon (as the GPU tier finds it). Results go to
 DIR/bench-gpu.json and DIR/bench-gpu.md (default: the working directory), and a line per
@@ -28,7 +34,6 @@ network, small counts, no compile): it checks the harness, not the numbers.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import re
@@ -71,6 +76,8 @@ NETS = {
 BATCH = 256
 SIGMA = 0.29  # icr.sigma's default
 RESULTS: list[dict] = []
+# Where results go as they come (main sets it): a run cut short keeps every row it measured.
+WRITE_TO: list = []
 
 
 def say(text: str) -> None:
@@ -79,6 +86,8 @@ def say(text: str) -> None:
 
 def result(part: str, what: str, **values) -> None:
     RESULTS.append({"part": part, "what": what, **values})
+    if WRITE_TO:
+        write(*WRITE_TO)
     shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
     say(f"{part}: {what}: {shown}")
 
@@ -142,21 +151,26 @@ def assets(work: Path, net: str, n_train: int):
     return unet, params, size, ckpts
 
 
-def write_config(path: Path, work: Path, device: str, body: str) -> Path:
+def write_config(path: Path, work: Path, device: str, body: str, model: str = "") -> Path:
+    """A config evaluating `work`'s export, or `model`'s (a `model:` mapping's inside)."""
+    model = model or f"architecture: '{work / 'model.ts'}'"
     path.write_text(
         f"run: {{dir: '{work / 'run'}', name: bench}}\n"
         f"state_dir: '{path.with_suffix('.state')}'\n"
-        f"model: {{architecture: '{work / 'model.ts'}'}}\n"
+        f"model: {{{model}}}\n"
         f"device: '{device}'\n"
         f"data: {{path: '{work / 'train.h5'}'}}\n" + body)
     return path
 
 
-def diffmon_eval(config: Path, ckpts) -> list[dict]:
+def diffmon_eval(config: Path, ckpts, network: str = "TorchScript") -> list[dict]:
+    """`diffmon eval`'s records; `network` must start the log's `network` (which format ran)."""
     out = subprocess.run([binary(), "eval", "--config", str(config), *map(str, ckpts), "--json"],
                          capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"diffmon eval exited {out.returncode}:\n{out.stderr[-3000:]}")
+    if not re.search(r"network[=: \"]+" + re.escape(network), out.stderr):
+        raise RuntimeError(f"diffmon eval ran another network than {network}:\n{out.stderr[-3000:]}")
     return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
 
 
@@ -243,62 +257,54 @@ def bench_compiled(unet, size: int, device: str, rates: dict) -> None:
             result(r["part"], f"{r['what']} against the compiled bf16 rate", share=got / best)
 
 
-def bench_aoti(work: Path, unet, size: int, device: str, rates: dict) -> None:
-    """What a compiled format beside TorchScript would give (not yet diffmon's): the network
-    exported with torch.export (batch dimension dynamic) and compiled by AOTInductor into a
-    package, bf16 autocast inside; its compile time and images/s, and whether new weights swapped
-    in with `load_constants` (what diffmon would do per checkpoint) give the eager network's
-    outputs with them."""
-    import torch._inductor
+def bench_aoti(work: Path, unet, size: int, ckpts, device: str, ns, m: int, rates: dict) -> None:
+    """diffmon's compiled network: the same network exported with `diffmon-export`'s compile step
+    for this device (AOTInductor, batch 64 and up: diffusers' `Upsample2D` guards smaller
+    batches), bf16 then fp32; its compile time and size, then `diffmon eval` with
+    `model.compiled` naming the package: ICR at each n, and PFD at M (fp32: the student's PF-ODE
+    runs the package, the teacher TorchScript), against TorchScript's rows of the same run, the
+    torch.compile rate and the researcher's script."""
+    from diffmon.export import export
 
-    kind = device.split(":")[0]
-
-    class Bf16(torch.nn.Module):
-        def __init__(self, net):
-            super().__init__()
-            self.net = net
-
-        def forward(self, x, t):
-            with torch.autocast(kind, dtype=torch.bfloat16):
-                return self.net(x, t).sample.float()
-
-    # A copy: the swap below changes its weights.
-    net = copy.deepcopy(unet).to(device).eval()
-    model = Bf16(net)
-    x = torch.randn(BATCH, 3, size, size, device=device)
-    t = torch.full((BATCH,), 500, device=device, dtype=torch.long)
-    t0 = time.perf_counter()
-    # diffusers makes batches of 64 and more contiguous (Upsample2D): a guard at 64.
-    batch = torch.export.Dim("batch", min=64, max=4096)
-    with torch.no_grad():
-        ep = torch.export.export(model, (x, t), dynamic_shapes=({0: batch}, {0: batch}))
-        package = torch._inductor.aoti_compile_and_package(
-            ep, package_path=str(work / "net.pt2"))
-    compile_s = time.perf_counter() - t0
-    compiled = torch._inductor.aoti_load_package(package)
-    got = rate(lambda: compiled(x, t), device, BATCH, 2.0)
-    rates["aoti_bf16"] = got
-    # New weights, swapped in by name; compared with the eager network (bf16 both).
-    g = torch.Generator(device="cpu").manual_seed(5)
-    new = {k: (v + 0.05 * v.std() * torch.randn(v.shape, generator=g).to(v.device))
-           for k, v in net.state_dict().items() if v.is_floating_point() and v.numel() > 1}
-    fqns = set(compiled.get_constant_fqns())
-    swap = {k: v for k, v in new.items() if "net." + k in fqns}
-    with torch.no_grad():
-        old = compiled(x[:64], t[:64])
-    t1 = time.perf_counter()
-    compiled.load_constants({"net." + k: v for k, v in swap.items()}, check_full_update=False)
-    swap_s = time.perf_counter() - t1
-    net.load_state_dict(new, strict=False)
-    with torch.no_grad():
-        want = model(x[:64], t[:64])
-        scale = want.abs().max().item()
-        diff = (compiled(x[:64], t[:64]) - want).abs().max().item() / scale
-        unswapped = (old - want).abs().max().item() / scale
-    result("forward", "aoti_bf16 (torch.export + AOTInductor, batch 64 to 4096)", images_per_s=got,
-           compile_s=compile_s, of_torchscript_bf16=got / rates.get("torchscript_bf16", float("nan")),
-           constants=len(fqns), swapped=len(swap), swap_s=swap_s, rel_diff_after_swap=diff,
-           rel_diff_without_swap=unswapped)
+    by_what = {(r["part"], r["what"]): r for r in RESULTS}
+    best = rates.get("compiled_bf16_channels_last")
+    for precision in ("bf16", "fp32"):
+        d = work / f"aoti-{precision}"
+        d.mkdir()
+        t0 = time.perf_counter()
+        export(unet, "mid_block", d / "model.ts", "eps", (1, 3, size, size), schedule="linear",
+               device=device, verbose=False,
+               compile={"device": device, "precision": precision, "min_batch": 64})
+        side = json.loads((d / "model.pt2.json").read_text())
+        result("aoti", f"package {precision}", export_and_compile_s=time.perf_counter() - t0,
+               compile_s=side["compile_seconds"], package_mib=(d / "model.pt2").stat().st_size / 2**20,
+               weights=len(side["weights"]))
+        model = f"architecture: '{d / 'model.ts'}', compiled: '{d / 'model.pt2'}'"
+        runs = [(f"n {n} {precision}", "icr", 2 * n,
+                 f"icr: {{samples: {n}, batch_size: {BATCH}, seed: 0}}\n"
+                 "pfd: {enabled: false}\nearly_stop: {confirm: none}\n") for n in ns]
+        if precision == "fp32":
+            runs.append((f"M {m} fp32", "pfd", m * (2 * 18 - 1),
+                         "icr: {enabled: false}\n"
+                         f"pfd: {{enabled: true, teacher: '{work / 'teacher.ts'}', samples: {m}, "
+                         f"batch_size: {BATCH}, seed: 0}}\n"
+                         "early_stop: {metric: pfd_generalization, confirm: none}\n"))
+        for what, part, images, body in runs:
+            cfg = write_config(work / f"aoti-{part}-{what.replace(' ', '-')}.yaml", work, device,
+                               body + f"evaluation: {{precision: {precision}, gpu_share: 1}}\n",
+                               model=model)
+            rec = diffmon_eval(cfg, ckpts, network="compiled package")[-1]
+            got = images / rec["seconds"]
+            script = by_what.get((part, what), {})
+            ref = script.get("researcher_fp32_s", script.get("researcher_student_s", float("nan")))
+            values = dict(seconds=rec["seconds"], images_per_s=got,
+                          speedup_vs_torchscript=script.get("seconds", float("nan")) / rec["seconds"],
+                          of_compiled_bf16=got / best if best else float("nan"),
+                          speedup_vs_researcher=ref / rec["seconds"])
+            for key in ("icr", "pfd_generalization"):
+                if rec.get(key) is not None and script.get(key) is not None:
+                    values[f"{key}_rel_diff_vs_torchscript"] = abs(rec[key] - script[key]) / abs(script[key])
+            result(part, f"{what} compiled", **values)
 
 
 # ----------------------------------------------------------------------------- ICR
@@ -366,7 +372,8 @@ def bench_icr(work: Path, ckpts, device: str, ns, rates: dict) -> None:
                    gpu_seconds=rec.get("gpu_seconds", float("nan")), images_per_s=images,
                    of_torchscript=images / forward if forward else float("nan"),
                    researcher_fp32_s=ref, speedup_vs_researcher=ref / rec["seconds"],
-                   gpu_memory_peak_gib=rec.get("gpu_memory_peak_bytes", 0) / 2**30)
+                   gpu_memory_peak_gib=rec.get("gpu_memory_peak_bytes", 0) / 2**30,
+                   icr=rec["icr"])
 
 
 # ----------------------------------------------------------------------------- PFD
@@ -416,7 +423,8 @@ def bench_pfd(work: Path, ckpts, device: str, m: int, size: int, rates: dict) ->
            gpu_seconds=rec.get("gpu_seconds", float("nan")),
            network_evals_per_s=evals / rec["seconds"],
            of_torchscript=evals / rec["seconds"] / forward if forward else float("nan"),
-           researcher_student_s=ref, speedup_vs_researcher=ref / rec["seconds"])
+           researcher_student_s=ref, speedup_vs_researcher=ref / rec["seconds"],
+           pfd_generalization=rec["pfd_generalization"])
 
 
 # ----------------------------------------------------------------------------- sharing
@@ -531,13 +539,18 @@ def bench_share(work: Path, net: str, device: str, seconds: float, n: int, every
 
 def markdown(meta: dict) -> str:
     lines = [f"GPU benchmark: {meta['device_name']}, torch {meta['torch']}, network {meta['net']} "
-             f"({meta['params_m']:.1f} M parameters), batch {BATCH}; {meta['when']}", "",
+             f"({meta.get('params_m', float('nan')):.1f} M parameters), batch {BATCH}; {meta['when']}", "",
              "| part | what | values |", "|---|---|---|"]
     for r in RESULTS:
         values = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                            for k, v in r.items() if k not in ("part", "what"))
         lines.append(f"| {r['part']} | {r['what']} | {values} |")
     return "\n".join(lines) + "\n"
+
+
+def write(out: Path, meta: dict) -> None:
+    (out / "bench-gpu.json").write_text(json.dumps({"meta": meta, "results": RESULTS}, indent=1))
+    (out / "bench-gpu.md").write_text(markdown(meta))
 
 
 def main() -> int:
@@ -565,6 +578,7 @@ def main() -> int:
     meta = {"device_name": torch.cuda.get_device_name(0) if not dry else "cpu (dry run)",
             "torch": torch.__version__, "net": net, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     say(f"bench-gpu on {meta['device_name']}, torch {meta['torch']}, work {work}")
+    WRITE_TO[:] = [out, meta]
     try:
         unet, params, size, ckpts = assets(work, net, 1024 if dry else 4096)
         meta["params_m"] = params / 1e6
@@ -575,7 +589,9 @@ def main() -> int:
                  ("share", lambda: bench_share(work, net, args.device, 12 if dry else args.share_seconds,
                                                256 if dry else 4096, 20 if dry else 100)),
                  ("compile", lambda: bench_compiled(unet, size, args.device, rates)),
-                 ("aoti", lambda: bench_aoti(work, unet, size, args.device, rates))]
+                 ("aoti", lambda: bench_aoti(work, unet, size, ckpts, args.device,
+                                             (64,) if dry else (4096, 512), 16 if dry else 1000,
+                                             rates))]
         for name, run in steps:
             if name not in parts:
                 continue
@@ -585,8 +601,7 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - one part failing must not lose the others
                 result(name, "FAILED", error=str(e)[-2000:])
             say(f"{name}: {time.perf_counter() - t0:.0f} s")
-            (out / "bench-gpu.json").write_text(json.dumps({"meta": meta, "results": RESULTS}, indent=1))
-            (out / "bench-gpu.md").write_text(markdown(meta))
+            write(out, meta)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if any(r["what"] == "FAILED" for r in RESULTS) else 0
