@@ -132,10 +132,13 @@ def steady(times: list[float]) -> list[float]:
     return times[1:] if len(times) > 1 else times
 
 
-def write_config(path: Path, run_dir: Path, data: Path, extra: str, threads: int = THREADS) -> Path:
+def write_config(path: Path, run_dir: Path, data: Path, extra: str, threads: int = THREADS,
+                 model: str = "") -> Path:
+    """A config watching `run_dir` with its architecture, or `model` (a `model:` mapping's inside)."""
+    model = model or f"architecture: {run_dir / 'model.ts'}"
     path.write_text(
         f"run: {{dir: {run_dir}}}\nstate_dir: {path.parent / (path.stem + '.state')}\n"
-        f"model: {{architecture: {run_dir / 'model.ts'}}}\ndevice: cpu\ncpu_threads: {threads}\n"
+        f"model: {{{model}}}\ndevice: cpu\ncpu_threads: {threads}\n"
         f"data: {{path: {data}}}\n{extra}"
     )
     return path
@@ -1061,11 +1064,8 @@ def compiled_icr(work: Path, run_dir: Path, out: Path, data: Path, n: int, repea
              f"early_stop: {{confirm: none}}\nevaluation: {{precision: {precision}}}\n")
     cfgs = {}
     for fmt_, compiled in (("compiled", out / "model.pt2"), ("torchscript", "off")):
-        cfg = write_config(work / f"icr_{out.name}_{fmt_}_{n}.yaml", run_dir, data, extra)
-        cfg.write_text(cfg.read_text().replace(
-            f"model: {{architecture: {run_dir / 'model.ts'}}}",
-            f"model: {{architecture: {out / 'model.ts'}, compiled: {compiled}}}"))
-        cfgs[fmt_] = cfg
+        cfgs[fmt_] = write_config(work / f"icr_{out.name}_{fmt_}_{n}.yaml", run_dir, data, extra,
+                                  model=f"architecture: {out / 'model.ts'}, compiled: {compiled}")
     ckpts = sorted(run_dir.glob("ckpt_*.pt"))[-3:]
     times, rss, icr = [], 0.0, {}
     for _ in range(repeat):
@@ -1093,10 +1093,15 @@ def fma_peak_gflops() -> float:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return float("nan")
-    flags = set(re.search(r"^flags\s*:(.*)$", info, re.M).group(1).split())
-    mips = float(re.search(r"^bogomips\s*:\s*([\d.]+)", info, re.M).group(1))
+    flags, mips = (re.search(r"^flags\s*:(.*)$", info, re.M),
+                   re.search(r"^bogomips\s*:\s*([\d.]+)", info, re.M))
+    if not (flags and mips):  # not an x86 /proc/cpuinfo
+        return float("nan")
+    flags = set(flags.group(1).split())
     lanes = 16 if "avx512f" in flags else 8 if "fma" in flags else 4
-    return THREADS * (mips / 2 / 1000) * lanes * 2 * 2
+    return THREADS * (float(mips.group(1)) / 2 / 1000) * lanes * 2 * 2
+
+
 
 ENTRIES = {"limits": bench_limits, "icr": bench_icr, "pfd": bench_pfd, "empirical": bench_empirical,
            "load": bench_load, "latency": bench_daemon, "scaling": bench_scaling, "batch": bench_batch,
