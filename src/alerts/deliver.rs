@@ -78,18 +78,18 @@ impl DeliveryPolicy {
 
 /// How a destination is addressed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DestKind {
+pub enum DestinationKind {
     Webhook(WebhookFormat),
     /// `POST {url}/api/v2/alerts`.
     Alertmanager,
 }
 
-impl DestKind {
+impl DestinationKind {
     /// The `receiver` label of the delivery counter.
     pub fn receiver(&self) -> Receiver {
         match self {
-            DestKind::Webhook(_) => Receiver::Webhook,
-            DestKind::Alertmanager => Receiver::Alertmanager,
+            DestinationKind::Webhook(_) => Receiver::Webhook,
+            DestinationKind::Alertmanager => Receiver::Alertmanager,
         }
     }
 }
@@ -103,7 +103,7 @@ pub struct Destination {
     /// URLs often hold tokens, e.g. Slack's).
     pub label: String,
     pub url: Url,
-    pub kind: DestKind,
+    pub kind: DestinationKind,
     pub secret: Option<Secret>,
 }
 
@@ -153,8 +153,8 @@ pub async fn attempt(
     event: &Event,
 ) -> Attempt {
     let body = match dest.kind {
-        DestKind::Webhook(fmt) => format::webhook_body(fmt, event),
-        DestKind::Alertmanager => format::alertmanager_api_body(event),
+        DestinationKind::Webhook(fmt) => format::webhook_body(fmt, event),
+        DestinationKind::Alertmanager => format::alertmanager_api_body(event),
     };
     let mut req = client
         .post(dest.url.clone())
@@ -342,7 +342,7 @@ impl Worker {
 
     fn refresh_interval(&self) -> Option<Duration> {
         match self.dest.kind {
-            DestKind::Alertmanager if self.active.is_some() => {
+            DestinationKind::Alertmanager if self.active.is_some() => {
                 self.shared.policy.alertmanager_refresh
             }
             _ => None,
@@ -481,7 +481,7 @@ impl Worker {
     }
 
     fn after_delivery(&mut self, event: &Event) {
-        if self.dest.kind != DestKind::Alertmanager {
+        if self.dest.kind != DestinationKind::Alertmanager {
             return;
         }
         match event.event {
@@ -535,7 +535,7 @@ pub fn restored_active(
     ledger: &Ledger,
 ) -> Option<Event> {
     let e = stop_event?;
-    (dest.kind == DestKind::Alertmanager
+    (dest.kind == DestinationKind::Alertmanager
         && e.event == EventKind::EarlyStop
         && e.id == event_id(&e.run, instance, e.event, e.best_step, e.current_step)
         && ledger.contains(&delivery_key(&e.id, &dest.key)))

@@ -84,7 +84,7 @@ pub use format::{ALERT_NAME, summary};
 pub use outcome::{DeliveryOutcome, OutcomeHook, Receiver};
 
 use crate::config::{AlertsConfig, SecretEnv, WebhookFormat};
-use deliver::{Book, DestKind, Destination, Shared, Worker, redact_url, restored_active};
+use deliver::{Book, Destination, DestinationKind, Shared, Worker, redact_url, restored_active};
 use sha2::{Digest, Sha256};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
@@ -582,7 +582,7 @@ fn destinations(config: &AlertsConfig) -> Result<Vec<Arc<Destination>>, AlertErr
             key,
             label: format!("alerts.webhooks[{i}] {}", redact_url(&w.url)),
             url: w.url.clone(),
-            kind: DestKind::Webhook(w.format),
+            kind: DestinationKind::Webhook(w.format),
             secret,
         }));
     }
@@ -597,7 +597,7 @@ fn destinations(config: &AlertsConfig) -> Result<Vec<Arc<Destination>>, AlertErr
             key: format!("alertmanager-{}", short_hash(&[base.as_str()])),
             label: format!("alerts.alertmanager {}", redact_url(base)),
             url,
-            kind: DestKind::Alertmanager,
+            kind: DestinationKind::Alertmanager,
             secret: None,
         }));
     }

@@ -1,9 +1,10 @@
 //! The executor stage: work items in, [`Outcome`]s out. It sits between the watcher and the
-//! recorder (ARCHITECTURE.md, "Add an executor"). This file is what the executors share: the
-//! [`Executor`] trait, the [`Outcome`] it reports, its error, a sweep's [`Lane`]; it imports
-//! neither executor. [`Local`](super::local::Local) (`local.rs`) is the evaluator thread of this
-//! process; the Slurm executor (`slurm/`), which runs `diffmon eval --json` as cluster jobs,
-//! implements [`Executor`] beside it.
+//! recorder (ARCHITECTURE.md, "Add an executor"). This file is the stage's interface, which
+//! every executor implements and the rest of the daemon uses: the [`Executor`] trait, the
+//! [`Outcome`] it reports, its error, a sweep's [`Lane`], and the checks every executor makes
+//! of an item; it imports no executor. [`Local`](super::local::Local) (`local.rs`) is the
+//! evaluator thread of this process; [`Jobs`](super::jobs::Jobs) (`jobs/`) runs
+//! `diffmon eval --json` as batch jobs on a scheduler (`slurm/`). `choice.rs` chooses one.
 
 use crate::config::Config;
 use crate::daemon::watcher::WorkItem;
@@ -27,8 +28,10 @@ pub enum ExecutorError {
     StoppedDuringStart,
     #[error("cannot start the evaluator thread")]
     Spawn(#[source] std::io::Error),
-    #[error("cannot start the Slurm executor")]
-    Slurm(#[source] super::slurm::error::SlurmError),
+    #[error("cannot start the jobs executor")]
+    Jobs(#[source] super::jobs::error::JobsError),
+    #[error("the evaluator has stopped")]
+    Stopped,
 }
 
 /// Turns work items into outcomes.

@@ -1,20 +1,22 @@
 //! `diffmon watch`: the pipeline of ARCHITECTURE.md ("Threads"), one stage per module.
 //!
 //! ```text
-//! watcher ──WorkItem──► executor ──Outcome──► recorder ────► RunState ─────► sinks
-//! (watcher/: offer.rs,  (executor.rs: the     (recorder.rs:   (run_state.rs:  (sinks.rs: console;
+//! watcher ──WorkItem──► executor ──Outcome──► recorder ────► RunState ─────► outputs
+//! (watcher/: offer.rs,  (executor.rs: the     (recorder.rs:   (run_state.rs:  (outputs.rs: console;
 //!  scan.rs: rescan +     trait and its         journal, HDF5,  detector,       alerts: stop file,
-//!  settle check,         types; local.rs:      retry queue)    status, live    webhooks)
-//!  notifications.rs)     the evaluator                         page, metrics)
-//!                        thread, owns tch;                         ▲
-//!                        slurm/: Slurm jobs)                       └── HTTP (http.rs, tokio)
+//!  settle check,         types; choice.rs      retry queue)    status, live    webhooks)
+//!  notifications.rs)     picks one: local.rs,                  page, metrics)
+//!                        the evaluator thread,                     ▲
+//!                        owns tch; jobs/ on                        └── HTTP (http.rs, tokio)
+//!                        slurm/: batch jobs)
 //! ```
 //!
-//! The recorder, the run state and the sinks share the recorder thread, in that order; the
+//! The recorder, the run state and the outputs share the recorder thread, in that order; the
 //! main thread waits in `shutdown.rs`, the one way the daemon stops. `pipeline.rs` opens what
-//! the threads need (a run's history, state and sinks; the HTTP port and the tokio runtime);
-//! [`run`] here wires one run's stages, `sweep.rs` those of every run of a sweep. The two
-//! executors share `executor.rs` and nothing else; no file of the daemon imports this one.
+//! the threads need (a run's history, state and outputs; the HTTP port and the tokio runtime);
+//! [`run`] here wires one run's stages, `sweep.rs` those of every run of a sweep. The executors
+//! share `executor.rs` and nothing else; `choice.rs` is the one place that chooses one. No file
+//! of the daemon imports this one.
 //!
 //! The recorder appends every outcome to the history before anything acts on it; when the state
 //! folder cannot be written (a full disk), outcomes wait in memory, in order, and are retried
@@ -32,30 +34,31 @@
 //! [`crate::record::FailureReason::Crashed`] rather than evaluated again ([`crate::store::crash`]); a
 //! panic in any thread ends the process with status 1.
 
+mod choice;
 mod executor;
 pub mod http;
+pub mod jobs;
 mod local;
+mod outputs;
 mod pace;
 mod pipeline;
 mod recorder;
 mod run_state;
 mod shutdown;
-mod sinks;
-pub mod slurm;
+mod slurm;
 mod sweep;
 mod until;
 pub mod watcher;
 
-use crate::config::{Config, ExecutorKind};
+use crate::config::Config;
 use crate::daemon::watcher::{Watcher, work_channel};
 use crate::store::lock::StateLock;
 use anyhow::Result;
-use executor::{Executor, Outcome};
-use local::Local;
+use executor::Outcome;
 pub(crate) use local::failure_reason;
+use outputs::Console;
 pub use pace::{measured_in_history, pf_ode_every};
 use pipeline::{OUTCOMES_BOUND, Opened, bind, open, serve};
-use sinks::Console;
 use std::time::Duration;
 pub use until::Until;
 
@@ -91,19 +94,14 @@ pub fn run(config: Config, until: Until) -> Result<Ended> {
 
     let (work_tx, work_rx) = work_channel();
     let (outcome_tx, outcome_rx) = crossbeam_channel::bounded::<Outcome>(OUTCOMES_BOUND);
-    let executor = match config.evaluation.executor {
-        ExecutorKind::Local => Local {
-            config: config.writing_state_through(lock.state().path()),
-            evaluated_before,
-        }
-        .start(work_rx, outcome_tx)?,
-        ExecutorKind::Slurm => slurm::Slurm {
-            config: config.clone(),
-            metrics: metrics.clone(),
-            evaluated_before,
-        }
-        .start(work_rx, outcome_tx)?,
-    };
+    let executor = choice::start(
+        &config,
+        lock.state().path(),
+        metrics.clone(),
+        evaluated_before,
+        work_rx,
+        outcome_tx,
+    )?;
 
     let (stop, stopped) = shutdown::stop_channel();
     let done = recorder
@@ -131,7 +129,7 @@ pub fn run(config: Config, until: Until) -> Result<Ended> {
         .name("diffmon-record".into())
         .spawn(move || {
             recorder.run(outcome_rx, |outcome, at| published.recorded(outcome, at));
-            published.sinks
+            published.outputs
         })?;
 
     let status = view.status.clone();
@@ -146,10 +144,10 @@ pub fn run(config: Config, until: Until) -> Result<Ended> {
     tracing::info!("{}", config.cost_summary());
 
     let drain = config.shutdown_drain;
-    let (stopped, sinks) =
+    let (stopped, outputs) =
         shutdown::until_stopped(&runtime, stop, watcher, recorder, drain, finished)?;
     let _ = executor.join();
-    sinks.close(&runtime);
+    outputs.close(&runtime);
     server.abort();
     runtime.shutdown_timeout(Duration::from_secs(1));
     match stopped {

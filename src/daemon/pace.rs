@@ -25,7 +25,7 @@
 //!   evaluation, from the first (before any verdict: a queue may grow during the first
 //!   evaluation).
 
-use crate::config::{Backlog, Config, DeviceSpec, ExecutorKind};
+use crate::config::{Backlog, Config, DeviceSpec};
 use crate::metrics::{Metrics, STAGE_PFD};
 use crate::record::Evaluation;
 use crate::store::history::Entry;
@@ -326,17 +326,20 @@ pub struct Pace {
     inner: Mutex<Inner>,
 }
 
+/// What the executor brings to the pace (`choice::capacity`, the one place that knows the
+/// executor): how many evaluations run at once, and its remedy when evaluation falls behind.
+pub struct Capacity {
+    pub parallel: usize,
+    pub remedy: String,
+}
+
 impl Pace {
-    pub fn new(config: &Config, metrics: Arc<Metrics>) -> Pace {
-        let parallel = match config.evaluation.executor {
-            ExecutorKind::Local => 1,
-            ExecutorKind::Slurm => config.evaluation.max_in_flight.max(1),
-        };
+    pub fn new(config: &Config, capacity: Capacity, metrics: Arc<Metrics>) -> Pace {
         Pace {
             metrics,
             every: pf_ode_every(config),
-            parallel,
-            remedies: remedies(config),
+            parallel: capacity.parallel,
+            remedies: remedies(config, capacity.remedy),
             started: std::time::Instant::now(),
             inner: Mutex::new(Inner::default()),
         }
@@ -461,9 +464,9 @@ fn pins_note(pinned: u64) -> String {
     )
 }
 
-/// What makes a checkpoint cheaper or evaluation faster, as the config stands: the warning's
-/// second half.
-fn remedies(config: &Config) -> String {
+/// What makes a checkpoint cheaper or evaluation faster, as the config stands, the executor's
+/// `remedy` last: the warning's second half.
+fn remedies(config: &Config, remedy: String) -> String {
     let mut r = Vec::new();
     if config.icr.enabled {
         r.push(format!("lower icr.samples (now {})", config.icr.samples));
@@ -477,13 +480,7 @@ fn remedies(config: &Config) -> String {
     if !matches!(config.device, DeviceSpec::Cuda(_)) {
         r.push("evaluate on a GPU (device: cuda)".into());
     }
-    match config.evaluation.executor {
-        ExecutorKind::Local => r.push("evaluate on Slurm (evaluation.executor: slurm)".into()),
-        ExecutorKind::Slurm => r.push(format!(
-            "raise evaluation.max_in_flight (now {})",
-            config.evaluation.max_in_flight
-        )),
-    }
+    r.push(remedy);
     let last = r.pop().expect("one remedy at least");
     let listed = if r.is_empty() {
         last
@@ -515,6 +512,11 @@ pub(super) mod tests {
         );
         let file = crate::config::ConfigFile::parse(&text, "t.yaml").unwrap();
         file.settings(false).unwrap()
+    }
+
+    /// The local executor's capacity for that config.
+    pub(in crate::daemon) fn capacity() -> Capacity {
+        crate::daemon::choice::capacity(&config())
     }
 
     fn mtimes(pairs: &[(i64, f64)]) -> BTreeMap<i64, i64> {
@@ -707,7 +709,7 @@ pub(super) mod tests {
     /// spends `seconds(k)` on the k-th (an evaluation). Returns what the pace said, in order.
     fn simulate(interval: f64, n: usize, seconds: impl Fn(usize) -> f64) -> Vec<Told> {
         let metrics = Arc::new(Metrics::new("r"));
-        let pace = Pace::new(&config(), metrics.clone());
+        let pace = Pace::new(&config(), capacity(), metrics.clone());
         // A hair past each multiple of the interval, which float division may put just below.
         let written = |t: f64| ((t / interval + 1e-9).floor() as usize).min(n);
         let mtime = |k: usize| ((k as f64 + 1.0) * interval * S as f64).round() as i64;
@@ -767,7 +769,7 @@ pub(super) mod tests {
     fn the_pace_publishes_its_gauges_and_judges_once_both_are_known() {
         let config = config();
         let metrics = Arc::new(Metrics::new("r"));
-        let pace = Pace::new(&config, metrics.clone());
+        let pace = Pace::new(&config, capacity(), metrics.clone());
         let text = || metrics.encode();
         pace.offered([(100, 0), (200, S / 5)]);
         assert!(!text().contains("diffmon_checkpoint_interval_seconds{"));

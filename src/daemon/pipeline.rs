@@ -1,15 +1,15 @@
 //! What the daemon opens before its threads start, for one run ([`super::run`]) and for each
-//! run of a sweep (`sweep.rs`): a run's history, state, alerter and sinks ([`open`]), what a
+//! run of a sweep (`sweep.rs`): a run's history, state, alerter and outputs ([`open`]), what a
 //! recorded outcome goes to ([`Published`]), the bound between its executor and its recorder,
 //! and the daemon's HTTP port and tokio runtime ([`bind`], [`serve`]).
 
 use super::executor::Outcome;
+use super::outputs::{Alerts, Console, RunOutputs};
 use super::pace::Pace;
 use super::recorder::Recorder;
 use super::run_state::RunState;
-use super::sinks::{Alerts, Console, Sinks};
 use crate::alerts::Alerter;
-use crate::config::{Config, ExecutorKind};
+use crate::config::Config;
 use crate::daemon::http::RunView;
 use crate::metrics::Metrics;
 use crate::store::lock::StateLock;
@@ -20,10 +20,10 @@ use std::sync::Arc;
 /// How many outcomes may wait between the executor and the recorder.
 pub(super) const OUTCOMES_BOUND: usize = 16;
 
-/// A run's state, its sinks and its pace: what a recorded outcome goes to, in order.
+/// A run's state, its outputs and its pace: what a recorded outcome goes to, in order.
 pub(super) struct Published {
     pub(super) state: RunState,
-    pub(super) sinks: Sinks,
+    pub(super) outputs: RunOutputs,
     /// Shared with the run's watcher, which tells it the checkpoints it offers.
     pub(super) pace: Arc<Pace>,
 }
@@ -32,11 +32,11 @@ impl Published {
     pub(super) fn recorded(&mut self, outcome: Outcome, at: &str) {
         let event = self.state.observe(&outcome, at);
         if let Outcome::Done(_, record) = &outcome {
-            self.sinks.evaluation(record, self.state.detector());
+            self.outputs.evaluation(record, self.state.detector());
             self.pace.evaluated(record);
         }
         if let Some(event) = event {
-            self.sinks.event(&event);
+            self.outputs.event(&event);
         }
     }
 }
@@ -52,14 +52,14 @@ pub(super) struct Opened {
 }
 
 /// Opens a run whose state folder is locked: its history (rewriting the HDF5 export), its
-/// state replayed from it, its alerter (on `runtime`) and sinks, which get the replay's events
+/// state replayed from it, its alerter (on `runtime`) and outputs, which get the replay's events
 /// again (the alerter delivers only those not delivered yet); records a crash the last process
 /// left, and (with `arm`) arms a fresh crash marker: not for a run joining a sweep while another
 /// run's checkpoint may be evaluated, whose marker the evaluator holds; the evaluator arms the
 /// run's own before its first item. The one set-up of a single run and of each run of a sweep.
 ///
 /// Everything it writes goes through `lock`'s state folder handle (`crate::store::state_dir`).
-/// `console`: the run's console sink (a sweep's names the run on each line).
+/// `console`: the run's console output (a sweep's names the run on each line).
 pub(super) fn open(
     config: &Config,
     lock: &StateLock,
@@ -81,8 +81,11 @@ pub(super) fn open(
         }
     };
     // The executor's own series only: the Slurm jobs' with the Slurm executor.
-    let slurm = config.evaluation.executor == ExecutorKind::Slurm;
-    let metrics = Arc::new(Metrics::of_run(&run, slurm, config.early_stop.metric));
+    let metrics = Arc::new(Metrics::of_run(
+        &run,
+        config.evaluation.executor,
+        config.early_stop.metric,
+    ));
     recorder.write_hdf5();
     let instance = crate::alerts::run_instance(&config.run.dir, state.shown());
     let (run_state, replayed) = RunState::replay(
@@ -114,8 +117,8 @@ pub(super) fn open(
     // A state folder deleted under the daemon is made again empty: the alerter writes its key and
     // ledger there again, so a restart does not deliver what was delivered.
     state.on_remade(Box::new(alerter.on_state_remade()));
-    let mut sinks = Sinks::new(vec![Box::new(console), Box::new(Alerts(alerter))]);
-    sinks.replayed(&replayed.events)?;
+    let mut outputs = RunOutputs::new(vec![Box::new(console), Box::new(Alerts(alerter))]);
+    outputs.replayed(&replayed.events)?;
     let view = RunView {
         name: run,
         metrics,
@@ -124,8 +127,12 @@ pub(super) fn open(
     };
     let mut published = Published {
         state: run_state,
-        sinks,
-        pace: Arc::new(Pace::new(config, view.metrics.clone())),
+        outputs,
+        pace: Arc::new(Pace::new(
+            config,
+            super::choice::capacity(config),
+            view.metrics.clone(),
+        )),
     };
     if let Some(crash) = crash {
         recorder.record_crash(crash, &mut |outcome, at| published.recorded(outcome, at));
@@ -177,13 +184,13 @@ pub(super) fn serve(
 mod tests {
     use super::*;
     use crate::config::{Confirmation, EarlyStopMetric, EarlyStopSettings, Smoother};
-    use crate::daemon::sinks;
+    use crate::daemon::outputs;
     use crate::daemon::tests::item;
     use crate::record::{Evaluation, FailureReason};
     use std::sync::Mutex;
 
-    /// A recorded evaluation goes to the run's state, then to the sinks: first the evaluation,
-    /// then the event it decided; a failure goes to no sink.
+    /// A recorded evaluation goes to the run's state, then to the outputs: first the evaluation,
+    /// then the event it decided; a failure goes to no output.
     #[test]
     fn a_recorded_outcome_reaches_the_sinks_after_the_run_state() {
         // Window 1, patience 1: 3, 1, 2 turns at the third checkpoint.
@@ -201,7 +208,7 @@ mod tests {
         let (state, _) =
             RunState::replay("r", "", early_stop, &[], Arc::new(Metrics::new("r")), None);
         let lines = Arc::new(Mutex::new(Vec::new()));
-        let log = sinks::tests::Log {
+        let log = outputs::tests::Log {
             name: "log",
             lines: lines.clone(),
         };
@@ -210,8 +217,12 @@ mod tests {
         let config = crate::daemon::pace::tests::config();
         let mut published = Published {
             state,
-            sinks: Sinks::new(vec![Box::new(log)]),
-            pace: Arc::new(Pace::new(&config, metrics)),
+            outputs: RunOutputs::new(vec![Box::new(log)]),
+            pace: Arc::new(Pace::new(
+                &config,
+                crate::daemon::pace::tests::capacity(),
+                metrics,
+            )),
         };
         let at = "2024-05-01T12:00:00.000Z";
         for (step, icr) in [(1, 3.0), (2, 1.0), (3, 2.0)] {

@@ -2,7 +2,7 @@
 //! journal (`history.rs`) before it is handed on; when the state folder cannot be written (a
 //! full disk, a deleted folder) outcomes wait in memory, in order, and are tried again every
 //! [`RECORD_RETRY`]. `history.h5` is rewritten whenever it is behind the journal. What acts on
-//! an outcome (the run's state, the sinks) gets it from [`Recorder::run`]'s `recorded`, in
+//! an outcome (the run's state, the outputs) gets it from [`Recorder::run`]'s `recorded`, in
 //! order, once it is in the journal.
 
 use super::executor::Outcome;

@@ -1,27 +1,24 @@
 //! `diffmon watch` on a sweep (`runs` or `runs_glob` in the config; docs/design.md §19): per
-//! run, the pipeline of one daemon (its state lock, recorder, run state, sinks with its own
-//! alerter, stop file and webhooks, and watcher); shared, one evaluator thread fed round-robin
-//! ([`local::start_shared`]) or, on Slurm, one runner per run sharing the in-flight cap
-//! ([`SlurmPool`]), one HTTP server (every run's metrics under its `run` label) and one tokio
+//! run, the pipeline of one daemon (its state lock, recorder, run state, outputs with its own
+//! alerter, stop file and webhooks, and watcher); shared, the executor ([`Shared`]: one
+//! evaluator thread fed round-robin, or on Slurm one jobs runner per run sharing the in-flight
+//! cap), one HTTP server (every run's metrics under its `run` label) and one tokio
 //! runtime. A run's outcomes go to its own recorder only. With `runs_glob`, a
 //! thread looks for new run folders every `checkpoints.poll_secs` and adds each as a run.
 
+use super::choice::{Shared, lane_config};
 use super::executor::{Lane, Outcome};
-use super::local;
+use super::outputs::{Console, RunOutputs};
 use super::pipeline::{self, OUTCOMES_BOUND, Published};
 use super::recorder::Recorder;
 use super::shutdown;
-use super::sinks::{Console, Sinks};
-use super::slurm::SlurmPool;
-use crate::config::{Config, ExecutorKind};
+use crate::config::Config;
 use crate::daemon::http::{RunList, RunView};
 use crate::daemon::watcher::{SharedNotifications, Watcher, WorkItem, work_channel};
-use crate::metrics::Metrics;
 use crate::store::lock::StateLock;
 use anyhow::{Context, Result};
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -102,14 +99,14 @@ pub fn run(config: Config) -> Result<()> {
                 runners = found.runners;
             }
             drop(more_watchers);
-            let sinks: Vec<Sinks> = recorders
+            let outputs: Vec<RunOutputs> = recorders
                 .into_iter()
                 .filter_map(|r| r.join().ok())
                 .collect();
             for r in runners {
                 let _ = r.join();
             }
-            (sinks, locks)
+            (outputs, locks)
         })?;
     let watcher = std::thread::Builder::new()
         .name("diffmon-watch".into())
@@ -129,11 +126,11 @@ pub fn run(config: Config) -> Result<()> {
     tracing::info!("{}", config.cost_summary());
 
     let drain = config.shutdown_drain;
-    let (stopped, (sinks, locks)) =
+    let (stopped, (outputs, locks)) =
         shutdown::until_stopped(&runtime, stop, watcher, recorder, drain, None)?;
     let _ = executor.join();
-    for sinks in sinks {
-        sinks.close(&runtime);
+    for outputs in outputs {
+        outputs.close(&runtime);
     }
     server.abort();
     runtime.shutdown_timeout(Duration::from_secs(1));
@@ -176,11 +173,7 @@ impl Pipeline {
         let (work_tx, work_rx) = work_channel();
         let (outcome_tx, outcome_rx) = crossbeam_channel::bounded::<Outcome>(OUTCOMES_BOUND);
         let lane = Lane {
-            // Slurm's jobs are other processes: they are given the configured path.
-            config: match config.evaluation.executor {
-                ExecutorKind::Local => config.writing_state_through(lock.state().path()),
-                ExecutorKind::Slurm => config.clone(),
-            },
+            config: lane_config(&config, lock.state().path()),
             evaluated_before: opened.evaluated_before,
             work: work_rx,
             outcomes: outcome_tx,
@@ -203,9 +196,9 @@ impl Pipeline {
 struct Started {
     locks: Vec<StateLock>,
     watchers: Vec<JoinHandle<()>>,
-    recorders: Vec<JoinHandle<Sinks>>,
-    /// The Slurm runners of runs added while the daemon runs (those of the runs at start are
-    /// the executor's).
+    recorders: Vec<JoinHandle<RunOutputs>>,
+    /// The job runners of runs added while the daemon runs (those of the runs at start are the
+    /// executor's).
     runners: Vec<JoinHandle<()>>,
     /// The sweep's one inotify instance, which every run's watcher joins.
     notifications: Option<SharedNotifications>,
@@ -224,58 +217,6 @@ fn shared_notifications(config: &Config) -> Option<SharedNotifications> {
             )
         })
         .ok()
-}
-
-/// The sweep's one executor, which every run's lane joins.
-enum Shared {
-    /// The evaluator thread: runs added later come to it over this channel.
-    Local(Sender<Lane>),
-    /// A runner per run, sharing `evaluation.max_in_flight` (docs/design.md §18).
-    Slurm(SlurmPool),
-}
-
-impl Shared {
-    /// Starts the executor on the runs at start, with the thread the shutdown joins (the
-    /// evaluator, or one joining the runs' Slurm runners).
-    fn start(
-        config: &Config,
-        lanes: Vec<(Lane, Arc<Metrics>)>,
-    ) -> Result<(Shared, JoinHandle<()>)> {
-        Ok(match config.evaluation.executor {
-            ExecutorKind::Local => {
-                let (add, added) = crossbeam_channel::unbounded::<Lane>();
-                let lanes = lanes.into_iter().map(|(lane, _)| lane).collect();
-                (Shared::Local(add), local::start_shared(lanes, added)?)
-            }
-            ExecutorKind::Slurm => {
-                let pool = SlurmPool::new(config.evaluation.max_in_flight);
-                let runners = lanes
-                    .into_iter()
-                    .map(|(lane, metrics)| pool.start_lane(lane, metrics))
-                    .collect::<Result<Vec<_>, _>>()?;
-                let joined = std::thread::Builder::new()
-                    .name("diffmon-slurm".into())
-                    .spawn(move || {
-                        for r in runners {
-                            let _ = r.join();
-                        }
-                    })?;
-                (Shared::Slurm(pool), joined)
-            }
-        })
-    }
-
-    /// Adds a run's lane; on Slurm, returns its runner's thread.
-    fn add(&self, lane: Lane, metrics: Arc<Metrics>) -> Result<Option<JoinHandle<()>>> {
-        match self {
-            Shared::Local(add) => {
-                add.send(lane)
-                    .map_err(|_| anyhow::anyhow!("the evaluator has stopped"))?;
-                Ok(None)
-            }
-            Shared::Slurm(pool) => Ok(Some(pool.start_lane(lane, metrics)?)),
-        }
-    }
 }
 
 impl Started {
@@ -324,7 +265,7 @@ impl Started {
                 .name("diffmon-record".into())
                 .spawn(move || {
                     recorder.run(outcomes, |outcome, at| published.recorded(outcome, at));
-                    published.sinks
+                    published.outputs
                 })?,
         );
         self.locks.push(lock);

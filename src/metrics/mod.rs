@@ -19,7 +19,7 @@
 //! (its families, their registration, the series at zero from the start); `evaluation.rs` what
 //! each evaluation publishes (the record's gauges, durations, the seconds per checkpoint, the
 //! detector's state and its timestamps); `checkpoints.rs` the counts of checkpoints (failures,
-//! pending, ignored, skipped) and their interval; `slurm.rs` the Slurm executor's jobs; `delivery.rs` alert deliveries;
+//! pending, ignored, skipped) and their interval; `jobs.rs` a jobs executor's jobs (Slurm's); `delivery.rs` alert deliveries;
 //! `process.rs` the `process_*` metrics; `sweep.rs` a sweep's own [`SweepMetrics`];
 //! `exposition.rs` the two formats and the encoding of a run, of several runs and of a sweep;
 //! `time.rs` the clock and the RFC 3339 parser.
@@ -28,11 +28,11 @@ mod checkpoints;
 mod delivery;
 mod evaluation;
 mod exposition;
+mod jobs;
 mod labels;
 mod names;
 mod process;
 mod registry;
-mod slurm;
 mod sweep;
 mod time;
 

@@ -8,7 +8,7 @@ use super::labels::{
 };
 use super::names::*;
 use crate::alerts::{DeliveryOutcome, Receiver};
-use crate::config::EarlyStopMetric;
+use crate::config::{EarlyStopMetric, ExecutorKind};
 use crate::record::{FIELDS, FailureReason};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -75,18 +75,19 @@ impl Metrics {
     /// A run's metrics on the local executor: no Slurm series, no Slurm failure reasons; its
     /// detector watching ICR.
     pub fn new(run: &str) -> Metrics {
-        Metrics::of_run(run, false, EarlyStopMetric::Icr)
+        Metrics::of_run(run, ExecutorKind::Local, EarlyStopMetric::Icr)
     }
 
     /// A run's metrics on the Slurm executor (`evaluation.executor: slurm`): with the jobs'
     /// series (`diffmon_slurm_*`) and the Slurm failure reasons (`job_*`), at zero from the start.
     pub fn with_slurm(run: &str) -> Metrics {
-        Metrics::of_run(run, true, EarlyStopMetric::Icr)
+        Metrics::of_run(run, ExecutorKind::Slurm, EarlyStopMetric::Icr)
     }
 
-    /// A run's metrics: with the Slurm series when `slurm`; `metric` is what its detector
-    /// watches (`early_stop.metric`).
-    pub fn of_run(run: &str, slurm: bool, metric: EarlyStopMetric) -> Metrics {
+    /// A run's metrics: with the series of its `executor` (the Slurm jobs' with Slurm); `metric`
+    /// is what its detector watches (`early_stop.metric`).
+    pub fn of_run(run: &str, executor: ExecutorKind, metric: EarlyStopMetric) -> Metrics {
+        let slurm = executor == ExecutorKind::Slurm;
         let mut registry = Registry::default();
         let m = Metrics {
             run: run.to_string(),

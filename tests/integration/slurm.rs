@@ -73,7 +73,7 @@ fn write_config(dir: &Path, port: u16, extra: &str) -> PathBuf {
 
 /// Job submissions per step, from the jobs journal.
 fn submissions(dir: &Path) -> HashMap<i64, usize> {
-    diffmon::daemon::slurm::submissions_per_step(&dir.join(".diffmon")).unwrap_or_default()
+    diffmon::daemon::jobs::submissions_per_step(&dir.join(".diffmon")).unwrap_or_default()
 }
 
 type Numbers = Vec<(String, f64)>;
@@ -291,7 +291,7 @@ fn cancelled_timed_out_and_orphaned_jobs_lose_nothing_and_duplicate_nothing() {
     });
     assert!(d.log().contains("adopting the Slurm job"), "{}", d.log());
     // Taken together, steps 3 and 4 went as the two tasks of one array, adopted as such.
-    let ids = diffmon::daemon::slurm::job_ids_per_step(&dir.join(".diffmon")).unwrap();
+    let ids = diffmon::daemon::jobs::job_ids_per_step(&dir.join(".diffmon")).unwrap();
     let (three, four) = (&ids[&3], &ids[&4]);
     assert_eq!((three.len(), four.len()), (1, 1), "{ids:?}");
     let array = |id: &str| id.split_once('_').map(|x| x.0.to_string());
@@ -457,7 +457,7 @@ fn a_sweep_on_slurm_evaluates_each_run_once_as_the_local_executor_would() {
                     Some(4.0),
                     "{run}"
                 );
-                let ids = diffmon::daemon::slurm::job_ids_per_step(&dir.join(".diffmon")).unwrap();
+                let ids = diffmon::daemon::jobs::job_ids_per_step(&dir.join(".diffmon")).unwrap();
                 assert_eq!(ids[&1].len(), 1);
                 assert!(
                     !ids[&1][0].contains('_'),

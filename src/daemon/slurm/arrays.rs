@@ -1,115 +1,25 @@
-//! Job arrays: the items taken together submitted as one array (`sbatch --array`), its driver
-//! script and its tasks' journal lines; the ids of an array's tasks as `squeue` shows them.
+//! Job arrays: the driver script of items submitted together as one array (`sbatch --array`);
+//! the ids of an array's tasks as `squeue` shows them.
 
-use super::journal::{ArrayTask, JournalLine};
-use super::runner::{Job, JobEnd, Runner, State};
-use super::script::{job_name, quoted};
-use crate::daemon::executor::Outcome;
-use crate::record::FailureReason;
-use std::collections::VecDeque;
+use crate::daemon::jobs::quoted;
+use std::path::PathBuf;
 
 /// Most tasks in one job array (Slurm's default `MaxArraySize` is 1001).
-const MAX_ARRAY_TASKS: usize = 1000;
+pub(super) const MAX_ARRAY_TASKS: usize = 1000;
 
-impl Runner {
-    /// Submits the jobs taken since the last call: one alone as a job, several as one job
-    /// array.
-    pub(super) fn submit_taken(&mut self, jobs: &mut VecDeque<Job>) {
-        let mut taken: Vec<&mut Job> = jobs
-            .iter_mut()
-            .filter(|j| matches!(j.state, State::Unsubmitted))
-            .collect();
-        for chunk in taken.chunks_mut(MAX_ARRAY_TASKS) {
-            match chunk.len() {
-                0 => {}
-                1 => self.submit(chunk[0]),
-                _ => self.submit_array(chunk),
-            }
-        }
-    }
-
-    /// Submits `jobs` as one job array (`--array=0-<k-1>`): task `i` runs the script in the
-    /// folder of `jobs[i]`, each journaled as a task of the array (comment `array-<token>`)
-    /// and then with its id `<array id>_<i>`. A submission that fails is each job's failure
-    /// (each retried alone).
-    fn submit_array(&mut self, jobs: &mut [&mut Job]) {
-        let token = Self::token();
-        let comment = format!("array-{token}");
-        let mut tasks: Vec<&mut Job> = Vec::new();
-        for job in jobs.iter_mut() {
-            if self.prepare(job, &token) {
-                tasks.push(job);
-            }
-        }
-        if tasks.is_empty() {
-            return;
-        }
-        // The driver, in the first task's folder: each task runs its own folder's script,
-        // its output in that folder's `slurm.out`.
-        let first = self.jobs_dir.join(&tasks[0].folder);
-        let mut driver = String::from(
-            "#!/bin/sh\n# diffmon watch: a job array\ncase \"$SLURM_ARRAY_TASK_ID\" in\n",
+/// The driver `array.sh` of a job array whose task `i` runs `folders[i]`'s `job.sh`, its output
+/// in that folder's file `output`.
+pub(super) fn driver(folders: &[PathBuf], output: &str) -> String {
+    let mut driver =
+        String::from("#!/bin/sh\n# diffmon watch: a job array\ncase \"$SLURM_ARRAY_TASK_ID\" in\n");
+    for (i, dir) in folders.iter().enumerate() {
+        driver += &format!(
+            "{i}) exec /bin/sh {} > {} 2>&1 ;;\n",
+            quoted(&dir.join("job.sh").display().to_string()),
+            quoted(&dir.join(output).display().to_string()),
         );
-        for (i, job) in tasks.iter().enumerate() {
-            let dir = self.jobs_dir.join(&job.folder);
-            driver += &format!(
-                "{i}) exec /bin/sh {} > {} 2>&1 ;;\n",
-                quoted(&dir.join("job.sh").display().to_string()),
-                quoted(&dir.join("slurm.out").display().to_string()),
-            );
-        }
-        driver += "*) echo \"no task $SLURM_ARRAY_TASK_ID\" >&2; exit 1 ;;\nesac\n";
-        if let Err(e) =
-            crate::store::safe_fs::atomic_write(&first.join("array.sh"), driver.as_bytes())
-        {
-            for job in tasks {
-                job.state = State::Finished(Outcome::Failed(
-                    job.item.clone(),
-                    FailureReason::Error,
-                    format!(
-                        "cannot write the job array's script in {}: {e}",
-                        first.display()
-                    ),
-                ));
-            }
-            return;
-        }
-        for (index, job) in tasks.iter_mut().enumerate() {
-            job.array = Some(ArrayTask {
-                comment: comment.clone(),
-                index,
-            });
-            self.journal_surely(&JournalLine::Submitting {
-                key: job.item.key.clone(),
-                step: job.item.step,
-                attempt: job.attempt,
-                folder: job.folder.clone(),
-                array: job.array.clone(),
-            });
-        }
-        let (low, high) = (tasks[0].item.step, tasks[tasks.len() - 1].item.step);
-        let extra = [
-            format!("--array=0-{}", tasks.len() - 1),
-            format!("--job-name={}-{high}", job_name(&self.run, low)),
-            format!("--comment={comment}"),
-            format!("--output={}", first.join("array-%a.out").display()),
-        ];
-        match self.sbatch(&extra, &first.join("array.sh")) {
-            Ok(id) => {
-                tracing::info!(steps = %format!("{low}..{high}"), job = %id, tasks = tasks.len(), "submitted to Slurm as a job array");
-                for (index, job) in tasks.into_iter().enumerate() {
-                    self.metrics.slurm_submitted();
-                    self.queued(job, format!("{id}_{index}"));
-                }
-            }
-            Err(why) => {
-                tracing::warn!(steps = %format!("{low}..{high}"), "sbatch of a job array failed: {why}");
-                for job in tasks {
-                    self.ended(job, JobEnd::Failed, format!("sbatch failed: {why}"));
-                }
-            }
-        }
     }
+    driver + "*) echo \"no task $SLURM_ARRAY_TASK_ID\" >&2; exit 1 ;;\nesac\n"
 }
 
 /// Bound on the tasks read from one line of `squeue` (`<id>_[0-99999]`).

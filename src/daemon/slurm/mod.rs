@@ -1,67 +1,202 @@
-//! The Slurm executor (`evaluation.executor: slurm`, docs/design.md §18): each work item becomes
-//! a Slurm job that runs `diffmon eval --json` on a compute node and leaves its record in the
-//! state folder, which the compute nodes share with the daemon.
-//!
-//! - **Jobs.** Each attempt has its own folder `<state_dir>/jobs/<step>-<attempt>-<token>/`
-//!   (created exclusively, mode 0700) holding the script `job.sh`, Slurm's output `slurm.out`,
-//!   and what the script leaves: `record.json` (the record, renamed into place) and then
-//!   `status` (the exit status of `diffmon eval`, renamed into place after the record).
-//! - **Durability.** `<state_dir>/jobs.jsonl` journals every attempt before it is submitted
-//!   (`submitting`: the item's key, the attempt, the folder) and its job id once `sbatch`
-//!   answers (`submitted`), and every job that ended without a result (`failed`, with the
-//!   reason), each line synced before anything relies on it. A separate journal, not entries in
-//!   the history: the history holds outcomes, which every reader of it (replay, report, the
-//!   HDF5 export) understands; job ids are this executor's business. A restarted daemon is
-//!   offered the unrecorded checkpoints again and adopts their journaled jobs instead of
-//!   submitting new ones; an attempt journaled without an id (the daemon died during `sbatch`)
-//!   is looked up in the queue by the folder name, which every job carries as its comment.
-//! - **Arrays.** Items taken together (several waiting, as many slots free) go as one job
-//!   array (`sbatch --array=0-<k-1>`, at most [`MAX_ARRAY_TASKS`](arrays::MAX_ARRAY_TASKS)
-//!   tasks): each task has its attempt folder and journal lines as a single job does
-//!   (`submitting` names the array's comment and the task's index, `submitted` the task's id
-//!   `<id>_<index>`); the driver `array.sh` in the first task's folder runs the task's
-//!   `job.sh`. A retry is a job alone.
-//! - **Order.** Outcomes are handed on in the order the items were taken (the watcher's order,
-//!   the lowest step first): a finished job waits for the earlier ones, so the detector sees
-//!   the sequence the local executor gives.
-//! - **Faults.** A job that fails, times out, is cancelled or preempted, or leaves the queue
-//!   without a status, is counted (`diffmon_slurm_jobs_failed_total{reason}`) and submitted
-//!   again, up to `evaluation.retries` times; then the checkpoint is a failure with
-//!   reason `job_failed`, `job_timeout`, `job_cancelled` or `job_lost`. `diffmon eval` exiting
-//!   non-zero is the checkpoint's failure, with the reason its failure line gives (the local
-//!   executor's: `unreadable`, `mismatch`, ...), not retried: it would fail again. A job
-//!   stopped by SIGTERM (scancel, the time limit, preemption) writes no status, so its reason is
-//!   the job's state in Slurm, not the signal's exit status (which raced with it under load).
-//!   When `squeue` cannot reach the controller, jobs are left as they were until it answers.
-//! - **Caches.** Until one job has delivered a record (or the history has evaluations), one job
-//!   runs at a time: that first job computes the PFD caches in `<state_dir>/cache/`, and the
-//!   later ones read them instead of each computing them.
-//! - **Sweeps.** Each run of a sweep has its own runner ([`SlurmPool::start_lane`]): its own
-//!   journal, jobs folder and caches in its state folder, its own first job alone. The runs
-//!   share one `evaluation.max_in_flight` ([`SlurmPool`]): a run takes a slot per job in
-//!   flight, and runs waiting for one are served first come, first served, so a run with a
-//!   deep backlog cannot starve the others. Its jobs run `diffmon eval --run <name>`.
-//!
-//! No libtorch object lives in this executor: it only writes files and runs Slurm's commands.
-//!
-//! The files, by job: `script.rs` (what a job runs: its `job.sh`), `journal.rs` (`jobs.jsonl`:
-//! its lines, and reading them), `submit.rs` (`sbatch`, each attempt journaled, retries),
-//! `arrays.rs` (items submitted together as one job array; its tasks' ids), `poll.rs` (`squeue`
-//! and `scontrol`, the result files a job leaves), `slots.rs` (the in-flight cap the runs of a
-//! sweep share), `runner.rs` (the executor that ties them: a run's thread, which takes work and
-//! hands outcomes on in order) and `error.rs` (why it cannot start).
+//! The Slurm executor (`evaluation.executor: slurm`, docs/design.md §18): the jobs layer
+//! (`daemon/jobs/`: folders, scripts, the journal, retries, order, slots) on Slurm's commands.
+//! This file is the [`Scheduler`] Slurm is: `sbatch` submits (with `evaluation.slurm`'s
+//! options, `--no-requeue`, the job's folder name as its `--comment`, by which an attempt
+//! journaled without its id is found in `squeue` again), `squeue` is the queue and `scontrol`
+//! says how a job that left it ended. Items taken together go as one job array
+//! (`sbatch --array=0-<k-1>`, at most [`MAX_ARRAY_TASKS`](arrays::MAX_ARRAY_TASKS) tasks), whose
+//! driver `array.sh` (`arrays.rs`) in the first task's folder runs each task's `job.sh`; a
+//! task's id is `<id>_<index>`, and `squeue` folds pending tasks into one line (`arrays.rs`).
 
 mod arrays;
-// `pub(super)`: the executor's error (`daemon/executor.rs`) names `SlurmError` here, not through
-// this file's re-export, which would make the two files import each other.
-pub(super) mod error;
-mod journal;
-mod poll;
-mod runner;
-mod script;
-mod slots;
-mod submit;
 
-pub use error::SlurmError;
-pub use journal::{ArrayTask, JOURNAL, JournalLine, job_ids_per_step, submissions_per_step};
-pub use runner::{JOBS_DIR, Slurm, SlurmPool};
+use crate::config::SlurmConfig;
+use crate::daemon::jobs::{JobEnd, Scheduler};
+use arrays::{array_id, queue_ids};
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+/// Slurm, with the `evaluation.slurm` settings.
+pub struct Slurm(pub SlurmConfig);
+
+impl Scheduler for Slurm {
+    const NAME: &'static str = "Slurm";
+    const OUTPUT: &'static str = "slurm.out";
+    const BINARY_KEY: &'static str = "evaluation.slurm.binary";
+
+    fn poll(&self) -> Duration {
+        self.0.poll
+    }
+
+    fn binary(&self) -> Option<&Path> {
+        self.0.binary.as_deref()
+    }
+
+    fn submit(&self, name: &str, tag: &str, folder: &Path) -> Result<String, String> {
+        let extra = [
+            format!("--job-name={name}"),
+            format!("--comment={tag}"),
+            format!("--output={}", folder.join(Self::OUTPUT).display()),
+        ];
+        self.sbatch(&extra, &folder.join("job.sh"))
+    }
+
+    fn max_batch(&self) -> usize {
+        arrays::MAX_ARRAY_TASKS
+    }
+
+    fn submit_batch(
+        &self,
+        name: &str,
+        tag: &str,
+        folders: &[std::path::PathBuf],
+    ) -> Result<Vec<String>, String> {
+        let first = folders.first().ok_or("an empty job array")?;
+        let driver = arrays::driver(folders, Self::OUTPUT);
+        crate::store::safe_fs::atomic_write(&first.join("array.sh"), driver.as_bytes()).map_err(
+            |e| {
+                format!(
+                    "cannot write the job array's script in {}: {e}",
+                    first.display()
+                )
+            },
+        )?;
+        let extra = [
+            format!("--array=0-{}", folders.len() - 1),
+            format!("--job-name={name}"),
+            format!("--comment={tag}"),
+            format!("--output={}", first.join("array-%a.out").display()),
+        ];
+        let id = self.sbatch(&extra, &first.join("array.sh"))?;
+        tracing::info!(job = %id, tasks = folders.len(), "submitted to Slurm as a job array");
+        // Task `i` is `<id>_<i>`.
+        Ok((0..folders.len()).map(|i| format!("{id}_{i}")).collect())
+    }
+
+    fn queue(&self) -> Option<HashMap<String, bool>> {
+        let text = squeue("%i|%T")?;
+        Some(
+            text.lines()
+                .filter_map(|l| l.split_once('|'))
+                .flat_map(|(i, s)| {
+                    let running = matches!(s.trim(), "RUNNING" | "COMPLETING");
+                    queue_ids(i.trim()).into_iter().map(move |i| (i, running))
+                })
+                .collect(),
+        )
+    }
+
+    fn find(&self, tag: &str, task: Option<usize>) -> Option<Option<String>> {
+        let text = squeue("%i|%k")?;
+        let found = text.lines().find_map(|l| {
+            let (id, c) = l.split_once('|')?;
+            (c.trim() == tag).then(|| id.trim().to_string())
+        });
+        // Any task of the array gives the array's id; this task's is `<id>_<index>`.
+        Some(match (task, found) {
+            (Some(index), Some(id)) => Some(format!("{}_{index}", array_id(&id))),
+            (_, found) => found,
+        })
+    }
+
+    fn ended(&self, id: &str) -> Option<(JobEnd, String)> {
+        match scontrol_state(id) {
+            Some(state) => end_of_state(&state).map(|end| (end, state)),
+            None => Some((JobEnd::Lost, "unknown to Slurm".into())),
+        }
+    }
+}
+
+impl Slurm {
+    /// Runs `sbatch` with this executor's options and `extra`, then `script`: the job's id,
+    /// or why there is none.
+    fn sbatch(&self, extra: &[String], script: &Path) -> Result<String, String> {
+        let s = &self.0;
+        let mut cmd = Command::new("sbatch");
+        cmd.arg("--parsable").arg("--no-requeue").args(extra);
+        for (flag, value) in [
+            ("--partition", &s.partition),
+            ("--account", &s.account),
+            ("--time", &s.time_limit),
+            ("--gres", &s.gres),
+        ] {
+            if let Some(v) = value {
+                cmd.arg(format!("{flag}={v}"));
+            }
+        }
+        cmd.args(&s.sbatch_args).arg(script).envs(&s.env);
+        let answer = cmd.output();
+        let id = match &answer {
+            Ok(out) if out.status.success() => {
+                let text = String::from_utf8_lossy(&out.stdout);
+                // `--parsable`: `<id>` or `<id>;<cluster>`.
+                let id = text.trim().split(';').next().unwrap_or("").to_string();
+                (!id.is_empty() && id.chars().all(|c| c.is_ascii_digit())).then_some(id)
+            }
+            _ => None,
+        };
+        id.ok_or_else(|| match answer {
+            Ok(out) => format!(
+                "sbatch failed: {}",
+                crate::store::safe_fs::untrusted_text(String::from_utf8_lossy(&out.stderr).trim())
+            ),
+            Err(e) => format!("sbatch failed: cannot run sbatch: {e}"),
+        })
+    }
+}
+
+/// This user's jobs in `squeue`, one line each in `format`, every task of an array (`-r`);
+/// `None` when the controller does not answer.
+fn squeue(format: &str) -> Option<String> {
+    let out = Command::new("squeue")
+        .args(["-h", "--me", "-r", "-o", format])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())?;
+    Some(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `JobState` of a job from `scontrol show job` (kept for `MinJobAge` after it ends); `None`
+/// when Slurm no longer knows it.
+fn scontrol_state(id: &str) -> Option<String> {
+    let out = Command::new("scontrol")
+        .args(["show", "job", "-o", id])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace()
+        .find_map(|w| w.strip_prefix("JobState="))
+        .map(str::to_string)
+}
+
+/// How a job that left the queue ended, by its `JobState` (from `scontrol show job`); `None`
+/// while it may still give a result.
+fn end_of_state(state: &str) -> Option<JobEnd> {
+    match state {
+        "PENDING" | "RUNNING" | "CONFIGURING" | "COMPLETING" | "SUSPENDED" | "REQUEUED"
+        | "REQUEUE_HOLD" | "REQUEUE_FED" | "RESIZING" | "SIGNALING" | "STAGE_OUT" => None,
+        "TIMEOUT" | "DEADLINE" => Some(JobEnd::Timeout),
+        "CANCELLED" => Some(JobEnd::Cancelled),
+        "PREEMPTED" => Some(JobEnd::Preempted),
+        // Finished, yet no status file: the script did not get to write it.
+        "COMPLETED" => Some(JobEnd::Lost),
+        _ => Some(JobEnd::Failed),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn job_states_map_to_ends() {
+        assert_eq!(end_of_state("RUNNING"), None);
+        assert_eq!(end_of_state("TIMEOUT"), Some(JobEnd::Timeout));
+        assert_eq!(end_of_state("CANCELLED"), Some(JobEnd::Cancelled));
+        assert_eq!(end_of_state("COMPLETED"), Some(JobEnd::Lost));
+        assert_eq!(end_of_state("NODE_FAIL"), Some(JobEnd::Failed));
+    }
+}

@@ -1,7 +1,7 @@
-//! The sinks: where a run's evaluations and events go out once they are recorded and the run's
+//! The outputs: where a run's evaluations and events go out once they are recorded and the run's
 //! state has taken them. [`Console`] prints a summary line per evaluation and announces events;
 //! [`Alerts`] hands events to the [`Alerter`] (stop file, webhooks, Alertmanager). Each is a
-//! [`Sink`]; [`Sinks`] passes everything to each of them in order.
+//! [`RunOutput`]; [`RunOutputs`] passes everything to each of them in order.
 
 use crate::alerts::{AlertError, Alerter, Event, EventKind};
 use crate::engine::detector::DetectorState;
@@ -12,25 +12,25 @@ use std::time::Duration;
 const ALERTS_SHUTDOWN: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
-pub enum SinkError {
+pub enum OutputError {
     #[error("cannot queue a replayed alert")]
     Replayed(#[source] AlertError),
 }
 
 /// One destination of a run's evaluations and events. Every method does nothing unless the
-/// sink has a use for it.
-pub trait Sink: Send {
-    /// An evaluation was recorded, live; `state` is the detector's state after it. (A sink that
+/// output has a use for it.
+pub trait RunOutput: Send {
+    /// An evaluation was recorded, live; `state` is the detector's state after it. (An output that
     /// acts on the best checkpoint finds it in `state.best`.)
     fn evaluation(&mut self, _record: &Evaluation, _state: &DetectorState) {}
 
     /// An event the detector decided on a live evaluation, after that evaluation's
-    /// [`Sink::evaluation`].
+    /// [`RunOutput::evaluation`].
     fn event(&mut self, _event: &Event) {}
 
     /// The events the replay of the history found at start-up, oldest first, to be sent again;
     /// an error stops the start.
-    fn replayed(&mut self, _events: &[Event]) -> Result<(), SinkError> {
+    fn replayed(&mut self, _events: &[Event]) -> Result<(), OutputError> {
         Ok(())
     }
 
@@ -38,33 +38,35 @@ pub trait Sink: Send {
     fn close(self: Box<Self>, _runtime: &tokio::runtime::Runtime) {}
 }
 
-/// The sinks of a run, each given everything in order.
-pub struct Sinks(Vec<Box<dyn Sink>>);
+/// The outputs of a run, each given everything in order.
+pub struct RunOutputs(Vec<Box<dyn RunOutput>>);
 
-impl Sinks {
-    pub fn new(sinks: Vec<Box<dyn Sink>>) -> Sinks {
-        Sinks(sinks)
+impl RunOutputs {
+    pub fn new(outputs: Vec<Box<dyn RunOutput>>) -> RunOutputs {
+        RunOutputs(outputs)
     }
 
     pub fn evaluation(&mut self, record: &Evaluation, state: &DetectorState) {
-        for sink in &mut self.0 {
-            sink.evaluation(record, state);
+        for output in &mut self.0 {
+            output.evaluation(record, state);
         }
     }
 
     pub fn event(&mut self, event: &Event) {
-        for sink in &mut self.0 {
-            sink.event(event);
+        for output in &mut self.0 {
+            output.event(event);
         }
     }
 
-    pub fn replayed(&mut self, events: &[Event]) -> Result<(), SinkError> {
-        self.0.iter_mut().try_for_each(|sink| sink.replayed(events))
+    pub fn replayed(&mut self, events: &[Event]) -> Result<(), OutputError> {
+        self.0
+            .iter_mut()
+            .try_for_each(|output| output.replayed(events))
     }
 
     pub fn close(self, runtime: &tokio::runtime::Runtime) {
-        for sink in self.0 {
-            sink.close(runtime);
+        for output in self.0 {
+            output.close(runtime);
         }
     }
 }
@@ -117,7 +119,7 @@ impl Console {
     }
 }
 
-impl Sink for Console {
+impl RunOutput for Console {
     fn evaluation(&mut self, record: &Evaluation, state: &DetectorState) {
         println!("{}", self.evaluation_line(record, state));
     }
@@ -170,15 +172,15 @@ fn summary(r: &Evaluation, s: &DetectorState) -> String {
 /// The early-stop signal: the stop file, webhooks and Alertmanager (`alerts/`).
 pub struct Alerts(pub Alerter);
 
-impl Sink for Alerts {
+impl RunOutput for Alerts {
     fn event(&mut self, event: &Event) {
         if let Err(e) = self.0.send(event) {
             tracing::error!(event = %event.id, "cannot queue the alert: {e}");
         }
     }
 
-    fn replayed(&mut self, events: &[Event]) -> Result<(), SinkError> {
-        self.0.send_replayed(events).map_err(SinkError::Replayed)
+    fn replayed(&mut self, events: &[Event]) -> Result<(), OutputError> {
+        self.0.send_replayed(events).map_err(OutputError::Replayed)
     }
 
     /// Deliveries in progress get [`ALERTS_SHUTDOWN`]; what remains stays in the outbox.
@@ -194,13 +196,13 @@ pub(super) mod tests {
     use crate::engine::detector::Best;
     use std::sync::{Arc, Mutex};
 
-    /// A sink that writes down what it is given, as `"<name> <what> <step>"`.
+    /// An output that writes down what it is given, as `"<name> <what> <step>"`.
     pub struct Log {
         pub name: &'static str,
         pub lines: Arc<Mutex<Vec<String>>>,
     }
 
-    impl Sink for Log {
+    impl RunOutput for Log {
         fn evaluation(&mut self, record: &Evaluation, _: &DetectorState) {
             let line = format!("{} evaluation {}", self.name, record.step);
             self.lines.lock().unwrap().push(line);
@@ -229,22 +231,22 @@ pub(super) mod tests {
     }
 
     #[test]
-    fn every_sink_gets_everything_in_order() {
+    fn every_output_gets_everything_in_order() {
         let lines = Arc::new(Mutex::new(Vec::new()));
-        let log = |name| -> Box<dyn Sink> {
+        let log = |name| -> Box<dyn RunOutput> {
             Box::new(Log {
                 name,
                 lines: lines.clone(),
             })
         };
-        let mut sinks = Sinks::new(vec![log("a"), log("b")]);
+        let mut outputs = RunOutputs::new(vec![log("a"), log("b")]);
         let record = Evaluation {
             step: 5,
             ..Evaluation::default()
         };
-        sinks.evaluation(&record, &DetectorState::default());
-        sinks.event(&event(EventKind::EarlyStop, 5));
-        sinks.replayed(&[event(EventKind::Resolved, 6)]).unwrap();
+        outputs.evaluation(&record, &DetectorState::default());
+        outputs.event(&event(EventKind::EarlyStop, 5));
+        outputs.replayed(&[event(EventKind::Resolved, 6)]).unwrap();
         assert_eq!(
             *lines.lock().unwrap(),
             [

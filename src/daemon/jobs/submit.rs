@@ -1,19 +1,21 @@
-//! Submission and the journal: a job's folder and script, `sbatch`, each attempt journaled in
-//! `jobs.jsonl` before it is submitted and its id once `sbatch` answers; a job that ended
-//! without a result journaled, then retried or failed.
+//! Submission and the journal: a job's folder and script, each attempt journaled in
+//! `jobs.jsonl` before it is submitted (alone, or with the others taken together as one batch)
+//! and its id once the scheduler answers; a job that ended without a result journaled, then
+//! retried or failed.
 
-use super::journal::JournalLine;
-use super::runner::{Job, JobEnd, Runner, State};
+use super::journal::{ArrayTask, JournalLine};
+use super::runner::{Job, Runner, State};
+use super::scheduler::{JobEnd, Scheduler};
 use super::script::{job_name, script};
 use crate::daemon::executor::Outcome;
 use crate::record::FailureReason;
+use std::collections::VecDeque;
 use std::io::Write;
 use std::os::unix::fs::DirBuilderExt;
-use std::path::Path;
-use std::process::Command;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-impl Runner {
+impl<S: Scheduler> Runner<S> {
     /// Appends a line to the journal and syncs it.
     fn journal(&mut self, line: &JournalLine) -> std::io::Result<()> {
         let mut text = serde_json::to_string(line).map_err(std::io::Error::other)?;
@@ -26,7 +28,7 @@ impl Runner {
     pub(super) fn journal_surely(&mut self, line: &JournalLine) {
         let mut delay = Duration::from_millis(100);
         while let Err(e) = self.journal(line) {
-            tracing::error!(journal = %self.journal_path.display(), "cannot journal a Slurm job, retrying: {e}");
+            tracing::error!(journal = %self.journal_path.display(), "cannot journal a {} job, retrying: {e}", S::NAME);
             std::thread::sleep(delay);
             delay = (delay * 2).min(Duration::from_secs(10));
         }
@@ -77,41 +79,6 @@ impl Runner {
         true
     }
 
-    /// Runs `sbatch` with this executor's options and `extra`, then `script`: the job's id,
-    /// or why there is none.
-    pub(super) fn sbatch(&self, extra: &[String], script: &Path) -> Result<String, String> {
-        let s = &self.settings;
-        let mut cmd = Command::new("sbatch");
-        cmd.arg("--parsable").arg("--no-requeue").args(extra);
-        for (flag, value) in [
-            ("--partition", &s.partition),
-            ("--account", &s.account),
-            ("--time", &s.time_limit),
-            ("--gres", &s.gres),
-        ] {
-            if let Some(v) = value {
-                cmd.arg(format!("{flag}={v}"));
-            }
-        }
-        cmd.args(&s.sbatch_args).arg(script).envs(&s.env);
-        let answer = cmd.output();
-        let id = match &answer {
-            Ok(out) if out.status.success() => {
-                let text = String::from_utf8_lossy(&out.stdout);
-                // `--parsable`: `<id>` or `<id>;<cluster>`.
-                let id = text.trim().split(';').next().unwrap_or("").to_string();
-                (!id.is_empty() && id.chars().all(|c| c.is_ascii_digit())).then_some(id)
-            }
-            _ => None,
-        };
-        id.ok_or_else(|| match answer {
-            Ok(out) => {
-                crate::store::safe_fs::untrusted_text(String::from_utf8_lossy(&out.stderr).trim())
-            }
-            Err(e) => format!("cannot run sbatch: {e}"),
-        })
-    }
-
     /// Writes the job's folder and script, journals the attempt and submits it as a job of
     /// its own. A submission that fails is a job failure (retried like one).
     pub(super) fn submit(&mut self, job: &mut Job) {
@@ -127,25 +94,22 @@ impl Runner {
             folder: job.folder.clone(),
             array: None,
         });
-        let extra = [
-            format!("--job-name={}", job_name(&self.run, job.item.step)),
-            format!("--comment={}", job.folder),
-            format!("--output={}", folder.join("slurm.out").display()),
-        ];
-        match self.sbatch(&extra, &folder.join("job.sh")) {
+        let name = job_name(&self.run, job.item.step);
+        match self.scheduler.submit(&name, &job.folder, &folder) {
             Ok(id) => {
-                self.metrics.slurm_submitted();
-                tracing::info!(step = job.item.step, job = %id, attempt = job.attempt, "submitted to Slurm");
+                self.metrics.job_submitted();
+                tracing::info!(step = job.item.step, job = %id, attempt = job.attempt, "submitted to {}", S::NAME);
                 self.queued(job, id);
             }
             Err(why) => {
-                tracing::warn!(step = job.item.step, "sbatch failed: {why}");
-                self.ended(job, JobEnd::Failed, format!("sbatch failed: {why}"));
+                tracing::warn!(step = job.item.step, "{why}");
+                self.ended(job, JobEnd::Failed, why);
             }
         }
     }
 
-    /// The job has Slurm id `id` (from `sbatch`, or found in the queue): journaled, then queued.
+    /// The job has id `id` (from its submission, or found in the queue): journaled, then
+    /// queued.
     pub(super) fn queued(&mut self, job: &mut Job, id: String) {
         self.journal_surely(&JournalLine::Submitted {
             folder: job.folder.clone(),
@@ -160,7 +124,7 @@ impl Runner {
 
     /// A job ended without a result: journaled and counted, then retried or failed.
     pub(super) fn ended(&mut self, job: &mut Job, end: JobEnd, message: String) {
-        self.metrics.slurm_failed(end.label());
+        self.metrics.job_failed(end.label());
         self.journal_surely(&JournalLine::Failed {
             folder: job.folder.clone(),
             reason: end.label().into(),
@@ -173,7 +137,8 @@ impl Runner {
             tracing::warn!(
                 step = job.item.step,
                 reason = end.label(),
-                "Slurm job ended without a result ({message}); submitting it again"
+                "{} job ended without a result ({message}); submitting it again",
+                S::NAME
             );
             job.attempt += 1;
             self.submit(job);
@@ -182,11 +147,86 @@ impl Runner {
                 job.item.clone(),
                 end.reason(),
                 format!(
-                    "Slurm job ended without a result ({}) after {} attempt(s): {message}",
+                    "{} job ended without a result ({}) after {} attempt(s): {message}",
+                    S::NAME,
                     end.label(),
                     job.attempt + 1
                 ),
             ));
+        }
+    }
+
+    /// Submits the jobs taken since the last call: one alone as a job, several as one batch
+    /// (as many as the scheduler takes in one) when the scheduler has batches.
+    pub(super) fn submit_taken(&mut self, jobs: &mut VecDeque<Job>) {
+        let mut taken: Vec<&mut Job> = jobs
+            .iter_mut()
+            .filter(|j| matches!(j.state, State::Unsubmitted))
+            .collect();
+        for chunk in taken.chunks_mut(self.scheduler.max_batch().max(1)) {
+            match chunk.len() {
+                0 => {}
+                1 => self.submit(chunk[0]),
+                _ => self.submit_batch(chunk),
+            }
+        }
+    }
+
+    /// Submits `jobs` as one batch: task `i` runs the script in the folder of `jobs[i]`, each
+    /// journaled as a task of the batch (tag `array-<token>`) and then with its id. A
+    /// submission that fails is each job's failure (each retried alone).
+    fn submit_batch(&mut self, jobs: &mut [&mut Job]) {
+        let token = Self::token();
+        let tag = format!("array-{token}");
+        let mut tasks: Vec<&mut Job> = Vec::new();
+        for job in jobs.iter_mut() {
+            if self.prepare(job, &token) {
+                tasks.push(job);
+            }
+        }
+        if tasks.is_empty() {
+            return;
+        }
+        for (index, job) in tasks.iter_mut().enumerate() {
+            job.array = Some(ArrayTask {
+                comment: tag.clone(),
+                index,
+            });
+            self.journal_surely(&JournalLine::Submitting {
+                key: job.item.key.clone(),
+                step: job.item.step,
+                attempt: job.attempt,
+                folder: job.folder.clone(),
+                array: job.array.clone(),
+            });
+        }
+        let (low, high) = (tasks[0].item.step, tasks[tasks.len() - 1].item.step);
+        let name = format!("{}-{high}", job_name(&self.run, low));
+        let folders: Vec<PathBuf> = tasks
+            .iter()
+            .map(|j| self.jobs_dir.join(&j.folder))
+            .collect();
+        match self.scheduler.submit_batch(&name, &tag, &folders) {
+            Ok(ids) if ids.len() == tasks.len() => {
+                tracing::info!(steps = %format!("{low}..{high}"), tasks = tasks.len(), "submitted to {} as one batch", S::NAME);
+                for (job, id) in tasks.into_iter().zip(ids) {
+                    self.metrics.job_submitted();
+                    self.queued(job, id);
+                }
+            }
+            answer => {
+                let why = answer.err().unwrap_or_else(|| {
+                    format!(
+                        "{} gave a batch of {} tasks another number of ids",
+                        S::NAME,
+                        tasks.len()
+                    )
+                });
+                tracing::warn!(steps = %format!("{low}..{high}"), "{why}");
+                for job in tasks {
+                    self.ended(job, JobEnd::Failed, why.clone());
+                }
+            }
         }
     }
 }

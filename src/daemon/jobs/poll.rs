@@ -1,17 +1,16 @@
-//! Polling: the queue (`squeue`), how a job that left it ended (`scontrol`), and the result
-//! files a job leaves in its folder (`status`, `record.json`, `slurm.out`).
+//! Polling: the queue and how a job that left it ended (both from the [`Scheduler`]), and the
+//! result files a job leaves in its folder (`status`, `record.json`, its output).
 
-use super::arrays::{array_id, queue_ids};
-use super::runner::{Job, JobEnd, Runner, State};
+use super::runner::{Job, Runner, State};
+use super::scheduler::Scheduler;
 use crate::daemon::executor::{Outcome, unchanged};
 use crate::record::{Evaluation, FailureReason};
 use crate::store::safe_fs::untrusted;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::fs::OpenOptions;
 use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-use std::process::Command;
 use std::time::Instant;
 
 /// Bound on what is read of a job's record or status file.
@@ -33,9 +32,9 @@ fn read_result(path: &Path) -> std::io::Result<Option<String>> {
     Ok(Some(text))
 }
 
-/// The last lines of a job's output, for a failure's message.
-fn output_tail(folder: &Path) -> String {
-    let text = read_result(&folder.join("slurm.out"))
+/// The last lines of a job's output (the file `output` in its folder), for a failure's message.
+fn output_tail(folder: &Path, output: &str) -> String {
+    let text = read_result(&folder.join(output))
         .ok()
         .flatten()
         .unwrap_or_default();
@@ -44,30 +43,19 @@ fn output_tail(folder: &Path) -> String {
     crate::store::safe_fs::untrusted_text(&tail.join(" | "))
 }
 
-impl Runner {
-    /// An attempt journaled without its id: the queue's job whose comment is its folder, if
-    /// any; else it was never submitted, and is now.
-    pub(super) fn find_by_comment(&mut self, job: &mut Job) {
-        let out = Command::new("squeue")
-            .args(["-h", "--me", "-r", "-o", "%i|%k"])
-            .output();
-        let Some(out) = out.ok().filter(|o| o.status.success()) else {
-            return; // Looked up again at the next poll (the job stays without an id).
+impl<S: Scheduler> Runner<S> {
+    /// An attempt journaled without its id: the queued job tagged with its folder's name (or
+    /// its batch's tag), if any; else it was never submitted, and is now.
+    pub(super) fn find_by_tag(&mut self, job: &mut Job) {
+        let (tag, task) = match &job.array {
+            Some(a) => (&a.comment, Some(a.index)),
+            None => (&job.folder, None),
         };
-        let text = String::from_utf8_lossy(&out.stdout);
-        let comment = job.array.as_ref().map_or(&job.folder, |a| &a.comment);
-        let found = text.lines().find_map(|l| {
-            let (id, c) = l.split_once('|')?;
-            (c.trim() == comment).then(|| id.trim().to_string())
-        });
-        // Any task of the array gives the array's id; this task's is `<id>_<index>`.
-        let found = match (&job.array, found) {
-            (Some(a), Some(id)) => Some(format!("{}_{}", array_id(&id), a.index)),
-            (_, found) => found,
-        };
-        match found {
-            Some(id) => self.queued(job, id),
-            None => {
+        match self.scheduler.find(tag, task) {
+            // Looked up again at the next poll (the job stays without an id).
+            None => {}
+            Some(Some(id)) => self.queued(job, id),
+            Some(None) => {
                 job.attempt += 1;
                 self.submit(job);
             }
@@ -80,24 +68,12 @@ impl Runner {
             return;
         }
         // The queue first, then the files: a job gone from the queue wrote its status before.
-        let queue: Option<HashMap<String, String>> = Command::new("squeue")
-            .args(["-h", "--me", "-r", "-o", "%i|%T"])
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .map(|o| {
-                String::from_utf8_lossy(&o.stdout)
-                    .lines()
-                    .filter_map(|l| l.split_once('|'))
-                    .flat_map(|(i, s)| {
-                        queue_ids(i.trim())
-                            .into_iter()
-                            .map(move |i| (i, s.trim().to_string()))
-                    })
-                    .collect()
-            });
+        let queue = self.scheduler.queue();
         if queue.is_none() {
-            tracing::warn!("squeue does not answer; the Slurm jobs are left as they are");
+            tracing::warn!(
+                "{}'s queue does not answer; the jobs are left as they are",
+                S::NAME
+            );
         }
         let mut running = 0;
         for job in jobs.iter_mut() {
@@ -114,10 +90,10 @@ impl Runner {
                 Ok(Some(status)) => {
                     let (since, running_since) = (*since, *running_since);
                     if let Some(r) = running_since {
-                        self.metrics.slurm_run(r.elapsed().as_secs_f64());
+                        self.metrics.job_run(r.elapsed().as_secs_f64());
                     } else {
                         // Started and ended between two polls.
-                        self.metrics.slurm_queue_wait(since.elapsed().as_secs_f64());
+                        self.metrics.job_queue_wait(since.elapsed().as_secs_f64());
                     }
                     let outcome = self.result(job, &folder, status.trim());
                     if matches!(outcome, Outcome::Done(..)) {
@@ -141,36 +117,31 @@ impl Runner {
                 continue;
             };
             let Some(id) = job_id.clone() else {
-                self.find_by_comment(job);
+                self.find_by_tag(job);
                 continue;
             };
-            match queue.get(&id).map(String::as_str) {
-                Some("RUNNING" | "COMPLETING") => {
+            match queue.get(&id) {
+                Some(true) => {
                     running += 1;
                     if running_since.is_none() {
-                        self.metrics.slurm_queue_wait(since.elapsed().as_secs_f64());
+                        self.metrics.job_queue_wait(since.elapsed().as_secs_f64());
                         *running_since = Some(Instant::now());
                     }
                 }
-                Some(_) => {}
+                Some(false) => {}
                 None => {
                     // Gone from the queue without a status: how did it end?
-                    let state = scontrol_state(&id);
-                    if let Some(end) = match state.as_deref() {
-                        Some(s) => JobEnd::of_state(s),
-                        None => Some(JobEnd::Lost),
-                    } {
+                    if let Some((end, state)) = self.scheduler.ended(&id) {
                         let message = format!(
-                            "job {id} is {}; its output ends: {}",
-                            state.as_deref().unwrap_or("unknown to Slurm"),
-                            output_tail(&folder)
+                            "job {id} is {state}; its output ends: {}",
+                            output_tail(&folder, S::OUTPUT)
                         );
                         self.ended(job, end, message);
                     }
                 }
             }
         }
-        self.metrics.set_slurm_running(running);
+        self.metrics.set_jobs_running(running);
     }
 
     /// The outcome of a job that wrote its status.
@@ -189,10 +160,11 @@ impl Runner {
                 item,
                 FailureReason::Error,
                 format!(
-                    "diffmon eval exited with status {} in Slurm job folder {}: {}",
+                    "diffmon eval exited with status {} in {} job folder {}: {}",
                     crate::store::safe_fs::untrusted_text(status),
+                    S::NAME,
                     folder.display(),
-                    output_tail(folder)
+                    output_tail(folder, S::OUTPUT)
                 ),
             );
         }
@@ -220,7 +192,7 @@ impl Runner {
                 ),
             ),
             Ok(record) => {
-                tracing::debug!(checkpoint = %untrusted(&item.path), step = item.step, "record read from its Slurm job");
+                tracing::debug!(checkpoint = %untrusted(&item.path), step = item.step, "record read from its {} job", S::NAME);
                 Outcome::Done(item, Box::new(record))
             }
             Err(e) => Outcome::Failed(
@@ -242,20 +214,6 @@ fn failure_line(text: &str) -> Option<(FailureReason, String)> {
         .find(|r| r.as_str() == reason)?;
     let message = f.get("message")?.as_str()?.to_string();
     Some((reason, message))
-}
-
-/// `JobState` of a job from `scontrol show job` (kept for `MinJobAge` after it ends); `None`
-/// when Slurm no longer knows it.
-fn scontrol_state(id: &str) -> Option<String> {
-    let out = Command::new("scontrol")
-        .args(["show", "job", "-o", id])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.split_whitespace()
-        .find_map(|w| w.strip_prefix("JobState="))
-        .map(str::to_string)
 }
 
 #[cfg(test)]

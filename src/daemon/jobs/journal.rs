@@ -1,7 +1,7 @@
 //! The journal `jobs.jsonl`: its lines, and reading it (the latest attempt of each checkpoint at
 //! start; what the tests count). Its lines are written as jobs are submitted (`submit.rs`).
 
-use super::error::SlurmError;
+use super::error::JobsError;
 use crate::store::history::CheckpointKey;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -25,9 +25,10 @@ pub enum JournalLine {
         key: CheckpointKey,
         step: i64,
         attempt: usize,
-        /// The job's folder name under `jobs/` (also its Slurm comment, for a single job).
+        /// The job's folder name under `jobs/` (also its tag in the scheduler's queue, for a
+        /// single job).
         folder: String,
-        /// A task of a job array: the array's Slurm comment and this task's index.
+        /// A task of a batch (a Slurm job array): the batch's tag and this task's index.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         array: Option<ArrayTask>,
     },
@@ -37,8 +38,8 @@ pub enum JournalLine {
     Failed { folder: String, reason: String },
 }
 
-/// A task of a job array: the array's comment (`array-<token>`) and the task's index
-/// (`$SLURM_ARRAY_TASK_ID`; its Slurm id is `<array id>_<index>`).
+/// A task of a batch (a Slurm job array): the batch's tag (`array-<token>`; `comment` on disk,
+/// after Slurm's `--comment`) and the task's index (Slurm's `$SLURM_ARRAY_TASK_ID`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ArrayTask {
     pub comment: String,
@@ -63,9 +64,9 @@ pub const JOURNAL_CORRUPT: &str = "jobs.jsonl.corrupt";
 /// is dropped) is skipped with a WARN, kept aside in [`JOURNAL_CORRUPT`] and removed, and a last
 /// line cut short by a crash is dropped (its attempt was never submitted), so appends start on a
 /// line of their own. A link, a FIFO or anything but a regular file is an error, never waited on.
-pub(super) fn read_journal(path: &Path) -> Result<HashMap<CheckpointKey, Journaled>, SlurmError> {
+pub(super) fn read_journal(path: &Path) -> Result<HashMap<CheckpointKey, Journaled>, JobsError> {
     let mut map: HashMap<CheckpointKey, Journaled> = HashMap::new();
-    let journal_error = |source| SlurmError::Journal {
+    let journal_error = |source| JobsError::Journal {
         path: path.into(),
         source,
     };
@@ -204,7 +205,7 @@ pub fn submissions_per_step(state_dir: &Path) -> std::io::Result<HashMap<i64, us
     Ok(counts)
 }
 
-/// The Slurm ids journaled for each step, in order: what the tests look at (an array's tasks
+/// The job ids journaled for each step, in order: what the tests look at (an array's tasks
 /// are `<id>_<index>`).
 pub fn job_ids_per_step(state_dir: &Path) -> std::io::Result<HashMap<i64, Vec<String>>> {
     let text = read_bounded(&state_dir.join(JOURNAL))?;

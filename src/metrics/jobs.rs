@@ -1,24 +1,25 @@
-//! The Slurm executor's jobs: submitted, running, failed by reason, and their queue and run
-//! times (zero with the local executor).
+//! A jobs executor's jobs (`daemon/jobs/`): submitted, running, failed by reason, and their
+//! queue and run times. Exported under the executor's names, `diffmon_slurm_*` on Slurm (the
+//! one scheduler so far), only with that executor.
 
 use super::labels::ReasonLabels;
 use super::registry::Metrics;
 
 impl Metrics {
-    /// Counts one Slurm job submitted.
-    pub fn slurm_submitted(&self) {
+    /// Counts one job submitted.
+    pub fn job_submitted(&self) {
         self.slurm_jobs_submitted.get_or_create(&self.label()).inc();
     }
 
-    pub fn set_slurm_running(&self, n: usize) {
+    pub fn set_jobs_running(&self, n: usize) {
         self.slurm_jobs_running
             .get_or_create(&self.label())
             .set(n as i64);
     }
 
-    /// Counts one Slurm job that ended without a result; `reason` is one of
+    /// Counts one job that ended without a result; `reason` is one of
     /// [`SLURM_JOB_FAILURES`](super::names::SLURM_JOB_FAILURES).
-    pub fn slurm_failed(&self, reason: &str) {
+    pub fn job_failed(&self, reason: &str) {
         self.slurm_jobs_failed
             .get_or_create(&ReasonLabels {
                 run: self.run.clone(),
@@ -27,13 +28,13 @@ impl Metrics {
             .inc();
     }
 
-    pub fn slurm_queue_wait(&self, seconds: f64) {
+    pub fn job_queue_wait(&self, seconds: f64) {
         self.slurm_queue_wait
             .get_or_create(&self.label())
             .observe(seconds);
     }
 
-    pub fn slurm_run(&self, seconds: f64) {
+    pub fn job_run(&self, seconds: f64) {
         self.slurm_run.get_or_create(&self.label()).observe(seconds);
     }
 }

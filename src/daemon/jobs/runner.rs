@@ -1,16 +1,16 @@
-//! The executor that ties the jobs together: [`Slurm`] (one run) and [`SlurmPool`] (the runs of
-//! a sweep) each start a runner per run on a thread of its own, which takes work items, has
-//! them submitted (`submit.rs`, `arrays.rs`) and polled (`poll.rs`), and hands their outcomes on
-//! in the order it took them.
+//! The executor that ties the jobs together: [`Jobs`] (one run) and [`Pool`] (the runs of a
+//! sweep) each start a runner per run on a thread of its own, which takes work items, has them
+//! submitted (`submit.rs`) and polled (`poll.rs`), and hands their outcomes on in the order it
+//! took them.
 
-use super::error::SlurmError;
+use super::error::JobsError;
 use super::journal::{ArrayTask, JOURNAL, Journaled, read_journal};
+use super::scheduler::{JobEnd, Scheduler};
 use super::slots::Slots;
-use crate::config::{Config, SlurmConfig};
+use crate::config::Config;
 use crate::daemon::executor::{Executor, ExecutorError, Lane, Outcome};
 use crate::daemon::watcher::WorkItem;
 use crate::metrics::Metrics;
-use crate::record::FailureReason;
 use crate::store::history::CheckpointKey;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use std::collections::{HashMap, VecDeque};
@@ -22,62 +22,16 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// How long the runner waits for the watcher's next item before it submits what it has taken:
-/// the items taken within it go as one job array. Short against Slurm's seconds of scheduling,
-/// long enough for a watcher thread on a busy machine to offer the next waiting checkpoint.
+/// the items taken within it go as one batch. Short against a scheduler's seconds, long enough
+/// for a watcher thread on a busy machine to offer the next waiting checkpoint.
 const GATHER: Duration = Duration::from_millis(250);
 
 /// The folder of the jobs' scripts, outputs and results, in the state folder.
 pub const JOBS_DIR: &str = "jobs";
 
-/// How a job ended without a result: the metric's `reason`, and the checkpoint's failure when
-/// no retry is left.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum JobEnd {
-    Failed,
-    Timeout,
-    Cancelled,
-    Preempted,
-    Lost,
-}
-
-impl JobEnd {
-    pub(super) fn label(self) -> &'static str {
-        match self {
-            JobEnd::Failed => "failed",
-            JobEnd::Timeout => "timeout",
-            JobEnd::Cancelled => "cancelled",
-            JobEnd::Preempted => "preempted",
-            JobEnd::Lost => "lost",
-        }
-    }
-
-    pub(super) fn reason(self) -> FailureReason {
-        match self {
-            JobEnd::Failed => FailureReason::JobFailed,
-            JobEnd::Timeout => FailureReason::JobTimeout,
-            JobEnd::Cancelled | JobEnd::Preempted => FailureReason::JobCancelled,
-            JobEnd::Lost => FailureReason::JobLost,
-        }
-    }
-
-    /// A finished job's `JobState` (from `scontrol show job`); `None` while it may still give
-    /// a result.
-    pub(super) fn of_state(state: &str) -> Option<JobEnd> {
-        match state {
-            "PENDING" | "RUNNING" | "CONFIGURING" | "COMPLETING" | "SUSPENDED" | "REQUEUED"
-            | "REQUEUE_HOLD" | "REQUEUE_FED" | "RESIZING" | "SIGNALING" | "STAGE_OUT" => None,
-            "TIMEOUT" | "DEADLINE" => Some(JobEnd::Timeout),
-            "CANCELLED" => Some(JobEnd::Cancelled),
-            "PREEMPTED" => Some(JobEnd::Preempted),
-            // Finished, yet no status file: the script did not get to write it.
-            "COMPLETED" => Some(JobEnd::Lost),
-            _ => Some(JobEnd::Failed),
-        }
-    }
-}
-
-/// The executor: see the module's docs (`slurm/mod.rs`).
-pub struct Slurm {
+/// The executor of one run: its jobs go to `scheduler` (see the module's docs, `jobs/mod.rs`).
+pub struct Jobs<S> {
+    pub scheduler: S,
     pub config: Config,
     pub metrics: Arc<Metrics>,
     /// Evaluations in the history before this start (`pfd.every`, and whether the caches
@@ -86,8 +40,8 @@ pub struct Slurm {
 }
 
 /// What the thread works with.
-pub(super) struct Runner {
-    pub(super) settings: SlurmConfig,
+pub(super) struct Runner<S> {
+    pub(super) scheduler: S,
     pub(super) max_in_flight: usize,
     /// Resubmissions of a job that ended without a result (`evaluation.retries`).
     pub(super) retries: usize,
@@ -112,7 +66,7 @@ pub(super) struct Runner {
     pub(super) sweep_run: Option<String>,
 }
 
-impl Drop for Runner {
+impl<S> Drop for Runner<S> {
     fn drop(&mut self) {
         self.slots.give_back(self.held);
         self.slots.leave(self.ticket);
@@ -124,7 +78,8 @@ pub(super) enum State {
     /// Taken, holding a slot; submitted (alone or with others as an array) once the items
     /// waiting now are taken.
     Unsubmitted,
-    /// Submitted as `job_id` (`None`: journaled, `sbatch`'s answer lost; looked up by comment).
+    /// Submitted as `job_id` (`None`: journaled, the scheduler's answer lost; looked up by its
+    /// tag).
     Queued {
         job_id: Option<String>,
         since: Instant,
@@ -153,21 +108,22 @@ impl Job {
     }
 }
 
-impl Executor for Slurm {
+impl<S: Scheduler> Executor for Jobs<S> {
     fn start(
         self,
         work: Receiver<WorkItem>,
         outcomes: Sender<Outcome>,
     ) -> Result<JoinHandle<()>, ExecutorError> {
-        let pool = SlurmPool::new(self.config.evaluation.max_in_flight);
+        let pool = Pool::new(self.config.evaluation.max_in_flight);
         let runner = Runner::new(
+            self.scheduler,
             &self.config,
             self.metrics,
             self.evaluated_before,
             &pool,
             None,
         )
-        .map_err(ExecutorError::Slurm)?;
+        .map_err(ExecutorError::Jobs)?;
         runner.spawn(work, outcomes)
     }
 }
@@ -176,23 +132,25 @@ impl Executor for Slurm {
 /// job in flight, whichever run it belongs to. A run that wants a slot while none is free
 /// queues for one; the runs queued are served in the order they asked (see [`Slots::try_take`]).
 #[derive(Clone)]
-pub struct SlurmPool {
+pub struct Pool {
     slots: Arc<Slots>,
 }
 
-impl SlurmPool {
+impl Pool {
     /// A pool of `max_in_flight` slots.
-    pub fn new(max_in_flight: usize) -> SlurmPool {
-        SlurmPool {
+    pub fn new(max_in_flight: usize) -> Pool {
+        Pool {
             slots: Arc::new(Slots::new(max_in_flight)),
         }
     }
 
     /// Starts the runner of one run of a sweep on its own thread: its jobs run
     /// `diffmon eval --run <name>` on the config file `lane.config.source`, and it takes its
-    /// slots from this pool. A lane may be started at any time, also while others run.
-    pub fn start_lane(
+    /// slots from this pool; its jobs go to `scheduler`. A lane may be started at any time, also
+    /// while others run.
+    pub fn start_lane<S: Scheduler>(
         &self,
+        scheduler: S,
         lane: Lane,
         metrics: Arc<Metrics>,
     ) -> Result<JoinHandle<()>, ExecutorError> {
@@ -203,29 +161,31 @@ impl SlurmPool {
             outcomes,
         } = lane;
         let runner = Runner::new(
+            scheduler,
             &config,
             metrics,
             evaluated_before,
             self,
             Some(config.run_name()),
         )
-        .map_err(ExecutorError::Slurm)?;
+        .map_err(ExecutorError::Jobs)?;
         runner.spawn(work, outcomes)
     }
 }
 
-impl Runner {
+impl<S: Scheduler> Runner<S> {
     fn new(
+        scheduler: S,
         config: &Config,
         metrics: Arc<Metrics>,
         evaluated_before: usize,
-        pool: &SlurmPool,
+        pool: &Pool,
         sweep_run: Option<String>,
-    ) -> Result<Runner, SlurmError> {
+    ) -> Result<Runner<S>, JobsError> {
         let state_dir = config.state_dir();
         let jobs_dir = state_dir.join(JOBS_DIR);
         crate::store::safe_fs::create_private_dir(&jobs_dir).map_err(|source| {
-            SlurmError::JobsDir {
+            JobsError::JobsDir {
                 path: jobs_dir.clone(),
                 source,
             }
@@ -238,17 +198,20 @@ impl Runner {
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW)
             .open(&journal_path)
-            .map_err(|source| SlurmError::Journal {
+            .map_err(|source| JobsError::Journal {
                 path: journal_path.clone(),
                 source,
             })?;
-        let config_file = config.source.clone().ok_or(SlurmError::NoConfigFile)?;
-        let binary = match &config.evaluation.slurm.binary {
-            Some(b) => b.clone(),
-            None => std::env::current_exe().map_err(SlurmError::NoBinary)?,
+        let config_file = config
+            .source
+            .clone()
+            .ok_or(JobsError::NoConfigFile(S::NAME))?;
+        let binary = match scheduler.binary() {
+            Some(b) => b.to_path_buf(),
+            None => std::env::current_exe().map_err(|e| JobsError::NoBinary(S::BINARY_KEY, e))?,
         };
         Ok(Runner {
-            settings: config.evaluation.slurm.clone(),
+            scheduler,
             max_in_flight: config.evaluation.max_in_flight,
             retries: config.evaluation.retries,
             run: config.run_name(),
@@ -274,7 +237,7 @@ impl Runner {
         outcomes: Sender<Outcome>,
     ) -> Result<JoinHandle<()>, ExecutorError> {
         std::thread::Builder::new()
-            .name("diffmon-slurm".into())
+            .name(format!("diffmon-{}", S::NAME.to_lowercase()))
             .spawn(move || self.run(work, outcomes))
             .map_err(ExecutorError::Spawn)
     }
@@ -356,7 +319,7 @@ impl Runner {
             self.settle(&mut jobs);
             if jobs.is_empty() {
                 if pending.is_some() {
-                    self.slots.wait(self.settings.poll);
+                    self.slots.wait(self.scheduler.poll());
                     continue;
                 }
                 if open {
@@ -378,16 +341,16 @@ impl Runner {
             if jobs.iter().any(Job::queued) {
                 let free = Self::in_flight(&jobs) < self.limit();
                 if open && free && pending.is_none() {
-                    match work.recv_timeout(self.settings.poll) {
+                    match work.recv_timeout(self.scheduler.poll()) {
                         Ok(item) => pending = Some(item),
                         Err(RecvTimeoutError::Disconnected) => open = false,
                         Err(RecvTimeoutError::Timeout) => {}
                     }
                 } else if free && pending.is_some() {
                     // Woken early when another run's job gives its slot back.
-                    self.slots.wait(self.settings.poll);
+                    self.slots.wait(self.scheduler.poll());
                 } else {
-                    std::thread::sleep(self.settings.poll);
+                    std::thread::sleep(self.scheduler.poll());
                 }
             }
         }
@@ -414,20 +377,14 @@ impl Runner {
             };
             match &j.failed {
                 None => {
-                    tracing::info!(step = job.item.step, job = ?j.job_id, folder = %folder.display(), "adopting the Slurm job of an earlier start");
+                    tracing::info!(step = job.item.step, job = ?j.job_id, folder = %folder.display(), "adopting the {} job of an earlier start", S::NAME);
                     if j.job_id.is_none() && !folder.join("status").exists() {
-                        self.find_by_comment(&mut job);
+                        self.find_by_tag(&mut job);
                     }
                 }
                 Some(reason) => {
                     // Its failure was journaled, its retry not yet submitted.
-                    let end = match reason.as_str() {
-                        "timeout" => JobEnd::Timeout,
-                        "cancelled" => JobEnd::Cancelled,
-                        "preempted" => JobEnd::Preempted,
-                        "lost" => JobEnd::Lost,
-                        _ => JobEnd::Failed,
-                    };
+                    let end = JobEnd::of_label(reason);
                     self.retry_or_fail(&mut job, end, "journaled before a restart".into());
                 }
             }
@@ -443,19 +400,5 @@ impl Runner {
             slot: true,
             array: None,
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn job_states_map_to_ends() {
-        assert_eq!(JobEnd::of_state("RUNNING"), None);
-        assert_eq!(JobEnd::of_state("TIMEOUT"), Some(JobEnd::Timeout));
-        assert_eq!(JobEnd::of_state("CANCELLED"), Some(JobEnd::Cancelled));
-        assert_eq!(JobEnd::of_state("NODE_FAIL"), Some(JobEnd::Failed));
-        assert_eq!(JobEnd::Preempted.reason(), FailureReason::JobCancelled);
     }
 }

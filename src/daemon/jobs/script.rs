@@ -1,15 +1,15 @@
-//! What a job runs: its script `job.sh`, which runs `diffmon eval --json` and leaves
-//! `record.json` and `status` in the job's folder; its Slurm job name; quoting for `sh`.
+//! What a job runs, whatever the scheduler: its script `job.sh`, which runs `diffmon eval --json`
+//! and leaves `record.json` and `status` in the job's folder; its name; quoting for `sh`.
 
 use crate::daemon::watcher::WorkItem;
 use std::path::Path;
 
 /// `text` in single quotes for `sh`.
-pub(super) fn quoted(text: &str) -> String {
+pub fn quoted(text: &str) -> String {
     format!("'{}'", text.replace('\'', r"'\''"))
 }
 
-/// A Slurm job name: `diffmon-<run>-<step>` with characters outside `[A-Za-z0-9._-]` as `_`.
+/// A job's name: `diffmon-<run>-<step>` with characters outside `[A-Za-z0-9._-]` as `_`.
 pub(super) fn job_name(run: &str, step: i64) -> String {
     let run: String = run
         .chars()
@@ -44,8 +44,8 @@ pub(super) fn script(
          dir={dir}\n\
          {bin} eval --json --failure-lines --evaluated-before {index} --config {config}{run} -- {checkpoint} > \"$dir/record.json.tmp\"\n\
          status=$?\n\
-         # Stopped by SIGTERM (scancel, the time limit, preemption): no status, so the job's\n\
-         # state in Slurm says why, not the signal's exit status.\n\
+         # Stopped by SIGTERM (cancelled, a time limit, preemption): no status, so the job's\n\
+         # state in the scheduler says why, not the signal's exit status.\n\
          [ \"$status\" -ne 143 ] || exit 143\n\
          mv -f \"$dir/record.json.tmp\" \"$dir/record.json\"\n\
          echo \"$status\" > \"$dir/status.tmp\" && mv -f \"$dir/status.tmp\" \"$dir/status\"\n\
