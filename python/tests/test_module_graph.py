@@ -314,3 +314,24 @@ def test_architecture_names_every_source_file():
     actual = {str(p.relative_to(ROOT / "src")) for p in (ROOT / "src").rglob("*.rs")}
     assert not actual - named, f"files missing from ARCHITECTURE.md's table: {sorted(actual - named)}"
     assert not named - actual, f"the table names files that do not exist: {sorted(named - actual)}"
+
+
+def test_the_leaves_and_the_jobs_layer_keep_their_places():
+    """The leaves a crate split would cut out (ARCHITECTURE.md, "Module dependency graph") depend
+    on nothing in the crate, so the boundary a separate crate would enforce is enforced here; and
+    inside the daemon the jobs layer sits below Slurm, with one file choosing the executor."""
+    out = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, check=True)
+    modules = {a.strip(): b.strip() for a, b in (line.split(" -> ") for line in
+                                                  out.stdout.split("\nfiles:")[0].splitlines()
+                                                  if " -> " in line)}
+    for leaf in ("weights", "record", "sign"):
+        assert modules[leaf] == "(nothing)", (leaf, modules)
+    files = subprocess.run([sys.executable, str(SCRIPT), "--files"], capture_output=True,
+                           text=True, check=True).stdout
+    edges = {a.strip(): b.split(", ") for a, b in (l.split(" -> ") for l in files.splitlines()
+                                                    if " -> " in l)}
+    jobs = [f for f in edges if f.startswith("daemon/jobs/")]
+    assert jobs and not any(t.startswith("daemon/slurm/") for f in jobs for t in edges[f])
+    assert any(t.startswith("daemon/jobs/") for t in edges["daemon/slurm/mod.rs"])
+    choosers = {f for f, ts in edges.items() if "daemon/slurm/mod.rs" in ts and "daemon/local.rs" in ts}
+    assert choosers == {"daemon/choice.rs"}, choosers
