@@ -302,6 +302,23 @@ def test_sigma_star_in_t_on_each_path():
     assert float(s / a) == pytest.approx(0.25)
 
 
+def test_every_flow_path_has_the_coefficients_of_its_definition():
+    """The exporter's coefficients of each path in FLOW_PATHS (and every path a row of the table
+    names) are those of the path's definition above: a path known to flow_time but not to
+    _flow_coefficients is an error there, never another path's coefficients. Tolerance 1e-9:
+    float64 throughout."""
+    from diffmon.export.parameterization import FLOW_PATHS, _flow_coefficients
+    assert {r.path for r in PARAMETERIZATION_TABLE if r.path} == set(FLOW_PATHS)
+    s = torch.tensor(SIGMAS, dtype=torch.float64)
+    for path in FLOW_PATHS:
+        t, a, st, da, dst = _flow_coefficients(path, s)
+        ref = path_coefficients(path, t)
+        for got, want, what in zip((a, st, da, dst), ref, ("alpha", "sigma_t", "d alpha", "d sigma_t")):
+            assert torch.allclose(got, want, rtol=0, atol=1e-9), (path, what)
+    with pytest.raises(ValueError, match="made_up"):
+        _flow_coefficients("made_up", s)
+
+
 # -- the likely mistake: a flow network exported as eps ---------------------------------------
 
 def test_a_trained_flow_network_exported_as_eps_is_warned_about(tmp_path, capsys):

@@ -148,7 +148,10 @@ def _flow_coefficients(path: str, s: Tensor):
     a, st = 1 / r, s / r
     if path == "cosine":
         return t, a, st, -(math.pi / 2) * st, (math.pi / 2) * a
-    return t, a, st, (math.pi / 2) * st, -(math.pi / 2) * a
+    if path == "sit_gvp":
+        return t, a, st, (math.pi / 2) * st, -(math.pi / 2) * a
+    # A path flow_time knows and this function does not: never another path's coefficients.
+    raise ValueError(f"no coefficients for the flow path {path!r}")
 
 
 class _Converter:
