@@ -153,7 +153,12 @@ fn conversion(c: &NetworkNote, icr_sigma: f64) -> String {
             c.schedule.as_deref().unwrap_or("?")
         ),
         (Some(Family::Edm), _) => format!("exported as `{name}`: an EDM denoiser"),
-        _ => format!("exported as `{name}`"),
+        // No arm for "any other family": a new one must say here what it is.
+        (Some(Family::Flow), None) => {
+            format!("exported as `{name}`: flow matching (its path is not recorded)")
+        }
+        // A note from before the families were recorded.
+        (None, _) => format!("exported as `{name}`"),
     }
 }
 

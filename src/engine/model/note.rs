@@ -202,7 +202,11 @@ impl FlowPath {
 
     /// Whether the data is at t = 1 (SiT's code) rather than t = 0.
     pub fn data_at_one(self) -> bool {
-        matches!(self, FlowPath::SitLinear | FlowPath::SitGvp)
+        // Every path named: a new one must say where its data is.
+        match self {
+            FlowPath::SitLinear | FlowPath::SitGvp => true,
+            FlowPath::RectifiedFlow | FlowPath::Cosine => false,
+        }
     }
 }
 
