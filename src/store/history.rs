@@ -156,13 +156,8 @@ impl History {
         repairs.log(&path);
         // Lines that are not entries leave the journal only once they are kept aside.
         let repaired = repairs.changed() && repairs.set_aside(state_dir);
-        let journal = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)
-            .map_err(|e| io(&path, e))?;
+        let journal =
+            crate::store::safe_fs::open_private_append(&path).map_err(|e| io(&path, e))?;
         journal.set_len(good_len).map_err(|e| io(&path, e))?;
         if journal.metadata().is_ok_and(|m| m.mode() & 0o077 != 0) {
             // Made 0644 by earlier versions.
@@ -381,21 +376,15 @@ impl Repairs {
             return true;
         }
         let path = state_dir.join(JOURNAL_CORRUPT);
-        let written = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)
-            .and_then(|mut f| {
-                for (_, _, bytes) in &self.corrupt {
-                    f.write_all(bytes)?;
-                    if !bytes.ends_with(b"\n") {
-                        f.write_all(b"\n")?;
-                    }
+        let written = crate::store::safe_fs::open_private_append(&path).and_then(|mut f| {
+            for (_, _, bytes) in &self.corrupt {
+                f.write_all(bytes)?;
+                if !bytes.ends_with(b"\n") {
+                    f.write_all(b"\n")?;
                 }
-                f.sync_all()
-            });
+            }
+            f.sync_all()
+        });
         match written {
             Ok(()) => true,
             Err(e) => {

@@ -189,6 +189,17 @@ pub fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {
     }
 }
 
+/// Opens `path` to append, creating it with mode 0600: never through a link (`O_NOFOLLOW`),
+/// never waiting on a FIFO (`O_NONBLOCK`). The journals and the files lines are set aside in.
+pub fn open_private_append(path: &Path) -> io::Result<File> {
+    fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+}
+
 /// Creates `dir` (and missing parents) with mode 0700; an existing folder is left as it is.
 pub fn create_private_dir(dir: &Path) -> io::Result<()> {
     fs::DirBuilder::new()

@@ -5,9 +5,7 @@ use super::error::JobsError;
 use crate::store::history::CheckpointKey;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::fs::OpenOptions;
 use std::io::Read;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 /// The journal of submitted jobs, in the state folder.
@@ -169,19 +167,13 @@ fn set_aside(path: &Path, bad: &[(usize, &[u8])], torn: bool) {
     }
     let numbers: Vec<String> = bad.iter().map(|(n, _)| n.to_string()).collect();
     let aside = crate::store::safe_fs::parent(path).join(JOURNAL_CORRUPT);
-    let kept = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(&aside)
-        .and_then(|mut f| {
-            for (_, line) in bad {
-                f.write_all(line)?;
-                f.write_all(b"\n")?;
-            }
-            f.sync_all()
-        });
+    let kept = crate::store::safe_fs::open_private_append(&aside).and_then(|mut f| {
+        for (_, line) in bad {
+            f.write_all(line)?;
+            f.write_all(b"\n")?;
+        }
+        f.sync_all()
+    });
     tracing::warn!(
         journal = %path.display(),
         lines = %numbers.join(", "),

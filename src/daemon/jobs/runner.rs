@@ -14,8 +14,6 @@ use crate::metrics::Metrics;
 use crate::store::history::CheckpointKey;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use std::collections::{HashMap, VecDeque};
-use std::fs::OpenOptions;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -192,15 +190,12 @@ impl<S: Scheduler> Runner<S> {
         })?;
         let journal_path = state_dir.join(JOURNAL);
         let journaled = read_journal(&journal_path)?;
-        let journal = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&journal_path)
-            .map_err(|source| JobsError::Journal {
-                path: journal_path.clone(),
-                source,
+        let journal =
+            crate::store::safe_fs::open_private_append(&journal_path).map_err(|source| {
+                JobsError::Journal {
+                    path: journal_path.clone(),
+                    source,
+                }
             })?;
         let config_file = config
             .source
