@@ -31,8 +31,11 @@ it stopped (run it again with the same arguments):
    the best; fires after `patience` checkpoints without a new lowest, the patience of diffmon's
    detector), `memorization-alert` (diffmon's memorization ratio >= 5%, the alert rule
    DiffmonMemorizing; its best is the checkpoint before), `icr-alone` (`diffmon replay` with
-   `early_stop.confirm=none`), `default` (the default detector without a held-out set) and
-   `default+heldout` (with one). Lead = onset - best step; late = fired-at - onset.
+   `early_stop.confirm=none` and `early_stop.memorization_level=0`: the turn of ICR alone),
+   `turn-only` (the default detector without its memorization stop,
+   `early_stop.memorization_level=0`, without a held-out set), `default` (the default detector
+   without a held-out set) and `default+heldout` (with one). Lead = onset - best step;
+   late = fired-at - onset.
 
 Writes OUT_DIR/study.json (every row), OUT_DIR/table.md and a figure per data-set size,
 OUT_DIR/mnist-<size>.png (ICR, the gap and the copy share against the step; the default
@@ -60,7 +63,8 @@ WEIGHTS = {"ema": "ema", "raw": "model"}  # variant -> checkpoint entry (train_t
 HELDOUT = 1000
 ONSET = 0.05  # the share of copies that marks memorization onset
 COPY_RATIO = 1 / 3  # a copy: nearest training image 3x closer than the second nearest
-RULES = ("heldout-loss", "memorization-alert", "icr-alone", "default", "default+heldout")
+RULES = ("heldout-loss", "memorization-alert", "icr-alone", "turn-only", "default",
+         "default+heldout")
 ARGS: argparse.Namespace  # the command line, set by main()
 
 
@@ -314,8 +318,11 @@ def decide(run_dir: Path, variant: str, patience: int) -> list[dict]:
     decisions["memorization-alert"] = (
         (recs[alert - 1]["step"] if alert else None, recs[alert]["step"]) if alert is not None
         else (None, None))
-    for rule, heldout, sets in (("icr-alone", False, ("early_stop.confirm=none",)),
-                                ("default", False, ()), ("default+heldout", True, ())):
+    no_memorization_stop = "early_stop.memorization_level=0"
+    for rule, heldout, sets in (
+            ("icr-alone", False, ("early_stop.confirm=none", no_memorization_stop)),
+            ("turn-only", False, (no_memorization_stop,)),
+            ("default", False, ()), ("default+heldout", True, ())):
         d = replay(run_dir, variant, heldout, *sets)
         decisions[rule] = (d.get("best_step"), d.get("fired_at_step"))
     rows = []

@@ -3,8 +3,12 @@
 When diffmon detects the turn of the ICR curve it writes ``<run_dir>/<stop_file>`` (default
 ``EARLY_STOP``) atomically, holding the event JSON::
 
-    {"id", "event", "run", "metric", "best_step", "best_checkpoint", "best_checkpoint_kept",
-     "best_value", "current_step", "current_value", "fired_at"}
+    {"id", "event", "run", "metric", "trigger", "best_step", "best_checkpoint",
+     "best_checkpoint_kept", "best_value", "current_step", "current_value", "fired_at"}
+
+``trigger`` is ``"turn"`` (the curve turned up, confirmed) or ``"memorization"`` (the
+memorization ratio reached ``early_stop.memorization_level`` first; the best is the best
+checkpoint evaluated before that).
 
 ``best_checkpoint_kept`` is diffmon's copy of the best checkpoint in its state folder (safe from
 the training job's checkpoint rotation), or null: then the original is the only copy.
@@ -98,7 +102,9 @@ def describe_event(event: Optional[dict]) -> str:
     """One human-readable line about a stop event, naming the best checkpoint's kept copy."""
     if not event:
         return "diffmon early-stop file present (no readable event)"
-    return (f"diffmon {event.get('event', 'early_stop')} on run {event.get('run')!s}: "
+    why = (" (the memorization ratio reached its stop level)"
+           if event.get("trigger") == "memorization" else "")
+    return (f"diffmon {event.get('event', 'early_stop')} on run {event.get('run')!s}{why}: "
             f"{event.get('metric', 'metric')} best {event.get('best_value')} at step "
             f"{event.get('best_step')}: {_best_checkpoint(event)}; now "
             f"{event.get('current_value')} at step {event.get('current_step')}")

@@ -141,9 +141,9 @@ def test_study_tiny_grid_end_to_end(tmp_path):
     study = json.loads((out / "study.json").read_text())
     rows = study["rows"]
     # Every run x weights x rule has its row.
-    assert len(rows) == 2 * 2 * 5
+    assert len(rows) == 2 * 2 * 6
     assert {r["rule"] for r in rows} == {"heldout-loss", "memorization-alert", "icr-alone",
-                                         "default", "default+heldout"}
+                                         "turn-only", "default", "default+heldout"}
     # "8:40" gave that run its own 40 steps, not --steps' 20 (four checkpoints: enough for the
     # held-out rule's patience, each phase and the table; make test's time is what it saves).
     assert (out / "n8-s0" / "ckpt_000040.pt").exists()
@@ -165,7 +165,7 @@ def test_study_tiny_grid_end_to_end(tmp_path):
     assert sampled == [20, 40]
     assert all(0 <= truth[str(s)]["copy_share"] <= 1 for s in sampled)
     table = (out / "table.md").read_text()
-    assert table.count("| n8-s0 |") == 2 * 5 + 1 and "| rich-s0 |" in table
+    assert table.count("| n8-s0 |") == 2 * 6 + 1 and "| rich-s0 |" in table
     # A second run reuses every cached phase and gives the same rows.
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -61,6 +61,10 @@ def test_describe_event_names_the_kept_copy_or_the_only_copy():
     older = {k: v for k, v in EVENT.items() if k != "best_checkpoint_kept"}
     assert "at step 400: runs/exp1/ckpt_000400.pt; now" in describe_event(older)
     assert describe_event(None) == "diffmon early-stop file present (no readable event)"
+    # A stop the memorization ratio fired says so; one the turn fired reads as before.
+    assert describe_event(dict(EVENT, trigger="memorization")).startswith(
+        "diffmon early_stop on run toy (the memorization ratio reached its stop level): icr best")
+    assert describe_event(dict(EVENT, trigger="turn")) == describe_event(EVENT)
 
 
 def test_package_exports():

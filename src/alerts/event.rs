@@ -40,6 +40,11 @@ pub struct Event {
     pub run: String,
     /// The detector's series: `"icr"` or `"pfd_generalization"`.
     pub metric: String,
+    /// Why the stop fired: `"turn"` (the series turned up, confirmed) or `"memorization"` (the
+    /// memorization ratio reached `early_stop.memorization_level`); a `resolved` event has the
+    /// trigger of the stop it resolves. Events written before it existed read as `"turn"`.
+    #[serde(default = "turn")]
+    pub trigger: String,
     pub best_step: i64,
     pub best_checkpoint: String,
     /// Where diffmon keeps a copy of the best checkpoint (`early_stop.keep_best`), safe from the
@@ -72,6 +77,7 @@ impl Event {
             event: kind,
             run: run.to_string(),
             metric: metric.to_string(),
+            trigger: turn(),
             best_step,
             best_checkpoint: best_checkpoint.to_string(),
             best_checkpoint_kept: None,
@@ -82,6 +88,17 @@ impl Event {
         }
     }
 }
+
+/// The trigger of a stop the series' turn fired (serde's default for events stored before the
+/// field existed).
+fn turn() -> String {
+    TRIGGER_TURN.to_string()
+}
+
+/// The `trigger` of a stop the series' turn fired.
+pub const TRIGGER_TURN: &str = "turn";
+/// The `trigger` of a stop the memorization ratio fired.
+pub const TRIGGER_MEMORIZATION: &str = "memorization";
 
 /// The event's stable id: lowercase hex of
 /// `sha256("diffmon-event-v2\n{run}\n{instance}\n{kind}\n{best_step}\n{current_step}")`, where
@@ -207,6 +224,7 @@ mod tests {
             "event",
             "run",
             "metric",
+            "trigger",
             "best_step",
             "best_checkpoint",
             "best_checkpoint_kept",
@@ -217,8 +235,9 @@ mod tests {
         ] {
             assert!(v.get(key).is_some(), "{key} missing in {v}");
         }
-        assert_eq!(v.as_object().unwrap().len(), 11);
+        assert_eq!(v.as_object().unwrap().len(), 12);
         assert_eq!(v["best_checkpoint_kept"], serde_json::Value::Null);
+        assert_eq!(v["trigger"], TRIGGER_TURN);
         let back: Event = serde_json::from_value(v).unwrap();
         assert_eq!(back, e);
         let r = serde_json::to_value(EventKind::Resolved).unwrap();

@@ -1,7 +1,7 @@
 //! Request bodies: the `json`, `slack` and `alertmanager` (v4 webhook payload) webhook formats,
 //! and the body of Alertmanager's `POST /api/v2/alerts`.
 
-use super::event::{Event, EventKind};
+use super::event::{Event, EventKind, TRIGGER_MEMORIZATION};
 use crate::config::WebhookFormat;
 use crate::store::keep_best::NOT_KEPT;
 use serde_json::{Map, Value, json};
@@ -58,6 +58,10 @@ pub fn summary(event: &Event) -> String {
         event.current_step
     );
     match event.event {
+        EventKind::EarlyStop if event.trigger == TRIGGER_MEMORIZATION => format!(
+            "diffmon: early stop for run {}: the memorization ratio reached its stop level; {best}, {now}",
+            event.run
+        ),
         EventKind::EarlyStop => format!(
             "diffmon: early stop for run {}: {} turned up (memorization); {best}, {now}",
             event.run, event.metric
@@ -85,6 +89,10 @@ pub fn description(event: &Event) -> String {
         fmt_value(event.current_value)
     );
     match event.event {
+        EventKind::EarlyStop if event.trigger == TRIGGER_MEMORIZATION => format!(
+            "Run {}: the memorization ratio has reached early_stop.memorization_level (the model copies training images), whether or not {} has turned. {best}, the best checkpoint evaluated before that; {now}. The stop file has been written: stop the training and keep the checkpoint of step {}.",
+            event.run, event.metric, event.best_step,
+        ),
         EventKind::EarlyStop => format!(
             "Run {}: the early-stop metric {} has turned up (the model starts to memorize). {best}; {now}. The stop file has been written: stop the training and keep the checkpoint of step {}.",
             event.run, event.metric, event.best_step,
@@ -129,6 +137,7 @@ pub fn annotations(event: &Event) -> Map<String, Value> {
     m.insert("summary".into(), summary(event).into());
     m.insert("description".into(), description(event).into());
     m.insert("event_id".into(), event.id.clone().into());
+    m.insert("trigger".into(), event.trigger.clone().into());
     m.insert("best_step".into(), event.best_step.to_string().into());
     m.insert(
         "best_checkpoint".into(),
@@ -232,6 +241,7 @@ mod tests {
             event: kind,
             run: "run-a".into(),
             metric: "icr".into(),
+            trigger: "turn".into(),
             best_step: 1000,
             best_checkpoint: "ckpt-001000.pt".into(),
             best_checkpoint_kept: None,
@@ -282,6 +292,32 @@ mod tests {
             &event(EventKind::Resolved),
         ));
         assert!(r["text"].as_str().unwrap().contains("resolved"));
+    }
+
+    /// A stop the memorization ratio fired says so in every text, and in the alert's
+    /// `trigger` annotation; an event stored before the field existed reads as a turn.
+    #[test]
+    fn a_memorization_stop_says_why_it_fired() {
+        let e = Event {
+            trigger: TRIGGER_MEMORIZATION.into(),
+            ..event(EventKind::EarlyStop)
+        };
+        assert!(
+            summary(&e).contains("the memorization ratio reached its stop level"),
+            "{}",
+            summary(&e)
+        );
+        assert!(!summary(&e).contains("turned up"));
+        assert!(description(&e).contains("early_stop.memorization_level"));
+        assert!(description(&e).contains("keep the checkpoint of step 1000"));
+        let a = parse(&alertmanager_api_body(&e));
+        assert_eq!(a[0]["annotations"]["trigger"], "memorization");
+        let turn = event(EventKind::EarlyStop);
+        assert!(summary(&turn).contains("icr turned up"));
+        let mut old = serde_json::to_value(&turn).unwrap();
+        old.as_object_mut().unwrap().remove("trigger");
+        let back: Event = serde_json::from_value(old).unwrap();
+        assert_eq!(back, turn);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! summary (docs/design.md §14). The same [`crate::engine::detector::replay`] as the daemon's start-up.
 
 use crate::config::{Config, ConfigError, EarlyStopConfig, Problem};
-use crate::engine::detector::{Decision, Detector, DetectorState, Replayed, Signal};
+use crate::engine::detector::{Decision, Detector, DetectorState, Replayed, Signal, Trigger};
 use crate::store::history::{History, JOURNAL};
 use anyhow::Result;
 use serde::Serialize;
@@ -42,8 +42,9 @@ pub enum Verdict {
 impl Verdict {
     fn of(value: Option<f64>, decision: &Decision, new_best: bool, wait: usize) -> Verdict {
         match (value, decision.signal) {
-            (None, _) => Verdict::NoValue,
+            // The memorization ratio may fire at a checkpoint without the metric.
             (_, Some(Signal::EarlyStop)) => Verdict::EarlyStop,
+            (None, _) => Verdict::NoValue,
             (_, Some(Signal::Resolved)) => Verdict::Resolved,
             _ if decision.unconfirmed => Verdict::Unconfirmed,
             _ if new_best => Verdict::Best,
@@ -95,6 +96,8 @@ struct Summary {
     fired: bool,
     /// The step the early stop fired at.
     fired_at_step: Option<i64>,
+    /// Why it fired: `turn` or `memorization` (the event's `trigger`).
+    trigger: Option<&'static str>,
     /// The best it named when it fired; the best so far when it did not.
     best_step: Option<i64>,
     best_checkpoint: Option<String>,
@@ -252,7 +255,11 @@ pub fn replay(config_path: &Path, run: Option<&str>, set: &[String], json: bool)
         let new_best = value.is_some() && best.map(|b| b.step) != best_step;
         best_step = best.map(|b| b.step);
         let verdict = Verdict::of(value, decision, new_best, state.wait);
-        if matches!(verdict, Verdict::EarlyStop | Verdict::Unconfirmed) {
+        let turned = match verdict {
+            Verdict::EarlyStop => state.fired_by == Some(Trigger::Turn),
+            verdict => verdict == Verdict::Unconfirmed,
+        };
+        if turned {
             turned_at.get_or_insert(record.step);
         }
         if verdict == Verdict::Resolved {
@@ -303,6 +310,7 @@ pub fn replay(config_path: &Path, run: Option<&str>, set: &[String], json: bool)
         kind: "summary",
         fired: s.fired.is_some(),
         fired_at_step: s.fired_step,
+        trigger: s.fired_by.map(Trigger::as_str),
         best_step: best.map(|b| b.step),
         best_checkpoint: best.map(|b| b.checkpoint.clone()),
         best_value: best.map(|b| b.value),
@@ -332,6 +340,10 @@ fn summary_text(s: &Summary, confirm_seen: bool) -> String {
         _ => "no best: no evaluation has a value".to_string(),
     };
     let mut lines = vec![match s.fired_at_step {
+        Some(at) if s.trigger == Some(Trigger::Memorization.as_str()) => format!(
+            "fired at step {at}, where the memorization ratio reached {} (early_stop.memorization_level): {best}",
+            s.settings.memorization_level
+        ),
         Some(at) => format!("fired at step {at}: {best}"),
         None => format!("did not fire: {best}"),
     }];

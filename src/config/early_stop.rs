@@ -125,6 +125,10 @@ pub struct EarlyStopConfig {
     pub confirm: Confirm,
     #[serde(default = "default_confirm_rise")]
     pub confirm_rise: f64,
+    /// The early stop also fires once the memorization ratio reaches this share, turned or not,
+    /// naming the best checkpoint evaluated before it; 0 turns it off.
+    #[serde(default = "default_memorization_level")]
+    pub memorization_level: f64,
     /// Keep a link (or a copy) of the best checkpoint in `<state_dir>/best/`.
     #[serde(default = "default_keep_best")]
     pub keep_best: bool,
@@ -157,6 +161,9 @@ fn default_confirm() -> Confirm {
 fn default_confirm_rise() -> f64 {
     0.5
 }
+fn default_memorization_level() -> f64 {
+    0.05
+}
 fn default_keep_best() -> bool {
     true
 }
@@ -173,6 +180,7 @@ impl Default for EarlyStopConfig {
             noise_multiple: default_noise_multiple(),
             confirm: default_confirm(),
             confirm_rise: default_confirm_rise(),
+            memorization_level: default_memorization_level(),
             keep_best: default_keep_best(),
         }
     }
@@ -191,6 +199,7 @@ pub struct EarlyStopSettings {
     pub noise_multiple: f64,
     pub confirm: Confirmation,
     pub confirm_rise: f64,
+    pub memorization_level: f64,
 }
 
 impl EarlyStopSettings {
@@ -206,6 +215,7 @@ impl EarlyStopSettings {
             noise_multiple: e.noise_multiple,
             confirm: confirmation,
             confirm_rise: e.confirm_rise,
+            memorization_level: e.memorization_level,
         }
     }
 }
@@ -224,6 +234,11 @@ impl EarlyStopConfig {
             0.0..=100.0,
         );
         v.positive("early_stop.confirm_rise", self.confirm_rise, 10.0);
+        v.real(
+            "early_stop.memorization_level",
+            self.memorization_level,
+            0.0..=1.0,
+        );
     }
 
     /// Every problem of the section's values, each with its key: the ranges alone, for

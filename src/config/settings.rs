@@ -264,7 +264,21 @@ impl Config {
                 data-rich training (about 2% on the full digits set, with no memorization)"
                 .to_string(),
         };
-        format!("early stop: {rule}; {confirm} (docs/guide/early-stop.md, \"The detector\")")
+        let memorization = match (e.memorization_level > 0.0, self.memorization.enabled) {
+            (true, true) => format!(
+                "; it also fires once the memorization ratio reaches {} \
+                 (early_stop.memorization_level), turned or not, naming the best checkpoint \
+                 evaluated before that",
+                e.memorization_level
+            ),
+            (true, false) => "; no memorization ratio is computed (memorization.enabled is \
+                false), so early_stop.memorization_level has nothing to watch"
+                .to_string(),
+            (false, _) => String::new(),
+        };
+        format!(
+            "early stop: {rule}; {confirm}{memorization} (docs/guide/early-stop.md, \"The detector\")"
+        )
     }
 
     pub fn state_dir(&self) -> PathBuf {
@@ -615,6 +629,13 @@ mod tests {
             memorization.contains("must hold the whole training set"),
             "{memorization}"
         );
+        assert!(
+            memorization.contains("also fires once the memorization ratio reaches 0.05"),
+            "{memorization}"
+        );
+        assert!(gap.contains("has nothing to watch"), "{gap}");
+        let off = summary("early_stop: {memorization_level: 0}\n");
+        assert!(!off.contains("memorization_level"), "{off}");
         let none = summary("early_stop: {confirm: none}\n");
         assert!(
             none.contains("not a model that memorizes from a steady rise"),

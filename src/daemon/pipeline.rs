@@ -204,6 +204,7 @@ mod tests {
             noise_multiple: 0.0,
             confirm: Confirmation::None,
             confirm_rise: 0.5,
+            memorization_level: 0.05,
         };
         let (state, _) =
             RunState::replay("r", "", early_stop, &[], Arc::new(Metrics::new("r")), None);

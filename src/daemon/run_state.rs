@@ -343,6 +343,13 @@ impl RunState {
             event: kind,
             run: self.run.clone(),
             metric: self.detector.config().metric.as_str().to_string(),
+            trigger: self
+                .detector
+                .state
+                .fired_by
+                .unwrap_or_default()
+                .as_str()
+                .to_string(),
             best_step: best.step,
             best_checkpoint: best.checkpoint.clone(),
             best_checkpoint_kept: self.keeper.as_ref().and_then(|k| {
@@ -382,6 +389,7 @@ mod tests {
             noise_multiple: 0.0,
             confirm: Confirmation::None,
             confirm_rise: 0.5,
+            memorization_level: 0.05,
         }
     }
 
@@ -557,6 +565,27 @@ mod tests {
         );
     }
 
+    /// ICR still falling at step 300, where the memorization ratio reaches 0.1: the stop fires
+    /// there by memorization, naming step 200 (the best before it), and its event says so.
+    #[test]
+    fn a_memorization_stop_names_the_best_before_it_and_says_why() {
+        let mut state = fresh();
+        let mut events = Vec::new();
+        for (step, icr, ratio) in [(100, 5.0, 0.0), (200, 4.0, 0.02), (300, 3.0, 0.1)] {
+            let mut o = done(step, icr);
+            if let Outcome::Done(_, r) = &mut o {
+                r.memorization_ratio = Some(ratio);
+            }
+            events.extend(state.observe(&o, &at(step)));
+        }
+        let [fired] = events.as_slice() else {
+            panic!("one event, not {events:?}")
+        };
+        assert_eq!(fired.event, EventKind::EarlyStop);
+        assert_eq!((fired.best_step, fired.current_step), (200, 300));
+        assert_eq!(fired.trigger, "memorization");
+    }
+
     /// The turn of a window-1 curve 5, 4, 3, 2, 3, 4: best 2 at step 400, above it by more than
     /// `min_rise` at 500 and 600, so with `patience: 2` it fires at 600; then 1 at 800 is below
     /// 2 · (1 − 0.005): resolved.
@@ -581,6 +610,7 @@ mod tests {
             event: EventKind::EarlyStop,
             run: "r".into(),
             metric: "icr".into(),
+            trigger: "turn".into(),
             best_step: 400,
             best_checkpoint: "ckpt_400.pt".into(),
             best_checkpoint_kept: None,

@@ -29,6 +29,13 @@
 //! nothing. The signal is taken at its last measurement (the PF-ODE metrics may run on every
 //! `pfd.every`-th checkpoint only).
 //!
+//! **Memorization.** Whatever confirms, and turned or not, the early stop also fires at the first
+//! measurement of the memorization ratio at `memorization_level` or above (0 turns it off),
+//! naming the best of the checkpoints evaluated before that one ([`Trigger::Memorization`]): with
+//! few training images a model can copy them while the curve still falls or stays flat. While the
+//! ratio's last measurement is at the level, a dip does not resolve a stop. Where the ratio stays
+//! under the level, every decision is the one the detector without the rule makes.
+//!
 //! The state is plain data and is never stored: the daemon (and `diffmon report`, `diffmon
 //! replay`) derives it by replaying the history journal through a fresh detector
 //! (docs/design.md §9), so it cannot disagree with the journal, and a restart neither forgets the
@@ -100,6 +107,27 @@ pub struct Best {
     pub confirm_floor: f64,
 }
 
+/// Why the early stop fired.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Trigger {
+    /// The curve turned, and the confirmation signal rose.
+    #[default]
+    Turn,
+    /// The memorization ratio reached `early_stop.memorization_level`, turned or not.
+    Memorization,
+}
+
+impl Trigger {
+    /// Its name in the event JSON (`trigger`) and the texts.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Trigger::Turn => "turn",
+            Trigger::Memorization => "memorization",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Signal {
@@ -158,9 +186,15 @@ pub struct DetectorState {
     /// The confirmation signal's last measurement and its noise floor.
     #[serde(default)]
     pub confirm_last: Option<(f64, f64)>,
+    /// The memorization ratio's last measurement, whatever confirms.
+    #[serde(default)]
+    pub memorization_last: Option<f64>,
     /// The best when the early stop fired (kept after a later, better minimum).
     pub fired: Option<Best>,
     pub fired_step: Option<i64>,
+    /// Why it fired.
+    #[serde(default)]
+    pub fired_by: Option<Trigger>,
     pub resolved: bool,
     pub unconfirmed: bool,
 }
@@ -253,6 +287,33 @@ impl Detector {
         }
     }
 
+    /// Has the memorization ratio (its last measurement) reached `memorization_level`?
+    fn memorizing(&self) -> bool {
+        let level = self.config.memorization_level;
+        level > 0.0 && self.state.memorization_last.is_some_and(|m| m >= level)
+    }
+
+    /// Fires the early stop, naming `best`, at `step`.
+    fn fire(&mut self, best: Best, step: i64, by: Trigger) -> Option<Signal> {
+        let s = &mut self.state;
+        s.fired = Some(best);
+        s.fired_step = Some(step);
+        s.fired_by = Some(by);
+        s.unconfirmed = false;
+        Some(Signal::EarlyStop)
+    }
+
+    /// The early stop by memorization, before anything fired: at the first measurement of the
+    /// memorization ratio at `memorization_level` or above, naming the best of the checkpoints
+    /// evaluated before this one (`before`), or, with none, this one's.
+    fn memorization_stop(&mut self, step: i64, before: Option<Best>) -> Option<Signal> {
+        if self.state.fired.is_some() || !self.memorizing() {
+            return None;
+        }
+        let best = before.or_else(|| self.state.best.clone())?;
+        self.fire(best, step, Trigger::Memorization)
+    }
+
     /// The noise of the smoothed value, once known (module docs).
     fn noise(&self) -> Option<f64> {
         let s = &self.state;
@@ -332,13 +393,18 @@ impl Detector {
         if let Some(signal) = self.confirm_signal(o) {
             self.state.confirm_last = Some(signal);
         }
+        if let Some(m) = o.memorization_ratio.filter(|m| m.is_finite()) {
+            self.state.memorization_last = Some(m);
+        }
+        let before = self.state.best.clone();
         let Some(value) = o.value.filter(|v| v.is_finite()) else {
+            let signal = self.memorization_stop(o.step, before);
             let s = &self.state;
             return Decision {
                 smoothed: s.last_smoothed,
                 noise: s.last_noise,
                 threshold: s.last_threshold,
-                signal: None,
+                signal,
                 unconfirmed: false,
             };
         };
@@ -369,7 +435,9 @@ impl Detector {
         let mut signal = None;
         let improved = s.best.as_ref().is_none_or(|b| smoothed < b.value);
         if improved {
+            // A model that copies its training images has not recovered because the curve dips.
             if let (Some(fired), false) = (&self.state.fired, self.state.resolved)
+                && !self.memorizing()
                 && let Some(t) = self.threshold(fired.value, noise)
                 && smoothed < fired.value - t
             {
@@ -410,15 +478,15 @@ impl Detector {
         let turned = s.evaluated >= c.warmup && s.wait >= c.patience && descended;
         if turned && s.fired.is_none() {
             if self.confirmed() {
-                let s = &mut self.state;
-                s.fired = Some(best);
-                s.fired_step = Some(o.step);
-                s.unconfirmed = false;
-                signal = Some(Signal::EarlyStop);
+                signal = self.fire(best, o.step, Trigger::Turn);
             } else {
                 unconfirmed = true;
                 self.state.unconfirmed = true;
             }
+        }
+        if let Some(stop) = self.memorization_stop(o.step, before) {
+            signal = Some(stop);
+            unconfirmed = false;
         }
         Decision {
             smoothed: Some(smoothed),
@@ -1182,6 +1250,7 @@ mod tests {
             .collect();
         let config = EarlyStopSettings {
             confirm: Confirmation::MemorizationRatio,
+            memorization_level: 0.0,
             ..EarlyStopSettings::default()
         };
         let decide = |ratio: &dyn Fn(usize) -> f64| {
@@ -1207,5 +1276,112 @@ mod tests {
         // A ratio that was already 4% at the best must reach more than 6%.
         let high = decide(&|i| if i >= 21 { 0.065 } else { 0.04 });
         assert_eq!(fired_at(&high, Signal::EarlyStop), vec![1100]);
+    }
+
+    /// Runs `values` with the memorization ratio `ratio(i)` measured at every `every`-th
+    /// evaluation.
+    fn run_memorizing(
+        values: &[f64],
+        ratio: impl Fn(usize) -> f64,
+        every: usize,
+        config: EarlyStopSettings,
+    ) -> (Detector, Vec<(i64, Decision)>) {
+        let mut d = Detector::new(config, DetectorState::default());
+        let decisions = values
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| {
+                let mut o = observation(i, v, None);
+                o.memorization_ratio = (i % every == 0).then(|| ratio(i));
+                (o.step, d.observe(&o))
+            })
+            .collect();
+        (d, decisions)
+    }
+
+    /// A curve that keeps falling never turns; the memorization ratio reaching the level stops
+    /// it at the checkpoint that measured it, naming the best before that one, and the curve's
+    /// later lows do not resolve it while the ratio stays there. With a window of 1 the best
+    /// before step 50·(k+1) is step 50·k.
+    #[test]
+    fn the_memorization_ratio_at_its_level_stops_a_curve_that_never_turns() {
+        let values: Vec<f64> = (0..30).map(|i| 0.9 - 0.005 * i as f64).collect();
+        let config = EarlyStopSettings {
+            window: 1,
+            ..EarlyStopSettings::default()
+        };
+        let ratio = |i: usize| if i >= 12 { 0.02 * (i - 11) as f64 } else { 0.0 };
+        // 0.02, 0.04, then 0.06 at index 14 (step 750).
+        let (d, decisions) = run_memorizing(&values, ratio, 1, config.clone());
+        assert_eq!(fired_at(&decisions, Signal::EarlyStop), vec![750]);
+        assert!(fired_at(&decisions, Signal::Resolved).is_empty());
+        let fired = d.state.fired.as_ref().unwrap();
+        assert_eq!((fired.step, fired.value), (700, values[13]));
+        assert_eq!(d.state.fired_by, Some(Trigger::Memorization));
+        assert_eq!(d.state.fired_step, Some(750));
+        // Measured on every third checkpoint only: first at index 15 (0.08, step 800), naming
+        // step 750.
+        let (d, decisions) = run_memorizing(&values, ratio, 3, config.clone());
+        assert_eq!(fired_at(&decisions, Signal::EarlyStop), vec![800]);
+        assert_eq!(d.state.fired.unwrap().step, 750);
+        // Off (level 0), or a ratio that stays under the level: nothing fires.
+        let off = EarlyStopSettings {
+            memorization_level: 0.0,
+            ..config.clone()
+        };
+        let (_, decisions) = run_memorizing(&values, ratio, 1, off);
+        assert!(fired_at(&decisions, Signal::EarlyStop).is_empty());
+        let (_, decisions) = run_memorizing(&values, |_| 0.049, 1, config);
+        assert!(fired_at(&decisions, Signal::EarlyStop).is_empty());
+    }
+
+    /// Where the ratio stays under the level the rule is inert: on noisy U-curves, every
+    /// decision is the same as with the rule off (so a study whose runs never reach the level
+    /// decides as before it existed).
+    #[test]
+    fn a_ratio_under_the_level_changes_no_decision() {
+        for seed in 0..20 {
+            let values: Vec<f64> = (0..60)
+                .map(|i| 0.8 + 0.0004 * (i as f64 - 25.0).powi(2) + 0.004 * noise(i + 97 * seed))
+                .collect();
+            let ratio = |i: usize| 0.049 * i as f64 / 60.0;
+            for confirm in [Confirmation::None, Confirmation::MemorizationRatio] {
+                let on = EarlyStopSettings {
+                    confirm,
+                    ..EarlyStopSettings::default()
+                };
+                let off = EarlyStopSettings {
+                    memorization_level: 0.0,
+                    ..on.clone()
+                };
+                let (a, da) = run_memorizing(&values, ratio, 1, on);
+                let (b, db) = run_memorizing(&values, ratio, 1, off);
+                assert_eq!(da, db, "seed {seed}");
+                assert_eq!(a.state, b.state, "seed {seed}");
+            }
+        }
+    }
+
+    /// A stop the turn fired is resolved by a dip below its best only while the memorization
+    /// ratio is under the level; the memorization rule never fires a second stop.
+    #[test]
+    fn a_dip_does_not_resolve_a_stop_while_the_model_memorizes() {
+        let mut values: Vec<f64> = (0..20)
+            .map(|i| 0.8 + 0.003 * (i as f64 - 8.0).powi(2))
+            .collect();
+        values.extend((0..10).map(|i| 0.78 - 0.01 * i as f64));
+        let config = EarlyStopSettings::default();
+        let (fired, _) = run(&values, config.clone());
+        let at = fired.state.fired_step.unwrap();
+        let (d, decisions) = run_memorizing(
+            &values,
+            |i| if 50 * (i as i64 + 1) > at { 0.3 } else { 0.0 },
+            1,
+            config,
+        );
+        assert_eq!(fired_at(&decisions, Signal::EarlyStop), vec![at]);
+        assert_eq!(d.state.fired_by, Some(Trigger::Turn));
+        assert!(fired_at(&decisions, Signal::Resolved).is_empty());
+        assert!(!d.state.resolved);
     }
 }

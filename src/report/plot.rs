@@ -3,6 +3,7 @@
 
 use super::snapshot::{Row, Snapshot};
 use crate::config::EarlyStopMetric;
+use crate::engine::detector::Trigger;
 use crate::record::FIELDS;
 
 pub(super) struct Series {
@@ -228,6 +229,10 @@ fn state_note(s: &Snapshot) -> String {
         Some((best, step)) if s.resolved => format!(
             "early stop fired at step {step} (best step {}), then resolved: the curve went below that best again",
             best.step
+        ),
+        Some((best, step)) if s.fired_by == Some(Trigger::Memorization) => format!(
+            "EARLY STOP fired at step {step}, where the memorization ratio reached its stop level: best checkpoint before it step {} ({:.5})",
+            best.step, best.value
         ),
         Some((best, step)) => format!(
             "EARLY STOP fired at step {step}: best checkpoint step {} ({:.5})",

@@ -2,7 +2,7 @@
 //! after every evaluation and that the report command rebuilds by replaying the history.
 
 use crate::config::{EarlyStopMetric, EarlyStopSettings};
-use crate::engine::detector::{Decision, Detector, DetectorState, Replayed};
+use crate::engine::detector::{Decision, Detector, DetectorState, Replayed, Trigger};
 use crate::record::{Evaluation, FIELDS};
 use crate::store::history::Entry;
 
@@ -57,6 +57,8 @@ pub struct Snapshot {
     pub best: Option<Marker>,
     /// The best when the early stop fired, and the step it fired at (the turn).
     pub fired: Option<(Marker, i64)>,
+    /// Why it fired (with `fired`).
+    pub fired_by: Option<Trigger>,
     /// A later dip below the fired best resolved the early stop.
     pub resolved: bool,
     /// The curve has turned but the confirmation signal has not risen (nothing sent).
@@ -96,6 +98,7 @@ impl Snapshot {
             rows: Vec::new(),
             best: None,
             fired: None,
+            fired_by: None,
             resolved: false,
             unconfirmed: false,
             failures: 0,
@@ -177,6 +180,7 @@ impl Snapshot {
             .as_ref()
             .zip(state.fired_step)
             .map(|(b, step)| (marker(b), step));
+        self.fired_by = state.fired_by;
         self.resolved = state.resolved;
     }
 

@@ -2,8 +2,9 @@
 //! the suite, beside the short ones, instead of last and alone): the toy trainer writes a
 //! checkpoint every 50 steps (100 on the data-rich run) while `diffmon watch`, with the default detector settings,
 //! evaluates them. On the data-limited run (64 images) the ICR curve turns and the detector
-//! fires, naming a best checkpoint from before the memorization ratio reaches 5%, and the
-//! trainer obeys the stop file; on the data-rich run (1500 images) it does not fire. The same
+//! fires, naming a best checkpoint from before the memorization ratio reaches 5% (it fires at
+//! the checkpoint where the ratio reaches it, `early_stop.memorization_level`, when the turn
+//! has not been told by then), and the trainer obeys the stop file; on the data-rich run (1500 images) it does not fire. The same
 //! for a flow-matching network (#44): the toy U-Net trained as a rectified-flow velocity network
 //! (`python/flow_toy.py`), exported as `rectified_flow` and watched as any other.
 //!
@@ -197,9 +198,17 @@ fn assert_fired_before_memorization(limited: &Outcome) {
         best < memorized_from,
         "best step {best}, but 5% of the samples were memorized from step {memorized_from}"
     );
-    // ICR really turned: the checkpoint it fired at is above the best one.
+    // ICR really turned, before the memorization ratio stopped it or at its own turn: the
+    // checkpoint it fired at is above the best one.
     let icr_at = |step: i64| limited.curve.iter().find(|c| c.0 == step).unwrap().1;
     assert!(icr_at(fired_at) > icr_at(best));
+    // The event says why it fired; the memorization ratio stops at the checkpoint that
+    // measured 5%, never later.
+    match s["event"]["trigger"].as_str() {
+        Some("memorization") => assert_eq!(fired_at, memorized_from),
+        Some("turn") => assert!(fired_at <= memorized_from),
+        other => panic!("trigger {other:?}"),
+    }
     // The trainer obeyed the stop file before the end of its schedule.
     assert!(
         limited.trainer_log.contains("stopping at step"),
@@ -230,9 +239,11 @@ fn default_detector_does_not_fire_on_data_rich_training() {
 }
 
 /// A flow-matching network is watched as any other once exported with its parameterization: on
-/// a data-limited rectified-flow run, ICR turns and the default detector fires before 5% of the
-/// samples are memorized (by hand, on this machine: best step 350 with none memorized, 5% from
-/// step 600, fired at step 750; the EDM run: best 600 with 3.1%, 5% from 700, fired at 1050).
+/// a data-limited rectified-flow run, ICR turns and the default detector names a best from
+/// before 5% of the samples are memorized (on this machine: best step 350 with none memorized,
+/// ICR up from 0.8795 to 0.8826 by step 600, where 7.8% are memorized and the ratio stops it;
+/// the EDM run: best 600 with 3.1%, stopped at 700 with 5.5%. ICR alone told both turns later,
+/// at steps 750 and 1050).
 #[test]
 fn default_detector_fires_on_a_data_limited_rectified_flow_run() {
     assert_fired_before_memorization(&train_and_watch(Objective::RectifiedFlow, 64, 1, 50));
