@@ -111,6 +111,20 @@ def train(out: Path, name: str, size: int, seed: int, steps: int) -> None:
     spent.write_text(json.dumps({"seconds": before + time.perf_counter() - t0, "steps": steps}))
 
 
+def training_seconds(log: Path) -> float | None:
+    """The seconds that trained the run's checkpoints, from the trainer's log: each checkpoint's
+    own time, the last line of each step (a session stopped before its end left lines that a
+    resumed one trained again, and no total: train-seconds.json counts finished sessions only)."""
+    if not log.exists():
+        return None
+    per_step = {}
+    for line in log.read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and parts[0] == "step" and parts[4].endswith("s"):
+            per_step[int(parts[1])] = float(parts[4][:-1])
+    return sum(per_step.values()) or None
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. evaluate (diffmon)
 # ---------------------------------------------------------------------------------------------
@@ -459,8 +473,7 @@ def main() -> int:
             print(f"mnist_study: {name} is not complete yet: run the study again", file=sys.stderr)
             continue
         n_ckpt = len(checkpoints(run_dir))
-        train_s = json.loads((run_dir / "train-seconds.json").read_text())["seconds"] \
-            if (run_dir / "train-seconds.json").exists() else None
+        train_s = training_seconds(args.out / f"{name}.log")
         eval_s = {v: float(np.median([r["seconds"] for r in records(run_dir, v)])) for v in variants}
         tt = json.loads((run_dir / "truth.json").read_text())
         truth_s = float(np.median([e["seconds"] for e in tt.values() if "copy_share" in e]))

@@ -143,7 +143,7 @@ def main() -> int:
     if args.phase not in ("decide", "all"):
         return 0
     rows = []
-    print("| run | weights | held-out set | fired | best step | fired at | memorization ≥ 5% from | lead (steps) |")
+    print("| run | weights | held-out set | fired (trigger) | best step | fired at | memorization ≥ 5% from | lead (steps) |")
     print("|---|---|---|---|---:|---:|---:|---:|")
     for name, size, seed, steps in plan:
         for v in variants:
@@ -159,10 +159,12 @@ def main() -> int:
                 row = {"run": name, "images": size, "seed": seed, "steps": steps, "weights": v,
                        "heldout": heldout, "fired": d.get("fired_at_step") is not None,
                        "best_step": best, "fired_at_step": d.get("fired_at_step"),
-                       "memorization_5pct_step": mem5, "lead_steps": lead}
+                       "trigger": d.get("trigger"), "memorization_5pct_step": mem5,
+                       "lead_steps": lead}
                 rows.append(row)
                 print(f"| {name} | {v} | {'yes' if heldout else 'no'} | "
-                      f"{'yes' if row['fired'] else 'no'} | {best if best is not None else '–'} | "
+                      f"{'yes (' + row['trigger'] + ')' if row['fired'] else 'no'} | "
+                      f"{best if best is not None else '–'} | "
                       f"{row['fired_at_step'] if row['fired'] else '–'} | "
                       f"{mem5 if mem5 is not None else 'never'} | "
                       f"{lead if (lead is not None and row['fired']) else '–'} |")
