@@ -177,15 +177,14 @@ impl RunState {
         if self.held.is_empty() {
             return;
         }
-        let best = self
-            .detector
-            .state
-            .best
-            .as_ref()
-            .map(|b| b.checkpoint.as_str());
+        let state = &self.detector.state;
+        let best = state.best.as_ref().map(|b| b.checkpoint.as_str());
+        let named = state.named().map(|b| b.checkpoint.as_str());
         let contenders = self.detector.contenders();
-        self.held
-            .retain(|c, _| Some(c.as_str()) == best || contenders.contains(&c.as_str()));
+        self.held.retain(|c, _| {
+            let c = c.as_str();
+            Some(c) == best || Some(c) == named || contenders.contains(&c)
+        });
     }
 
     /// The checkpoints whose pins are held, for tests.
@@ -196,10 +195,11 @@ impl RunState {
         held
     }
 
-    /// Asks the keeper (if any) to keep the best checkpoint, as it was evaluated, from its pin
-    /// while there is one (held while it is the best or may become it: [`RunState::release_pins`]).
+    /// Asks the keeper (if any) to keep the best checkpoint the run names
+    /// ([`DetectorState::named`]), as it was evaluated, from its pin while there is one (held
+    /// while it is named or may become it: [`RunState::release_pins`]).
     fn keep_best(&mut self) {
-        if let (Some(keeper), Some(best)) = (&self.keeper, &self.detector.state.best) {
+        if let (Some(keeper), Some(best)) = (&self.keeper, self.detector.state.named()) {
             let evaluated = self.evaluated.get(&best.checkpoint).cloned();
             let pin = self.held.get(&best.checkpoint).cloned();
             let source = pin.map(|p| crate::store::keep_best::Source {
@@ -230,10 +230,10 @@ impl RunState {
     /// Feeds one live record to the detector; returns the event to send, if any.
     fn decide(&mut self, r: &Evaluation, at: &str) -> Option<Event> {
         let metric = self.detector.config().metric;
-        let before = self.detector.state.best.as_ref().map(|b| b.step);
+        let before = self.detector.state.named().map(|b| b.step);
         let decision = self.detector.observe(&Observation::of(r, metric));
         // A new best is kept before the training job's rotation can delete it.
-        if self.detector.state.best.as_ref().map(|b| b.step) != before {
+        if self.detector.state.named().map(|b| b.step) != before {
             self.keep_best();
         }
         if decision.unconfirmed {
@@ -312,7 +312,7 @@ impl RunState {
         at: &str,
     ) -> std::sync::MutexGuard<'_, EarlyStopStatus> {
         let fired = s.fired.is_some() && !s.resolved;
-        let best = s.best.as_ref();
+        let best = s.named();
         self.metrics
             .set_detector(value, best.map(|b| b.step), fired, unconfirmed, at);
         self.metrics.set_segment(self.segment);
@@ -713,6 +713,65 @@ mod tests {
         // `ckpt_400.pt` does not exist: nothing to keep.
         state.observe(&done(400, 1.0), &at(400));
         wait_for(&state, KeptCopy::NotKept);
+    }
+
+    /// A stop the memorization ratio fired at step 30 names step 20; ICR goes on falling
+    /// (steps 40 and 50 are new lows), but the stop stands, so its best stays the one kept,
+    /// from its pin after rotation deleted the file, and the status names it.
+    #[test]
+    fn the_stop_s_best_stays_kept_while_the_curve_goes_on_falling() {
+        let run = tempfile::tempdir().unwrap();
+        let state_dir = run.path().join("state");
+        std::fs::create_dir(&state_dir).unwrap();
+        let pins = crate::store::pin::Pins::open(&state_dir).unwrap();
+        let (mut state, _) = RunState::replay(
+            "r",
+            "",
+            settings(),
+            &[],
+            Arc::new(Metrics::new("r")),
+            Some(Keeper::new(&state_dir)),
+        );
+        let mut events = Vec::new();
+        for (step, icr, ratio) in [
+            (10, 5.0, 0.0),
+            (20, 4.0, 0.0),
+            (30, 3.0, 0.1),
+            (40, 2.0, 0.2),
+            (50, 1.0, 0.3),
+        ] {
+            let path = run.path().join(format!("ckpt_{step}.pt"));
+            std::fs::write(&path, format!("weights {step}")).unwrap();
+            let key = crate::store::unit::key(&path).unwrap();
+            let mut work = WorkItem::new(path.clone(), step, key.clone());
+            work.pin = pins.pin(&path, &key, step);
+            std::fs::remove_file(&path).unwrap(); // rotation
+            let record = Evaluation {
+                step,
+                checkpoint: path.display().to_string(),
+                icr: Some(icr),
+                memorization_ratio: Some(ratio),
+                ..Evaluation::default()
+            };
+            events.extend(state.observe(&Outcome::Done(work, Box::new(record)), &at(step)));
+        }
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert_eq!(
+            (events[0].best_step, events[0].trigger.as_str()),
+            (20, "memorization")
+        );
+        assert_eq!(state.detector().best.as_ref().unwrap().step, 50);
+        assert_eq!(state.detector().named().unwrap().step, 20);
+        let status = state.status();
+        assert_eq!(lock(&status).best_step, Some(20));
+        let kept = state_dir.join("best/ckpt_20.pt");
+        let start = std::time::Instant::now();
+        while lock(&state.snapshot).best_kept() != Some(KeptCopy::At(kept.display().to_string())) {
+            assert!(start.elapsed() < std::time::Duration::from_secs(10));
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(std::fs::read_to_string(&kept).unwrap(), "weights 20");
+        assert!(!state_dir.join("best/ckpt_50.pt").exists());
     }
 
     /// Evaluation behind rotation with a smoothed detector (median of 3): each checkpoint is

@@ -199,6 +199,18 @@ pub struct DetectorState {
     pub unconfirmed: bool,
 }
 
+impl DetectorState {
+    /// The best the run's outputs name and keep: the one the early stop named while the stop
+    /// stands (the curve may set lower values after a stop the memorization ratio fired, or
+    /// dip by less than the threshold after a turn), else the best so far.
+    pub fn named(&self) -> Option<&Best> {
+        self.fired
+            .as_ref()
+            .filter(|_| !self.resolved)
+            .or(self.best.as_ref())
+    }
+}
+
 pub struct Detector {
     config: EarlyStopSettings,
     pub state: DetectorState,

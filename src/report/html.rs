@@ -63,7 +63,7 @@ td.path {{ text-align: left; }}
         r#"<p class="{class}" id="early-stop">{}</p>"#,
         escape(&note)
     );
-    if let Some(b) = &s.best {
+    if let Some(b) = s.named() {
         // Its kept copy beside it: rotation may have deleted the original (docs/design.md §17).
         let kept = match s.best_kept() {
             Some(KeptCopy::At(path)) => format!(

@@ -110,10 +110,18 @@ impl Snapshot {
         }
     }
 
-    /// The kept copy of the best checkpoint: [`KeptCopy::Keeping`] while the keeper has not
-    /// answered for it yet, [`KeptCopy::NotKept`] without `keep_best`; `None` without a best.
+    /// The best checkpoint the run names and keeps: the stop's while it stands, else the best
+    /// so far (as [`DetectorState::named`]).
+    pub fn named(&self) -> Option<&Marker> {
+        let stands = self.fired.as_ref().filter(|_| !self.resolved);
+        stands.map(|(b, _)| b).or(self.best.as_ref())
+    }
+
+    /// The kept copy of the best checkpoint the run names ([`Snapshot::named`]):
+    /// [`KeptCopy::Keeping`] while the keeper has not answered for it yet, [`KeptCopy::NotKept`]
+    /// without `keep_best`; `None` without a best.
     pub fn best_kept(&self) -> Option<KeptCopy> {
-        let best = self.best.as_ref()?;
+        let best = self.named()?;
         Some(match &self.kept {
             None => KeptCopy::NotKept,
             Some((checkpoint, copy)) if *checkpoint == best.checkpoint => copy.clone(),
