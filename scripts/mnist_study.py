@@ -97,7 +97,6 @@ def train(out: Path, name: str, size: int, seed: int, steps: int) -> None:
     run_dir = out / name
     if (run_dir / f"ckpt_{steps:06d}.pt").exists():
         return
-    t0 = time.perf_counter()
     with open(out / f"{name}.log", "a") as log:
         subprocess.run([PY, str(ROOT / "python" / "train_toy.py"), "--dataset", "mnist",
                         "--run-dir", str(run_dir), "--train-size", str(size),
@@ -106,15 +105,12 @@ def train(out: Path, name: str, size: int, seed: int, steps: int) -> None:
                         "--width", str(ARGS.width), "--seed", str(seed), "--threads", "1",
                         "--format", "ema_dict", "--device", ARGS.train_device, "--resumable"],
                        check=True, stdout=log, stderr=subprocess.STDOUT)
-    spent = run_dir / "train-seconds.json"  # summed over the sessions that trained the run
-    before = json.loads(spent.read_text())["seconds"] if spent.exists() else 0.0
-    spent.write_text(json.dumps({"seconds": before + time.perf_counter() - t0, "steps": steps}))
 
 
 def training_seconds(log: Path) -> float | None:
     """The seconds that trained the run's checkpoints, from the trainer's log: each checkpoint's
     own time, the last line of each step (a session stopped before its end left lines that a
-    resumed one trained again, and no total: train-seconds.json counts finished sessions only)."""
+    resumed one trained again; a total kept per session would miss the stopped ones)."""
     if not log.exists():
         return None
     per_step = {}

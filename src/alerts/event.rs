@@ -1,5 +1,6 @@
 //! The early-stop event (docs/design.md §17), its stable id and RFC 3339 timestamps.
 
+use crate::config::Trigger;
 use crate::record::rfc3339_utc;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -43,8 +44,8 @@ pub struct Event {
     /// Why the stop fired: `"turn"` (the series turned up, confirmed) or `"memorization"` (the
     /// memorization ratio reached `early_stop.memorization_level`); a `resolved` event has the
     /// trigger of the stop it resolves. Events written before it existed read as `"turn"`.
-    #[serde(default = "turn")]
-    pub trigger: String,
+    #[serde(default)]
+    pub trigger: Trigger,
     pub best_step: i64,
     pub best_checkpoint: String,
     /// Where diffmon keeps a copy of the best checkpoint (`early_stop.keep_best`), safe from the
@@ -77,7 +78,7 @@ impl Event {
             event: kind,
             run: run.to_string(),
             metric: metric.to_string(),
-            trigger: turn(),
+            trigger: Trigger::Turn,
             best_step,
             best_checkpoint: best_checkpoint.to_string(),
             best_checkpoint_kept: None,
@@ -88,17 +89,6 @@ impl Event {
         }
     }
 }
-
-/// The trigger of a stop the series' turn fired (serde's default for events stored before the
-/// field existed).
-fn turn() -> String {
-    TRIGGER_TURN.to_string()
-}
-
-/// The `trigger` of a stop the series' turn fired.
-pub const TRIGGER_TURN: &str = "turn";
-/// The `trigger` of a stop the memorization ratio fired.
-pub const TRIGGER_MEMORIZATION: &str = "memorization";
 
 /// The event's stable id: lowercase hex of
 /// `sha256("diffmon-event-v2\n{run}\n{instance}\n{kind}\n{best_step}\n{current_step}")`, where
@@ -237,7 +227,7 @@ mod tests {
         }
         assert_eq!(v.as_object().unwrap().len(), 12);
         assert_eq!(v["best_checkpoint_kept"], serde_json::Value::Null);
-        assert_eq!(v["trigger"], TRIGGER_TURN);
+        assert_eq!(v["trigger"], "turn");
         let back: Event = serde_json::from_value(v).unwrap();
         assert_eq!(back, e);
         let r = serde_json::to_value(EventKind::Resolved).unwrap();

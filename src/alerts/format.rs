@@ -1,8 +1,8 @@
 //! Request bodies: the `json`, `slack` and `alertmanager` (v4 webhook payload) webhook formats,
 //! and the body of Alertmanager's `POST /api/v2/alerts`.
 
-use super::event::{Event, EventKind, TRIGGER_MEMORIZATION};
-use crate::config::WebhookFormat;
+use super::event::{Event, EventKind};
+use crate::config::{Trigger, WebhookFormat};
 use crate::store::keep_best::NOT_KEPT;
 use serde_json::{Map, Value, json};
 
@@ -58,7 +58,7 @@ pub fn summary(event: &Event) -> String {
         event.current_step
     );
     match event.event {
-        EventKind::EarlyStop if event.trigger == TRIGGER_MEMORIZATION => format!(
+        EventKind::EarlyStop if event.trigger == Trigger::Memorization => format!(
             "diffmon: early stop for run {}: the memorization ratio reached its stop level; {best}, {now}",
             event.run
         ),
@@ -89,7 +89,7 @@ pub fn description(event: &Event) -> String {
         fmt_value(event.current_value)
     );
     match event.event {
-        EventKind::EarlyStop if event.trigger == TRIGGER_MEMORIZATION => format!(
+        EventKind::EarlyStop if event.trigger == Trigger::Memorization => format!(
             "Run {}: the memorization ratio has reached early_stop.memorization_level (the model copies training images), whether or not {} has turned. {best}, the best checkpoint evaluated before that; {now}. The stop file has been written: stop the training and keep the checkpoint of step {}.",
             event.run, event.metric, event.best_step,
         ),
@@ -137,7 +137,7 @@ pub fn annotations(event: &Event) -> Map<String, Value> {
     m.insert("summary".into(), summary(event).into());
     m.insert("description".into(), description(event).into());
     m.insert("event_id".into(), event.id.clone().into());
-    m.insert("trigger".into(), event.trigger.clone().into());
+    m.insert("trigger".into(), event.trigger.as_str().into());
     m.insert("best_step".into(), event.best_step.to_string().into());
     m.insert(
         "best_checkpoint".into(),
@@ -241,7 +241,7 @@ mod tests {
             event: kind,
             run: "run-a".into(),
             metric: "icr".into(),
-            trigger: "turn".into(),
+            trigger: Trigger::Turn,
             best_step: 1000,
             best_checkpoint: "ckpt-001000.pt".into(),
             best_checkpoint_kept: None,
@@ -299,7 +299,7 @@ mod tests {
     #[test]
     fn a_memorization_stop_says_why_it_fired() {
         let e = Event {
-            trigger: TRIGGER_MEMORIZATION.into(),
+            trigger: Trigger::Memorization,
             ..event(EventKind::EarlyStop)
         };
         assert!(

@@ -2,8 +2,8 @@
 //! `early_stop` settings and any overrides, printing what it decides at each checkpoint and a
 //! summary (docs/design.md §14). The same [`crate::engine::detector::replay`] as the daemon's start-up.
 
-use crate::config::{Config, ConfigError, EarlyStopConfig, Problem};
-use crate::engine::detector::{Decision, Detector, DetectorState, Replayed, Signal, Trigger};
+use crate::config::{Config, ConfigError, EarlyStopConfig, Problem, Trigger};
+use crate::engine::detector::{Decision, Detector, DetectorState, Replayed, Signal};
 use crate::store::history::{History, JOURNAL};
 use anyhow::Result;
 use serde::Serialize;
@@ -97,7 +97,7 @@ struct Summary {
     /// The step the early stop fired at.
     fired_at_step: Option<i64>,
     /// Why it fired: `turn` or `memorization` (the event's `trigger`).
-    trigger: Option<&'static str>,
+    trigger: Option<Trigger>,
     /// The best it named when it fired; the best so far when it did not.
     best_step: Option<i64>,
     best_checkpoint: Option<String>,
@@ -255,11 +255,8 @@ pub fn replay(config_path: &Path, run: Option<&str>, set: &[String], json: bool)
         let new_best = value.is_some() && best.map(|b| b.step) != best_step;
         best_step = best.map(|b| b.step);
         let verdict = Verdict::of(value, decision, new_best, state.wait);
-        let turned = match verdict {
-            Verdict::EarlyStop => state.fired_by == Some(Trigger::Turn),
-            verdict => verdict == Verdict::Unconfirmed,
-        };
-        if turned {
+        let stop_by_turn = verdict == Verdict::EarlyStop && state.fired_by == Some(Trigger::Turn);
+        if stop_by_turn || verdict == Verdict::Unconfirmed {
             turned_at.get_or_insert(record.step);
         }
         if verdict == Verdict::Resolved {
@@ -310,7 +307,7 @@ pub fn replay(config_path: &Path, run: Option<&str>, set: &[String], json: bool)
         kind: "summary",
         fired: s.fired.is_some(),
         fired_at_step: s.fired_step,
-        trigger: s.fired_by.map(Trigger::as_str),
+        trigger: s.fired_by,
         best_step: best.map(|b| b.step),
         best_checkpoint: best.map(|b| b.checkpoint.clone()),
         best_value: best.map(|b| b.value),
@@ -340,7 +337,7 @@ fn summary_text(s: &Summary, confirm_seen: bool) -> String {
         _ => "no best: no evaluation has a value".to_string(),
     };
     let mut lines = vec![match s.fired_at_step {
-        Some(at) if s.trigger == Some(Trigger::Memorization.as_str()) => format!(
+        Some(at) if s.trigger == Some(Trigger::Memorization) => format!(
             "fired at step {at}, where the memorization ratio reached {} (early_stop.memorization_level): {best}",
             s.settings.memorization_level
         ),

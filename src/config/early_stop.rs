@@ -37,6 +37,29 @@ impl EarlyStopMetric {
     }
 }
 
+/// Why the early stop fired: the `trigger` of the early-stop events (JSON and alert
+/// annotation) and of `diffmon replay`'s summary.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Trigger {
+    /// The curve turned, and the confirmation signal rose. Also what an event stored before
+    /// the field existed reads as.
+    #[default]
+    Turn,
+    /// The memorization ratio reached `early_stop.memorization_level`, turned or not.
+    Memorization,
+}
+
+impl Trigger {
+    /// Its name, as the event JSON writes it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Trigger::Turn => "turn",
+            Trigger::Memorization => "memorization",
+        }
+    }
+}
+
 /// `early_stop.confirm` as written: a confirming signal, or `auto` (resolved by
 /// [`Config::early_stop_resolved`](super::Config::early_stop_resolved) into a [`Confirmation`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]

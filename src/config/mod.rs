@@ -53,7 +53,7 @@ mod values;
 pub use alerts::{AlertmanagerConfig, AlertsConfig, WebhookConfig, WebhookFormat};
 pub use checkpoints::{Backlog, CheckpointsConfig};
 pub use early_stop::{
-    Confirm, Confirmation, EarlyStopConfig, EarlyStopMetric, EarlyStopSettings, Smoother,
+    Confirm, Confirmation, EarlyStopConfig, EarlyStopMetric, EarlyStopSettings, Smoother, Trigger,
 };
 pub use evaluation::{EvaluationConfig, ExecutorKind, Precision, SlurmConfig};
 pub use file::{ConfigFile, EXAMPLE};

@@ -220,7 +220,7 @@ pub(super) mod tests {
             event: kind,
             run: "r".into(),
             metric: "icr".into(),
-            trigger: "turn".into(),
+            trigger: crate::config::Trigger::Turn,
             best_step: 1,
             best_checkpoint: "ckpt_1.pt".into(),
             best_checkpoint_kept: None,

@@ -343,13 +343,7 @@ impl RunState {
             event: kind,
             run: self.run.clone(),
             metric: self.detector.config().metric.as_str().to_string(),
-            trigger: self
-                .detector
-                .state
-                .fired_by
-                .unwrap_or_default()
-                .as_str()
-                .to_string(),
+            trigger: self.detector.state.fired_by.unwrap_or_default(),
             best_step: best.step,
             best_checkpoint: best.checkpoint.clone(),
             best_checkpoint_kept: self.keeper.as_ref().and_then(|k| {
@@ -367,7 +361,7 @@ impl RunState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Confirmation, EarlyStopMetric, Smoother};
+    use crate::config::{Confirmation, EarlyStopMetric, Smoother, Trigger};
     use crate::daemon::tests::item;
     use crate::daemon::watcher::WorkItem;
     use crate::metrics::{
@@ -583,7 +577,7 @@ mod tests {
         };
         assert_eq!(fired.event, EventKind::EarlyStop);
         assert_eq!((fired.best_step, fired.current_step), (200, 300));
-        assert_eq!(fired.trigger, "memorization");
+        assert_eq!(fired.trigger, Trigger::Memorization);
     }
 
     /// The turn of a window-1 curve 5, 4, 3, 2, 3, 4: best 2 at step 400, above it by more than
@@ -610,7 +604,7 @@ mod tests {
             event: EventKind::EarlyStop,
             run: "r".into(),
             metric: "icr".into(),
-            trigger: "turn".into(),
+            trigger: Trigger::Turn,
             best_step: 400,
             best_checkpoint: "ckpt_400.pt".into(),
             best_checkpoint_kept: None,
@@ -664,6 +658,61 @@ mod tests {
         assert_eq!(sample(&state, BEST_STEP, run), Some(800.0));
     }
 
+    /// A run folder with a state folder, its pins, and run `r`'s state (no history) with a
+    /// keeper there.
+    fn keeping(
+        early_stop: EarlyStopSettings,
+    ) -> (
+        tempfile::TempDir,
+        std::path::PathBuf,
+        crate::store::pin::Pins,
+        RunState,
+    ) {
+        let run = tempfile::tempdir().unwrap();
+        let state_dir = run.path().join("state");
+        std::fs::create_dir(&state_dir).unwrap();
+        let pins = crate::store::pin::Pins::open(&state_dir).unwrap();
+        let (state, _) = RunState::replay(
+            "r",
+            "",
+            early_stop,
+            &[],
+            Arc::new(Metrics::new("r")),
+            Some(Keeper::new(&state_dir)),
+        );
+        (run, state_dir, pins, state)
+    }
+
+    /// Checkpoint `step` written in `run`, pinned, then deleted as by rotation: its work item
+    /// and its path.
+    fn pinned_then_rotated(
+        run: &Path,
+        pins: &crate::store::pin::Pins,
+        step: i64,
+    ) -> (WorkItem, String) {
+        let path = run.join(format!("ckpt_{step}.pt"));
+        std::fs::write(&path, format!("weights {step}")).unwrap();
+        let key = crate::store::unit::key(&path).unwrap();
+        let mut work = WorkItem::new(path.clone(), step, key.clone());
+        work.pin = pins.pin(&path, &key, step);
+        assert!(work.pin.is_some());
+        std::fs::remove_file(&path).unwrap();
+        (work, path.display().to_string())
+    }
+
+    /// Waits (10 s at most) until the live snapshot says `want` of the best's kept copy.
+    fn wait_for_kept(state: &RunState, want: KeptCopy) {
+        let start = std::time::Instant::now();
+        while lock(&state.snapshot).best_kept() != Some(want.clone()) {
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(10),
+                "{:?}, not {want:?}",
+                lock(&state.snapshot).kept
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
     /// With a keeper, the live snapshot names the best's kept copy once the keeper's thread has
     /// made it, with no evaluation after it (a stopped training job sends none); a new best that
     /// cannot be kept is named the only copy.
@@ -697,22 +746,11 @@ mod tests {
             Arc::new(Metrics::new("r")),
             Some(Keeper::new(&state_dir)),
         );
-        let wait_for = |state: &RunState, want: KeptCopy| {
-            let start = std::time::Instant::now();
-            while lock(&state.snapshot).best_kept() != Some(want.clone()) {
-                assert!(
-                    start.elapsed() < std::time::Duration::from_secs(10),
-                    "{:?}, not {want:?}",
-                    lock(&state.snapshot).kept
-                );
-                std::thread::sleep(std::time::Duration::from_millis(5));
-            }
-        };
         let copy = state_dir.join("best/ckpt_200.pt").display().to_string();
-        wait_for(&state, KeptCopy::At(copy));
+        wait_for_kept(&state, KeptCopy::At(copy));
         // `ckpt_400.pt` does not exist: nothing to keep.
         state.observe(&done(400, 1.0), &at(400));
-        wait_for(&state, KeptCopy::NotKept);
+        wait_for_kept(&state, KeptCopy::NotKept);
     }
 
     /// A stop the memorization ratio fired at step 30 names step 20; ICR goes on falling
@@ -720,18 +758,7 @@ mod tests {
     /// from its pin after rotation deleted the file, and the status names it.
     #[test]
     fn the_stop_s_best_stays_kept_while_the_curve_goes_on_falling() {
-        let run = tempfile::tempdir().unwrap();
-        let state_dir = run.path().join("state");
-        std::fs::create_dir(&state_dir).unwrap();
-        let pins = crate::store::pin::Pins::open(&state_dir).unwrap();
-        let (mut state, _) = RunState::replay(
-            "r",
-            "",
-            settings(),
-            &[],
-            Arc::new(Metrics::new("r")),
-            Some(Keeper::new(&state_dir)),
-        );
+        let (run, state_dir, pins, mut state) = keeping(settings());
         let mut events = Vec::new();
         for (step, icr, ratio) in [
             (10, 5.0, 0.0),
@@ -740,15 +767,10 @@ mod tests {
             (40, 2.0, 0.2),
             (50, 1.0, 0.3),
         ] {
-            let path = run.path().join(format!("ckpt_{step}.pt"));
-            std::fs::write(&path, format!("weights {step}")).unwrap();
-            let key = crate::store::unit::key(&path).unwrap();
-            let mut work = WorkItem::new(path.clone(), step, key.clone());
-            work.pin = pins.pin(&path, &key, step);
-            std::fs::remove_file(&path).unwrap(); // rotation
+            let (work, checkpoint) = pinned_then_rotated(run.path(), &pins, step);
             let record = Evaluation {
                 step,
-                checkpoint: path.display().to_string(),
+                checkpoint,
                 icr: Some(icr),
                 memorization_ratio: Some(ratio),
                 ..Evaluation::default()
@@ -757,19 +779,15 @@ mod tests {
         }
         assert_eq!(events.len(), 1, "{events:?}");
         assert_eq!(
-            (events[0].best_step, events[0].trigger.as_str()),
-            (20, "memorization")
+            (events[0].best_step, events[0].trigger),
+            (20, Trigger::Memorization)
         );
         assert_eq!(state.detector().best.as_ref().unwrap().step, 50);
         assert_eq!(state.detector().named().unwrap().step, 20);
         let status = state.status();
         assert_eq!(lock(&status).best_step, Some(20));
         let kept = state_dir.join("best/ckpt_20.pt");
-        let start = std::time::Instant::now();
-        while lock(&state.snapshot).best_kept() != Some(KeptCopy::At(kept.display().to_string())) {
-            assert!(start.elapsed() < std::time::Duration::from_secs(10));
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+        wait_for_kept(&state, KeptCopy::At(kept.display().to_string()));
         assert_eq!(std::fs::read_to_string(&kept).unwrap(), "weights 20");
         assert!(!state_dir.join("best/ckpt_50.pt").exists());
     }
@@ -781,21 +799,10 @@ mod tests {
     /// then only the best's and the contenders' pins remain.
     #[test]
     fn every_best_is_kept_from_its_pin_though_named_after_rotation_deleted_it() {
-        let run = tempfile::tempdir().unwrap();
-        let state_dir = run.path().join("state");
-        std::fs::create_dir(&state_dir).unwrap();
-        let pins = crate::store::pin::Pins::open(&state_dir).unwrap();
-        let (mut state, _) = RunState::replay(
-            "r",
-            "",
-            EarlyStopSettings {
-                window: 3,
-                ..settings()
-            },
-            &[],
-            Arc::new(Metrics::new("r")),
-            Some(Keeper::new(&state_dir)),
-        );
+        let (run, state_dir, pins, mut state) = keeping(EarlyStopSettings {
+            window: 3,
+            ..settings()
+        });
         let mut named = Vec::new();
         for (step, icr) in [
             (10, 5.0),
@@ -808,16 +815,11 @@ mod tests {
         .into_iter()
         .chain([(70, 1.0), (80, 3.5), (90, 4.0), (100, 4.5)])
         {
-            let path = run.path().join(format!("ckpt_{step}.pt"));
-            std::fs::write(&path, format!("weights {step}")).unwrap();
-            let key = crate::store::unit::key(&path).unwrap();
-            let mut work = WorkItem::new(path.clone(), step, key.clone());
-            work.pin = pins.pin(&path, &key, step);
-            assert!(work.pin.is_some());
-            std::fs::remove_file(&path).unwrap(); // rotation, long before its turn
+            // Rotation deletes it long before its turn.
+            let (work, checkpoint) = pinned_then_rotated(run.path(), &pins, step);
             let record = Evaluation {
                 step,
-                checkpoint: path.display().to_string(),
+                checkpoint,
                 icr: Some(icr),
                 ..Evaluation::default()
             };

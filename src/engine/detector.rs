@@ -42,7 +42,7 @@
 //! best nor fires twice (the replayed events keep their ids, and the alerter delivers each id
 //! once).
 
-use crate::config::{Confirmation, EarlyStopMetric, EarlyStopSettings, Smoother};
+use crate::config::{Confirmation, EarlyStopMetric, EarlyStopSettings, Smoother, Trigger};
 use crate::record::Evaluation;
 use crate::store::history::{Entry, segments};
 use serde::{Deserialize, Serialize};
@@ -105,27 +105,6 @@ pub struct Best {
     /// `confirm_value` (see [`Detector::confirmed`]).
     #[serde(default)]
     pub confirm_floor: f64,
-}
-
-/// Why the early stop fired.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Trigger {
-    /// The curve turned, and the confirmation signal rose.
-    #[default]
-    Turn,
-    /// The memorization ratio reached `early_stop.memorization_level`, turned or not.
-    Memorization,
-}
-
-impl Trigger {
-    /// Its name in the event JSON (`trigger`) and the texts.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Trigger::Turn => "turn",
-            Trigger::Memorization => "memorization",
-        }
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -306,13 +285,13 @@ impl Detector {
     }
 
     /// Fires the early stop, naming `best`, at `step`.
-    fn fire(&mut self, best: Best, step: i64, by: Trigger) -> Option<Signal> {
+    fn fire(&mut self, best: Best, step: i64, by: Trigger) -> Signal {
         let s = &mut self.state;
         s.fired = Some(best);
         s.fired_step = Some(step);
         s.fired_by = Some(by);
         s.unconfirmed = false;
-        Some(Signal::EarlyStop)
+        Signal::EarlyStop
     }
 
     /// The early stop by memorization, before anything fired: at the first measurement of the
@@ -323,7 +302,7 @@ impl Detector {
             return None;
         }
         let best = before.or_else(|| self.state.best.clone())?;
-        self.fire(best, step, Trigger::Memorization)
+        Some(self.fire(best, step, Trigger::Memorization))
     }
 
     /// The noise of the smoothed value, once known (module docs).
@@ -490,7 +469,7 @@ impl Detector {
         let turned = s.evaluated >= c.warmup && s.wait >= c.patience && descended;
         if turned && s.fired.is_none() {
             if self.confirmed() {
-                signal = self.fire(best, o.step, Trigger::Turn);
+                signal = Some(self.fire(best, o.step, Trigger::Turn));
             } else {
                 unconfirmed = true;
                 self.state.unconfirmed = true;
@@ -778,12 +757,18 @@ mod tests {
         assert!(decisions.iter().all(|(_, d)| d.signal.is_none()));
     }
 
-    #[test]
-    fn dip_below_the_old_best_sends_resolved_once() {
+    /// A U-curve (minimum at index 8) that turns, then a second descent below its best.
+    fn double_descent() -> Vec<f64> {
         let mut values: Vec<f64> = (0..20)
             .map(|i| 0.8 + 0.003 * (i as f64 - 8.0).powi(2))
             .collect();
         values.extend((0..10).map(|i| 0.78 - 0.01 * i as f64));
+        values
+    }
+
+    #[test]
+    fn dip_below_the_old_best_sends_resolved_once() {
+        let values = double_descent();
         let (_, decisions) = run(&values, EarlyStopSettings::default());
         assert_eq!(fired_at(&decisions, Signal::EarlyStop).len(), 1);
         assert_eq!(fired_at(&decisions, Signal::Resolved).len(), 1);
@@ -1265,18 +1250,8 @@ mod tests {
             memorization_level: 0.0,
             ..EarlyStopSettings::default()
         };
-        let decide = |ratio: &dyn Fn(usize) -> f64| {
-            let mut d = Detector::new(config.clone(), DetectorState::default());
-            values
-                .iter()
-                .enumerate()
-                .map(|(i, &v)| {
-                    let mut o = observation(i, v, None);
-                    o.memorization_ratio = (i % 3 == 0).then(|| ratio(i));
-                    (o.step, d.observe(&o))
-                })
-                .collect::<Vec<_>>()
-        };
+        let decide =
+            |ratio: &dyn Fn(usize) -> f64| run_memorizing(&values, ratio, 3, config.clone()).1;
         // No memorized sample ever: the turn stays unconfirmed.
         let flat = decide(&|_| 0.0);
         assert!(fired_at(&flat, Signal::EarlyStop).is_empty());
@@ -1378,10 +1353,7 @@ mod tests {
     /// ratio is under the level; the memorization rule never fires a second stop.
     #[test]
     fn a_dip_does_not_resolve_a_stop_while_the_model_memorizes() {
-        let mut values: Vec<f64> = (0..20)
-            .map(|i| 0.8 + 0.003 * (i as f64 - 8.0).powi(2))
-            .collect();
-        values.extend((0..10).map(|i| 0.78 - 0.01 * i as f64));
+        let values = double_descent();
         let config = EarlyStopSettings::default();
         let (fired, _) = run(&values, config.clone());
         let at = fired.state.fired_step.unwrap();

@@ -2,8 +2,7 @@
 //! [`Snapshot`], the early-stop one first, then [`PLOTS`].
 
 use super::snapshot::{Row, Snapshot};
-use crate::config::EarlyStopMetric;
-use crate::engine::detector::Trigger;
+use crate::config::{EarlyStopMetric, Trigger};
 use crate::record::FIELDS;
 
 pub(super) struct Series {

@@ -1,8 +1,8 @@
 //! The [`Snapshot`]: everything the plots show, as plain data that the daemon keeps up to date
 //! after every evaluation and that the report command rebuilds by replaying the history.
 
-use crate::config::{EarlyStopMetric, EarlyStopSettings};
-use crate::engine::detector::{Decision, Detector, DetectorState, Replayed, Trigger};
+use crate::config::{EarlyStopMetric, EarlyStopSettings, Trigger};
+use crate::engine::detector::{Decision, Detector, DetectorState, Replayed};
 use crate::record::{Evaluation, FIELDS};
 use crate::store::history::Entry;
 
