@@ -7,13 +7,21 @@
   conversion inside, the same parameter and buffer names), compiled by
   ``torch._inductor.aoti_compile_and_package`` for one device, with a dynamic batch dimension
   (``min_batch`` to ``max_batch``; diffmon pads a shorter batch with copies of its last image and
-  drops their outputs, so the draws never change);
+  drops their outputs, so the draws never change). It holds the kernels only, no weights:
+  diffmon gives it each checkpoint's weights by name before it runs, so the package is not a
+  second copy of the network's weights (a 113.7 M-parameter U-Net's would be 455 MB), and no
+  network is too large for a shared object's 2 GiB;
+* ``model.pt2.constants``, where the graph has constants of its own (tensors its forward
+  creates, a VP schedule's table, a condition; ``_tensor_constant<N>`` in the package): those
+  tensors, by their names in the package, a ``torch.save`` of a dict that diffmon reads as it
+  reads a checkpoint (no code runs);
 * ``model.pt2.json``: the sidecar diffmon reads *before* it loads the package (which runs native
   code): the format, the torch release, the device kind and its arch (the CPU's instruction-set
   flags: Inductor compiles C++ with ``-march=native``; the CUDA compute capability), the
   precision baked in (``fp32``, or ``bf16`` autocast inside the graph), the batch range, the
-  weight names the package takes per checkpoint, the SHA-256 of the TorchScript file it belongs
-  to, and the command that rebuilds it.
+  weight names the package takes per checkpoint, ``weights_inside: false``, the constants file's
+  SHA-256 and each of its tensors' dtype and shape, the SHA-256 of the TorchScript file
+  it belongs to, and the command that rebuilds it.
 
 Compile where the network will run. A package is tied to one torch release and one device arch,
 so the compile step belongs to the machine that evaluates (or one identical to it): the flag is
@@ -37,7 +45,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-__all__ = ["compile_contract", "sidecar_path", "cpu_isa_flags", "PRECISIONS", "FORMAT"]
+__all__ = ["compile_contract", "sidecar_path", "const_path", "cpu_isa_flags", "PRECISIONS",
+           "FORMAT"]
 
 FORMAT = "diffmon-aoti/1"
 PRECISIONS = ("fp32", "bf16")
@@ -132,6 +141,7 @@ def compile_contract(net: nn.Module, script: Path, shape, device, *, precision: 
     net.forward = forward
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.pt2")
     side_tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.json")
+    const_tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.constants")
     # fp32 is float32 throughout, as diffmon runs it (evaluation.precision: fp32 turns TF32
     # off): CUDA's TF32 convolutions (cuDNN's default) would move both the compiled kernels'
     # choice and the eager reference by 1e-3.
@@ -146,13 +156,22 @@ def compile_contract(net: nn.Module, script: Path, shape, device, *, precision: 
             program = torch.export.export(net, (x, s), dynamic_shapes=({0: batch}, {0: batch}),
                                           strict=False)
             # Small weights (a bias of 4 values) would otherwise be inlined as literals into the
-            # kernels, where no checkpoint could reach them.
+            # kernels, where no checkpoint could reach them. The weights go beside the shared
+            # object, not into it, and are then taken out of the package (_take_out_weights).
             torch._inductor.aoti_compile_and_package(
                 program, package_path=str(tmp),
-                inductor_configs={"always_keep_tensor_constants": True})
+                inductor_configs={"always_keep_tensor_constants": True,
+                                  "aot_inductor.package_constants_in_so": False,
+                                  "aot_inductor.package_constants_on_disk_format":
+                                      "pickle_weights"})
         seconds = time.perf_counter() - started
         named = dict(net.named_parameters())
         named.update(net.named_buffers())
+        # Every tensor the package reads, by its name there: the network's weights (each
+        # checkpoint gives them) and the graph's own constants (a VP schedule's table, a
+        # condition: `_tensor_constant<N>`), which go into a file beside it.
+        held = _take_out_weights(tmp)
+        constants = {n: t for n, t in held.items() if n not in named}
         cases = [_examples(shape, b, 1 + b, device) for b in (min_batch, min_batch + 1)]
         swap_case = _examples(shape, min_batch, 9, device)
         on_cpu = lambda out: tuple(t.cpu() for t in out)  # noqa: E731
@@ -176,7 +195,11 @@ def compile_contract(net: nn.Module, script: Path, shape, device, *, precision: 
                     t.copy_(saved[n])
         # The package runs in a child process: libtorch's loader is native code, and where it
         # crashes (CUDA packages on torch 2.11, BENCHMARKS.md) the exporter says so instead.
-        fqns, gots, got_swapped = probe_package(tmp, device, cases, swap_case, perturbed)
+        fqns, gots, got_swapped = probe_package(tmp, device, cases, swap_case, perturbed,
+                                                constants={**saved, **constants})
+        if fqns != set(held):
+            raise RuntimeError(f"the package takes {sorted(fqns)}, and Inductor wrote "
+                               f"{sorted(held)} beside it")
         # The graph's weights; any other parameter or buffer (num_batches_tracked) it never reads.
         weights = [n for n in named if n in fqns]
         tol = rtol if precision == "fp32" else BF16_RTOL
@@ -193,6 +216,8 @@ def compile_contract(net: nn.Module, script: Path, shape, device, *, precision: 
             "min_batch": min_batch,
             "max_batch": max_batch,
             "weights": weights,
+            "weights_inside": False,
+            "constants": _write_constants(constants, const_tmp),
             "architecture": script.name,
             "architecture_sha256": _sha256(script),
             "rebuild": rebuild or f"diffmon-export ... --compile (the export of {script.name})",
@@ -200,16 +225,70 @@ def compile_contract(net: nn.Module, script: Path, shape, device, *, precision: 
         }
         side_tmp.write_text(json.dumps(note, indent=1) + "\n")
         os.replace(tmp, out)
+        if constants:
+            os.replace(const_tmp, const_path(out))
+        elif os.path.lexists(const_path(out)):
+            os.unlink(const_path(out))
         os.replace(side_tmp, sidecar_path(out))
     finally:
         net.forward = contract
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
-        for t in (tmp, side_tmp):
+        for t in (tmp, side_tmp, const_tmp, _kernels_tmp(tmp)):
             if t.exists():
                 t.unlink()
     say(f"wrote {out} ({precision}, {device.type}, batch {min_batch}..{max_batch}, "
         f"compiled in {seconds:.0f} s)")
     return out
+
+
+def const_path(package: Path) -> Path:
+    """The file of the graph's own constants beside ``package``: ``model.pt2.constants``."""
+    return Path(str(package) + ".constants")
+
+
+def _take_out_weights(package: Path) -> dict:
+    """Every tensor ``package`` reads, by its name there, taken out of it: Inductor wrote them
+    as pickles beside the shared object (``package_constants_on_disk_format``); the package is
+    rewritten without them, so it holds the kernels only (diffmon gives it each checkpoint's
+    weights, and the constants from their file, before it runs)."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(package) as z:
+        names = z.namelist()
+        configs = [n for n in names if n.endswith("/weights_config.json")]
+        if len(configs) != 1:
+            raise RuntimeError(f"the package {package} has {len(configs)} weights configs, "
+                               "expected 1 (one model)")
+        root = configs[0].split("/data/")[0]
+        held = {}
+        for fqn, (file, shape, stride, offset) in json.loads(z.read(configs[0])).items():
+            blob = torch.load(io.BytesIO(z.read(f"{root}/data/weights/{file}")), weights_only=True)
+            held[fqn] = blob.as_strided(shape, stride, offset).clone()
+        kept = [n for n in names if n not in configs and not n.startswith(f"{root}/data/weights/")]
+        rewritten = _kernels_tmp(package)
+        with zipfile.ZipFile(rewritten, "w", zipfile.ZIP_STORED) as out:
+            for n in kept:
+                out.writestr(z.getinfo(n), z.read(n))
+    os.replace(rewritten, package)
+    return held
+
+
+def _kernels_tmp(package: Path) -> Path:
+    return package.with_name(package.name + ".kernels")
+
+
+def _write_constants(constants: dict, tmp: Path):
+    """Writes the graph's own constants (``torch.save`` of a dict of tensors, which diffmon
+    reads as it reads a checkpoint: no code runs) to ``tmp``, renamed to :func:`const_path` of
+    the package later; returns what the sidecar says of them (the file's SHA-256, each tensor's
+    dtype and shape), or None when the graph has none."""
+    if not constants:
+        return None
+    torch.save({n: t.detach().cpu().contiguous() for n, t in constants.items()}, tmp)
+    return {"sha256": _sha256(tmp),
+            "tensors": {n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                        for n, t in constants.items()}}
 
 
 def _agree(got, want, rtol: float, when: str) -> None:
@@ -223,12 +302,13 @@ def _agree(got, want, rtol: float, when: str) -> None:
 
 
 def probe_package(package: Path, device, cases, swap_case, weights: dict,
-                  child: Optional[list] = None):
-    """Loads ``package`` in a child process and runs it on each of ``cases`` (``(x, sigma)``),
-    then with those of ``weights`` it takes swapped in, on ``swap_case``. Returns the package's
-    weight names, the outputs of each case and the output after the swap (on the CPU). A child
-    that crashes (a signal) or fails is a RuntimeError that says so; ``child`` replaces the
-    child's command (tests)."""
+                  child: Optional[list] = None, constants: Optional[dict] = None):
+    """Loads ``package`` in a child process, gives it ``constants`` (every tensor it reads: it
+    holds none), and runs it on each of ``cases`` (``(x, sigma)``), then with those of
+    ``weights`` it takes swapped in, on ``swap_case``. Returns the package's weight names, the
+    outputs of each case and the output after the swap (on the CPU). A child that crashes (a
+    signal) or fails is a RuntimeError that says so; ``child`` replaces the child's command
+    (tests)."""
     import subprocess
     import sys
     import tempfile
@@ -238,17 +318,26 @@ def probe_package(package: Path, device, cases, swap_case, weights: dict,
         todo, done = Path(d) / "in.pt", Path(d) / "out.pt"
         torch.save({"package": str(package), "device": str(device),
                     "cases": [tuple(map(cpu, c)) for c in cases], "swap_case": tuple(map(cpu, swap_case)),
-                    "weights": {n: cpu(t) for n, t in weights.items()}}, todo)
+                    "weights": {n: cpu(t) for n, t in weights.items()},
+                    "constants": {n: cpu(t) for n, t in (constants or {}).items()}}, todo)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")])))
-        command = child or [sys.executable, "-c",
+        # -X faulthandler: a crash prints the Python frames it happened under (the loader's
+        # call, or the first forward), which the error repeats.
+        command = child or [sys.executable, "-X", "faulthandler", "-c",
                             "import sys; from diffmon.compile import _probe_child; _probe_child(*sys.argv[1:])"]
         p = subprocess.run([*command, str(todo), str(done)], env=env, capture_output=True, text=True)
         if p.returncode != 0:
-            last = (p.stderr.strip().splitlines() or [""])[-1]
+            lines = p.stderr.strip().splitlines()
+            last = (lines or [""])[-1]
             if p.returncode < 0:
                 import signal
                 why = f"crashed ({signal.Signals(-p.returncode).name})"
+                # faulthandler: "Current thread ... (most recent call first):", then the frames.
+                current = [i for i, line in enumerate(lines) if line.startswith("Current thread")]
+                frames = [line.strip() for line in lines[current[-1] + 1:]] if current else []
+                if frames and frames[0].startswith("File "):
+                    why += f" at {frames[0]}"
             else:
                 why = f"failed (exit {p.returncode}: {last})"
             raise RuntimeError(f"libtorch's AOTInductor loader {why} on the package just compiled, "
@@ -268,6 +357,12 @@ def _probe_child(todo: str, done: str) -> None:
     fqns = list(loaded.get_constant_fqns())
     run = lambda c: tuple(t.cpu() for t in loaded(*(t.to(device) for t in c)))  # noqa: E731
     with torch.no_grad():
+        # A package without its weights inside reads memory never written until it has them.
+        missing = [n for n in fqns if n not in job["constants"]]
+        if missing:
+            raise SystemExit(f"no value for the package's constants {missing}")
+        loaded.load_constants({n: t.to(device) for n, t in job["constants"].items() if n in fqns},
+                              check_full_update=True)
         outputs = [run(c) for c in job["cases"]]
         loaded.load_constants({n: t.to(device) for n, t in job["weights"].items() if n in fqns},
                               check_full_update=False)

@@ -54,9 +54,60 @@ def test_a_loader_that_crashes_in_the_probe_is_an_error_that_says_so(tmp_path):
     import sys
 
     case = (torch.zeros(2, 1, 4, 4), torch.ones(2))
-    crash = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
-    with pytest.raises(RuntimeError, match=r"loader crashed \(SIGSEGV\)"):
+    crash = [sys.executable, "-X", "faulthandler", "-c",
+             "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
+    with pytest.raises(RuntimeError, match=r"loader crashed \(SIGSEGV\) at File \"<string>\", "
+                                           r"line 1 in <module> on the package"):
         compiling.probe_package(tmp_path / "m.pt2", "cpu", [case], case, {}, child=crash)
     fail = [sys.executable, "-c", "raise SystemExit('no such package')"]
     with pytest.raises(RuntimeError, match="failed .exit 1: no such package"):
         compiling.probe_package(tmp_path / "m.pt2", "cpu", [case], case, {}, child=fail)
+
+
+def test_the_weights_are_taken_out_of_the_package(tmp_path):
+    """The package Inductor writes with its weights on disk (``pickle_weights``: a pickle a
+    tensor and a ``weights_config.json`` of name, file, shape, stride, offset) is rewritten
+    without them, every other entry unchanged, and the tensors come back by their names in the
+    package (a view of a shared pickle included)."""
+    import io
+    import json
+    import zipfile
+
+    def pickled(t):
+        b = io.BytesIO()
+        torch.save(t, b)
+        return b.getvalue()
+
+    pkg = tmp_path / "m.pt2"
+    whole = torch.arange(12, dtype=torch.float32)
+    config = {"l.weight": ["weight_0", [2, 3], [3, 1], 0],
+              "_tensor_constant0": ["weight_0", [4], [1], 8],
+              "l.bias": ["weight_1", [3], [1], 0]}
+    kernels = b"\x7fELF not really"
+    with zipfile.ZipFile(pkg, "w") as z:
+        z.writestr("m/data/aotinductor/model/x.wrapper.so", kernels)
+        z.writestr("m/data/aotinductor/model/weights_config.json", json.dumps(config))
+        z.writestr("m/data/weights/weight_0", pickled(whole))
+        z.writestr("m/data/weights/weight_1", pickled(torch.ones(3)))
+        z.writestr("m/archive_format", "pt2")
+    held = compiling._take_out_weights(pkg)
+    assert sorted(held) == sorted(config)
+    assert torch.equal(held["l.weight"], whole[:6].reshape(2, 3))
+    assert torch.equal(held["_tensor_constant0"], whole[8:12])
+    assert torch.equal(held["l.bias"], torch.ones(3))
+    with zipfile.ZipFile(pkg) as z:
+        assert z.namelist() == ["m/data/aotinductor/model/x.wrapper.so", "m/archive_format"]
+        assert z.read("m/data/aotinductor/model/x.wrapper.so") == kernels
+    assert [p.name for p in tmp_path.iterdir()] == ["m.pt2"]
+
+
+def test_the_constants_file_is_what_the_sidecar_says(tmp_path):
+    import hashlib
+
+    assert compiling._write_constants({}, tmp_path / "t") is None
+    assert not (tmp_path / "t").exists()
+    table = torch.linspace(0, 1, 5, dtype=torch.float64)
+    note = compiling._write_constants({"_tensor_constant0": table}, tmp_path / "t")
+    assert note == {"sha256": hashlib.sha256((tmp_path / "t").read_bytes()).hexdigest(),
+                    "tensors": {"_tensor_constant0": {"dtype": "float64", "shape": [5]}}}
+    assert torch.equal(torch.load(tmp_path / "t", weights_only=True)["_tensor_constant0"], table)

@@ -313,3 +313,114 @@ fn bad_packages_are_refused_with_the_rebuild_command() {
         );
     }
 }
+
+/// A package that holds no tensor of its own (the exporter takes them out): an epsilon
+/// network's, whose VP schedule table is a constant of the graph. diffmon gives it the
+/// constants file and the architecture's weights before it runs, and each checkpoint's weights
+/// after: fp32 within 1e-5 relative of TorchScript (as above) before and after a checkpoint.
+#[test]
+fn a_package_without_weights_runs_on_its_constants_file_and_each_checkpoint() {
+    let dir = fixture();
+    let side: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("eps.pt2.json")).unwrap()).unwrap();
+    assert_eq!(side["weights_inside"], false);
+    let table = &side["constants"]["tensors"]["_tensor_constant0"];
+    assert_eq!(table["shape"], serde_json::json!([1000]), "{side}");
+    let arch = dir.join("eps.ts");
+    let mut compiled = model(&arch, CompiledSetting::Path(dir.join("eps.pt2")));
+    assert!(compiled.format().starts_with("compiled package"));
+    let mut script = model(&arch, CompiledSetting::Off);
+    let ckpt = dir.join("ckpt_eps.pt");
+    let (x, sigma) = draws(5);
+    let (before, _) = compiled.forward(&x, &sigma).unwrap();
+    for checkpoint in [None, Some(&ckpt)] {
+        if let Some(c) = checkpoint {
+            compiled.load_weights(c, &ReadOptions::default()).unwrap();
+            script.load_weights(c, &ReadOptions::default()).unwrap();
+        }
+        let (d, f) = compiled.forward(&x, &sigma).unwrap();
+        let (d_ts, f_ts) = script.forward(&x, &sigma).unwrap();
+        let (rd, rf) = (rel(&d, &d_ts), rel(&f, &f_ts));
+        eprintln!("eps package vs TorchScript ({checkpoint:?}): {rd:e}, {rf:e}");
+        assert!(rd <= 1e-5 && rf <= 1e-5, "{checkpoint:?}: {rd:e} {rf:e}");
+    }
+    let (after, _) = compiled.forward(&x, &sigma).unwrap();
+    assert!(
+        rel(&before, &after) > 1e-3,
+        "the checkpoint changed nothing"
+    );
+}
+
+/// The constants file is trusted like the package and bound to its sidecar: missing, changed,
+/// writable by others, or a constant the sidecar leaves out is a refusal naming the file (an
+/// error under a path, TorchScript with a warning under `auto`), never a package that reads
+/// memory nothing wrote.
+#[test]
+fn a_bad_constants_file_is_refused() {
+    type Spoil<'a> = (&'a str, &'a dyn Fn(&Path), &'a str);
+    let spoils: [Spoil; 4] = [
+        (
+            "missing",
+            &|pkg| std::fs::remove_file(compiled::constants_path(pkg)).unwrap(),
+            "cannot read it",
+        ),
+        (
+            "changed",
+            &|pkg| {
+                let path = compiled::constants_path(pkg);
+                let mut bytes = std::fs::read(&path).unwrap();
+                let n = bytes.len();
+                bytes[n / 2] ^= 1;
+                std::fs::write(&path, bytes).unwrap();
+            },
+            "not the file its sidecar was written with",
+        ),
+        (
+            "writable",
+            &|pkg| {
+                let path = compiled::constants_path(pkg);
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o664)).unwrap()
+            },
+            "writable by its group",
+        ),
+        (
+            "unnamed",
+            &|pkg| {
+                let side = compiled::sidecar_path(pkg);
+                let mut v: Value =
+                    serde_json::from_str(&std::fs::read_to_string(&side).unwrap()).unwrap();
+                v["constants"]["tensors"] = serde_json::json!({});
+                std::fs::write(&side, v.to_string()).unwrap();
+            },
+            "neither its weights nor its constants file give",
+        ),
+    ];
+    for (name, spoil, says) in spoils {
+        let tmp = tempfile::tempdir().unwrap();
+        let (arch, pkg) = (tmp.path().join("eps.ts"), tmp.path().join("eps.pt2"));
+        for (from, to) in [
+            ("eps.ts", arch.clone()),
+            ("eps.pt2", pkg.clone()),
+            ("eps.pt2.json", compiled::sidecar_path(&pkg)),
+            ("eps.pt2.constants", compiled::constants_path(&pkg)),
+        ] {
+            std::fs::copy(fixture().join(from), to).unwrap();
+        }
+        spoil(&pkg);
+        let mut m = Model::load(&arch, Device::Cpu).unwrap();
+        m.set_precision(Precision::Fp32);
+        let err = m
+            .use_compiled(&CompiledSetting::Path(pkg.clone()))
+            .err()
+            .unwrap_or_else(|| panic!("{name}: loaded"))
+            .to_string();
+        assert!(err.contains(says), "{name}: {err}");
+        assert!(err.contains(&pkg.display().to_string()), "{name}: {err}");
+        assert!(err.contains("compiled_fixture.py"), "{name}: {err}");
+        let format = m.use_compiled(&CompiledSetting::Auto).unwrap().to_string();
+        assert!(
+            format.starts_with("TorchScript (model.compiled: auto;") && format.contains(says),
+            "{name}: {format}"
+        );
+    }
+}

@@ -84,11 +84,39 @@ pub struct Sidecar {
     pub max_batch: i64,
     /// The weights the package takes, by their names in the architecture.
     pub weights: Vec<String>,
+    /// Whether the package's shared object holds its weights (packages before the kernels-only
+    /// ones): `false`, it reads memory never written until it is given every tensor it takes,
+    /// so it is loaded only where the weights and the constants file give them all.
+    #[serde(default = "yes")]
+    pub weights_inside: bool,
+    /// The graph's own constants (a VP schedule's table, a condition), in the file beside the
+    /// package ([`constants_path`]), where the package does not hold them.
+    #[serde(default)]
+    pub constants: Option<Constants>,
     #[serde(default)]
     pub architecture_sha256: String,
     /// The command that rebuilds it.
     #[serde(default)]
     pub rebuild: String,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// What the sidecar says of the constants file: its SHA-256 and each tensor's dtype and shape
+/// (by its name in the package), which the reader checks before it reads a byte.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Constants {
+    pub sha256: String,
+    pub tensors: std::collections::BTreeMap<String, ConstantSpec>,
+}
+
+/// One constant's dtype (torch's name: `float64`) and shape.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ConstantSpec {
+    pub dtype: String,
+    pub shape: Vec<u64>,
 }
 
 /// Why a package is not used: what is wrong with it, and how to rebuild it.
@@ -124,6 +152,13 @@ pub fn beside(architecture: &Path) -> PathBuf {
 pub fn sidecar_path(package: &Path) -> PathBuf {
     let mut s = package.as_os_str().to_owned();
     s.push(".json");
+    PathBuf::from(s)
+}
+
+/// The graph's constants beside `package`: `model.pt2.constants`.
+pub fn constants_path(package: &Path) -> PathBuf {
+    let mut s = package.as_os_str().to_owned();
+    s.push(".constants");
     PathBuf::from(s)
 }
 
@@ -329,6 +364,25 @@ pub fn vet(
             rebuild,
         ));
     }
+    if let Some(constants) = &side.constants {
+        // Its tensors go where the package's kernels read: trusted like the package, and the
+        // very file the sidecar was written with.
+        let path = constants_path(package);
+        check_trust(&path)
+            .and_then(|()| {
+                let sha = sha256_of(&path).map_err(|e| format!("cannot read it: {e}"))?;
+                (sha == constants.sha256).then_some(()).ok_or_else(|| {
+                    "it is not the file its sidecar was written with (its SHA-256 differs)"
+                        .to_string()
+                })
+            })
+            .map_err(|r| {
+                refuse(
+                    format!("its constants file {}: {r}", path.display()),
+                    rebuild,
+                )
+            })?;
+    }
     Ok(side)
 }
 
@@ -396,6 +450,14 @@ pub fn decide(
             fell_back: true,
         }),
     }
+}
+
+/// The dtype of torch's name (`float32`).
+fn dtype_named(name: &str) -> Option<crate::weights::DType> {
+    use crate::weights::DType::*;
+    [Bool, U8, I8, I16, I32, I64, F16, BF16, F32, F64]
+        .into_iter()
+        .find(|d| d.name() == name)
 }
 
 unsafe extern "C" fn collect_name(data: *mut c_void, name: *const c_char) {
@@ -475,9 +537,79 @@ impl Package {
         }
         // Its other constants (tensors the forward creates, a VP schedule's table, which
         // torch.export lifts as `_tensor_constant<N>`) are no checkpoint's: they keep their
-        // compiled values.
+        // compiled values, or, where the package holds none, come from the constants file
+        // before anything runs.
+        if !package.sidecar.weights_inside {
+            let given = |n: &String| {
+                package.sidecar.weights.contains(n)
+                    || package
+                        .sidecar
+                        .constants
+                        .as_ref()
+                        .is_some_and(|c| c.tensors.contains_key(n))
+            };
+            if let Some(n) = names.iter().find(|n| !given(n)) {
+                return Err(refuse(format!(
+                    "it takes `{n}`, which neither its weights nor its constants file give \
+                     (it holds no tensor of its own)"
+                )));
+            }
+            package.load_constants(device).map_err(refuse)?;
+        }
         package.names = package.sidecar.weights.clone();
         Ok(package)
+    }
+
+    /// Reads the constants file (bounded: the names, dtypes and shapes the sidecar gives,
+    /// checked before a byte is read) and copies its tensors into the package on `device`.
+    fn load_constants(&self, device: Device) -> Result<(), String> {
+        let Some(constants) = &self.sidecar.constants else {
+            return Ok(());
+        };
+        let path = constants_path(&self.path);
+        let what = |e: String| format!("its constants file {}: {e}", path.display());
+        let mut specs = Vec::with_capacity(constants.tensors.len());
+        for (name, spec) in &constants.tensors {
+            let dtype = dtype_named(&spec.dtype)
+                .ok_or_else(|| what(format!("`{name}` has the unknown dtype `{}`", spec.dtype)))?;
+            specs.push((name.clone(), spec.shape.clone(), dtype));
+        }
+        let expected = crate::weights::Expected::new(
+            specs
+                .iter()
+                .map(|(n, shape, d)| (n.clone(), shape.clone(), d.size() as u64)),
+            0,
+        );
+        let opts = crate::weights::ReadOptions {
+            max_total_bytes: Some(expected.bytes()),
+            expected: Some(std::sync::Arc::new(expected)),
+            ..Default::default()
+        };
+        let read =
+            crate::weights::read_checkpoint(&path, &opts).map_err(|e| what(e.to_string()))?;
+        let mut tensors = Vec::with_capacity(specs.len());
+        for (name, _, dtype) in &specs {
+            let raw = read
+                .get(name)
+                .ok_or_else(|| what(format!("it lacks `{name}`")))?;
+            if raw.dtype != *dtype {
+                return Err(what(format!(
+                    "`{name}` is {}, its sidecar says {dtype}",
+                    raw.dtype
+                )));
+            }
+            tensors.push((name.as_str(), super::raw_view(raw).to_device(device)));
+        }
+        if read.len() != specs.len() {
+            return Err(what(format!(
+                "it holds {} tensors, its sidecar names {}",
+                read.len(),
+                specs.len()
+            )));
+        }
+        let refs: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
+        self.load_weights(&refs)
+            .map_err(|e| what(format!("its tensors cannot be given to the package: {e}")))
     }
 
     /// Copies `weights` (name, tensor on the package's device) into the package's weights.
