@@ -83,6 +83,32 @@ int dm_module_named_tensors(void *module, void *data, dm_named_tensor_cb cb, cha
       });
 }
 
+// Puts every 4-dimensional floating-point parameter and buffer of the module in the
+// channels-last layout (`on`) or back in the contiguous one, in place (`set_data`: the tensors
+// `dm_module_named_tensors` gave alias the same storage afterwards). Returns how many changed
+// layout (-1 on error).
+int dm_module_channels_last(void *module, int on, char **err) {
+  return guarded<int>(err, -1, [&]() -> int {
+        auto *m = static_cast<torch::jit::Module *>(module);
+        torch::NoGradGuard no_grad;
+        const auto format = on != 0 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+        int changed = 0;
+        auto convert = [&](at::Tensor t) {
+          if (t.dim() == 4 && t.is_floating_point() && !t.is_contiguous(format)) {
+            t.set_data(t.contiguous(format));
+            changed++;
+          }
+        };
+        for (const auto &p : m->named_parameters(/*recurse=*/true)) {
+          convert(p.value);
+        }
+        for (const auto &b : m->named_buffers(/*recurse=*/true)) {
+          convert(b.value);
+        }
+        return changed;
+      });
+}
+
 // Turns bfloat16 autocast on for `device` (this thread's dispatch state) while it lives, and
 // restores what was there before.
 class Bf16Autocast {
@@ -115,12 +141,17 @@ class Bf16Autocast {
 
 // forward(x, sigma) must return a tuple (denoised, features) of two tensors. With `bf16`, the
 // forward runs under bfloat16 autocast on x's device, and both outputs come back as float32.
+// With `channels_last`, x goes in in the channels-last layout, and both outputs come back
+// contiguous.
 int dm_module_forward(void *module, torch::Tensor *x, torch::Tensor *sigma, int bf16,
-                      torch::Tensor **denoised, torch::Tensor **features, char **err) {
+                      int channels_last, torch::Tensor **denoised, torch::Tensor **features,
+                      char **err) {
   return guarded<int>(err, -1, [&]() -> int {
         auto *m = static_cast<torch::jit::Module *>(module);
         torch::NoGradGuard no_grad;
-        std::vector<torch::jit::IValue> inputs{*x, *sigma};
+        const bool nhwc = channels_last != 0 && x->dim() == 4;
+        std::vector<torch::jit::IValue> inputs{
+            nhwc ? x->contiguous(at::MemoryFormat::ChannelsLast) : *x, *sigma};
         torch::jit::IValue out;
         {
           Bf16Autocast autocast(x->device().type(), bf16 != 0);
@@ -142,7 +173,8 @@ int dm_module_forward(void *module, torch::Tensor *x, torch::Tensor *sigma, int 
           return -1;
         }
         auto as_float = [&](const torch::Tensor &t) {
-          return bf16 != 0 && t.scalar_type() == at::kBFloat16 ? t.to(at::kFloat) : t;
+          auto out = bf16 != 0 && t.scalar_type() == at::kBFloat16 ? t.to(at::kFloat) : t;
+          return nhwc ? out.contiguous() : out;
         };
         *denoised = new torch::Tensor(as_float(elements[0].toTensor()));
         *features = new torch::Tensor(as_float(elements[1].toTensor()));

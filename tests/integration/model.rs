@@ -205,3 +205,68 @@ torch.jit.script(Wrong()).save({wrong:?})
     let info = ok.check_contract(&[1, 16, 16]).unwrap();
     assert!(info.feature_dim > 0);
 }
+
+/// On the CPU the network runs in the channels-last layout (its 4-dimensional weights and its
+/// input; the outputs come back contiguous): oneDNN's convolutions are faster so
+/// (docs/guide/cost-and-gpu.md). A network whose code needs contiguous memory (a `view` of a
+/// convolution's output) fails there once, goes back to the contiguous layout for good and gives
+/// PyTorch's own output, then and at every later call; checkpoints load into either.
+#[test]
+fn a_network_that_needs_contiguous_memory_goes_back_to_the_contiguous_layout() {
+    let toy = arch();
+    // A convolution of several input channels and a 3×3 kernel (one input channel is both
+    // layouts at once).
+    let (name, _) = toy
+        .state_shapes()
+        .into_iter()
+        .find(|(_, s)| s.len() == 4 && s[1] > 1 && s[2] > 1)
+        .unwrap();
+    assert!(
+        !toy.tensor(&name).unwrap().is_contiguous(),
+        "the toy's {name} is not in the channels-last layout"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let (net, reference) = (dir.path().join("flat.ts"), dir.path().join("flat.h5"));
+    let script = dir.path().join("make.py");
+    std::fs::write(
+        &script,
+        format!(
+            r#"
+import h5py, torch
+class Flat(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
+    def forward(self, x, sigma):
+        h = self.conv(x)
+        return x - sigma.view(-1, 1, 1, 1) * h[:, :2], h.view(h.shape[0], -1)
+torch.manual_seed(0)
+net = torch.jit.script(Flat().eval())
+net.save({net:?})
+x, sigma = torch.randn(3, 2, 8, 8), torch.rand(3)
+with torch.no_grad():
+    d, f = net(x, sigma)
+    try:
+        net(x.contiguous(memory_format=torch.channels_last), sigma)
+        raise SystemExit("the view ran in the channels-last layout: the test shows nothing")
+    except RuntimeError:
+        pass
+with h5py.File({reference:?}, "w") as h:
+    h["x"], h["sigma"], h["denoised"], h["features"] = x.numpy(), sigma.numpy(), d.numpy(), f.numpy()
+"#
+        ),
+    )
+    .unwrap();
+    run_python(&[script.to_str().unwrap()]);
+    let model = Model::load(&net, Device::Cpu).unwrap();
+    let x = h5_tensor(&reference, "x");
+    let sigma = h5_tensor(&reference, "sigma");
+    for call in 0..2 {
+        let (d, f) = model.forward(&x, &sigma).unwrap();
+        for (got, want) in [(&d, "denoised"), (&f, "features")] {
+            let diff = max_abs_diff(got, &h5_tensor(&reference, want));
+            assert!(diff <= 1e-6, "call {call}: {want} differs by {diff}");
+        }
+    }
+    assert!(model.tensor("conv.weight").unwrap().is_contiguous());
+}

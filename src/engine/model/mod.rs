@@ -84,6 +84,18 @@ impl Model {
         let note = checked_note(path)?;
         let module = Module::load(path, device)?;
         check_pins(path, &module.device_constants()?, device)?;
+        if device == Device::Cpu {
+            // Not on a GPU: there it did not pay (BENCHMARKS.md, "GPU").
+            let changed = module
+                .use_channels_last()
+                .map_err(|message| ModelError::Load {
+                    path: path.to_path_buf(),
+                    message: format!(
+                        "its weights cannot be put in the channels-last layout: {message}"
+                    ),
+                })?;
+            tracing::debug!(architecture = %path.display(), weights = changed, "channels-last layout");
+        }
         let (tensors, params) = module.named_tensors()?;
         let index: HashMap<String, usize> = tensors
             .iter()
@@ -185,8 +197,11 @@ impl Model {
                     self.path().display()
                 ));
             };
-            weights.push((name.as_str(), &self.tensors[i].1));
+            // Contiguous: the package copies the bytes it is given with their strides, and its
+            // kernels read the layout they were compiled for.
+            weights.push((name.as_str(), self.tensors[i].1.contiguous()));
         }
+        let weights: Vec<(&str, &Tensor)> = weights.iter().map(|(n, t)| (*n, t)).collect();
         package
             .load_weights(&weights)
             .map_err(|e| format!("its weights cannot be replaced: {e}"))
