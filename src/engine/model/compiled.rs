@@ -365,25 +365,26 @@ pub fn vet(
         ));
     }
     if let Some(constants) = &side.constants {
-        // Its tensors go where the package's kernels read: trusted like the package, and the
-        // very file the sidecar was written with.
         let path = constants_path(package);
-        check_trust(&path)
-            .and_then(|()| {
-                let sha = sha256_of(&path).map_err(|e| format!("cannot read it: {e}"))?;
-                (sha == constants.sha256).then_some(()).ok_or_else(|| {
-                    "it is not the file its sidecar was written with (its SHA-256 differs)"
-                        .to_string()
-                })
-            })
-            .map_err(|r| {
-                refuse(
-                    format!("its constants file {}: {r}", path.display()),
-                    rebuild,
-                )
-            })?;
+        check_constants(&path, &constants.sha256).map_err(|r| {
+            refuse(
+                format!("its constants file {}: {r}", path.display()),
+                rebuild,
+            )
+        })?;
     }
     Ok(side)
+}
+
+/// The constants file's tensors go where the package's kernels read: it is trusted like the
+/// package ([`check_trust`]), and only the very file its sidecar was written with is read.
+fn check_constants(path: &Path, sha256: &str) -> Result<(), String> {
+    check_trust(path)?;
+    let sha = sha256_of(path).map_err(|e| format!("cannot read it: {e}"))?;
+    if sha != sha256 {
+        return Err("it is not the file its sidecar was written with (its SHA-256 differs)".into());
+    }
+    Ok(())
 }
 
 /// What `model.compiled` gives on this machine, before anything is loaded.
