@@ -599,7 +599,7 @@ impl Package {
                     raw.dtype
                 )));
             }
-            tensors.push((name.as_str(), super::raw_view(raw).to_device(device)));
+            tensors.push((name.as_str(), super::raw::view(raw).to_device(device)));
         }
         if read.len() != specs.len() {
             return Err(what(format!(

@@ -16,6 +16,7 @@ mod error;
 mod gpu;
 mod module;
 mod note;
+mod raw;
 
 pub use device::{check_pins, pinned_devices, pins_problem, select_device};
 pub use error::ModelError;
@@ -24,7 +25,7 @@ pub use module::PinnedDevice;
 pub use note::{Condition, ExportNote, Family, FlowPath, NOTE_VERSION, NetworkNote, export_note};
 
 use crate::config::{CompiledSetting, Precision};
-use crate::weights::{self, DType, Naming, RawTensor, ReadOptions};
+use crate::weights::{self, Naming, RawTensor, ReadOptions};
 use module::{ForwardFailure, Module, set_tf32};
 use note::{checked_note, non_persistent_buffers};
 use std::collections::HashMap;
@@ -600,7 +601,7 @@ impl Model {
         };
         tch::no_grad(|| {
             for (i, raw) in targets {
-                let src = raw_view(raw);
+                let src = raw::view(raw);
                 self.tensors[i].1.copy_(&src);
             }
         });
@@ -728,41 +729,6 @@ impl Model {
 
 fn shape_of(raw: &RawTensor) -> Vec<i64> {
     raw.shape.iter().map(|&d| d as i64).collect()
-}
-
-fn kind_of(dtype: DType) -> Kind {
-    match dtype {
-        DType::Bool => Kind::Bool,
-        DType::U8 => Kind::Uint8,
-        DType::I8 => Kind::Int8,
-        DType::I16 => Kind::Int16,
-        DType::I32 => Kind::Int,
-        DType::I64 => Kind::Int64,
-        DType::F16 => Kind::Half,
-        DType::BF16 => Kind::BFloat16,
-        DType::F32 => Kind::Float,
-        DType::F64 => Kind::Double,
-    }
-}
-
-/// A CPU tensor viewing the raw bytes without copying them; valid while `raw` lives.
-fn raw_view(raw: &RawTensor) -> Tensor {
-    let shape: Vec<i64> = raw.shape.iter().map(|&d| d as i64).collect();
-    let mut strides = vec![1i64; shape.len()];
-    for i in (0..shape.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1] * shape[i + 1].max(1);
-    }
-    // SAFETY: `read_checkpoint` guarantees `data` holds exactly numel × element size bytes in
-    // row-major order; the view is only read (copied from) while `raw` is borrowed.
-    unsafe {
-        Tensor::from_blob(
-            raw.data.as_ptr(),
-            &shape,
-            &strides,
-            kind_of(raw.dtype),
-            Device::Cpu,
-        )
-    }
 }
 
 /// The last non-empty line of an error message (a TorchScript traceback ends with the reason).
