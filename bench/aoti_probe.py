@@ -125,9 +125,7 @@ def run_child(package: Path, device: str) -> dict:
     if p.returncode < 0:
         import signal
 
-        lines = p.stderr.strip().splitlines()
-        current = [i for i, line in enumerate(lines) if line.startswith("Current thread")]
-        frame = lines[current[-1] + 1].strip() if current and current[-1] + 1 < len(lines) else ""
+        frame = compiling.crash_frame(p.stderr)
         row["crashed"] = f"{signal.Signals(-p.returncode).name} after '{out[-1] if out else ''}'" \
                          + (f" at {frame}" if frame else "")
     elif p.returncode != 0:

@@ -328,16 +328,13 @@ def probe_package(package: Path, device, cases, swap_case, weights: dict,
                             "import sys; from diffmon.compile import _probe_child; _probe_child(*sys.argv[1:])"]
         p = subprocess.run([*command, str(todo), str(done)], env=env, capture_output=True, text=True)
         if p.returncode != 0:
-            lines = p.stderr.strip().splitlines()
-            last = (lines or [""])[-1]
+            last = (p.stderr.strip().splitlines() or [""])[-1]
             if p.returncode < 0:
                 import signal
                 why = f"crashed ({signal.Signals(-p.returncode).name})"
-                # faulthandler: "Current thread ... (most recent call first):", then the frames.
-                current = [i for i, line in enumerate(lines) if line.startswith("Current thread")]
-                frames = [line.strip() for line in lines[current[-1] + 1:]] if current else []
-                if frames and frames[0].startswith("File "):
-                    why += f" at {frames[0]}"
+                frame = crash_frame(p.stderr)
+                if frame:
+                    why += f" at {frame}"
             else:
                 why = f"failed (exit {p.returncode}: {last})"
             raise RuntimeError(f"libtorch's AOTInductor loader {why} on the package just compiled, "
@@ -345,6 +342,15 @@ def probe_package(package: Path, device, cases, swap_case, weights: dict,
                                "(BENCHMARKS.md, \"The compiled network\")")
         out = torch.load(done, weights_only=True)
     return set(out["fqns"]), out["outputs"], out["swapped"]
+
+
+def crash_frame(stderr: str) -> str:
+    """The innermost Python frame faulthandler printed for the crashing thread ("Current thread
+    ... (most recent call first):", then the frames), or "" where it printed none."""
+    lines = stderr.strip().splitlines()
+    current = [i for i, line in enumerate(lines) if line.startswith("Current thread")]
+    frames = [line.strip() for line in lines[current[-1] + 1:]] if current else []
+    return frames[0] if frames and frames[0].startswith("File ") else ""
 
 
 def _probe_child(todo: str, done: str) -> None:

@@ -30,6 +30,14 @@ impl DType {
         }
     }
 
+    /// The dtype of a torch name ([`DType::name`]'s inverse).
+    pub fn from_name(name: &str) -> Option<DType> {
+        use DType::*;
+        [Bool, U8, I8, I16, I32, I64, F16, BF16, F32, F64]
+            .into_iter()
+            .find(|d| d.name() == name)
+    }
+
     /// The torch name (`float32`, `bfloat16`, ...).
     pub fn name(self) -> &'static str {
         match self {

@@ -453,14 +453,6 @@ pub fn decide(
     }
 }
 
-/// The dtype of torch's name (`float32`).
-fn dtype_named(name: &str) -> Option<crate::weights::DType> {
-    use crate::weights::DType::*;
-    [Bool, U8, I8, I16, I32, I64, F16, BF16, F32, F64]
-        .into_iter()
-        .find(|d| d.name() == name)
-}
-
 unsafe extern "C" fn collect_name(data: *mut c_void, name: *const c_char) {
     let out = unsafe { &mut *(data as *mut Vec<String>) };
     out.push(
@@ -571,7 +563,7 @@ impl Package {
         let what = |e: String| format!("its constants file {}: {e}", path.display());
         let mut specs = Vec::with_capacity(constants.tensors.len());
         for (name, spec) in &constants.tensors {
-            let dtype = dtype_named(&spec.dtype)
+            let dtype = crate::weights::DType::from_name(&spec.dtype)
                 .ok_or_else(|| what(format!("`{name}` has the unknown dtype `{}`", spec.dtype)))?;
             specs.push((name.clone(), spec.shape.clone(), dtype));
         }
