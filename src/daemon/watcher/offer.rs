@@ -47,6 +47,10 @@ pub(super) struct Candidate {
     /// When size and mtime were last seen to change.
     pub(super) changed_at: Instant,
     pub(super) renamed_into_place: bool,
+    /// Settled, and its structure checked since and found not valid (not yet written whole,
+    /// or corrupt): it waits for the give-up time to be recorded as a failure, holding
+    /// nothing back.
+    pub(super) found_invalid: bool,
 }
 
 pub struct Watcher {
@@ -241,20 +245,20 @@ impl Watcher {
 
     /// The item to offer the evaluator now. With `all`, checkpoints go in step order: the
     /// detector reads the curve in evaluation order, so one renamed into place must not overtake
-    /// an older one that is still settling (as every file found after a restart is). A file that
-    /// has settled but is not a valid container only waits to be recorded as a failure, which
-    /// the detector never sees: it holds nothing back.
+    /// an older one that is still settling (as every file found after a restart is), nor one
+    /// that has settled since the last scan and waits for that scan's structure check. A file
+    /// found not valid once settled only waits to be recorded as a failure, which the detector
+    /// never sees, and one that cannot be read now may stay so: neither holds anything back.
     pub(super) fn next(&self) -> Option<WorkItem> {
         match self.config.backlog {
             Backlog::All => {
                 let first = self.ready.values().next()?;
-                let settle = self.settle();
-                let older_settling = self.candidates.iter().any(|(p, c)| {
-                    !c.renamed_into_place
-                        && c.changed_at.elapsed() < settle
+                let older_pending = self.candidates.iter().any(|(p, c)| {
+                    !c.found_invalid
+                        && !self.unreadable.contains(p)
                         && self.step(p).is_some_and(|s| s < first.step)
                 });
-                (!older_settling).then(|| first.clone())
+                (!older_pending).then(|| first.clone())
             }
             Backlog::Latest => self.ready.values().next_back().cloned(),
         }

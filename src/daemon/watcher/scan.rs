@@ -211,12 +211,14 @@ impl Watcher {
                 mtime_ns: key.mtime_ns,
                 changed_at: now,
                 renamed_into_place: false,
+                found_invalid: false,
             });
             if (c.size, c.mtime_ns) != (key.size, key.mtime_ns) {
                 c.size = key.size;
                 c.mtime_ns = key.mtime_ns;
                 c.changed_at = now;
                 c.renamed_into_place = false;
+                c.found_invalid = false;
             }
         }
         self.note_ignored(ignored);
@@ -280,6 +282,9 @@ impl Watcher {
             }
             let valid = checked.is_ok();
             if !valid && !c.renamed_into_place && stable_for < give_up {
+                if let Some(c) = self.candidates.get_mut(&path) {
+                    c.found_invalid = true;
+                }
                 continue;
             }
             let key = CheckpointKey {
@@ -432,6 +437,7 @@ impl Watcher {
                     mtime_ns: key.mtime_ns,
                     changed_at: Instant::now(),
                     renamed_into_place: true,
+                    found_invalid: false,
                 },
             );
         }
