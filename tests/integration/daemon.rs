@@ -10,7 +10,35 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// A port nothing listens on, never handed out before in this process, and below the kernel's
+/// ephemeral range: a daemon restarted on its port (a kill test) must find it free, and in the
+/// ephemeral range another test's outgoing connection may take it as its source port meanwhile
+/// (CI once failed so, `Address already in use`). Falls back to the kernel's choice where the
+/// ephemeral range leaves too little below it.
 pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 10_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let ephemeral_low: u32 = fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768);
+    let span = ephemeral_low.saturating_sub(FIRST);
+    if span >= 1_000 {
+        // Start at a place of this process's own, so that two test processes rarely meet.
+        let _ = NEXT.compare_exchange(
+            0,
+            std::process::id() % span,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+        for _ in 0..span {
+            let port = FIRST + NEXT.fetch_add(1, Ordering::Relaxed) % span;
+            if TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+                return port as u16;
+            }
+        }
+    }
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
