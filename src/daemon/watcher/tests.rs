@@ -18,6 +18,15 @@ fn config(backlog: Backlog) -> CheckpointsConfig {
     }
 }
 
+/// A watcher of `dir` with nothing evaluated yet, files settling for `settle_ms`.
+fn watcher(dir: &Path, backlog: Backlog, settle_ms: u64) -> Watcher {
+    let cfg = CheckpointsConfig {
+        settle: Duration::from_millis(settle_ms),
+        ..config(backlog)
+    };
+    Watcher::new(dir, &cfg, HashSet::new(), Arc::new(Metrics::new("t")))
+}
+
 /// Steps of everything the watcher offers now, each taken as the evaluator would.
 fn take_all(w: &mut Watcher) -> Vec<i64> {
     let mut steps = Vec::new();
@@ -230,12 +239,7 @@ fn its_own_scans_do_not_wake_it_but_a_renamed_checkpoint_does() {
     // Real inotify: a scan opens the folder, which notifies an access. Were that taken as a
     // change, every scan would trigger the next and an idle daemon would spin.
     let dir = tempfile::tempdir().unwrap();
-    let mut w = Watcher::new(
-        dir.path(),
-        &config(Backlog::All),
-        HashSet::new(),
-        Arc::new(Metrics::new("t")),
-    );
+    let mut w = watcher(dir.path(), Backlog::All, 0);
     let (tx, rx) = crossbeam_channel::unbounded();
     let _notifier = w.start_notifications(tx).expect("inotify");
     let drain = |rx: &Receiver<notify::Result<notify::Event>>| {
@@ -269,16 +273,7 @@ fn a_renamed_checkpoint_waits_for_an_older_one_still_settling() {
     // is complete at once, but is offered only after ckpt_1.
     let dir = tempfile::tempdir().unwrap();
     write_checkpoint(&dir.path().join("ckpt_1.pt"));
-    let cfg = CheckpointsConfig {
-        settle: Duration::from_millis(300),
-        ..config(Backlog::All)
-    };
-    let mut w = Watcher::new(
-        dir.path(),
-        &cfg,
-        HashSet::new(),
-        Arc::new(Metrics::new("t")),
-    );
+    let mut w = watcher(dir.path(), Backlog::All, 300);
     w.scan();
     let renamed = dir.path().join("ckpt_2.pt");
     write_checkpoint(&renamed);
@@ -303,16 +298,7 @@ fn an_older_file_found_not_valid_once_settled_holds_nothing_back() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("ckpt_1.pt"), b"not yet a checkpoint").unwrap();
     write_checkpoint(&dir.path().join("ckpt_2.pt"));
-    let cfg = CheckpointsConfig {
-        settle: Duration::from_millis(100),
-        ..config(Backlog::All)
-    };
-    let mut w = Watcher::new(
-        dir.path(),
-        &cfg,
-        HashSet::new(),
-        Arc::new(Metrics::new("t")),
-    );
+    let mut w = watcher(dir.path(), Backlog::All, 100);
     w.scan();
     std::thread::sleep(Duration::from_millis(150));
     w.scan();
@@ -333,12 +319,7 @@ fn a_corrupt_file_renamed_into_place_is_handed_over_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ckpt_9.pt");
     std::fs::write(&path, b"not a checkpoint").unwrap();
-    let mut w = Watcher::new(
-        dir.path(),
-        &config(Backlog::All),
-        HashSet::new(),
-        Arc::new(Metrics::new("t")),
-    );
+    let mut w = watcher(dir.path(), Backlog::All, 0);
     w.renamed(&path);
     w.scan();
     assert_eq!(w.next().map(|i| i.step), Some(9));
@@ -349,16 +330,7 @@ fn a_growing_file_is_not_ready_until_it_settles() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ckpt_5.pt");
     write_checkpoint(&path);
-    let cfg = CheckpointsConfig {
-        settle: Duration::from_millis(300),
-        ..config(Backlog::All)
-    };
-    let mut w = Watcher::new(
-        dir.path(),
-        &cfg,
-        HashSet::new(),
-        Arc::new(Metrics::new("t")),
-    );
+    let mut w = watcher(dir.path(), Backlog::All, 300);
     w.scan();
     assert!(w.next().is_none(), "ready before settling");
     std::thread::sleep(Duration::from_millis(350));
@@ -373,12 +345,7 @@ fn files_without_a_step_are_skipped_without_opening_them() {
         write_checkpoint(&dir.path().join(name));
     }
     write_checkpoint(&dir.path().join("ckpt_3.pt"));
-    let mut w = Watcher::new(
-        dir.path(),
-        &config(Backlog::All),
-        HashSet::new(),
-        Arc::new(Metrics::new("t")),
-    );
+    let mut w = watcher(dir.path(), Backlog::All, 0);
     for _ in 0..5 {
         w.scan();
     }
@@ -401,12 +368,7 @@ fn a_fifo_named_like_a_checkpoint_is_skipped_and_never_opened() {
     // A link to the FIFO as well.
     std::os::unix::fs::symlink(&fifo, dir.path().join("ckpt_2.pt")).unwrap();
     write_checkpoint(&dir.path().join("ckpt_3.pt"));
-    let mut w = Watcher::new(
-        dir.path(),
-        &config(Backlog::All),
-        HashSet::new(),
-        Arc::new(Metrics::new("t")),
-    );
+    let mut w = watcher(dir.path(), Backlog::All, 0);
     // Renamed into place (as a notification would say) changes nothing.
     w.renamed(&fifo);
     for _ in 0..3 {
