@@ -4,6 +4,9 @@
 //! stages in `daemon`, the checkpoint readers in `weights`, the files it keeps and how it touches
 //! run folders in `store` (ARCHITECTURE.md, "Modules").
 
+#[macro_use]
+mod labels;
+
 pub mod alerts;
 pub mod cli;
 pub mod config;

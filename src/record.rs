@@ -80,53 +80,40 @@ pub struct SweepPoint {
     pub stderr: Option<f64>,
 }
 
-/// Why a checkpoint could not be evaluated (docs/design.md §16): the journal's `reason` and the
-/// `reason` label of `diffmon_checkpoint_failures_total`. [`FailureReason::as_str`] is the one
-/// spelling of each; other tools read these strings, so they never change.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum FailureReason {
-    /// The weights cannot be read or loaded into the architecture.
-    Unreadable,
-    /// The weights do not fit the architecture (names, shapes).
-    Mismatch,
-    /// A metric came out NaN or infinite.
-    NonFinite,
-    /// The checkpoint was deleted or rewritten while it was evaluated.
-    Vanished,
-    /// The checkpoint was deleted before its turn (the training job's rotation), unpinned.
-    Rotated,
-    /// Anything else.
-    Error,
-    /// The process died (a fatal signal) while evaluating it; recorded after the restart.
-    Crashed,
-    /// Its Slurm job failed (a non-zero exit of the job script outside `diffmon eval`, a node
-    /// failure, out of memory) after every retry.
-    JobFailed,
-    /// Its Slurm job ran past its time limit, after every retry.
-    JobTimeout,
-    /// Its Slurm job was cancelled or preempted, after every retry.
-    JobCancelled,
-    /// Its Slurm job left the queue without a result, after every retry.
-    JobLost,
+label_enum! {
+    /// Why a checkpoint could not be evaluated (docs/design.md §16): the journal's `reason` and
+    /// the `reason` label of `diffmon_checkpoint_failures_total`. [`FailureReason::as_str`] is
+    /// the one spelling of each; other tools read these strings, so they never change.
+    /// [`FailureReason::ALL`] is the order the metric's series are created in (each at 0; the
+    /// [`slurm_only`](FailureReason::slurm_only) ones only on the Slurm executor).
+    pub enum FailureReason {
+        /// The weights cannot be read or loaded into the architecture.
+        Unreadable => "unreadable",
+        /// The weights do not fit the architecture (names, shapes).
+        Mismatch => "mismatch",
+        /// A metric came out NaN or infinite.
+        NonFinite => "non_finite",
+        /// The checkpoint was deleted or rewritten while it was evaluated.
+        Vanished => "vanished",
+        /// The checkpoint was deleted before its turn (the training job's rotation), unpinned.
+        Rotated => "rotated",
+        /// Anything else.
+        Error => "error",
+        /// The process died (a fatal signal) while evaluating it; recorded after the restart.
+        Crashed => "crashed",
+        /// Its Slurm job failed (a non-zero exit of the job script outside `diffmon eval`, a node
+        /// failure, out of memory) after every retry.
+        JobFailed => "job_failed",
+        /// Its Slurm job ran past its time limit, after every retry.
+        JobTimeout => "job_timeout",
+        /// Its Slurm job was cancelled or preempted, after every retry.
+        JobCancelled => "job_cancelled",
+        /// Its Slurm job left the queue without a result, after every retry.
+        JobLost => "job_lost",
+    }
 }
 
 impl FailureReason {
-    /// Every reason, in the order the metric's series are created (each at 0; the
-    /// [`slurm_only`](FailureReason::slurm_only) ones only on the Slurm executor).
-    pub const ALL: [FailureReason; 11] = [
-        FailureReason::Unreadable,
-        FailureReason::Mismatch,
-        FailureReason::NonFinite,
-        FailureReason::Vanished,
-        FailureReason::Rotated,
-        FailureReason::Error,
-        FailureReason::Crashed,
-        FailureReason::JobFailed,
-        FailureReason::JobTimeout,
-        FailureReason::JobCancelled,
-        FailureReason::JobLost,
-    ];
-
     /// A reason only the Slurm executor records (`job_*`): its series exist only on that
     /// executor.
     pub fn slurm_only(self) -> bool {
@@ -137,29 +124,6 @@ impl FailureReason {
                 | FailureReason::JobCancelled
                 | FailureReason::JobLost
         )
-    }
-
-    /// The journal's `reason` and the metric's label value.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            FailureReason::Unreadable => "unreadable",
-            FailureReason::Mismatch => "mismatch",
-            FailureReason::NonFinite => "non_finite",
-            FailureReason::Vanished => "vanished",
-            FailureReason::Rotated => "rotated",
-            FailureReason::Error => "error",
-            FailureReason::Crashed => "crashed",
-            FailureReason::JobFailed => "job_failed",
-            FailureReason::JobTimeout => "job_timeout",
-            FailureReason::JobCancelled => "job_cancelled",
-            FailureReason::JobLost => "job_lost",
-        }
-    }
-}
-
-impl std::fmt::Display for FailureReason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
     }
 }
 

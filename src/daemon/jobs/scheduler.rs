@@ -51,43 +51,25 @@ pub trait Scheduler: Send + 'static {
     fn ended(&self, id: &str) -> Option<(JobEnd, String)>;
 }
 
-/// How a job ended without a result: the metric's `reason`, and the checkpoint's failure when
-/// no retry is left.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum JobEnd {
-    Failed,
-    Timeout,
-    Cancelled,
-    Preempted,
-    Lost,
+label_enum! {
+    /// How a job ended without a result. Its label is the `reason` label of
+    /// `diffmon_slurm_jobs_failed_total` and of the journal's `failed` lines; [`JobEnd::reason`]
+    /// is the checkpoint's failure when no retry is left.
+    pub enum JobEnd {
+        Failed => "failed",
+        Timeout => "timeout",
+        Cancelled => "cancelled",
+        Preempted => "preempted",
+        Lost => "lost",
+    }
 }
 
 impl JobEnd {
-    const ALL: [JobEnd; 5] = [
-        JobEnd::Failed,
-        JobEnd::Timeout,
-        JobEnd::Cancelled,
-        JobEnd::Preempted,
-        JobEnd::Lost,
-    ];
-
-    /// The `reason` label of `diffmon_slurm_jobs_failed_total` and of the journal's `failed`
-    /// lines.
-    pub fn label(self) -> &'static str {
-        match self {
-            JobEnd::Failed => "failed",
-            JobEnd::Timeout => "timeout",
-            JobEnd::Cancelled => "cancelled",
-            JobEnd::Preempted => "preempted",
-            JobEnd::Lost => "lost",
-        }
-    }
-
     /// The end a journal's `failed` line names (an unknown one is a failure).
     pub(super) fn of_label(label: &str) -> JobEnd {
         JobEnd::ALL
             .into_iter()
-            .find(|e| e.label() == label)
+            .find(|e| e.as_str() == label)
             .unwrap_or(JobEnd::Failed)
     }
 
@@ -111,10 +93,10 @@ mod tests {
     #[test]
     fn job_ends_round_trip_through_their_labels() {
         for end in JobEnd::ALL {
-            assert_eq!(JobEnd::of_label(end.label()), end);
+            assert_eq!(JobEnd::of_label(end.as_str()), end);
         }
         assert_eq!(JobEnd::of_label("made up"), JobEnd::Failed);
-        let labels: Vec<&str> = JobEnd::ALL.into_iter().map(JobEnd::label).collect();
+        let labels: Vec<&str> = JobEnd::ALL.into_iter().map(JobEnd::as_str).collect();
         assert_eq!(labels, crate::metrics::SLURM_JOB_FAILURES);
         assert_eq!(JobEnd::Preempted.reason(), FailureReason::JobCancelled);
     }

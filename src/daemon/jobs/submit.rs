@@ -124,10 +124,10 @@ impl<S: Scheduler> Runner<S> {
 
     /// A job ended without a result: journaled and counted, then retried or failed.
     pub(super) fn ended(&mut self, job: &mut Job, end: JobEnd, message: String) {
-        self.metrics.job_failed(end.label());
+        self.metrics.job_failed(end.as_str());
         self.journal_surely(&JournalLine::Failed {
             folder: job.folder.clone(),
-            reason: end.label().into(),
+            reason: end.as_str().into(),
         });
         self.retry_or_fail(job, end, message);
     }
@@ -136,7 +136,7 @@ impl<S: Scheduler> Runner<S> {
         if job.attempt < self.retries {
             tracing::warn!(
                 step = job.item.step,
-                reason = end.label(),
+                reason = end.as_str(),
                 "{} job ended without a result ({message}); submitting it again",
                 S::NAME
             );
@@ -149,7 +149,7 @@ impl<S: Scheduler> Runner<S> {
                 format!(
                     "{} job ended without a result ({}) after {} attempt(s): {message}",
                     S::NAME,
-                    end.label(),
+                    end.as_str(),
                     job.attempt + 1
                 ),
             ));
