@@ -270,8 +270,10 @@ pub fn note_problems(runs: &[Config]) -> Vec<crate::config::Problem> {
 
 /// Which format will run the network ([`crate::engine::model::compiled::decide`], nothing
 /// loaded), one line per architecture, and `model.compiled` problems: a package its path names
-/// that does not fit this machine.
+/// that does not fit this machine, or that the last starts died with on trial
+/// ([`crate::store::package_trial`]; under `auto` that package gives TorchScript).
 pub fn network_format(runs: &[Config]) -> (Vec<String>, Vec<crate::config::Problem>) {
+    use crate::config::CompiledSetting;
     use crate::engine::model::compiled::decide;
     let (mut lines, mut problems) = (Vec::new(), Vec::new());
     let mut seen = std::collections::HashSet::new();
@@ -281,14 +283,31 @@ pub fn network_format(runs: &[Config]) -> (Vec<String>, Vec<crate::config::Probl
             continue;
         }
         let device = crate::engine::model::select_device(run.device).unwrap_or(tch::Device::Cpu);
-        match decide(&run.model.compiled, arch, device, run.evaluation.precision) {
-            Ok(d) => lines.push(format!(
+        let decided = decide(&run.model.compiled, arch, device, run.evaluation.precision);
+        // A package that crashed the last starts is on trial and would not be loaded.
+        let on_trial = decided.as_ref().ok().and_then(|d| {
+            let (package, _) = d.package.as_ref()?;
+            let reason = crate::store::package_trial::refused(&run.state_dir(), package)?;
+            Some(format!("{}: {reason}", package.display()))
+        });
+        match (decided, on_trial) {
+            (Ok(_), Some(refusal)) if matches!(run.model.compiled, CompiledSetting::Path(_)) => {
+                problems.push(crate::config::Problem {
+                    key: "model.compiled".into(),
+                    message: refusal,
+                })
+            }
+            (Ok(_), Some(refusal)) => lines.push(format!(
+                "network {}: TorchScript (model.compiled: auto; {refusal}) (warning)",
+                arch.display()
+            )),
+            (Ok(d), None) => lines.push(format!(
                 "network {}: {}{}",
                 arch.display(),
                 d.why,
                 if d.fell_back { " (warning)" } else { "" }
             )),
-            Err(e) => problems.push(crate::config::Problem {
+            (Err(e), _) => problems.push(crate::config::Problem {
                 key: "model.compiled".into(),
                 message: match e {
                     crate::engine::model::ModelError::Compiled { message, .. } => message,

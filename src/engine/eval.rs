@@ -259,6 +259,8 @@ impl Evaluator {
                 (_, e) => e.into(),
             }
         })?;
+        // The contract check ran the network: a compiled package on trial has passed it.
+        crate::store::package_trial::end();
         tracing::info!(
             architecture = %config.model.architecture.display(),
             ?device,

@@ -7,7 +7,7 @@
 //!   [`lock`]: one daemon per state folder;
 //! - [`history`]: the journal of every outcome (`history.jsonl`, `history.h5`);
 //! - [`crash`]: the crash marker, so a checkpoint that killed the process is recorded, not
-//!   evaluated again;
+//!   evaluated again; [`package_trial`]: a compiled package that killed the starts is refused;
 //! - [`unit`]: what a checkpoint is in a run folder (a file, or a folder and its weights);
 //! - [`keep_best`]: the keeper of the best checkpoints; [`pin`]: checkpoints pinned against
 //!   rotation from when they are found complete until their outcome is recorded; [`restore`]:
@@ -17,6 +17,7 @@ pub mod crash;
 pub mod history;
 pub mod keep_best;
 pub mod lock;
+pub mod package_trial;
 pub mod pin;
 pub mod restore;
 pub mod safe_fs;

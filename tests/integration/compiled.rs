@@ -424,3 +424,114 @@ fn a_bad_constants_file_is_refused() {
         );
     }
 }
+
+/// A package that crashes the daemon's start crashes two starts, not every one (a service
+/// manager restarts a crashed daemon). The package is the fixture's with its sidecar spoiled so
+/// that it claims the shared object holds its weights and leaves one out: the daemon never fills
+/// that weight and the package's first forward reads memory nothing wrote, a SIGSEGV every time
+/// on this CPU. Each start puts the package on trial (`<state>/compiled-trial`); the third finds
+/// it there at two starts and runs TorchScript under `auto`, with a warning naming the package
+/// and the trial file, and evaluates; named by path, the package stops that start with the same
+/// reason (exit 2, no crash). check-config says the same before any start. A rebuilt package (another modification time) gets a trial of
+/// its own, passes it at the start, and its trial file is removed.
+#[test]
+fn a_package_that_crashes_the_start_is_tried_twice_then_refused() {
+    use crate::daemon::{Daemon, exited_within, free_port};
+    use std::os::unix::process::ExitStatusExt;
+    use std::time::Duration;
+    let (tmp, _arch, pkg) = spoilable();
+    let dir = tmp.path();
+    for f in ["train.h5", "heldout.h5"] {
+        std::fs::copy(toy_run().join(f), dir.join(f)).unwrap();
+    }
+    let sidecar = compiled::sidecar_path(&pkg);
+    let mut spoiled: Value =
+        serde_json::from_str(&std::fs::read_to_string(&sidecar).unwrap()).unwrap();
+    spoiled["weights_inside"] = Value::Bool(true);
+    spoiled["weights"].as_array_mut().unwrap().remove(0);
+    std::fs::write(&sidecar, spoiled.to_string()).unwrap();
+    std::fs::copy(fixture().join("ckpt_b.pt"), dir.join("ckpt_000010.pt")).unwrap();
+    let port = free_port();
+    let config = dir.join("diffmon.yaml");
+    let write_config = |compiled: &str| {
+        std::fs::write(
+            &config,
+            format!(
+                "run: {{dir: ., name: test}}\nmodel: {{architecture: arch.ts, compiled: {compiled}}}\n\
+                 device: cpu\ndata: {{path: train.h5, heldout_path: heldout.h5}}\n\
+                 http: {{listen: \"127.0.0.1:{port}\"}}\nicr: {{samples: 256, batch_size: 256}}\n\
+                 checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n"
+            ),
+        )
+        .unwrap();
+    };
+    let watch = || {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_diffmon"))
+            .args(["watch", "--config", config.to_str().unwrap()])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(dir.join("start.log")).unwrap())
+            .spawn();
+        let mut child = out.unwrap();
+        let status = exited_within(&mut child, Duration::from_secs(120));
+        let _ = child.kill();
+        let log = std::fs::read_to_string(dir.join("start.log")).unwrap();
+        (status.expect("the start neither crashed nor stopped"), log)
+    };
+    let trial = dir.join(".diffmon/compiled-trial");
+    write_config("auto");
+    for start in 1..=2 {
+        let (status, log) = watch();
+        assert_eq!(status.signal(), Some(libc::SIGSEGV), "start {start}: {log}");
+        let text = std::fs::read_to_string(&trial).unwrap();
+        assert!(text.contains(&format!("\"starts\":{start}")), "{text}");
+    }
+
+    let reason = [
+        pkg.to_str().unwrap(),
+        "the last 2 starts of diffmon died",
+        trial.to_str().unwrap(),
+    ];
+    let check = diffmon(&["check-config", config.to_str().unwrap()]);
+    assert!(check.status.success(), "{}", stderr(&check));
+    let said = stdout(&check);
+    assert!(
+        said.contains("TorchScript (model.compiled: auto; "),
+        "{said}"
+    );
+    assert!(reason.iter().all(|r| said.contains(r)), "{said}");
+
+    // Named by path: refused, the start stops with the reason (exit 2, as for every package
+    // that does not fit), and check-config says so.
+    write_config(&format!("{pkg:?}"));
+    let (status, log) = watch();
+    assert_eq!(status.code(), Some(2), "{log}");
+    assert!(reason.iter().all(|r| log.contains(r)), "{log}");
+    let check = diffmon(&["check-config", config.to_str().unwrap()]);
+    assert_eq!(check.status.code(), Some(2), "{}", stdout(&check));
+    let said = format!("{}{}", stdout(&check), stderr(&check));
+    assert!(reason.iter().all(|r| said.contains(r)), "{said}");
+
+    // Under `auto`: TorchScript runs, with the warning, and evaluates.
+    write_config("auto");
+    let mut d = Daemon::spawn(config.clone(), port);
+    d.wait_for(Duration::from_secs(120), "an evaluation", |d| {
+        d.evaluated() >= 1.0
+    });
+    let log = d.log();
+    assert!(
+        log.contains("TorchScript (model.compiled: auto; ")
+            && log.contains("the last 2 starts of diffmon died"),
+        "{log}"
+    );
+    d.terminate();
+
+    // Rebuilt (copied anew: another modification time) with its own sidecar: a trial of its
+    // own, passed at the start; the trial file is gone and the package runs.
+    std::fs::copy(fixture().join("arch.pt2"), &pkg).unwrap();
+    std::fs::copy(fixture().join("arch.pt2.json"), &sidecar).unwrap();
+    let mut d = Daemon::spawn(config.clone(), port);
+    assert!(!trial.exists(), "the passed trial's file is still there");
+    assert!(d.log().contains("network=compiled package"), "{}", d.log());
+    d.terminate();
+}

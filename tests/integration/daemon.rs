@@ -46,6 +46,18 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// The child's status once it exits, or `None` if it still runs after `deadline`.
+pub fn exited_within(child: &mut Child, deadline: Duration) -> Option<std::process::ExitStatus> {
+    let start = Instant::now();
+    while start.elapsed() < deadline {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
+}
+
 /// A run folder holding the toy run's architecture and data, without checkpoints.
 pub fn empty_run() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();

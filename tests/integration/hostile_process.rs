@@ -4,11 +4,11 @@
 //! non-zero status.
 
 use crate::common::{stderr, toy_run};
-use crate::daemon::{Daemon, empty_run, free_port, journal, journal_entries};
+use crate::daemon::{Daemon, empty_run, exited_within, free_port, journal, journal_entries};
 use std::fs;
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// An evaluation far longer than these tests wait: 2^20 view pairs, the most `icr.samples`
@@ -26,18 +26,6 @@ fn place(dir: &Path, step: i64) {
 fn signal(child: &Child, sig: i32) {
     // SAFETY: kill(2) on our own child.
     assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
-}
-
-/// The child's status once it exits, or `None` if it still runs after `deadline`.
-fn exited_within(child: &mut Child, deadline: Duration) -> Option<ExitStatus> {
-    let start = Instant::now();
-    while start.elapsed() < deadline {
-        if let Some(status) = child.try_wait().unwrap() {
-            return Some(status);
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    None
 }
 
 #[test]

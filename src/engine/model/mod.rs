@@ -153,14 +153,21 @@ impl Model {
         if self.compiled.as_ref().is_some_and(|c| c.path == path) {
             return Ok(&self.format);
         }
-        let loaded = compiled::Package::load(&path, sidecar, self.device).and_then(|p| {
-            self.push_weights(&p).map_err(|reason| compiled::Refusal {
-                package: path.clone(),
-                reason,
-                rebuild: p.sidecar.rebuild.clone(),
-            })?;
-            Ok(p)
-        });
+        // On trial from before libtorch opens it until the evaluator's first forward with it
+        // (`crate::store::package_trial`): a package that crashes the process is not loaded
+        // at every start.
+        let refuse = |reason: String| compiled::Refusal {
+            package: path.clone(),
+            reason,
+            rebuild: sidecar.rebuild.clone(),
+        };
+        let loaded = crate::store::package_trial::begin(&path)
+            .map_err(refuse)
+            .and_then(|()| compiled::Package::load(&path, sidecar.clone(), self.device))
+            .and_then(|p| self.push_weights(&p).map_err(refuse).map(|()| p));
+        if loaded.is_err() {
+            crate::store::package_trial::end(); // refused, not crashed
+        }
         match loaded {
             Ok(p) => {
                 self.compiled = Some(p);
