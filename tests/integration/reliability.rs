@@ -169,11 +169,22 @@ fn twenty_random_kills_lose_nothing_duplicate_nothing_and_change_nothing() {
     assert_eq!(comparable(&status), comparable(&expected_status));
     let events = receiver.accepted();
     let kinds = |e: &[(String, String)]| e.iter().map(|(_, k)| k.clone()).collect::<Vec<_>>();
+    // Counted by id, as a receiver deduplicates on `webhook-id`: a kill between the receiver's
+    // answer and the delivered-ledger's write delivers the event once more, with the same id
+    // (docs/design.md §17; CI's random kills once landed there).
+    let mut seen = std::collections::HashSet::new();
+    let distinct: Vec<(String, String)> = events
+        .iter()
+        .filter(|(id, _)| seen.insert(id.clone()))
+        .cloned()
+        .collect();
     assert_eq!(
-        kinds(&events),
+        kinds(&distinct),
         kinds(&expected_events),
-        "the same event, delivered exactly once"
+        "the same event, delivered under one id: {events:?}"
     );
+    // A repeat needs a kill in that short window; one per restart would be a ledger not kept.
+    assert!(events.len() <= 3, "delivered again and again: {events:?}");
     // Its id is the one this run's state says (ids differ between folders, docs/design.md §17).
     assert_eq!(status["event"]["id"].as_str(), Some(events[0].0.as_str()));
     let stop: Value =
