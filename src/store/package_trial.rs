@@ -41,8 +41,8 @@ struct Trial {
     starts: u64,
 }
 
-/// The trial this process began and has not ended yet: (its state folder, the package).
-static ON_TRIAL: Mutex<Option<(PathBuf, CheckpointKey)>> = Mutex::new(None);
+/// The state folder of the trial this process began and has not ended yet.
+static ON_TRIAL: Mutex<Option<PathBuf>> = Mutex::new(None);
 
 /// Puts `package` on trial before it is loaded. `Err` with the reason when the last
 /// [`MAX_STARTS`] starts began its trial and none passed it: the package is not to be loaded.
@@ -60,11 +60,11 @@ pub fn begin(package: &Path) -> Result<(), String> {
         return Err(refusal(starts, &dir));
     }
     let trial = Trial {
-        package: key.clone(),
+        package: key,
         starts: starts + 1,
     };
     match write(&dir.join(FILE), &trial) {
-        Ok(()) => *ON_TRIAL.lock().unwrap_or_else(|e| e.into_inner()) = Some((dir, key)),
+        Ok(()) => *ON_TRIAL.lock().unwrap_or_else(|e| e.into_inner()) = Some(dir),
         Err(e) => tracing::warn!(
             "cannot write {} ({e}): a compiled package that crashes the process would crash every start",
             shown_file(&dir)
@@ -102,16 +102,15 @@ fn refusal(starts: u64, dir: &Path) -> String {
 /// Nothing to do where no trial began in this process (none armed, no package, or one refused
 /// by its trial: that file stays).
 pub fn end() {
-    let Some((dir, key)) = ON_TRIAL.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+    let Some(dir) = ON_TRIAL.lock().unwrap_or_else(|e| e.into_inner()).take() else {
         return;
     };
-    let path = dir.join(FILE);
-    // Only this package's trial: a later one in the file (a sweep's other package) is not ours.
-    if read(&path).is_some_and(|t| t.package == key)
-        && let Err(e) = std::fs::remove_file(&path)
-        && e.kind() != std::io::ErrorKind::NotFound
-    {
-        tracing::warn!("cannot remove {} ({e})", shown_file(&dir));
+    // The file holds this trial: one daemon per state folder, one trial at a time.
+    match std::fs::remove_file(dir.join(FILE)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            tracing::warn!("cannot remove {} ({e})", shown_file(&dir))
+        }
+        _ => {}
     }
 }
 

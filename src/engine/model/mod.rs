@@ -156,14 +156,15 @@ impl Model {
         // On trial from before libtorch opens it until the evaluator's first forward with it
         // (`crate::store::package_trial`): a package that crashes the process is not loaded
         // at every start.
+        let rebuild = sidecar.rebuild.clone();
         let refuse = |reason: String| compiled::Refusal {
             package: path.clone(),
             reason,
-            rebuild: sidecar.rebuild.clone(),
+            rebuild: rebuild.clone(),
         };
         let loaded = crate::store::package_trial::begin(&path)
             .map_err(refuse)
-            .and_then(|()| compiled::Package::load(&path, sidecar.clone(), self.device))
+            .and_then(|()| compiled::Package::load(&path, sidecar, self.device))
             .and_then(|p| self.push_weights(&p).map_err(refuse).map(|()| p));
         if loaded.is_err() {
             crate::store::package_trial::end(); // refused, not crashed
