@@ -184,14 +184,24 @@ fn evaluate(evaluator: &mut Evaluator, item: WorkItem) -> Outcome {
     if let Some(outcome) = rotated(&item) {
         return outcome;
     }
+    // A compiled package on trial runs this evaluation: a crash is its own, not the checkpoint's.
+    let package_on_trial = crate::store::package_trial::resume(evaluator.package().as_deref());
     crate::store::crash::evaluating(Some(&InFlight {
         key: item.key.clone(),
         step: item.step,
+        package_on_trial: package_on_trial.clone(),
     }));
     // Logged once a crash would be recorded against this checkpoint.
     tracing::debug!(checkpoint = %untrusted(&item.path), step = item.step, "evaluating");
     let evaluated = evaluator.evaluate_from(&item.path, item.files(), item.step);
     crate::store::crash::evaluating(None);
+    if package_on_trial.is_some() {
+        // Run through: the trial is passed; a failed evaluation pauses it until the next.
+        match evaluated {
+            Ok(_) => crate::store::package_trial::end(),
+            Err(_) => crate::store::package_trial::pause(),
+        }
+    }
     match evaluated {
         // A file deleted or rewritten while it was read may not be what was evaluated.
         Ok(_) if !unchanged(&item) => Outcome::Failed(

@@ -73,9 +73,19 @@ impl Recorder {
     }
 
     /// Records the checkpoint a crashed process was evaluating (from its crash marker) as a
-    /// failure with reason [`FailureReason::Crashed`], unless the history has it already.
+    /// failure with reason [`FailureReason::Crashed`], unless the history has it already or the
+    /// crash is blamed on a compiled package on trial (then the checkpoint is evaluated again).
     pub fn record_crash(&mut self, crash: Crash, recorded: &mut impl FnMut(Outcome, &str)) {
-        let Some(InFlight { key, step }) = crash.checkpoint else {
+        if let Some(package) = crash.package_blamed() {
+            tracing::warn!(
+                "the last run died ({}) while the compiled package {} ran on trial: the package \
+                 is blamed, not the checkpoint it was evaluating, which is evaluated again",
+                crash.cause,
+                crate::store::safe_fs::untrusted_text(package)
+            );
+            return;
+        }
+        let Some(InFlight { key, step, .. }) = crash.checkpoint else {
             tracing::warn!(
                 "the last run died ({}) outside any evaluation; no checkpoint is blamed",
                 crash.cause
@@ -330,23 +340,30 @@ mod tests {
         assert_eq!(journal_steps(dir.path()), vec![1, 2, 3, 4]);
     }
 
-    /// The checkpoint a crash blames is recorded as `crashed`, once.
+    /// The checkpoint a crash blames is recorded as `crashed`, once; not where a compiled
+    /// package on trial is blamed.
     #[test]
     fn a_crash_is_recorded_once_against_its_checkpoint() {
         let dir = tempfile::tempdir().unwrap();
         let mut recorder = Recorder::open(dir.path()).unwrap();
-        let crash = || Crash {
+        let crash = |package_on_trial: Option<&str>| Crash {
             cause: "SIGSEGV".into(),
+            signal: true,
             checkpoint: Some(InFlight {
                 key: item(7).key,
                 step: 7,
+                package_on_trial: package_on_trial.map(String::from),
             }),
         };
         let mut handed = Vec::new();
-        recorder.record_crash(crash(), &mut |o, _| handed.push(o));
-        recorder.record_crash(crash(), &mut |o, _| handed.push(o));
+        // A compiled package on trial ran the evaluation: blamed instead of the checkpoint.
+        recorder.record_crash(crash(Some("/m/net.pt2")), &mut |o, _| handed.push(o));
+        assert!(handed.is_empty(), "{handed:?}");
+        recorder.record_crash(crash(None), &mut |o, _| handed.push(o));
+        recorder.record_crash(crash(None), &mut |o, _| handed.push(o));
         let unblamed = Crash {
             cause: "SIGKILL".into(),
+            signal: false,
             checkpoint: None,
         };
         recorder.record_crash(unblamed, &mut |o, _| handed.push(o));

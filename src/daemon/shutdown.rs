@@ -111,8 +111,9 @@ pub fn until_stopped<T: Send + 'static>(
     });
     let Ok(Ok(Ok(value))) = drained else {
         // The evaluator is still busy (or blocked): nothing waits for it, and nothing it does
-        // from now on is the checkpoint's fault.
+        // from now on is the checkpoint's fault, nor a compiled package's on trial.
         crate::store::crash::disarm();
+        crate::store::package_trial::pause();
         tracing::warn!(
             "the evaluation in flight did not finish within {drain:?} (shutdown_drain_secs); it will be evaluated again after a restart"
         );
@@ -125,6 +126,7 @@ pub fn until_stopped<T: Send + 'static>(
 /// The second signal: exits at once, with status 130 (`cli::Exit::Interrupted`).
 fn second_signal() -> ! {
     tracing::warn!("second signal: exiting now");
+    crate::store::package_trial::pause(); // an exit asked for: not a compiled package's crash
     crate::store::crash::exit_now(130);
 }
 

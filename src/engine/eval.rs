@@ -259,8 +259,9 @@ impl Evaluator {
                 (_, e) => e.into(),
             }
         })?;
-        // The contract check ran the network: a compiled package on trial has passed it.
-        crate::store::package_trial::end();
+        // The contract check ran the network: a compiled package on trial has passed its load;
+        // it runs again, on trial, in its first evaluation.
+        crate::store::package_trial::pause();
         tracing::info!(
             architecture = %config.model.architecture.display(),
             ?device,
@@ -354,6 +355,11 @@ impl Evaluator {
     /// `pfd.every` keeps its rhythm across restarts.
     pub fn set_evaluated(&mut self, n: usize) {
         self.evaluated = n;
+    }
+
+    /// The compiled package that runs the network, `None` for TorchScript.
+    pub fn package(&self) -> Option<PathBuf> {
+        self.model.borrow().compiled_path().map(Path::to_path_buf)
     }
 
     pub fn contract(&self) -> &ContractInfo {

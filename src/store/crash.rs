@@ -134,6 +134,10 @@ fn tid() -> i32 {
 pub struct InFlight {
     pub key: CheckpointKey,
     pub step: i64,
+    /// The compiled package on trial that runs this evaluation ([`crate::store::package_trial`]):
+    /// a fatal signal is then the package's, not the checkpoint's ([`Crash::package_blamed`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub package_on_trial: Option<String>,
 }
 
 /// What a marker says: how the process died, and what it was evaluating.
@@ -141,7 +145,21 @@ pub struct InFlight {
 pub struct Crash {
     /// `SIGSEGV`, `SIGABRT`, ... or `a panic: <message>`.
     pub cause: String,
+    /// It died of a fatal signal (native code: libtorch, a compiled package), not of a panic
+    /// of diffmon's own code nor of kills counted without a marker.
+    pub signal: bool,
     pub checkpoint: Option<InFlight>,
+}
+
+impl Crash {
+    /// The compiled package on trial that a fatal signal is blamed on instead of the checkpoint
+    /// in flight, if any.
+    pub fn package_blamed(&self) -> Option<&str> {
+        self.checkpoint
+            .as_ref()
+            .and_then(|c| c.package_on_trial.as_deref())
+            .filter(|_| self.signal)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -464,6 +482,7 @@ pub fn read_marker(state_dir: &Path) -> Result<Option<Crash>, CrashError> {
                 "its weights were being read at {n} process deaths without a crash marker: \
                  killed (SIGKILL), e.g. for memory"
             ),
+            signal: false,
             checkpoint: Some(what),
         }))
 }
@@ -524,16 +543,17 @@ fn parse_marker(bytes: &[u8]) -> Result<Crash, String> {
     let text = std::str::from_utf8(rest).map_err(|_| "not UTF-8")?;
     let mut lines = text.lines();
     let cause = lines.next().unwrap_or_default();
-    let cause = if let Some(n) = cause.strip_prefix("signal ") {
+    let (cause, signal) = if let Some(n) = cause.strip_prefix("signal ") {
         let n: i32 = n.parse().map_err(|_| format!("bad signal `{n}`"))?;
-        signal_name(n)
+        (signal_name(n), true)
     } else if cause == "panic" {
-        "a panic".to_string()
+        ("a panic".to_string(), false)
     } else {
         return Err("no cause".into());
     };
     let mut crash = Crash {
         cause,
+        signal,
         checkpoint: None,
     };
     if let Some(line) = lines.next().filter(|l| !l.is_empty()) {
@@ -730,17 +750,20 @@ mod tests {
         arm(dir.path()).unwrap();
         assert_eq!(read_marker(dir.path()).unwrap(), None, "armed is empty");
 
-        // A path with a newline and quotes stays one JSON line.
+        // A path with a newline and quotes stays one JSON line. A compiled package on trial
+        // runs the evaluation: a fatal signal is blamed on it.
         let what = InFlight {
             key: key("/run/ckpt_\"5\"\n.pt"),
             step: 5,
+            package_on_trial: Some("/models/net.pt2".into()),
         };
         evaluating(Some(&what));
         write_marker(b"signal ", Some(libc::SIGSEGV), b"", true);
         write_marker(b"signal ", Some(libc::SIGABRT), b"", true); // only the first is kept
         let crash = read_marker(dir.path()).unwrap().unwrap();
         assert_eq!(crash.cause, "SIGSEGV");
-        assert_eq!(crash.checkpoint, Some(what));
+        assert_eq!(crash.checkpoint, Some(what.clone()));
+        assert_eq!(crash.package_blamed(), Some("/models/net.pt2"));
 
         arm(dir.path()).unwrap();
         assert_eq!(
@@ -753,6 +776,13 @@ mod tests {
         let crash = read_marker(dir.path()).unwrap().unwrap();
         assert_eq!(crash.cause, "a panic: boom");
         assert_eq!(crash.checkpoint, None, "nothing was in flight");
+        // A panic is diffmon's own code: never the package's.
+        arm(dir.path()).unwrap();
+        evaluating(Some(&what));
+        write_marker(b"panic", None, b"\"boom\"", false);
+        let crash = read_marker(dir.path()).unwrap().unwrap();
+        assert_eq!(crash.checkpoint, Some(what));
+        assert_eq!(crash.package_blamed(), None);
 
         // A watcher's structure check: a signal on its thread blames the unit it checks, in
         // its own marker, even while the evaluator has another checkpoint in flight.
@@ -760,11 +790,13 @@ mod tests {
         let evaluated = InFlight {
             key: key("/run/ckpt_1.pt"),
             step: 1,
+            package_on_trial: None,
         };
         evaluating(Some(&evaluated));
         let scanned = InFlight {
             key: key("/run/ckpt_100.pt"),
             step: 100,
+            package_on_trial: None,
         };
         let (state, what) = (dir.path().to_path_buf(), scanned.clone());
         std::thread::spawn(move || {
@@ -791,9 +823,11 @@ mod tests {
         // checkpoint in flight: retried twice, then reported as a crash, then forgotten.
         evaluating(None);
         arm(dir.path()).unwrap(); // (the last marker was read)
+        // Its weights being read is the checkpoint's risk, even with a compiled package on trial.
         let killer = InFlight {
             key: key("/run/ckpt_7.pt"),
             step: 7,
+            package_on_trial: Some("/models/net.pt2".into()),
         };
         for start in 1..=MAX_DEATHS_IN_FLIGHT {
             new_process();
@@ -816,6 +850,7 @@ mod tests {
             crash.cause
         );
         assert_eq!(crash.checkpoint, Some(killer.clone()));
+        assert_eq!(crash.package_blamed(), None);
         arm(dir.path()).unwrap();
         assert_eq!(read_marker(dir.path()).unwrap(), None, "reported once");
         // Once its weights are read, a death is not counted against it, and the count is gone.

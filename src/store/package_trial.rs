@@ -1,18 +1,31 @@
-//! A compiled package on trial: one that crashes libtorch's loader or its own first forward
-//! must not crash every start of the daemon (docs/design.md §11, "The compiled network").
+//! A compiled package on trial: one that crashes libtorch's loader or its kernels must not crash
+//! every start of the daemon, nor cost the checkpoints it was running on (docs/design.md §11,
+//! "The compiled network").
 //!
 //! A package is native code, and where it crashes (libtorch's AOTInductor loader on CUDA with
-//! torch 2.11, a sidecar that no longer fits its package), it takes the process down before any
-//! checkpoint is in flight: the crash marker blames nothing, and a service manager's restart
-//! loads the package and dies again, for ever. So before the evaluator loads a package it puts
-//! it on trial, `<state_dir>/compiled-trial`: the package's path, size and modification time,
-//! and how many starts began the trial. Once the package has run its first forward (the
-//! contract check at start) the trial has passed and the file is removed. A start that finds
-//! the same package on trial at [`MAX_STARTS`] starts refuses it: under `model.compiled: auto`
-//! TorchScript runs with a warning, under a path the start fails naming the package. The
-//! refusal holds until the package changes (rebuilt: another size or time) or the file is
-//! deleted. Two starts, not one, so that a single kill during the start (an operator, the
-//! out-of-memory killer) does not cost the package.
+//! torch 2.11, a sidecar that no longer fits its package, a kernel that fails on the first
+//! checkpoint's weights), it takes the process down: at the start no checkpoint is in flight, so
+//! the crash marker blames nothing and a service manager's restart loads the package and dies
+//! again, for ever; in the first evaluation the marker would blame the checkpoint, which is
+//! then lost. So a package is on trial until it has run one evaluation through, and the trial
+//! counts the starts that died while the package was running, `<state_dir>/compiled-trial`:
+//! the package's path, size and modification time, and that count. The package runs, and a
+//! death counts, in two phases:
+//!
+//! 1. from before the evaluator loads it to the start's contract check, its first forward
+//!    ([`begin`], then [`pause`]);
+//! 2. from the start of its first evaluation of a checkpoint to the evaluation's end
+//!    ([`resume`], then [`end`] once one evaluation has succeeded; a failed one pauses the
+//!    trial, which resumes with the next). A crash in this phase is the package's: the marker
+//!    names the package on trial ([`crate::store::crash::InFlight::package_on_trial`]) and the
+//!    next start evaluates the checkpoint again instead of recording it as crashed.
+//!
+//! While the daemon waits between the two, nothing of the package runs and a death does not
+//! count. A start that finds the same package at [`MAX_STARTS`] deaths refuses it: under
+//! `model.compiled: auto` TorchScript runs (and evaluates the checkpoint the package died on)
+//! with a warning, under a path the start fails naming the package. The refusal holds until the
+//! package changes (rebuilt: another size or time) or the file is deleted. Two deaths, not one,
+//! so that a single kill (an operator, the out-of-memory killer) does not cost the package.
 //!
 //! The trial lives in the state folder the crash marker was armed for
 //! ([`crate::store::crash::armed_dir`]); where none is (`diffmon eval`, a one-off process whose
@@ -27,8 +40,7 @@ use std::sync::Mutex;
 
 /// The trial's file name inside the state folder.
 pub const FILE: &str = "compiled-trial";
-/// Starts that began the trial of the same package without passing it, after which it is
-/// refused.
+/// Starts that died while the same package was running on trial, after which it is refused.
 pub const MAX_STARTS: u64 = 2;
 /// The most of the file that is read (a path of `PATH_MAX` bytes escaped as JSON fits).
 const MAX_BYTES: u64 = 64 * 1024;
@@ -37,52 +49,144 @@ const MAX_BYTES: u64 = 64 * 1024;
 struct Trial {
     /// The package as it was when the trial began (a rebuilt one is another package).
     package: CheckpointKey,
-    /// Starts that began this trial.
+    /// Starts that died while the package was running, this one included while it runs.
     starts: u64,
 }
 
-/// The state folder of the trial this process began and has not ended yet.
-static ON_TRIAL: Mutex<Option<PathBuf>> = Mutex::new(None);
+/// The trial this process began and has not ended.
+struct Open {
+    /// The state folder that holds its file.
+    dir: PathBuf,
+    /// The package's path as `model.compiled` gave it.
+    path: PathBuf,
+    package: CheckpointKey,
+    /// Starts that died while the package ran, before this one.
+    died: u64,
+    /// The package is running (loaded, checked, evaluating): a death now counts.
+    running: bool,
+}
 
-/// Puts `package` on trial before it is loaded. `Err` with the reason when the last
-/// [`MAX_STARTS`] starts began its trial and none passed it: the package is not to be loaded.
+static ON_TRIAL: Mutex<Option<Open>> = Mutex::new(None);
+
+fn on_trial() -> std::sync::MutexGuard<'static, Option<Open>> {
+    ON_TRIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Puts `package` on trial before it is loaded (it runs from now on: phase 1). `Err` with the
+/// reason when [`MAX_STARTS`] starts died while it ran: the package is not to be loaded.
 /// Without an armed state folder, or where the file cannot be written (a warning), the package
 /// is loaded without a trial.
 pub fn begin(package: &Path) -> Result<(), String> {
     let Some(dir) = crate::store::crash::armed_dir() else {
         return Ok(());
     };
-    let Ok(key) = CheckpointKey::of(package) else {
-        return Ok(()); // loading it gives the error that names it
-    };
-    let starts = starts_of(&dir, &key);
-    if starts >= MAX_STARTS {
-        return Err(refusal(starts, &dir));
-    }
-    let trial = Trial {
-        package: key,
-        starts: starts + 1,
-    };
-    match write(&dir.join(FILE), &trial) {
-        Ok(()) => *ON_TRIAL.lock().unwrap_or_else(|e| e.into_inner()) = Some(dir),
-        Err(e) => tracing::warn!(
-            "cannot write {} ({e}): a compiled package that crashes the process would crash every start",
-            shown_file(&dir)
-        ),
+    if let Some(open) = Open::begin(dir, package)? {
+        *on_trial() = Some(open);
     }
     Ok(())
+}
+
+/// The package on trial has stopped running without a crash (its contract check passed, an
+/// evaluation failed, the daemon is stopping): a death from now on is not its own.
+pub fn pause() {
+    if let Some(open) = on_trial().as_mut() {
+        open.set_running(false);
+    }
+}
+
+/// The evaluator starts on a checkpoint with `package` (the compiled package it runs, `None`
+/// for TorchScript): when that package is on trial, a death from now on is counted against it
+/// (phase 2), and its path is returned for the crash marker. `None` when it is not on trial.
+pub fn resume(package: Option<&Path>) -> Option<String> {
+    let mut guard = on_trial();
+    let open = guard
+        .as_mut()
+        .filter(|o| Some(o.path.as_path()) == package)?;
+    open.set_running(true);
+    Some(open.path.display().to_string())
+}
+
+/// The trial this process began is over without a crash: the package has run an evaluation
+/// through, or it was refused with an error (corrupt, not this architecture's). Its file is
+/// removed. Nothing to do where no trial is open (none armed, no package, or one refused by its
+/// trial: that file stays).
+pub fn end() {
+    if let Some(open) = on_trial().take() {
+        open.close();
+    }
+}
+
+impl Open {
+    /// The trial of `package` in `dir`, running; `Ok(None)` where it cannot be recorded.
+    fn begin(dir: PathBuf, package: &Path) -> Result<Option<Open>, String> {
+        let Ok(key) = CheckpointKey::of(package) else {
+            return Ok(None); // loading it gives the error that names it
+        };
+        let died = died_in(&dir, &key);
+        if died >= MAX_STARTS {
+            return Err(refusal(died, &dir));
+        }
+        let open = Open {
+            dir,
+            path: package.to_path_buf(),
+            package: key,
+            died,
+            running: true,
+        };
+        Ok(open.record().then_some(open))
+    }
+
+    fn set_running(&mut self, running: bool) {
+        if self.running != running {
+            self.running = running;
+            self.record();
+        }
+    }
+
+    /// Writes what a death now would leave: the deaths before this start, plus this one while
+    /// the package runs (no file where that is none). `false`, with a warning, where it cannot.
+    fn record(&self) -> bool {
+        let path = self.dir.join(FILE);
+        let starts = self.died + u64::from(self.running);
+        let written = if starts == 0 {
+            remove(&path)
+        } else {
+            write(
+                &path,
+                &Trial {
+                    package: self.package.clone(),
+                    starts,
+                },
+            )
+        };
+        if let Err(e) = &written {
+            tracing::warn!(
+                "cannot write {} ({e}): a compiled package that crashes the process would crash every start",
+                shown_file(&self.dir)
+            );
+        }
+        written.is_ok()
+    }
+
+    /// The trial is passed: its file is removed.
+    fn close(self) {
+        // The file holds this trial: one daemon per state folder, one trial at a time.
+        if let Err(e) = remove(&self.dir.join(FILE)) {
+            tracing::warn!("cannot remove {} ({e})", shown_file(&self.dir))
+        }
+    }
 }
 
 /// What `check-config` says: the reason the trial in `state_dir` refuses `package` (a start
 /// would not load it), `None` when it does not.
 pub fn refused(state_dir: &Path, package: &Path) -> Option<String> {
     let key = CheckpointKey::of(package).ok()?;
-    let starts = starts_of(state_dir, &key);
-    (starts >= MAX_STARTS).then(|| refusal(starts, state_dir))
+    let died = died_in(state_dir, &key);
+    (died >= MAX_STARTS).then(|| refusal(died, state_dir))
 }
 
-/// How many starts began the trial of `package` in `dir` without ending it.
-fn starts_of(dir: &Path, package: &CheckpointKey) -> u64 {
+/// How many starts died while `package` ran on trial in `dir`.
+fn died_in(dir: &Path, package: &CheckpointKey) -> u64 {
     read(&dir.join(FILE))
         .filter(|t| t.package == *package)
         .map_or(0, |t| t.starts)
@@ -97,23 +201,6 @@ fn refusal(starts: u64, dir: &Path) -> String {
     )
 }
 
-/// The trial this process began is over without a crash: the package has run its first forward,
-/// or it was refused with an error (corrupt, not this architecture's). Its file is removed.
-/// Nothing to do where no trial began in this process (none armed, no package, or one refused
-/// by its trial: that file stays).
-pub fn end() {
-    let Some(dir) = ON_TRIAL.lock().unwrap_or_else(|e| e.into_inner()).take() else {
-        return;
-    };
-    // The file holds this trial: one daemon per state folder, one trial at a time.
-    match std::fs::remove_file(dir.join(FILE)) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            tracing::warn!("cannot remove {} ({e})", shown_file(&dir))
-        }
-        _ => {}
-    }
-}
-
 /// The trial file of `dir`, for messages: where the held state folder is ([`safe_fs::untrusted`]).
 fn shown_file(dir: &Path) -> String {
     safe_fs::untrusted(&dir.join(FILE))
@@ -122,6 +209,14 @@ fn shown_file(dir: &Path) -> String {
 /// The trial in `path`, `None` when absent, unreadable or malformed (then overwritten).
 fn read(path: &Path) -> Option<Trial> {
     serde_json::from_slice(&safe_fs::read_bounded(path, MAX_BYTES).ok()?).ok()
+}
+
+/// Removes the trial file (a link in its place is removed, not followed); absent is removed.
+fn remove(path: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
 }
 
 /// Replaces the trial file atomically, following no link.
@@ -159,5 +254,45 @@ mod tests {
         write(&path, &trial).unwrap();
         assert_eq!(std::fs::read(&target).unwrap(), b"keep");
         assert_eq!(read(&path), Some(trial));
+    }
+
+    /// A start that dies while the package runs (loading, or in its first evaluation) counts;
+    /// one that dies while it waits between the two does not; at two deaths it is refused, until
+    /// it is rebuilt; a trial run through removes its file.
+    #[test]
+    fn only_deaths_while_the_package_runs_count() {
+        let dir = tempfile::tempdir().unwrap();
+        let pkg = dir.path().join("model.pt2");
+        std::fs::write(&pkg, b"a package").unwrap();
+        let starts = || read(&dir.path().join(FILE)).map(|t| t.starts);
+        let begin = || Open::begin(dir.path().to_path_buf(), &pkg);
+
+        // Dies while waiting for a checkpoint, after its contract check: not counted.
+        let mut open = begin().unwrap().unwrap();
+        assert_eq!(starts(), Some(1));
+        open.set_running(false);
+        assert_eq!(starts(), None);
+        drop(open);
+
+        // Dies in its first evaluation, twice: counted, then refused.
+        for died in 1..=2 {
+            let mut open = begin().unwrap().unwrap();
+            assert_eq!(starts(), Some(died));
+            open.set_running(false);
+            assert_eq!(starts(), Some(died - 1).filter(|&n| n > 0));
+            open.set_running(true);
+            assert_eq!(starts(), Some(died));
+        }
+        let refused_now = begin().err().unwrap();
+        assert!(refused_now.contains("the last 2 starts"), "{refused_now}");
+        assert_eq!(refused(dir.path(), &pkg), Some(refused_now));
+
+        // Rebuilt: a trial of its own, passed and removed.
+        std::fs::write(&pkg, b"a package, rebuilt").unwrap();
+        assert_eq!(refused(dir.path(), &pkg), None);
+        let open = begin().unwrap().unwrap();
+        assert_eq!(starts(), Some(1));
+        open.close();
+        assert_eq!(starts(), None);
     }
 }

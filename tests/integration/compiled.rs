@@ -535,3 +535,81 @@ fn a_package_that_crashes_the_start_is_tried_twice_then_refused() {
     assert!(d.log().contains("network=compiled package"), "{}", d.log());
     d.terminate();
 }
+
+/// A package that crashes the daemon in its first evaluation (a kernel that fails on a
+/// checkpoint's weights, where the start's contract check passed) costs the package, not the
+/// checkpoint: the crash marker names the package on trial, the next start evaluates the
+/// checkpoint again instead of recording it as `crashed`, and after two such deaths the package is
+/// refused and TorchScript evaluates it under `auto`. The crash is a real SIGSEGV delivered to
+/// the daemon while the package runs the evaluation (the marker's handler does not tell who
+/// raised it).
+#[test]
+fn a_package_that_crashes_its_first_evaluation_is_blamed_not_the_checkpoint() {
+    use crate::daemon::{Daemon, exited_within, free_port, journal};
+    use std::os::unix::process::ExitStatusExt;
+    use std::time::Duration;
+    let (tmp, _arch, _pkg) = spoilable();
+    let dir = tmp.path();
+    for f in ["train.h5", "heldout.h5"] {
+        std::fs::copy(toy_run().join(f), dir.join(f)).unwrap();
+    }
+    std::fs::copy(fixture().join("ckpt_b.pt"), dir.join("ckpt_000010.pt")).unwrap();
+    let port = free_port();
+    let config = dir.join("diffmon.yaml");
+    // 2^20 view pairs: an evaluation far longer than the test takes to deliver the signal.
+    let write_config = |samples: u32| {
+        std::fs::write(
+            &config,
+            format!(
+                "run: {{dir: ., name: test}}\nmodel: {{architecture: arch.ts, compiled: auto}}\n\
+                 device: cpu\ndata: {{path: train.h5, heldout_path: heldout.h5}}\n\
+                 http: {{listen: \"127.0.0.1:{port}\"}}\n\
+                 icr: {{samples: {samples}, batch_size: 256}}\n\
+                 checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n"
+            ),
+        )
+        .unwrap();
+    };
+    write_config(1 << 20);
+    let trial = dir.join(".diffmon/compiled-trial");
+    let mut logs = Vec::new();
+    for died in 1..=2 {
+        let mut d = Daemon::spawn(config.clone(), port);
+        d.wait_for_evaluation_of("ckpt_000010.pt");
+        assert!(d.log().contains("network=compiled package"), "{}", d.log());
+        // SAFETY: kill(2) on our own child.
+        assert_eq!(unsafe { libc::kill(d.child.id() as i32, libc::SIGSEGV) }, 0);
+        let status = exited_within(&mut d.child, Duration::from_secs(60));
+        assert_eq!(status.and_then(|s| s.signal()), Some(libc::SIGSEGV));
+        let text = std::fs::read_to_string(&trial).unwrap();
+        assert!(text.contains(&format!("\"starts\":{died}")), "{text}");
+        logs.push(d.log());
+    }
+    // The second start blamed the package for the first death, not the checkpoint.
+    assert!(
+        logs[1].contains("ran on trial: the package is blamed, not the checkpoint"),
+        "{}",
+        logs[1]
+    );
+
+    write_config(256);
+    let mut d = Daemon::spawn(config.clone(), port);
+    d.wait_for(
+        Duration::from_secs(120),
+        "the checkpoint's evaluation",
+        |d| d.evaluated() >= 1.0,
+    );
+    let log = d.log();
+    assert!(
+        log.contains("TorchScript (model.compiled: auto; ")
+            && log.contains("the last 2 starts of diffmon died"),
+        "{log}"
+    );
+    d.terminate();
+    let (evals, failures) = journal(dir);
+    assert_eq!(evals, vec![10], "{log}");
+    assert!(
+        failures.is_empty(),
+        "nothing recorded as crashed: {failures:?}"
+    );
+}

@@ -253,6 +253,7 @@ impl Watcher {
                         mtime_ns: c.mtime_ns,
                     },
                     step: step_now,
+                    package_on_trial: None,
                 }));
             }
             let checked: Result<(), Option<crate::weights::WeightsError>> =

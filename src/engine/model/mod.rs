@@ -153,7 +153,7 @@ impl Model {
         if self.compiled.as_ref().is_some_and(|c| c.path == path) {
             return Ok(&self.format);
         }
-        // On trial from before libtorch opens it until the evaluator's first forward with it
+        // On trial from before libtorch opens it until it has run an evaluation through
         // (`crate::store::package_trial`): a package that crashes the process is not loaded
         // at every start.
         let rebuild = sidecar.rebuild.clone();
@@ -192,6 +192,11 @@ impl Model {
     /// Which format runs the forward passes, and why ([`Model::use_compiled`]).
     pub fn format(&self) -> &str {
         &self.format
+    }
+
+    /// The compiled package that runs the forward passes, `None` for TorchScript.
+    pub fn compiled_path(&self) -> Option<&Path> {
+        self.compiled.as_ref().map(|c| c.path.as_path())
     }
 
     /// Copies the architecture's current weights into `package`: every weight it takes must be
