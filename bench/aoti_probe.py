@@ -15,6 +15,10 @@ package in a process of its own (so a crash is a row, not the end), and prints w
   embedded      in-so with the kernels' binaries embedded in the shared object
                 (`aot_inductor.embed_kernel_binary`) instead of files beside it
 
+The in-so package is also loaded two other ways (rows `in-so` with `load`): with the device's
+index given (`device_index=0`, as diffmon's loader gives it, instead of the current device; on
+CUDA only) and single-threaded (`run_single_threaded=True`, one runner without the container's thread pool).
+
     python bench/aoti_probe.py [--device cuda|cpu] [--only NAMES] [--out DIR]
 
 A row per variant: compiled (seconds), loaded, ran, the largest difference from the eager
@@ -41,6 +45,8 @@ sys.path.insert(0, str(ROOT / "python"))
 from diffmon import compile as compiling  # noqa: E402
 
 VARIANTS = ("in-so", "kernels-only", "no-tensors", "embedded")
+# How the in-so package is loaded besides the default (`aoti_load_package`'s keywords).
+LOADS = {"device-0": {"device_index": 0}, "single-threaded": {"run_single_threaded": True}}
 
 
 class Small(nn.Module):
@@ -95,13 +101,14 @@ def compile_variant(name: str, device: torch.device, out: Path) -> dict:
     return row
 
 
-def child(package: str, job: str, device: str) -> None:
-    """Loads `package`, gives it the job's tensors (a kernels-only package), runs it once."""
+def child(package: str, job: str, device: str, load: str) -> None:
+    """Loads `package` the `load` way, gives it the job's tensors (a kernels-only package), runs
+    it once."""
     import torch._inductor
 
     case = torch.load(job, weights_only=True)
     print("loading", flush=True)
-    loaded = torch._inductor.aoti_load_package(package)
+    loaded = torch._inductor.aoti_load_package(package, **LOADS.get(load, {}))
     print("loaded", flush=True)
     if case["tensors"]:
         loaded.load_constants({n: t.to(device) for n, t in case["tensors"].items()},
@@ -114,12 +121,12 @@ def child(package: str, job: str, device: str) -> None:
     print(json.dumps({"ran": True, "relative_difference": diff}), flush=True)
 
 
-def run_child(package: Path, device: str) -> dict:
+def run_child(package: Path, device: str, load: str = "default") -> dict:
     p = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "--child", str(package),
-                        str(package.with_suffix(".job.pt")), "--device", device],
+                        str(package.with_suffix(".job.pt")), "--device", device, "--load", load],
                        capture_output=True, text=True, timeout=600)
     out = p.stdout.strip().splitlines()
-    row = {"loaded": "loaded" in out}
+    row = {"load": load, "loaded": "loaded" in out}
     if out and out[-1].startswith("{"):
         row.update(json.loads(out[-1]))
     if p.returncode < 0:
@@ -139,9 +146,10 @@ def main() -> int:
     ap.add_argument("--only", default=",".join(VARIANTS))
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--load", default="default", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(*args.child, args.device)
+        child(*args.child, args.device, args.load)
         return 0
     device = torch.device(args.device)
     print(f"== AOTInductor probe: torch {torch.__version__}, device "
@@ -158,6 +166,10 @@ def main() -> int:
                 row.update(run_child(package, args.device))
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if name == "in-so" and "compile_failed" not in row:
+                for load in LOADS if device.type == "cuda" else ["single-threaded"]:
+                    rows.append({"variant": name, **run_child(package, args.device, load)})
+                    print(json.dumps(rows[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "aoti-probe.json").write_text(json.dumps(
         {"torch": torch.__version__, "device": str(device), "rows": rows}, indent=1) + "\n")
