@@ -217,6 +217,54 @@ fn spoilable() -> (tempfile::TempDir, PathBuf, PathBuf) {
     (tmp, arch, pkg)
 }
 
+/// A run folder for `diffmon watch` with the fixture's package beside its architecture
+/// ([`spoilable`]), the toy run's data and one checkpoint, `ckpt_000010.pt`.
+struct PackageRun {
+    tmp: tempfile::TempDir,
+    pkg: PathBuf,
+    config: PathBuf,
+    port: u16,
+}
+
+impl PackageRun {
+    fn new() -> PackageRun {
+        let (tmp, _arch, pkg) = spoilable();
+        let dir = tmp.path();
+        for f in ["train.h5", "heldout.h5"] {
+            std::fs::copy(toy_run().join(f), dir.join(f)).unwrap();
+        }
+        std::fs::copy(fixture().join("ckpt_b.pt"), dir.join("ckpt_000010.pt")).unwrap();
+        let config = dir.join("diffmon.yaml");
+        let port = crate::daemon::free_port();
+        PackageRun {
+            tmp,
+            pkg,
+            config,
+            port,
+        }
+    }
+
+    fn dir(&self) -> &Path {
+        self.tmp.path()
+    }
+
+    /// Writes the config with `model.compiled: <compiled>` and `icr.samples: <samples>`.
+    fn configure(&self, compiled: &str, samples: u32) {
+        std::fs::write(
+            &self.config,
+            format!(
+                "run: {{dir: ., name: test}}\nmodel: {{architecture: arch.ts, compiled: {compiled}}}\n\
+                 device: cpu\ndata: {{path: train.h5, heldout_path: heldout.h5}}\n\
+                 http: {{listen: \"127.0.0.1:{}\"}}\n\
+                 icr: {{samples: {samples}, batch_size: 256}}\n\
+                 checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n",
+                self.port
+            ),
+        )
+        .unwrap();
+    }
+}
+
 /// Hostile and mismatched packages: writable by others, truncated, random bytes, another
 /// torch, another architecture. Named by path, each is an error of `eval` (exit 2) naming the
 /// file and the rebuild command, and of `check-config` where the vetting before the load finds
@@ -436,35 +484,18 @@ fn a_bad_constants_file_is_refused() {
 /// its own, passes it at the start, and its trial file is removed.
 #[test]
 fn a_package_that_crashes_the_start_is_tried_twice_then_refused() {
-    use crate::daemon::{Daemon, exited_within, free_port};
+    use crate::daemon::{Daemon, exited_within};
     use std::os::unix::process::ExitStatusExt;
     use std::time::Duration;
-    let (tmp, _arch, pkg) = spoilable();
-    let dir = tmp.path();
-    for f in ["train.h5", "heldout.h5"] {
-        std::fs::copy(toy_run().join(f), dir.join(f)).unwrap();
-    }
-    let sidecar = compiled::sidecar_path(&pkg);
+    let run = PackageRun::new();
+    let (dir, pkg, config, port) = (run.dir(), &run.pkg, &run.config, run.port);
+    let sidecar = compiled::sidecar_path(pkg);
     let mut spoiled: Value =
         serde_json::from_str(&std::fs::read_to_string(&sidecar).unwrap()).unwrap();
     spoiled["weights_inside"] = Value::Bool(true);
     spoiled["weights"].as_array_mut().unwrap().remove(0);
     std::fs::write(&sidecar, spoiled.to_string()).unwrap();
-    std::fs::copy(fixture().join("ckpt_b.pt"), dir.join("ckpt_000010.pt")).unwrap();
-    let port = free_port();
-    let config = dir.join("diffmon.yaml");
-    let write_config = |compiled: &str| {
-        std::fs::write(
-            &config,
-            format!(
-                "run: {{dir: ., name: test}}\nmodel: {{architecture: arch.ts, compiled: {compiled}}}\n\
-                 device: cpu\ndata: {{path: train.h5, heldout_path: heldout.h5}}\n\
-                 http: {{listen: \"127.0.0.1:{port}\"}}\nicr: {{samples: 256, batch_size: 256}}\n\
-                 checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n"
-            ),
-        )
-        .unwrap();
-    };
+    let write_config = |compiled: &str| run.configure(compiled, 256);
     let watch = || {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_diffmon"))
             .args(["watch", "--config", config.to_str().unwrap()])
@@ -528,7 +559,7 @@ fn a_package_that_crashes_the_start_is_tried_twice_then_refused() {
 
     // Rebuilt (copied anew: another modification time) with its own sidecar: a trial of its
     // own, passed at the start; the trial file is gone and the package runs.
-    std::fs::copy(fixture().join("arch.pt2"), &pkg).unwrap();
+    std::fs::copy(fixture().join("arch.pt2"), pkg).unwrap();
     std::fs::copy(fixture().join("arch.pt2.json"), &sidecar).unwrap();
     let mut d = Daemon::spawn(config.clone(), port);
     assert!(!trial.exists(), "the passed trial's file is still there");
@@ -545,32 +576,13 @@ fn a_package_that_crashes_the_start_is_tried_twice_then_refused() {
 /// raised it).
 #[test]
 fn a_package_that_crashes_its_first_evaluation_is_blamed_not_the_checkpoint() {
-    use crate::daemon::{Daemon, exited_within, free_port, journal};
+    use crate::daemon::{Daemon, exited_within, journal};
     use std::os::unix::process::ExitStatusExt;
     use std::time::Duration;
-    let (tmp, _arch, _pkg) = spoilable();
-    let dir = tmp.path();
-    for f in ["train.h5", "heldout.h5"] {
-        std::fs::copy(toy_run().join(f), dir.join(f)).unwrap();
-    }
-    std::fs::copy(fixture().join("ckpt_b.pt"), dir.join("ckpt_000010.pt")).unwrap();
-    let port = free_port();
-    let config = dir.join("diffmon.yaml");
+    let run = PackageRun::new();
+    let (dir, config, port) = (run.dir(), &run.config, run.port);
     // 2^20 view pairs: an evaluation far longer than the test takes to deliver the signal.
-    let write_config = |samples: u32| {
-        std::fs::write(
-            &config,
-            format!(
-                "run: {{dir: ., name: test}}\nmodel: {{architecture: arch.ts, compiled: auto}}\n\
-                 device: cpu\ndata: {{path: train.h5, heldout_path: heldout.h5}}\n\
-                 http: {{listen: \"127.0.0.1:{port}\"}}\n\
-                 icr: {{samples: {samples}, batch_size: 256}}\n\
-                 checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n"
-            ),
-        )
-        .unwrap();
-    };
-    write_config(1 << 20);
+    run.configure("auto", 1 << 20);
     let trial = dir.join(".diffmon/compiled-trial");
     let mut logs = Vec::new();
     for died in 1..=2 {
@@ -592,7 +604,7 @@ fn a_package_that_crashes_its_first_evaluation_is_blamed_not_the_checkpoint() {
         logs[1]
     );
 
-    write_config(256);
+    run.configure("auto", 256);
     let mut d = Daemon::spawn(config.clone(), port);
     d.wait_for(
         Duration::from_secs(120),
