@@ -110,6 +110,10 @@ pub enum Command {
         /// `{"failure": {"step", "reason", "message"}}` (the Slurm executor's jobs pass it).
         #[arg(long, hide = true)]
         failure_lines: bool,
+        /// The job's folder (the jobs executor's jobs pass it): a compiled package is on trial in
+        /// the run's state folder, and named in this folder while it runs.
+        #[arg(long, value_name = "DIR", hide = true)]
+        job_folder: Option<PathBuf>,
     },
     /// ICR from precomputed features (`/h1`, `/h2` `[n,d]`), printed as JSON.
     IcrFeatures {

@@ -6,18 +6,31 @@ use anyhow::Result;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+/// What a job of the jobs executor passes to `diffmon eval` (`src/daemon/jobs/script.rs`).
+pub struct AsJob<'a> {
+    /// Checkpoints of the run evaluated before these (for `pfd.every`'s rhythm).
+    pub evaluated_before: usize,
+    /// A checkpoint that cannot be evaluated is a JSON failure line.
+    pub failure_lines: bool,
+    /// The job's folder: a compiled package is on trial in the run's state folder
+    /// ([`crate::store::package_trial::in_job`]).
+    pub folder: Option<&'a Path>,
+}
+
 /// `diffmon eval`.
 pub fn eval(
     config_path: &Path,
     run: Option<&str>,
     checkpoints: &[PathBuf],
     json: bool,
-    evaluated_before: usize,
-    failure_lines: bool,
+    job: AsJob,
 ) -> Result<()> {
     let config = Config::load_without_secrets(config_path)?;
     let mut config = choose_run(config, run, config_path)?;
     config.imply_memorization();
+    if let Some(folder) = job.folder {
+        crate::store::package_trial::in_job(&config.state_dir(), folder);
+    }
     let steps = checkpoints
         .iter()
         .map(|path| {
@@ -31,13 +44,18 @@ pub fn eval(
         })
         .collect::<Result<Vec<i64>, NoStep>>()?;
     let mut evaluator = Evaluator::new(&config)?;
-    evaluator.set_evaluated(evaluated_before);
+    evaluator.set_evaluated(job.evaluated_before);
     let mut out = super::output::stdout();
     let mut failures = 0;
     for (path, step) in checkpoints.iter().zip(steps) {
         // The version evaluated: a failure's reason is `vanished` if it changes meanwhile.
         let key = crate::store::unit::key(path).ok();
-        match evaluator.evaluate(path, step) {
+        let on_trial = crate::store::package_trial::resume(evaluator.package().as_deref());
+        let evaluated = evaluator.evaluate(path, step);
+        if on_trial.is_some() {
+            crate::store::package_trial::settle(evaluated.is_ok());
+        }
+        match evaluated {
             Ok(record) => {
                 if json {
                     writeln!(out, "{}", serde_json::to_string(&record)?)?;
@@ -52,7 +70,7 @@ pub fn eval(
             Err(e) => {
                 failures += 1;
                 tracing::warn!(checkpoint = %crate::store::safe_fs::untrusted(path), "{}", crate::store::safe_fs::untrusted_text(&e.to_string()));
-                if failure_lines {
+                if job.failure_lines {
                     let reason = match &key {
                         Some(key) => crate::daemon::failure_reason(
                             &crate::daemon::watcher::WorkItem::new(path.clone(), step, key.clone()),

@@ -196,11 +196,7 @@ fn evaluate(evaluator: &mut Evaluator, item: WorkItem) -> Outcome {
     let evaluated = evaluator.evaluate_from(&item.path, item.files(), item.step);
     crate::store::crash::evaluating(None);
     if package_on_trial.is_some() {
-        // Run through: the trial is passed; a failed evaluation pauses it until the next.
-        match evaluated {
-            Ok(_) => crate::store::package_trial::end(),
-            Err(_) => crate::store::package_trial::pause(),
-        }
+        crate::store::package_trial::settle(evaluated.is_ok());
     }
     match evaluated {
         // A file deleted or rewritten while it was read may not be what was evaluated.

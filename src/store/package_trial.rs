@@ -28,9 +28,11 @@
 //! so that a single kill (an operator, the out-of-memory killer) does not cost the package.
 //!
 //! The trial lives in the state folder the crash marker was armed for
-//! ([`crate::store::crash::armed_dir`]); where none is (`diffmon eval`, a one-off process whose
-//! crash loops nothing) there is no trial. The file is replaced atomically without following a
-//! link, and read bounded, as data ([`safe_fs`]).
+//! ([`crate::store::crash::armed_dir`]), or, for `diffmon eval` in a job of the jobs executor,
+//! in the run's state folder ([`in_job`]: the job's folder names the package while it runs, and
+//! the daemon submits a job the package killed again). A `diffmon eval` run by hand (a one-off
+//! process whose crash loops nothing) has no trial. The files are replaced atomically without
+//! following a link, and read bounded, as data ([`safe_fs`]).
 
 use crate::store::history::CheckpointKey;
 use crate::store::safe_fs;
@@ -40,6 +42,9 @@ use std::sync::Mutex;
 
 /// The trial's file name inside the state folder.
 pub const FILE: &str = "compiled-trial";
+/// In a job's folder, while the package runs on trial in the job's `diffmon eval`: the
+/// package's path. A job that dies leaving it died of the package ([`in_job`]).
+pub const JOB_FILE: &str = "package-on-trial";
 /// Starts that died while the same package was running on trial, after which it is refused.
 pub const MAX_STARTS: u64 = 2;
 /// The most of the file that is read (a path of `PATH_MAX` bytes escaped as JSON fits).
@@ -57,6 +62,8 @@ struct Trial {
 struct Open {
     /// The state folder that holds its file.
     dir: PathBuf,
+    /// The job's folder, for `diffmon eval` in a job ([`in_job`]).
+    job: Option<PathBuf>,
     /// The package's path as `model.compiled` gave it.
     path: PathBuf,
     package: CheckpointKey,
@@ -67,6 +74,8 @@ struct Open {
 }
 
 static ON_TRIAL: Mutex<Option<Open>> = Mutex::new(None);
+/// The run's state folder and the job's folder of `diffmon eval` in a job ([`in_job`]).
+static JOB: Mutex<Option<(PathBuf, PathBuf)>> = Mutex::new(None);
 
 fn on_trial() -> std::sync::MutexGuard<'static, Option<Open>> {
     ON_TRIAL.lock().unwrap_or_else(|e| e.into_inner())
@@ -77,13 +86,29 @@ fn on_trial() -> std::sync::MutexGuard<'static, Option<Open>> {
 /// Without an armed state folder, or where the file cannot be written (a warning), the package
 /// is loaded without a trial.
 pub fn begin(package: &Path) -> Result<(), String> {
-    let Some(dir) = crate::store::crash::armed_dir() else {
-        return Ok(());
+    let job = JOB.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let (dir, job) = match job {
+        Some((state, job)) => (state, Some(job)),
+        None => match crate::store::crash::armed_dir() {
+            Some(dir) => (dir, None),
+            None => return Ok(()),
+        },
     };
-    if let Some(open) = Open::begin(dir, package)? {
+    if let Some(open) = Open::begin(dir, job, package)? {
         *on_trial() = Some(open);
     }
     Ok(())
+}
+
+/// `diffmon eval` runs in a job of `diffmon watch`'s jobs executor (`src/daemon/jobs/`): the
+/// package's trial is the run's, in its state folder `state_dir` (which the job's machine
+/// shares), and while the package runs, [`JOB_FILE`] in `job_folder` names it, so that the daemon
+/// tells a job the package killed from one the checkpoint did, and submits it again (the trial
+/// refuses the package after [`MAX_STARTS`] such deaths; TorchScript then evaluates the
+/// checkpoint under `auto`).
+pub fn in_job(state_dir: &Path, job_folder: &Path) {
+    *JOB.lock().unwrap_or_else(|e| e.into_inner()) =
+        Some((state_dir.to_path_buf(), job_folder.to_path_buf()));
 }
 
 /// The package on trial has stopped running without a crash (its contract check passed, an
@@ -106,6 +131,12 @@ pub fn resume(package: Option<&Path>) -> Option<String> {
     Some(open.path.display().to_string())
 }
 
+/// The evaluation the package on trial ran ([`resume`]) is over: run through (`passed`), the
+/// trial is passed ([`end`]); failed, it is paused until the next ([`pause`]).
+pub fn settle(passed: bool) {
+    if passed { end() } else { pause() }
+}
+
 /// The trial this process began is over without a crash: the package has run an evaluation
 /// through, or it was refused with an error (corrupt, not this architecture's). Its file is
 /// removed. Nothing to do where no trial is open (none armed, no package, or one refused by its
@@ -118,7 +149,7 @@ pub fn end() {
 
 impl Open {
     /// The trial of `package` in `dir`, running; `Ok(None)` where it cannot be recorded.
-    fn begin(dir: PathBuf, package: &Path) -> Result<Option<Open>, String> {
+    fn begin(dir: PathBuf, job: Option<PathBuf>, package: &Path) -> Result<Option<Open>, String> {
         let Ok(key) = CheckpointKey::of(package) else {
             return Ok(None); // loading it gives the error that names it
         };
@@ -128,18 +159,24 @@ impl Open {
         }
         let open = Open {
             dir,
+            job,
             path: package.to_path_buf(),
             package: key,
             died,
             running: true,
         };
-        Ok(open.record().then_some(open))
+        if !open.record() {
+            return Ok(None);
+        }
+        open.mark_job(true);
+        Ok(Some(open))
     }
 
     fn set_running(&mut self, running: bool) {
         if self.running != running {
             self.running = running;
             self.record();
+            self.mark_job(running);
         }
     }
 
@@ -168,8 +205,26 @@ impl Open {
         written.is_ok()
     }
 
-    /// The trial is passed: its file is removed.
+    /// In a job: names the package in the job's folder while it runs ([`JOB_FILE`]).
+    fn mark_job(&self, running: bool) {
+        let Some(job) = &self.job else { return };
+        let path = job.join(JOB_FILE);
+        let marked = if running {
+            safe_fs::atomic_write(&path, self.path.display().to_string().as_bytes())
+        } else {
+            remove(&path)
+        };
+        if let Err(e) = marked {
+            tracing::warn!(
+                "cannot write {} ({e}): a crash of the compiled package would be the checkpoint's",
+                safe_fs::untrusted(&path)
+            );
+        }
+    }
+
+    /// The trial is passed: its files are removed.
     fn close(self) {
+        self.mark_job(false);
         // The file holds this trial: one daemon per state folder, one trial at a time.
         if let Err(e) = remove(&self.dir.join(FILE)) {
             tracing::warn!("cannot remove {} ({e})", shown_file(&self.dir))
@@ -265,7 +320,7 @@ mod tests {
         let pkg = dir.path().join("model.pt2");
         std::fs::write(&pkg, b"a package").unwrap();
         let starts = || read(&dir.path().join(FILE)).map(|t| t.starts);
-        let begin = || Open::begin(dir.path().to_path_buf(), &pkg);
+        let begin = || Open::begin(dir.path().to_path_buf(), None, &pkg);
 
         // Dies while waiting for a checkpoint, after its contract check: not counted.
         let mut open = begin().unwrap().unwrap();
@@ -294,5 +349,28 @@ mod tests {
         assert_eq!(starts(), Some(1));
         open.close();
         assert_eq!(starts(), None);
+    }
+
+    /// In a job, the job's folder names the package while it runs, and not otherwise.
+    #[test]
+    fn a_job_folder_names_the_package_while_it_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let job = dir.path().join("job");
+        std::fs::create_dir(&job).unwrap();
+        let pkg = dir.path().join("model.pt2");
+        std::fs::write(&pkg, b"a package").unwrap();
+        let named = || std::fs::read_to_string(job.join(JOB_FILE)).ok();
+        let mut open = Open::begin(dir.path().to_path_buf(), Some(job.clone()), &pkg)
+            .unwrap()
+            .unwrap();
+        let shown = pkg.display().to_string();
+        assert_eq!(named().as_ref(), Some(&shown));
+        open.set_running(false);
+        assert_eq!(named(), None);
+        open.set_running(true);
+        assert_eq!(named().as_ref(), Some(&shown));
+        open.close();
+        assert_eq!(named(), None);
+        assert_eq!(read(&dir.path().join(FILE)), None, "the trial is passed");
     }
 }

@@ -248,8 +248,9 @@ impl PackageRun {
         self.tmp.path()
     }
 
-    /// Writes the config with `model.compiled: <compiled>` and `icr.samples: <samples>`.
-    fn configure(&self, compiled: &str, samples: u32) {
+    /// Writes the config with `model.compiled: <compiled>`, `icr.samples: <samples>` and
+    /// `extra`.
+    fn configure(&self, compiled: &str, samples: u32, extra: &str) {
         std::fs::write(
             &self.config,
             format!(
@@ -257,7 +258,7 @@ impl PackageRun {
                  device: cpu\ndata: {{path: train.h5, heldout_path: heldout.h5}}\n\
                  http: {{listen: \"127.0.0.1:{}\"}}\n\
                  icr: {{samples: {samples}, batch_size: 256}}\n\
-                 checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n",
+                 checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{extra}",
                 self.port
             ),
         )
@@ -495,7 +496,7 @@ fn a_package_that_crashes_the_start_is_tried_twice_then_refused() {
     spoiled["weights_inside"] = Value::Bool(true);
     spoiled["weights"].as_array_mut().unwrap().remove(0);
     std::fs::write(&sidecar, spoiled.to_string()).unwrap();
-    let write_config = |compiled: &str| run.configure(compiled, 256);
+    let write_config = |compiled: &str| run.configure(compiled, 256, "");
     let watch = || {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_diffmon"))
             .args(["watch", "--config", config.to_str().unwrap()])
@@ -582,7 +583,7 @@ fn a_package_that_crashes_its_first_evaluation_is_blamed_not_the_checkpoint() {
     let run = PackageRun::new();
     let (dir, config, port) = (run.dir(), &run.config, run.port);
     // 2^20 view pairs: an evaluation far longer than the test takes to deliver the signal.
-    run.configure("auto", 1 << 20);
+    run.configure("auto", 1 << 20, "");
     let trial = dir.join(".diffmon/compiled-trial");
     let mut logs = Vec::new();
     for died in 1..=2 {
@@ -604,7 +605,7 @@ fn a_package_that_crashes_its_first_evaluation_is_blamed_not_the_checkpoint() {
         logs[1]
     );
 
-    run.configure("auto", 256);
+    run.configure("auto", 256, "");
     let mut d = Daemon::spawn(config.clone(), port);
     d.wait_for(
         Duration::from_secs(120),
@@ -624,4 +625,65 @@ fn a_package_that_crashes_its_first_evaluation_is_blamed_not_the_checkpoint() {
         failures.is_empty(),
         "nothing recorded as crashed: {failures:?}"
     );
+}
+
+/// The same on the Slurm executor, whose jobs each run `diffmon eval`: a job that dies while the
+/// package runs on trial (in the job's folder, `package-on-trial` names it) died of the package,
+/// not of its checkpoint; it is submitted again beyond `evaluation.retries` (1 here), the trial
+/// (in the run's state folder, shared by the jobs) refuses the package at two such deaths, and
+/// the third job evaluates the checkpoint with TorchScript. Before, the first job's status 139
+/// was the checkpoint's failure. The package is the one whose sidecar is spoiled (a SIGSEGV in
+/// its first forward, every time).
+#[test]
+fn a_slurm_job_killed_by_a_package_on_trial_is_submitted_again_and_nothing_is_lost() {
+    use crate::daemon::{Daemon, journal};
+    use std::time::Duration;
+    let Some(cluster) = crate::slurm_cluster::Cluster::start() else {
+        return;
+    };
+    let run = PackageRun::new();
+    let sidecar = compiled::sidecar_path(&run.pkg);
+    let mut spoiled: Value =
+        serde_json::from_str(&std::fs::read_to_string(&sidecar).unwrap()).unwrap();
+    spoiled["weights_inside"] = Value::Bool(true);
+    spoiled["weights"].as_array_mut().unwrap().remove(0);
+    std::fs::write(&sidecar, spoiled.to_string()).unwrap();
+    run.configure(
+        "auto",
+        256,
+        "evaluation: {executor: slurm, slurm: {poll_secs: 0.5}}\n",
+    );
+    let conf = format!("SLURM_CONF={}", cluster.conf.display());
+    let d = Daemon::spawn_wrapped(run.config.clone(), run.port, &["env", &conf]);
+    d.wait_for(Duration::from_secs(300), "the checkpoint's outcome", |_| {
+        !journal_is_empty(run.dir())
+    });
+    let log = d.log();
+    assert_eq!(journal(run.dir()), (vec![10], vec![]), "{log}");
+    assert_eq!(
+        d.metric("diffmon_slurm_jobs_failed_total{run=\"test\",reason=\"failed\"}"),
+        Some(2.0),
+        "{log}"
+    );
+    assert!(
+        log.contains("while the compiled package ran on trial"),
+        "{log}"
+    );
+    // The third job ran TorchScript: its output says why.
+    let jobs: Vec<_> = std::fs::read_dir(run.dir().join(".diffmon/jobs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(jobs.len(), 3, "{jobs:?}");
+    let refused = jobs.iter().any(|j| {
+        std::fs::read_dir(j).unwrap().any(|f| {
+            std::fs::read_to_string(f.unwrap().path())
+                .is_ok_and(|t| t.contains("the last 2 starts of diffmon died"))
+        })
+    });
+    assert!(refused, "no job's output says the package was refused");
+}
+
+fn journal_is_empty(dir: &Path) -> bool {
+    crate::daemon::journal_entries(dir).is_empty()
 }

@@ -31,7 +31,10 @@
 //!   again, up to `evaluation.retries` times; then the checkpoint is a failure with reason
 //!   `job_failed`, `job_timeout`, `job_cancelled` or `job_lost` ([`JobEnd`]). `diffmon eval`
 //!   exiting non-zero is the checkpoint's failure, with the reason its failure line gives (the
-//!   local executor's: `unreadable`, `mismatch`, ...), not retried: it would fail again. A job
+//!   local executor's: `unreadable`, `mismatch`, ...), not retried: it would fail again; unless
+//!   it died while a compiled package ran on trial (its folder holds
+//!   [`crate::store::package_trial::JOB_FILE`]): that is the package's death, retried up to
+//!   `evaluation.retries` + [`crate::store::package_trial::MAX_STARTS`] times. A job
 //!   stopped by SIGTERM (a cancel, a time limit, preemption) writes no status, so its reason is
 //!   what the scheduler says of it, not the signal's exit status. When the queue cannot be
 //!   read, jobs are left as they were until it answers.

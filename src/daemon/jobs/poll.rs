@@ -2,9 +2,10 @@
 //! result files a job leaves in its folder (`status`, `record.json`, its output).
 
 use super::runner::{Job, Runner, State};
-use super::scheduler::Scheduler;
+use super::scheduler::{JobEnd, Scheduler};
 use crate::daemon::executor::{Outcome, unchanged};
 use crate::record::{Evaluation, FailureReason};
+use crate::store::package_trial;
 use crate::store::safe_fs::untrusted;
 use std::collections::VecDeque;
 use std::fs::OpenOptions;
@@ -94,6 +95,17 @@ impl<S: Scheduler> Runner<S> {
                     } else {
                         // Started and ended between two polls.
                         self.metrics.job_queue_wait(since.elapsed().as_secs_f64());
+                    }
+                    if status.trim() != "0" && folder.join(package_trial::JOB_FILE).exists() {
+                        // Its `diffmon eval` died while a compiled package ran on trial.
+                        let message = format!(
+                            "diffmon eval exited with status {} while the compiled package ran on \
+                             trial; its output ends: {}",
+                            crate::store::safe_fs::untrusted_text(status.trim()),
+                            output_tail(&folder, S::OUTPUT)
+                        );
+                        self.ended(job, JobEnd::Failed, message);
+                        continue;
                     }
                     let outcome = self.result(job, &folder, status.trim());
                     if matches!(outcome, Outcome::Done(..)) {

@@ -42,7 +42,7 @@ pub(super) fn script(
         "#!/bin/sh\n\
          # diffmon watch: evaluation of step {step}\n\
          dir={dir}\n\
-         {bin} eval --json --failure-lines --evaluated-before {index} --config {config}{run} -- {checkpoint} > \"$dir/record.json.tmp\"\n\
+         {bin} eval --json --failure-lines --evaluated-before {index} --job-folder \"$dir\" --config {config}{run} -- {checkpoint} > \"$dir/record.json.tmp\"\n\
          status=$?\n\
          # Stopped by SIGTERM (cancelled, a time limit, preemption): no status, so the job's\n\
          # state in the scheduler says why, not the signal's exit status.\n\

@@ -133,7 +133,20 @@ impl<S: Scheduler> Runner<S> {
     }
 
     pub(super) fn retry_or_fail(&mut self, job: &mut Job, end: JobEnd, message: String) {
-        if job.attempt < self.retries {
+        // A job whose `diffmon eval` died while a compiled package ran on trial died of the
+        // package: the trial refuses it after `MAX_STARTS` such deaths (TorchScript evaluates
+        // the checkpoint under `auto`), so as many attempts more are its own.
+        let package_crashed = self
+            .jobs_dir
+            .join(&job.folder)
+            .join(crate::store::package_trial::JOB_FILE)
+            .exists();
+        let retries = if package_crashed {
+            self.retries + crate::store::package_trial::MAX_STARTS as usize
+        } else {
+            self.retries
+        };
+        if job.attempt < retries {
             tracing::warn!(
                 step = job.item.step,
                 reason = end.as_str(),
