@@ -248,6 +248,34 @@ impl PackageRun {
         self.tmp.path()
     }
 
+    /// Spoils the package's sidecar: it claims the shared object holds the weights and leaves
+    /// one out, so the package's first forward reads memory nothing wrote (a SIGSEGV every time
+    /// on this CPU).
+    fn spoil(&self) {
+        let sidecar = compiled::sidecar_path(&self.pkg);
+        let mut spoiled: Value =
+            serde_json::from_str(&std::fs::read_to_string(&sidecar).unwrap()).unwrap();
+        spoiled["weights_inside"] = Value::Bool(true);
+        spoiled["weights"].as_array_mut().unwrap().remove(0);
+        std::fs::write(&sidecar, spoiled.to_string()).unwrap();
+    }
+
+    /// Starts `diffmon watch` under `model.compiled: auto` with the package refused by its trial
+    /// and returns it once it has evaluated a checkpoint with TorchScript, warning why.
+    fn watch_refused(&self) -> crate::daemon::Daemon {
+        let d = crate::daemon::Daemon::spawn(self.config.clone(), self.port);
+        d.wait_for(std::time::Duration::from_secs(120), "an evaluation", |d| {
+            d.evaluated() >= 1.0
+        });
+        let log = d.log();
+        assert!(
+            log.contains("TorchScript (model.compiled: auto; ")
+                && log.contains("the last 2 starts of diffmon died"),
+            "{log}"
+        );
+        d
+    }
+
     /// Writes the config with `model.compiled: <compiled>`, `icr.samples: <samples>` and
     /// `extra`.
     fn configure(&self, compiled: &str, samples: u32, extra: &str) {
@@ -491,11 +519,7 @@ fn a_package_that_crashes_the_start_is_tried_twice_then_refused() {
     let run = PackageRun::new();
     let (dir, pkg, config, port) = (run.dir(), &run.pkg, &run.config, run.port);
     let sidecar = compiled::sidecar_path(pkg);
-    let mut spoiled: Value =
-        serde_json::from_str(&std::fs::read_to_string(&sidecar).unwrap()).unwrap();
-    spoiled["weights_inside"] = Value::Bool(true);
-    spoiled["weights"].as_array_mut().unwrap().remove(0);
-    std::fs::write(&sidecar, spoiled.to_string()).unwrap();
+    run.spoil();
     let write_config = |compiled: &str| run.configure(compiled, 256, "");
     let watch = || {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_diffmon"))
@@ -546,17 +570,7 @@ fn a_package_that_crashes_the_start_is_tried_twice_then_refused() {
 
     // Under `auto`: TorchScript runs, with the warning, and evaluates.
     write_config("auto");
-    let mut d = Daemon::spawn(config.clone(), port);
-    d.wait_for(Duration::from_secs(120), "an evaluation", |d| {
-        d.evaluated() >= 1.0
-    });
-    let log = d.log();
-    assert!(
-        log.contains("TorchScript (model.compiled: auto; ")
-            && log.contains("the last 2 starts of diffmon died"),
-        "{log}"
-    );
-    d.terminate();
+    run.watch_refused().terminate();
 
     // Rebuilt (copied anew: another modification time) with its own sidecar: a trial of its
     // own, passed at the start; the trial file is gone and the package runs.
@@ -606,18 +620,8 @@ fn a_package_that_crashes_its_first_evaluation_is_blamed_not_the_checkpoint() {
     );
 
     run.configure("auto", 256, "");
-    let mut d = Daemon::spawn(config.clone(), port);
-    d.wait_for(
-        Duration::from_secs(120),
-        "the checkpoint's evaluation",
-        |d| d.evaluated() >= 1.0,
-    );
+    let mut d = run.watch_refused();
     let log = d.log();
-    assert!(
-        log.contains("TorchScript (model.compiled: auto; ")
-            && log.contains("the last 2 starts of diffmon died"),
-        "{log}"
-    );
     d.terminate();
     let (evals, failures) = journal(dir);
     assert_eq!(evals, vec![10], "{log}");
@@ -642,12 +646,7 @@ fn a_slurm_job_killed_by_a_package_on_trial_is_submitted_again_and_nothing_is_lo
         return;
     };
     let run = PackageRun::new();
-    let sidecar = compiled::sidecar_path(&run.pkg);
-    let mut spoiled: Value =
-        serde_json::from_str(&std::fs::read_to_string(&sidecar).unwrap()).unwrap();
-    spoiled["weights_inside"] = Value::Bool(true);
-    spoiled["weights"].as_array_mut().unwrap().remove(0);
-    std::fs::write(&sidecar, spoiled.to_string()).unwrap();
+    run.spoil();
     run.configure(
         "auto",
         256,
