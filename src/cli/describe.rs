@@ -287,7 +287,8 @@ pub fn network_format(runs: &[Config]) -> (Vec<String>, Vec<crate::config::Probl
         // A package that crashed the last starts is on trial and would not be loaded.
         let on_trial = decided.as_ref().ok().and_then(|d| {
             let (package, _) = d.package.as_ref()?;
-            let reason = crate::store::package_trial::refused(&run.state_dir(), package)?;
+            // The daemon keeps its trials in its first run's state folder.
+            let reason = crate::store::package_trial::refused(&runs[0].state_dir(), package)?;
             Some(format!("{}: {reason}", package.display()))
         });
         match (decided, on_trial) {

@@ -139,6 +139,7 @@ pub(super) fn open(
     }
     if arm {
         crate::store::crash::arm(&state_dir)?;
+        crate::store::package_trial::keep_in(&state_dir);
     }
     Ok(Opened {
         recorder,

@@ -228,14 +228,13 @@ static SUSPECTS: std::sync::Mutex<
 /// The state folder [`arm`] armed last.
 static ARMED_DIR: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
 
-/// The state folder [`arm`] armed last, `None` before (`diffmon eval`, a sweep's evaluator
-/// before its first item).
-pub fn armed_dir() -> Option<PathBuf> {
-    ARMED_DIR.lock().unwrap_or_else(|e| e.into_inner()).clone()
-}
-
+/// The state folder [`arm`] armed last (empty before).
 fn current_dir() -> PathBuf {
-    armed_dir().unwrap_or_default()
+    ARMED_DIR
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
+        .unwrap_or_default()
 }
 
 /// The in-flight file's checkpoint and its count of starts (`None` when empty or unreadable).

@@ -27,10 +27,11 @@
 //! package changes (rebuilt: another size or time) or the file is deleted. Two deaths, not one,
 //! so that a single kill (an operator, the out-of-memory killer) does not cost the package.
 //!
-//! The trial lives in the state folder the crash marker was armed for
-//! ([`crate::store::crash::armed_dir`]), or, for `diffmon eval` in a job of the jobs executor,
-//! in the run's state folder ([`in_job`]: the job's folder names the package while it runs, and
-//! the daemon submits a job the package killed again). A `diffmon eval` run by hand (a one-off
+//! The trial lives in the daemon's first run's state folder ([`keep_in`]: a sweep's runs that
+//! share the network share its trial, and `check-config` reads the same file), or, for
+//! `diffmon eval` in a job of the jobs executor, in the run's state folder ([`in_job`]: the
+//! job's folder names the package while it runs, and the daemon submits a job the package
+//! killed again). A `diffmon eval` run by hand (a one-off
 //! process whose crash loops nothing) has no trial. The files are replaced atomically without
 //! following a link, and read bounded, as data ([`safe_fs`]).
 
@@ -74,8 +75,9 @@ struct Open {
 }
 
 static ON_TRIAL: Mutex<Option<Open>> = Mutex::new(None);
-/// The run's state folder and the job's folder of `diffmon eval` in a job ([`in_job`]).
-static JOB: Mutex<Option<(PathBuf, PathBuf)>> = Mutex::new(None);
+/// Where trials are kept in this process ([`keep_in`]), and for `diffmon eval` in a job, the
+/// job's folder ([`in_job`]); `None`: no trial.
+static FOLDERS: Mutex<Option<(PathBuf, Option<PathBuf>)>> = Mutex::new(None);
 
 fn on_trial() -> std::sync::MutexGuard<'static, Option<Open>> {
     ON_TRIAL.lock().unwrap_or_else(|e| e.into_inner())
@@ -83,16 +85,12 @@ fn on_trial() -> std::sync::MutexGuard<'static, Option<Open>> {
 
 /// Puts `package` on trial before it is loaded (it runs from now on: phase 1). `Err` with the
 /// reason when [`MAX_STARTS`] starts died while it ran: the package is not to be loaded.
-/// Without an armed state folder, or where the file cannot be written (a warning), the package
-/// is loaded without a trial.
+/// Where no folder keeps trials (`diffmon eval` by hand), or the file cannot be written (a
+/// warning), the package is loaded without a trial.
 pub fn begin(package: &Path) -> Result<(), String> {
-    let job = JOB.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    let (dir, job) = match job {
-        Some((state, job)) => (state, Some(job)),
-        None => match crate::store::crash::armed_dir() {
-            Some(dir) => (dir, None),
-            None => return Ok(()),
-        },
+    let folders = FOLDERS.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let Some((dir, job)) = folders else {
+        return Ok(());
     };
     if let Some(open) = Open::begin(dir, job, package)? {
         *on_trial() = Some(open);
@@ -107,8 +105,17 @@ pub fn begin(package: &Path) -> Result<(), String> {
 /// refuses the package after [`MAX_STARTS`] such deaths; TorchScript then evaluates the
 /// checkpoint under `auto`).
 pub fn in_job(state_dir: &Path, job_folder: &Path) {
-    *JOB.lock().unwrap_or_else(|e| e.into_inner()) =
-        Some((state_dir.to_path_buf(), job_folder.to_path_buf()));
+    *FOLDERS.lock().unwrap_or_else(|e| e.into_inner()) =
+        Some((state_dir.to_path_buf(), Some(job_folder.to_path_buf())));
+}
+
+/// The daemon keeps its trials in `state_dir`, the state folder of its first run (a later call
+/// changes nothing): one folder for the process, whichever run's evaluator loads the package.
+pub fn keep_in(state_dir: &Path) {
+    FOLDERS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_with(|| (state_dir.to_path_buf(), None));
 }
 
 /// The package on trial has stopped running without a crash (its contract check passed, an

@@ -260,6 +260,23 @@ impl PackageRun {
         std::fs::write(&sidecar, spoiled.to_string()).unwrap();
     }
 
+    /// Starts `diffmon watch --config <config>`, which must end within two minutes (crash or
+    /// refuse to start): its status and log.
+    fn start_that_ends(&self, config: &Path) -> (std::process::ExitStatus, String) {
+        let log = self.dir().join("start.log");
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_diffmon"))
+            .args(["watch", "--config", config.to_str().unwrap()])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let status = crate::daemon::exited_within(&mut child, std::time::Duration::from_secs(120));
+        let _ = child.kill();
+        let log = std::fs::read_to_string(log).unwrap();
+        (status.expect("the start neither crashed nor stopped"), log)
+    }
+
     /// Starts `diffmon watch` under `model.compiled: auto` with the package refused by its trial
     /// and returns it once it has evaluated a checkpoint with TorchScript, warning why.
     fn watch_refused(&self) -> crate::daemon::Daemon {
@@ -513,27 +530,14 @@ fn a_bad_constants_file_is_refused() {
 /// its own, passes it at the start, and its trial file is removed.
 #[test]
 fn a_package_that_crashes_the_start_is_tried_twice_then_refused() {
-    use crate::daemon::{Daemon, exited_within};
+    use crate::daemon::Daemon;
     use std::os::unix::process::ExitStatusExt;
-    use std::time::Duration;
     let run = PackageRun::new();
     let (dir, pkg, config, port) = (run.dir(), &run.pkg, &run.config, run.port);
     let sidecar = compiled::sidecar_path(pkg);
     run.spoil();
     let write_config = |compiled: &str| run.configure(compiled, 256, "");
-    let watch = || {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_diffmon"))
-            .args(["watch", "--config", config.to_str().unwrap()])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::fs::File::create(dir.join("start.log")).unwrap())
-            .spawn();
-        let mut child = out.unwrap();
-        let status = exited_within(&mut child, Duration::from_secs(120));
-        let _ = child.kill();
-        let log = std::fs::read_to_string(dir.join("start.log")).unwrap();
-        (status.expect("the start neither crashed nor stopped"), log)
-    };
+    let watch = || run.start_that_ends(config);
     let trial = dir.join(".diffmon/compiled-trial");
     write_config("auto");
     for start in 1..=2 {
@@ -685,4 +689,47 @@ fn a_slurm_job_killed_by_a_package_on_trial_is_submitted_again_and_nothing_is_lo
 
 fn journal_is_empty(dir: &Path) -> bool {
     crate::daemon::journal_entries(dir).is_empty()
+}
+
+/// A sweep whose runs share the network shares its package's trial, kept in the first run's state
+/// folder whichever run's evaluator loads it, and `check-config` reads that file: after two
+/// starts the package crashed, it reports the refusal. (The trial was in the folder of the run
+/// armed last, the sweep's last run, while `check-config` read the first's.)
+#[test]
+fn a_sweep_keeps_its_package_trial_in_its_first_runs_state_folder() {
+    use std::os::unix::process::ExitStatusExt;
+    let run = PackageRun::new();
+    run.spoil();
+    let dir = run.dir();
+    for name in ["ra", "rb"] {
+        std::fs::create_dir(dir.join(name)).unwrap();
+    }
+    let config = dir.join("sweep.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "model: {{architecture: arch.ts, compiled: auto}}\ndevice: cpu\n\
+             data: {{path: train.h5, heldout_path: heldout.h5}}\n\
+             icr: {{samples: 256, batch_size: 256}}\n\
+             http: {{listen: \"127.0.0.1:{}\"}}\n\
+             runs:\n  - {{name: ra, dir: ra}}\n  - {{name: rb, dir: rb}}\n",
+            run.port
+        ),
+    )
+    .unwrap();
+    for start in 1..=2 {
+        let (status, log) = run.start_that_ends(&config);
+        assert_eq!(status.signal(), Some(libc::SIGSEGV), "start {start}: {log}");
+    }
+    let trial = std::fs::read_to_string(dir.join("ra/.diffmon/compiled-trial")).unwrap();
+    assert!(trial.contains("\"starts\":2"), "{trial}");
+    assert!(!dir.join("rb/.diffmon/compiled-trial").exists());
+    let check = diffmon(&["check-config", config.to_str().unwrap()]);
+    assert!(check.status.success(), "{}", stderr(&check));
+    let said = stdout(&check);
+    assert!(
+        said.contains("TorchScript (model.compiled: auto; ")
+            && said.contains("the last 2 starts of diffmon died"),
+        "{said}"
+    );
 }
