@@ -146,8 +146,8 @@ pub fn settle(passed: bool) {
 
 /// The trial this process began is over without a crash: the package has run an evaluation
 /// through, or it was refused with an error (corrupt, not this architecture's). Its file is
-/// removed. Nothing to do where no trial is open (none armed, no package, or one refused by its
-/// trial: that file stays).
+/// removed. Nothing to do where no trial is open (no folder keeps trials, no package, or one
+/// refused by its trial: that file stays).
 pub fn end() {
     if let Some(open) = on_trial().take() {
         open.close();
