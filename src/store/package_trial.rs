@@ -109,6 +109,12 @@ pub fn in_job(state_dir: &Path, job_folder: &Path) {
         Some((state_dir.to_path_buf(), Some(job_folder.to_path_buf())));
 }
 
+/// Did the job whose folder is `job_folder` end while a compiled package ran on trial in it
+/// ([`JOB_FILE`] left there; a link in its place does not count)? Then the package killed it.
+pub fn ran_in_job(job_folder: &Path) -> bool {
+    std::fs::symlink_metadata(job_folder.join(JOB_FILE)).is_ok_and(|m| m.is_file())
+}
+
 /// The daemon keeps its trials in `state_dir`, the state folder of its first run (a later call
 /// changes nothing): one folder for the process, whichever run's evaluator loads the package.
 pub fn keep_in(state_dir: &Path) {
@@ -366,7 +372,11 @@ mod tests {
         std::fs::create_dir(&job).unwrap();
         let pkg = dir.path().join("model.pt2");
         std::fs::write(&pkg, b"a package").unwrap();
-        let named = || std::fs::read_to_string(job.join(JOB_FILE)).ok();
+        let named = || {
+            let text = std::fs::read_to_string(job.join(JOB_FILE)).ok();
+            assert_eq!(ran_in_job(&job), text.is_some());
+            text
+        };
         let mut open = Open::begin(dir.path().to_path_buf(), Some(job.clone()), &pkg)
             .unwrap()
             .unwrap();
@@ -379,5 +389,7 @@ mod tests {
         open.close();
         assert_eq!(named(), None);
         assert_eq!(read(&dir.path().join(FILE)), None, "the trial is passed");
+        std::os::unix::fs::symlink(&pkg, job.join(JOB_FILE)).unwrap();
+        assert!(!ran_in_job(&job), "a link in its place counts");
     }
 }

@@ -96,7 +96,7 @@ impl<S: Scheduler> Runner<S> {
                         // Started and ended between two polls.
                         self.metrics.job_queue_wait(since.elapsed().as_secs_f64());
                     }
-                    if status.trim() != "0" && folder.join(package_trial::JOB_FILE).exists() {
+                    if status.trim() != "0" && package_trial::ran_in_job(&folder) {
                         // Its `diffmon eval` died while a compiled package ran on trial.
                         let message = format!(
                             "diffmon eval exited with status {} while the compiled package ran on \

@@ -136,12 +136,7 @@ impl<S: Scheduler> Runner<S> {
         // A job whose `diffmon eval` died while a compiled package ran on trial died of the
         // package: the trial refuses it after `MAX_STARTS` such deaths (TorchScript evaluates
         // the checkpoint under `auto`), so as many attempts more are its own.
-        let package_crashed = self
-            .jobs_dir
-            .join(&job.folder)
-            .join(crate::store::package_trial::JOB_FILE)
-            .exists();
-        let retries = if package_crashed {
+        let retries = if crate::store::package_trial::ran_in_job(&self.jobs_dir.join(&job.folder)) {
             self.retries + crate::store::package_trial::MAX_STARTS as usize
         } else {
             self.retries
