@@ -475,7 +475,7 @@ fn a_bad_constants_file_is_refused() {
                 let path = compiled::constants_path(pkg);
                 std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o664)).unwrap()
             },
-            "writable by its group",
+            "writable by its group (mode 664): a constants file holds what the package's kernels read",
         ),
         (
             "unnamed",

@@ -162,9 +162,15 @@ pub fn constants_path(package: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
+/// Why a package is trusted only as the user's own file, for [`check_trust`]'s messages.
+const PACKAGE_IS: &str = "a package is native code that diffmon would run";
+/// The same for the constants file beside it.
+const CONSTANTS_ARE: &str = "a constants file holds what the package's kernels read";
+
 /// Refuses a package that another user owns (root aside) or that group or others may write: it
-/// is native code diffmon would run, as OpenSSH refuses a private key others can read.
-pub fn check_trust(package: &Path) -> Result<(), String> {
+/// is native code diffmon would run, as OpenSSH refuses a private key others can read. `is`
+/// says why the file is trusted that way, for the message.
+pub fn check_trust(package: &Path, is: &str) -> Result<(), String> {
     use std::os::unix::fs::MetadataExt;
     let meta = std::fs::metadata(package).map_err(|e| format!("cannot read it: {e}"))?;
     if !meta.is_file() {
@@ -173,15 +179,15 @@ pub fn check_trust(package: &Path) -> Result<(), String> {
     let me = unsafe { libc::geteuid() };
     if meta.uid() != me && meta.uid() != 0 {
         return Err(format!(
-            "owned by user {}, not by this user ({me}) or root: a package is native code that \
-             diffmon would run, so only a file of yours is loaded",
+            "owned by user {}, not by this user ({me}) or root: {is}, so only a file of yours is \
+             loaded",
             meta.uid()
         ));
     }
     if meta.mode() & 0o022 != 0 {
         return Err(format!(
-            "writable by {} (mode {:o}): a package is native code that diffmon would run, so a \
-             file others can change is not loaded (chmod go-w {})",
+            "writable by {} (mode {:o}): {is}, so a file others can change is not loaded \
+             (chmod go-w {})",
             if meta.mode() & 0o002 != 0 {
                 "others"
             } else {
@@ -284,7 +290,7 @@ pub fn vet(
     // refusal, the trust check's first.
     let side = read_sidecar(package);
     let rebuild = side.as_ref().map(|s| s.rebuild.clone()).unwrap_or_default();
-    check_trust(package).map_err(|r| refuse(r, &rebuild))?;
+    check_trust(package, PACKAGE_IS).map_err(|r| refuse(r, &rebuild))?;
     let side = side.map_err(|r| refuse(r, ""))?;
     let rebuild = side.rebuild.as_str();
     let torch = torch_version();
@@ -379,7 +385,7 @@ pub fn vet(
 /// The constants file's tensors go where the package's kernels read: it is trusted like the
 /// package ([`check_trust`]), and only the very file its sidecar was written with is read.
 fn check_constants(path: &Path, sha256: &str) -> Result<(), String> {
-    check_trust(path)?;
+    check_trust(path, CONSTANTS_ARE)?;
     let sha = sha256_of(path).map_err(|e| format!("cannot read it: {e}"))?;
     if sha != sha256 {
         return Err("it is not the file its sidecar was written with (its SHA-256 differs)".into());
