@@ -263,8 +263,8 @@ fn died_in(dir: &Path, package: &CheckpointKey) -> u64 {
 fn refusal(starts: u64, dir: &Path) -> String {
     format!(
         "the last {starts} starts of diffmon died while it was being loaded or run for the first \
-         time (a crash in libtorch's loader or in its kernels), so it is not loaded again until \
-         it is rebuilt (or {} is deleted to try it once more)",
+         time (a crash in libtorch's loader or in its kernels, or a kill: each counts), so it is \
+         not loaded again until it is rebuilt (or {} is deleted to try it once more)",
         shown_file(dir)
     )
 }

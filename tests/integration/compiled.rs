@@ -150,14 +150,16 @@ fn write_config(dir: &Path, name: &str, arch: &Path, compiled: &str) -> PathBuf 
     cfg
 }
 
+/// `diffmon eval --json` of `ckpt`, its temporary folder the config's (where libtorch leaves
+/// its unpacked copy of a package it could not load).
 fn eval(cfg: &Path, ckpt: &Path) -> std::process::Output {
-    diffmon(&[
-        "eval",
-        "--config",
-        cfg.to_str().unwrap(),
-        ckpt.to_str().unwrap(),
-        "--json",
-    ])
+    std::process::Command::new(env!("CARGO_BIN_EXE_diffmon"))
+        .args(["eval", "--config", cfg.to_str().unwrap()])
+        .args([ckpt.to_str().unwrap(), "--json"])
+        .env("DIFFMON_LOG", "warn")
+        .env("TMPDIR", cfg.parent().unwrap())
+        .output()
+        .expect("run diffmon")
 }
 
 /// export → compile → `diffmon eval` on a trained toy's checkpoint: ICR, its traces, the losses
@@ -261,11 +263,13 @@ impl PackageRun {
     }
 
     /// Starts `diffmon watch --config <config>`, which must end within two minutes (crash or
-    /// refuse to start): its status and log.
+    /// refuse to start): its status and log. Its temporary folder is the run's, where a crash
+    /// leaves libtorch's unpacked copy of the package.
     fn start_that_ends(&self, config: &Path) -> (std::process::ExitStatus, String) {
         let log = self.dir().join("start.log");
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_diffmon"))
             .args(["watch", "--config", config.to_str().unwrap()])
+            .env("TMPDIR", self.dir())
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
@@ -311,15 +315,43 @@ impl PackageRun {
     }
 }
 
-/// Hostile and mismatched packages: writable by others, truncated, random bytes, another
-/// torch, another architecture. Named by path, each is an error of `eval` (exit 2) naming the
-/// file and the rebuild command, and of `check-config` where the vetting before the load finds
-/// it; under `auto`, TorchScript runs with a warning that says why. Never a crash.
+/// `pkg` written again entry by entry, each entry's bytes as `edit` gives them, then `extra`.
+fn rezip(pkg: &Path, edit: &dyn Fn(&str, Vec<u8>) -> Vec<u8>, extra: &[(&str, &[u8])]) {
+    use std::io::{Read, Write};
+    let mut from = zip::ZipArchive::new(std::fs::File::open(pkg).unwrap()).unwrap();
+    let mut entries = Vec::new();
+    for i in 0..from.len() {
+        let mut entry = from.by_index(i).unwrap();
+        let mut bytes = Vec::new();
+        entry.read_to_end(&mut bytes).unwrap();
+        entries.push((entry.name().to_string(), bytes));
+    }
+    let prefix = entries[0].0.split('/').next().unwrap().to_string();
+    let mut to = zip::ZipWriter::new(std::fs::File::create(pkg).unwrap());
+    let stored =
+        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    for (name, bytes) in entries {
+        to.start_file(name.as_str(), stored).unwrap();
+        to.write_all(&edit(&name, bytes)).unwrap();
+    }
+    for (name, bytes) in extra {
+        to.start_file(format!("{prefix}/{name}"), stored).unwrap();
+        to.write_all(bytes).unwrap();
+    }
+    to.finish().unwrap();
+}
+
+/// Hostile and mismatched packages: writable by others, truncated, random bytes, an entry that
+/// would be unpacked outside libtorch's folder, a shared object that is no library, a sidecar
+/// others can write, another torch, another architecture. Named by path, each is an error of
+/// `eval` (exit 2) naming the file and the rebuild command, and of `check-config` where the
+/// vetting before the load finds it; under `auto`, TorchScript runs with a warning that says
+/// why. Never a crash, and nothing written outside.
 #[test]
 fn bad_packages_are_refused_with_the_rebuild_command() {
     let ckpt = toy_run().join("ckpt_000060.pt");
     type Spoil<'a> = (&'a str, &'a dyn Fn(&Path, &Path), &'a str);
-    let spoil: [Spoil; 5] = [
+    let spoil: [Spoil; 8] = [
         (
             "writable",
             &|pkg, _| {
@@ -333,12 +365,47 @@ fn bad_packages_are_refused_with_the_rebuild_command() {
                 let bytes = std::fs::read(pkg).unwrap();
                 std::fs::write(pkg, &bytes[..bytes.len() / 2]).unwrap();
             },
-            "libtorch cannot load it",
+            "not a compiled package (a zip archive)",
         ),
         (
             "random",
             &|pkg, _| std::fs::write(pkg, vec![0x5a_u8; 4096]).unwrap(),
+            "not a compiled package (a zip archive)",
+        ),
+        (
+            "outside",
+            &|pkg, _| {
+                // Enough `..` to reach `/` from libtorch's folder, then this test's own.
+                let escape = format!(
+                    "data/aotinductor/model/{}{}/escaped.txt",
+                    "../".repeat(16),
+                    pkg.parent().unwrap().display()
+                );
+                rezip(pkg, &|_, b| b, &[(escape.as_str(), b"escaped")]);
+            },
+            "would be unpacked outside libtorch's folder",
+        ),
+        (
+            "library",
+            &|pkg, _| {
+                // An ELF header, then no library.
+                let edit = |name: &str, mut b: Vec<u8>| {
+                    if name.ends_with(".so") {
+                        b[64..].fill(0x5a);
+                    }
+                    b
+                };
+                rezip(pkg, &edit, &[]);
+            },
             "libtorch cannot load it",
+        ),
+        (
+            "sidecar",
+            &|pkg, _| {
+                let side = compiled::sidecar_path(pkg);
+                std::fs::set_permissions(side, std::fs::Permissions::from_mode(0o666)).unwrap()
+            },
+            "writable by others (mode 666): a sidecar says what memory",
         ),
         (
             "torch",
@@ -368,12 +435,19 @@ fn bad_packages_are_refused_with_the_rebuild_command() {
         assert_eq!(out.status.code(), Some(2), "{name}: {err} {}", stdout(&out));
         assert!(err.contains(says), "{name}: {err}");
         assert!(err.contains(&pkg.display().to_string()), "{name}: {err}");
-        assert!(
+        // A refusal carries the rebuild command of a sidecar that is trusted.
+        assert_eq!(
             err.contains("compiled_fixture.py"),
+            name != "sidecar",
             "{name}: rebuild: {err}"
         );
+        assert!(
+            !tmp.path().join("escaped.txt").exists(),
+            "{name}: unpacked outside"
+        );
         // check-config vets without opening the package (no native code runs there): what only
-        // libtorch's loader finds (a corrupt zip) shows at the start of eval and watch.
+        // libtorch's loader finds (a shared object that is no library) shows at the start of
+        // eval and watch.
         let opened = says.starts_with("libtorch");
         let checked = diffmon(&["check-config", explicit.to_str().unwrap()]);
         let want = if opened { 0 } else { 2 };
@@ -384,13 +458,7 @@ fn bad_packages_are_refused_with_the_rebuild_command() {
             stderr(&checked)
         );
         let auto = write_config(tmp.path(), "auto.yaml", &arch, "auto");
-        let out = diffmon(&[
-            "eval",
-            "--config",
-            auto.to_str().unwrap(),
-            ckpt.to_str().unwrap(),
-            "--json",
-        ]);
+        let out = eval(&auto, &ckpt);
         let err = stderr(&out);
         assert!(out.status.success(), "{name}: auto: {err}");
         assert!(
@@ -657,7 +725,10 @@ fn a_slurm_job_killed_by_a_package_on_trial_is_submitted_again_and_nothing_is_lo
         "evaluation: {executor: slurm, slurm: {poll_secs: 0.5}}\n",
     );
     let conf = format!("SLURM_CONF={}", cluster.conf.display());
-    let d = Daemon::spawn_wrapped(run.config.clone(), run.port, &["env", &conf]);
+    // The jobs get the daemon's environment: the crashed ones leave libtorch's unpacked copy
+    // of the package in the run's folder.
+    let tmp = format!("TMPDIR={}", run.dir().display());
+    let d = Daemon::spawn_wrapped(run.config.clone(), run.port, &["env", &conf, &tmp]);
     d.wait_for(Duration::from_secs(300), "the checkpoint's outcome", |_| {
         !journal_is_empty(run.dir())
     });

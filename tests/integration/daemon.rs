@@ -128,7 +128,9 @@ impl Daemon {
 
     /// [`Daemon::spawn`] through `wrapper`, a command that runs the daemon (`setpriv ...`),
     /// when it is not empty. Waits until the HTTP endpoint answers, and fails at once, with the
-    /// log, if the daemon exits first (a config it refuses).
+    /// log, if the daemon exits first (a config it refuses). Without a wrapper its temporary
+    /// folder is the config's: what a killed daemon leaves there (libtorch's unpacked copy of a
+    /// compiled package) goes with the test's.
     pub fn spawn_wrapped(config: PathBuf, port: u16, wrapper: &[&str]) -> Daemon {
         let log = config.with_file_name(format!(
             "daemon-{}.log",
@@ -145,7 +147,11 @@ impl Daemon {
                 c.args(rest).arg(bin);
                 c
             }
-            None => Command::new(bin),
+            None => {
+                let mut c = Command::new(bin);
+                c.env("TMPDIR", config.parent().unwrap());
+                c
+            }
         };
         let child = cmd
             .args(["watch", "--config", config.to_str().unwrap()])

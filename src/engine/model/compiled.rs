@@ -11,9 +11,12 @@
 use super::error::ModelError;
 use super::module::{ForwardFailure, is_out_of_memory, shorten, take_error, take_full_error};
 use crate::config::{CompiledSetting, Precision};
+use crate::store::safe_fs::untrusted_text;
 use serde::Deserialize;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::fmt;
+use std::fs::File;
+use std::io::{Read, Seek};
 use std::path::{Path, PathBuf};
 use tch::{Device, Tensor};
 
@@ -134,11 +137,13 @@ impl fmt::Display for Refusal {
         } else {
             &self.rebuild
         };
+        // A sidecar's words (its rebuild command, names, versions) are shown escaped.
         write!(
             f,
-            "{}: {}. Rebuild it on the machine that evaluates: {rebuild}",
+            "{}: {}. Rebuild it on the machine that evaluates: {}",
             self.package.display(),
-            self.reason
+            untrusted_text(&self.reason),
+            untrusted_text(rebuild)
         )
     }
 }
@@ -162,17 +167,27 @@ pub fn constants_path(package: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
-/// Why a package is trusted only as the user's own file, for [`check_trust`]'s messages.
+/// Why each file of the compiled network is trusted only as the user's own, for the messages
+/// of [`open_trusted`].
 const PACKAGE_IS: &str = "a package is native code that diffmon would run";
-/// The same for the constants file beside it.
+const SIDECAR_IS: &str = "a sidecar says what memory the package is given";
 const CONSTANTS_ARE: &str = "a constants file holds what the package's kernels read";
 
-/// Refuses a package that another user owns (root aside) or that group or others may write: it
-/// is native code diffmon would run, as OpenSSH refuses a private key others can read. `is`
-/// says why the file is trusted that way, for the message.
-pub fn check_trust(package: &Path, is: &str) -> Result<(), String> {
-    use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(package).map_err(|e| format!("cannot read it: {e}"))?;
+/// Opens `path` to read it as a file of the compiled network, refusing one that another user
+/// owns (root aside) or that group or others may write, as OpenSSH refuses a private key others
+/// can read. The checks are of the open file, so what is checked is what is read, and what
+/// libtorch loads ([`Package::load`]); no wait on a FIFO. `is` says why the file is trusted that
+/// way, for the message.
+fn open_trusted(path: &Path, is: &str) -> Result<File, String> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| format!("cannot read it: {e}"))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot read it: {e}"))?;
     if !meta.is_file() {
         return Err("not a regular file".into());
     }
@@ -194,10 +209,10 @@ pub fn check_trust(package: &Path, is: &str) -> Result<(), String> {
                 "its group"
             },
             meta.mode() & 0o777,
-            package.display()
+            path.display()
         ));
     }
-    Ok(())
+    Ok(file)
 }
 
 /// This CPU's instruction-set flags (Linux's `/proc/cpuinfo`, `flags` or `Features`).
@@ -217,22 +232,29 @@ fn cpu_flags() -> &'static std::collections::HashSet<String> {
 }
 
 fn sha256_of(path: &Path) -> std::io::Result<String> {
+    sha256_read(File::open(path)?)
+}
+
+fn sha256_read(mut from: impl Read) -> std::io::Result<String> {
     use sha2::Digest;
-    let mut file = std::fs::File::open(path)?;
     let mut hash = sha2::Sha256::new();
-    std::io::copy(&mut file, &mut hash)?;
+    std::io::copy(&mut from, &mut hash)?;
     Ok(format!("{:x}", hash.finalize()))
 }
 
-/// Reads the sidecar (bounded), refusing what is not one.
+/// The largest `min_batch` a sidecar may name: each forward below it is padded to it.
+const MAX_MIN_BATCH: i64 = 4096;
+
+/// Reads the sidecar (trusted like the package, bounded), refusing what is not one.
 fn read_sidecar(package: &Path) -> Result<Sidecar, String> {
-    use std::io::Read;
     let path = sidecar_path(package);
-    let file = std::fs::File::open(&path).map_err(|e| {
-        format!(
-            "its sidecar {} cannot be read ({e}); diffmon-export --compile writes both",
-            path.display()
-        )
+    let file = open_trusted(&path, SIDECAR_IS).map_err(|r| {
+        let hint = if std::fs::symlink_metadata(&path).is_err() {
+            "; diffmon-export --compile writes both"
+        } else {
+            ""
+        };
+        format!("its sidecar {}: {r}{hint}", path.display())
     })?;
     let mut text = String::new();
     file.take(SIDECAR_MAX_BYTES + 1)
@@ -254,15 +276,102 @@ fn read_sidecar(package: &Path) -> Result<Sidecar, String> {
             sidecar.format
         ));
     }
-    if !(1..=sidecar.max_batch).contains(&sidecar.min_batch) {
+    if !(1..=sidecar.max_batch.min(MAX_MIN_BATCH)).contains(&sidecar.min_batch) {
         return Err(format!(
-            "its sidecar {} names the batch range {}..{}",
+            "its sidecar {} names the batch range {}..{} (the smallest batch must be 1 to \
+             {MAX_MIN_BATCH}, and at most the largest)",
             path.display(),
             sidecar.min_batch,
             sidecar.max_batch
         ));
     }
     Ok(sidecar)
+}
+
+/// The most entries a package's archive may hold, and how many times its size it may unpack to
+/// (torch writes its entries stored, about once its size): libtorch unpacks every entry of
+/// its model into a temporary folder before it loads one.
+const ARCHIVE_MAX_ENTRIES: usize = 10_000;
+const ARCHIVE_MAX_EXPANSION: u64 = 8;
+/// Where in the archive the model's files are, the shared object among them.
+const MODEL_FOLDER: &[u8] = b"data/aotinductor/model/";
+
+/// What libtorch will unpack, checked before it does: every name stays inside its folder, the
+/// whole is bounded, and the model's shared object is there, an ELF file for this machine
+/// (without one libtorch would compile the package's C++ source with the compiler its files
+/// name: diffmon runs no compiler).
+fn check_archive(file: &File) -> Result<(), String> {
+    let len = file
+        .metadata()
+        .map_err(|e| format!("cannot read it: {e}"))?
+        .len();
+    let mut zip = zip::ZipArchive::new(file)
+        .map_err(|e| format!("not a compiled package (a zip archive): {e}"))?;
+    if zip.len() > ARCHIVE_MAX_ENTRIES {
+        return Err(format!(
+            "it holds {} entries, over {ARCHIVE_MAX_ENTRIES}",
+            zip.len()
+        ));
+    }
+    let (mut total, mut objects) = (0u64, Vec::new());
+    for i in 0..zip.len() {
+        let entry = zip
+            .by_index_raw(i)
+            .map_err(|e| format!("its entry {i} cannot be read: {e}"))?;
+        let name = entry.name_raw();
+        let outside = name.first() == Some(&b'/')
+            || name.contains(&b'\\')
+            || name.contains(&0)
+            || name.split(|&b| b == b'/').any(|part| part == b"..");
+        if outside {
+            return Err(format!(
+                "its entry `{}` would be unpacked outside libtorch's folder",
+                crate::weights::quote(&String::from_utf8_lossy(name))
+            ));
+        }
+        total = total.saturating_add(entry.size());
+        let in_model = name.windows(MODEL_FOLDER.len()).any(|w| w == MODEL_FOLDER);
+        if in_model && name.ends_with(b".so") {
+            objects.push(i);
+        }
+    }
+    if total > len.saturating_mul(ARCHIVE_MAX_EXPANSION) {
+        return Err(format!(
+            "it unpacks to {} MiB, over {ARCHIVE_MAX_EXPANSION} times its {} MiB",
+            total >> 20,
+            len >> 20
+        ));
+    }
+    if objects.is_empty() {
+        return Err(
+            "it holds no compiled shared object (data/aotinductor/model/*.so): libtorch \
+                    would compile its C++ source, which diffmon does not do"
+                .into(),
+        );
+    }
+    let machine: Option<u16> = match std::env::consts::ARCH {
+        "x86_64" => Some(62),
+        "aarch64" => Some(183),
+        _ => None,
+    };
+    for i in objects {
+        let mut head = [0u8; 20];
+        let read = zip
+            .by_index(i)
+            .map_err(|e| e.to_string())
+            .and_then(|mut e| e.read_exact(&mut head).map_err(|e| e.to_string()));
+        let elf = read.is_ok()
+            && head[..4] == *b"\x7fELF"
+            && head[4] == 2
+            && machine.is_none_or(|m| u16::from_le_bytes([head[18], head[19]]) == m);
+        if !elf {
+            return Err(format!(
+                "its shared object is not a 64-bit ELF file for {}",
+                std::env::consts::ARCH
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Whether a package of `precision` (the sidecar's) serves `evaluation.precision`.
@@ -273,24 +382,32 @@ fn serves(package_precision: &str, precision: Precision) -> bool {
     }
 }
 
-/// Everything checked before libtorch opens the package: trust, then the sidecar against this
-/// machine, the device, the precision and the architecture.
+/// A package that passed [`vet`]: its sidecar, and its files, open, as they were checked.
+pub struct Vetted {
+    pub sidecar: Sidecar,
+    package: File,
+    constants: Option<File>,
+}
+
+/// Everything checked before libtorch opens the package: trust (the sidecar's, then the
+/// package's), the sidecar against this machine, the device, the precision and the
+/// architecture, then the archive and the constants file.
 pub fn vet(
     package: &Path,
     architecture: &Path,
     device: Device,
     precision: Precision,
-) -> Result<Sidecar, Refusal> {
+) -> Result<Vetted, Refusal> {
     let refuse = |reason: String, rebuild: &str| Refusal {
         package: package.to_path_buf(),
         reason,
         rebuild: rebuild.to_string(),
     };
-    // The sidecar only decides whether to load the package; its rebuild command goes in every
-    // refusal, the trust check's first.
+    // A trusted sidecar's rebuild command goes in every refusal, the package's trust check's
+    // first.
     let side = read_sidecar(package);
     let rebuild = side.as_ref().map(|s| s.rebuild.clone()).unwrap_or_default();
-    check_trust(package, PACKAGE_IS).map_err(|r| refuse(r, &rebuild))?;
+    let file = open_trusted(package, PACKAGE_IS).map_err(|r| refuse(r, &rebuild))?;
     let side = side.map_err(|r| refuse(r, ""))?;
     let rebuild = side.rebuild.as_str();
     let torch = torch_version();
@@ -370,33 +487,43 @@ pub fn vet(
             rebuild,
         ));
     }
-    if let Some(constants) = &side.constants {
-        let path = constants_path(package);
-        check_constants(&path, &constants.sha256).map_err(|r| {
-            refuse(
-                format!("its constants file {}: {r}", path.display()),
-                rebuild,
-            )
-        })?;
-    }
-    Ok(side)
+    check_archive(&file).map_err(|r| refuse(r, rebuild))?;
+    let constants = match &side.constants {
+        Some(constants) => {
+            let path = constants_path(package);
+            Some(open_constants(&path, &constants.sha256).map_err(|r| {
+                refuse(
+                    format!("its constants file {}: {r}", path.display()),
+                    rebuild,
+                )
+            })?)
+        }
+        None => None,
+    };
+    Ok(Vetted {
+        sidecar: side,
+        package: file,
+        constants,
+    })
 }
 
 /// The constants file's tensors go where the package's kernels read: it is trusted like the
-/// package ([`check_trust`]), and only the very file its sidecar was written with is read.
-fn check_constants(path: &Path, sha256: &str) -> Result<(), String> {
-    check_trust(path, CONSTANTS_ARE)?;
-    let sha = sha256_of(path).map_err(|e| format!("cannot read it: {e}"))?;
+/// package ([`open_trusted`]), and only the very file its sidecar was written with is read
+/// (returned open, at its start).
+fn open_constants(path: &Path, sha256: &str) -> Result<File, String> {
+    let mut file = open_trusted(path, CONSTANTS_ARE)?;
+    let sha = sha256_read(&file).map_err(|e| format!("cannot read it: {e}"))?;
     if sha != sha256 {
         return Err("it is not the file its sidecar was written with (its SHA-256 differs)".into());
     }
-    Ok(())
+    file.rewind().map_err(|e| format!("cannot read it: {e}"))?;
+    Ok(file)
 }
 
 /// What `model.compiled` gives on this machine, before anything is loaded.
 pub struct Decision {
     /// The package to load, vetted.
-    pub package: Option<(PathBuf, Sidecar)>,
+    pub package: Option<(PathBuf, Vetted)>,
     /// Which format runs and why, for check-config and the start log.
     pub why: String,
     /// A package was there but does not fit (`auto`): TorchScript runs, with a warning.
@@ -434,17 +561,17 @@ pub fn decide(
         });
     }
     match vet(&package, architecture, device, precision) {
-        Ok(side) => Ok(Decision {
-            why: format!(
+        Ok(vetted) => Ok(Decision {
+            why: untrusted_text(&format!(
                 "compiled package {} ({}, {} {}, torch {}; model.compiled: {})",
                 package.display(),
-                side.precision,
-                side.device,
-                side.arch,
-                side.torch,
+                vetted.sidecar.precision,
+                vetted.sidecar.device,
+                vetted.sidecar.arch,
+                vetted.sidecar.torch,
                 if explicit { "a path" } else { "auto" }
-            ),
-            package: Some((package, side)),
+            )),
+            package: Some((package, vetted)),
             fell_back: false,
         }),
         Err(refusal) if explicit => Err(ModelError::Compiled {
@@ -484,16 +611,31 @@ impl Drop for Package {
 }
 
 impl Package {
-    /// Loads a vetted package on `device`; a file libtorch cannot load (corrupt, truncated,
-    /// another format) is a refusal, never a crash.
-    pub(super) fn load(path: &Path, sidecar: Sidecar, device: Device) -> Result<Package, Refusal> {
+    /// Loads a vetted package on `device`, through the very file [`vet`] checked (its
+    /// `/proc/self/fd` name: the path may name another file by now); a file libtorch cannot
+    /// load (corrupt, truncated, another format) is a refusal, never a crash.
+    pub(super) fn load(path: &Path, vetted: Vetted, device: Device) -> Result<Package, Refusal> {
+        use std::os::fd::AsRawFd;
+        let Vetted {
+            sidecar,
+            package: file,
+            constants,
+        } = vetted;
         let rebuild = sidecar.rebuild.clone();
         let refuse = |reason: String| Refusal {
             package: path.to_path_buf(),
             reason,
             rebuild: rebuild.clone(),
         };
-        let c_path = CString::new(path.as_os_str().as_encoded_bytes())
+        let held = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+        if std::fs::metadata(&held).is_err() {
+            return Err(refuse(
+                "/proc/self/fd is not available here, and diffmon loads a package only through \
+                 the file it checked"
+                    .into(),
+            ));
+        }
+        let c_path = CString::new(held.as_os_str().as_encoded_bytes())
             .map_err(|_| refuse("the path contains a NUL byte".into()))?;
         let index = match device {
             Device::Cuda(n) => n as c_int,
@@ -504,9 +646,10 @@ impl Package {
         if ptr.is_null() {
             return Err(refuse(format!(
                 "libtorch cannot load it as a compiled package: {}",
-                take_error(err)
+                take_error(err).replace(&held.display().to_string(), &path.display().to_string())
             )));
         }
+        drop(file);
         let mut package = Package {
             ptr,
             path: path.to_path_buf(),
@@ -553,16 +696,17 @@ impl Package {
                      (it holds no tensor of its own)"
                 )));
             }
-            package.load_constants(device).map_err(refuse)?;
+            package.load_constants(constants, device).map_err(refuse)?;
         }
         package.names = package.sidecar.weights.clone();
         Ok(package)
     }
 
-    /// Reads the constants file (bounded: the names, dtypes and shapes the sidecar gives,
-    /// checked before a byte is read) and copies its tensors into the package on `device`.
-    fn load_constants(&self, device: Device) -> Result<(), String> {
-        let Some(constants) = &self.sidecar.constants else {
+    /// Reads the constants file, as [`vet`] opened it (bounded: the names, dtypes and shapes
+    /// the sidecar gives, checked before a byte is read), and copies its tensors into the
+    /// package on `device`.
+    fn load_constants(&self, file: Option<File>, device: Device) -> Result<(), String> {
+        let (Some(constants), Some(file)) = (&self.sidecar.constants, file) else {
             return Ok(());
         };
         let path = constants_path(&self.path);
@@ -584,8 +728,13 @@ impl Package {
             expected: Some(std::sync::Arc::new(expected)),
             ..Default::default()
         };
+        let len = file
+            .metadata()
+            .map_err(|e| what(format!("cannot read it: {e}")))?
+            .len();
         let read =
-            crate::weights::read_checkpoint(&path, &opts).map_err(|e| what(e.to_string()))?;
+            crate::weights::read_checkpoint_from(std::io::BufReader::new(file), len, &path, &opts)
+                .map_err(|e| what(e.to_string()))?;
         let mut tensors = Vec::with_capacity(specs.len());
         for (name, _, dtype) in &specs {
             let raw = read
@@ -653,6 +802,16 @@ impl Package {
     ) -> Result<(Tensor, Tensor), ForwardFailure> {
         let n = x.size().first().copied().unwrap_or(0);
         let (min, max) = (self.sidecar.min_batch, self.sidecar.max_batch);
+        // Padding and joining allocate: a failure is this batch's, never a panic.
+        let failed = |e: tch::TchError| {
+            let message = e.to_string();
+            ForwardFailure {
+                out_of_memory: is_out_of_memory(&message),
+                message: shorten(&message),
+                over_cap: false,
+                images: n,
+            }
+        };
         if n > max {
             let (mut d, mut f) = (Vec::new(), Vec::new());
             let mut start = 0;
@@ -664,20 +823,21 @@ impl Package {
                 f.push(b);
                 start += len;
             }
-            return Ok((Tensor::cat(&d, 0), Tensor::cat(&f, 0)));
+            return Ok((
+                Tensor::f_cat(&d, 0).map_err(failed)?,
+                Tensor::f_cat(&f, 0).map_err(failed)?,
+            ));
         }
         if n >= 1 && n < min {
             let pad = min - n;
             let mut reps = vec![1i64; x.dim()];
             reps[0] = pad;
-            let xp = Tensor::cat(&[x.shallow_clone(), x.narrow(0, n - 1, 1).repeat(&reps)], 0);
-            let sp = Tensor::cat(
-                &[
-                    sigma.shallow_clone(),
-                    sigma.narrow(0, n - 1, 1).repeat([pad]),
-                ],
-                0,
-            );
+            let padded = |t: &Tensor, reps: &[i64]| -> Result<Tensor, tch::TchError> {
+                let copies = t.narrow(0, n - 1, 1).f_repeat(reps)?;
+                Tensor::f_cat(&[t.shallow_clone(), copies], 0)
+            };
+            let xp = padded(x, &reps).map_err(failed)?;
+            let sp = padded(sigma, &[pad]).map_err(failed)?;
             let (d, f) = self.run(&xp, &sp, n)?;
             return Ok((d.narrow(0, 0, n), f.narrow(0, 0, n)));
         }
@@ -732,6 +892,40 @@ mod tests {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
     }
 
+    /// A zip holding `entries` (stored, or deflated where `deflate`).
+    fn zip_of(path: &Path, entries: &[(&str, &[u8])], deflate: bool) {
+        use std::io::Write;
+        let mut zip = zip::ZipWriter::new(std::fs::File::create(path).unwrap());
+        let method = if deflate {
+            zip::CompressionMethod::Deflated
+        } else {
+            zip::CompressionMethod::Stored
+        };
+        let options = zip::write::SimpleFileOptions::default().compression_method(method);
+        for (name, bytes) in entries {
+            zip.start_file(*name, options).unwrap();
+            zip.write_all(bytes).unwrap();
+        }
+        zip.finish().unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+
+    /// The first bytes of a shared object for this machine (what the archive check reads).
+    fn elf() -> Vec<u8> {
+        let machine: u16 = if std::env::consts::ARCH == "aarch64" {
+            183
+        } else {
+            62
+        };
+        let mut head = b"\x7fELF\x02\x01\x01".to_vec();
+        head.resize(18, 0);
+        head.extend(machine.to_le_bytes());
+        head.resize(64, 0);
+        head
+    }
+
+    const SO: &str = "m/data/aotinductor/model/c1.wrapper.so";
+
     fn sidecar(torch: &str, precision: &str, sha: &str, flags: &[&str]) -> String {
         serde_json::json!({
             "format": FORMAT, "torch": torch, "device": "cpu", "arch": std::env::consts::ARCH,
@@ -743,7 +937,7 @@ mod tests {
     }
 
     /// Every check before libtorch opens a package refuses with the file, the reason and the
-    /// rebuild command; nothing is loaded (the packages here are not even zips).
+    /// rebuild command; nothing is loaded (the package here holds no working code).
     #[test]
     fn packages_are_vetted_before_loading() {
         let dir = tempfile::tempdir().unwrap();
@@ -751,7 +945,7 @@ mod tests {
         write(&arch, "architecture", 0o644);
         let sha = sha256_of(&arch).unwrap();
         let pkg = dir.path().join("m.pt2");
-        write(&pkg, "not a zip", 0o644);
+        zip_of(&pkg, &[(SO, &elf())], false);
         let cpu = Device::Cpu;
         let fp32 = Precision::Fp32;
         let refusal = |side: Option<String>, mode: u32| {
@@ -777,6 +971,14 @@ mod tests {
             (Some(ok.clone()), 0o646, "writable by others"),
             (None, 0o644, "sidecar"),
             (Some("{".into()), 0o644, "is not one"),
+            (
+                Some(
+                    ok.replace("\"min_batch\":2", "\"min_batch\":8192")
+                        .replace("\"max_batch\":64", "\"max_batch\":100000"),
+                ),
+                0o644,
+                "the batch range 8192..100000",
+            ),
             (
                 Some(sidecar("1.0.0", "fp32", &sha, &[])),
                 0o644,
@@ -820,6 +1022,129 @@ mod tests {
             .map(|_| ())
             .unwrap_err();
         assert!(cuda.to_string().contains("runs on the cuda"), "{cuda}");
+    }
+
+    /// The sidecar decides what the package is given, so it is trusted like the package: one
+    /// others can write is refused, and its words (the rebuild command) are not shown; a FIFO
+    /// in its place is refused at once, not waited on; a trusted sidecar's words are shown
+    /// escaped.
+    #[test]
+    fn the_sidecar_is_trusted_like_the_package() {
+        let dir = tempfile::tempdir().unwrap();
+        let arch = dir.path().join("m.ts");
+        write(&arch, "architecture", 0o644);
+        let sha = sha256_of(&arch).unwrap();
+        let pkg = dir.path().join("m.pt2");
+        zip_of(&pkg, &[(SO, &elf())], false);
+        let side = sidecar(&torch_version(), "fp32", &sha, &[]).replace(
+            "diffmon-export --factory m:f --out m.ts --compile",
+            "evil \\u001b[2J| sh",
+        );
+        write(&sidecar_path(&pkg), &side, 0o666);
+        let vetted = |pkg: &Path| {
+            vet(pkg, &arch, Device::Cpu, Precision::Fp32)
+                .map(|_| ())
+                .unwrap_err()
+                .to_string()
+        };
+        let got = vetted(&pkg);
+        assert!(
+            got.contains("its sidecar") && got.contains("writable by others"),
+            "{got}"
+        );
+        assert!(got.contains("what memory the package is given"), "{got}");
+        assert!(
+            !got.contains("evil"),
+            "an untrusted sidecar's command was shown: {got}"
+        );
+        // Trusted, with a control character in its words: shown escaped. The package is
+        // group-writable so that the refusal carries the command.
+        write(&sidecar_path(&pkg), &side, 0o644);
+        std::fs::set_permissions(&pkg, std::fs::Permissions::from_mode(0o664)).unwrap();
+        let got = vetted(&pkg);
+        assert!(got.contains("evil \\u{1b}[2J| sh"), "{got}");
+        assert!(!got.contains('\u{1b}'), "{got:?}");
+        std::fs::set_permissions(&pkg, std::fs::Permissions::from_mode(0o644)).unwrap();
+        // A FIFO: refused, not waited on (a wait would hang this test).
+        std::fs::remove_file(sidecar_path(&pkg)).unwrap();
+        let fifo =
+            std::ffi::CString::new(sidecar_path(&pkg).as_os_str().as_encoded_bytes()).unwrap();
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
+        let got = vetted(&pkg);
+        assert!(
+            got.contains("its sidecar") && got.contains("not a regular file"),
+            "{got}"
+        );
+    }
+
+    /// What libtorch would unpack is checked first: a name that leaves its folder, an archive
+    /// that unpacks to many times its size, one without the compiled shared object (libtorch
+    /// would run a compiler), a shared object that is no ELF file for this machine, and a file
+    /// that is no zip are each refused; a package as torch writes it passes.
+    #[test]
+    fn archives_are_checked_before_libtorch_unpacks_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let pkg = dir.path().join("m.pt2");
+        let zeros = vec![0u8; 64 << 20];
+        let mut other_machine = elf();
+        other_machine[18] ^= 0x40;
+        type Entries<'a> = &'a [(&'a str, &'a [u8])];
+        let cases: [(Entries, bool, &str); 7] = [
+            (
+                &[
+                    (SO, &elf()),
+                    ("m/data/aotinductor/model/c1_metadata.json", b"{}"),
+                ],
+                false,
+                "",
+            ),
+            (
+                &[
+                    (SO, &elf()),
+                    ("m/data/aotinductor/model/../../../../x.txt", b"x"),
+                ],
+                false,
+                "would be unpacked outside",
+            ),
+            (
+                &[(SO, &elf()), ("m/data/aotinductor/model/w.bin", &zeros)],
+                true,
+                "unpacks to 64 MiB",
+            ),
+            (
+                &[
+                    ("m/data/aotinductor/model/c1.wrapper.cpp", b"int x;"),
+                    ("m/data/aotinductor/model/c1_compile_flags.json", b"{}"),
+                ],
+                false,
+                "no compiled shared object",
+            ),
+            (
+                &[(SO, b"not an ELF file at all, but long enough")],
+                false,
+                "not a 64-bit ELF",
+            ),
+            (&[(SO, &other_machine)], false, "not a 64-bit ELF"),
+            (
+                &[("m/data/aotinductor/model/x.so", &elf()[..8])],
+                false,
+                "not a 64-bit ELF",
+            ),
+        ];
+        for (entries, deflate, says) in cases {
+            zip_of(&pkg, entries, deflate);
+            let got = check_archive(&File::open(&pkg).unwrap());
+            match says {
+                "" => got.unwrap(),
+                _ => {
+                    let e = got.unwrap_err();
+                    assert!(e.contains(says), "{says}: {e}");
+                }
+            }
+        }
+        write(&pkg, "not a zip", 0o644);
+        let e = check_archive(&File::open(&pkg).unwrap()).unwrap_err();
+        assert!(e.contains("not a compiled package"), "{e}");
     }
 
     /// `auto` falls back to TorchScript (with the reason) where a path is an error; `off` and a

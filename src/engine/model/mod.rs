@@ -142,7 +142,7 @@ impl Model {
     /// Loaded once: a second call with the same package keeps it.
     pub fn use_compiled(&mut self, setting: &CompiledSetting) -> Result<&str, ModelError> {
         let decision = compiled::decide(setting, self.path(), self.device, self.precision)?;
-        let Some((path, sidecar)) = decision.package else {
+        let Some((path, vetted)) = decision.package else {
             if decision.fell_back {
                 tracing::warn!("{}", decision.why);
             }
@@ -156,7 +156,7 @@ impl Model {
         // On trial from before libtorch opens it until it has run an evaluation through
         // (`crate::store::package_trial`): a package that crashes the process is not loaded
         // at every start.
-        let rebuild = sidecar.rebuild.clone();
+        let rebuild = vetted.sidecar.rebuild.clone();
         let refuse = |reason: String| compiled::Refusal {
             package: path.clone(),
             reason,
@@ -164,7 +164,7 @@ impl Model {
         };
         let loaded = crate::store::package_trial::begin(&path)
             .map_err(refuse)
-            .and_then(|()| compiled::Package::load(&path, sidecar, self.device))
+            .and_then(|()| compiled::Package::load(&path, vetted, self.device))
             .and_then(|p| self.push_weights(&p).map_err(refuse).map(|()| p));
         if loaded.is_err() {
             crate::store::package_trial::end(); // refused, not crashed
