@@ -238,10 +238,19 @@ impl RunState {
         }
         if decision.unconfirmed {
             let confirm = self.detector.config().confirm.as_str();
+            // How far it rose, against what it needs: a rise that looks large from a value near
+            // zero can be within its noise.
+            let rise = match self.detector.confirmation() {
+                Some((base, now, needed)) => format!(
+                    " ({base:.4} at the best step, {now:.4} now: it needs to rise by more than \
+                     {needed:.4}, early_stop.confirm_rise of its value there or of its noise)"
+                ),
+                None => String::new(),
+            };
             tracing::info!(
                 step = r.step,
                 confirm,
-                "{} has turned, but {confirm} has not risen since the best step (early_stop.confirm): no early stop yet",
+                "{} has turned, but {confirm} has not risen since the best step{rise} (early_stop.confirm): no early stop yet",
                 metric.as_str()
             );
         }

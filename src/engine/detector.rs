@@ -267,15 +267,20 @@ impl Detector {
         if self.config.confirm == Confirmation::None {
             return true;
         }
-        let Some(best) = self.state.best.as_ref() else {
-            return false;
-        };
-        match (best.confirm_value, self.state.confirm_last) {
-            (Some(base), Some((now, _))) => {
-                now - base > self.config.confirm_rise * base.abs().max(best.confirm_floor)
-            }
-            _ => false,
-        }
+        self.confirmation()
+            .is_some_and(|(base, now, needed)| now - base > needed)
+    }
+
+    /// The confirmation signal at the best step, now, and the rise it needs
+    /// ([`Detector::confirmed`]); `None` before both are measured.
+    pub fn confirmation(&self) -> Option<(f64, f64, f64)> {
+        let best = self.state.best.as_ref()?;
+        let (base, (now, _)) = (best.confirm_value?, self.state.confirm_last?);
+        Some((
+            base,
+            now,
+            self.config.confirm_rise * base.abs().max(best.confirm_floor),
+        ))
     }
 
     /// Has the memorization ratio (its last measurement) reached `memorization_level`?
@@ -787,10 +792,13 @@ mod tests {
             confirm: Confirmation::GeneralizationGap,
             ..EarlyStopSettings::default()
         };
-        // A flat gap never confirms.
-        let (_, decisions) = run_with(&values, &vec![Some(0.01); 30], config.clone());
+        // A flat gap never confirms; the log says by how much it would have to rise.
+        let (d, decisions) = run_with(&values, &vec![Some(0.01); 30], config.clone());
         assert!(decisions.iter().all(|(_, d)| d.signal.is_none()));
         assert!(decisions.iter().any(|(_, d)| d.unconfirmed));
+        let (base, now, needed) = d.confirmation().unwrap();
+        assert_eq!((base, now), (0.01, 0.01));
+        assert!(needed >= 0.5 * 0.01, "{needed}");
         // The gap rises by more than 50% from step 1000 on: the turn fires then.
         let gaps: Vec<Option<f64>> = (0..30)
             .map(|i| Some(if i >= 19 { 0.02 } else { 0.01 }))
