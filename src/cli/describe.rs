@@ -282,6 +282,10 @@ pub fn network_format(runs: &[Config]) -> (Vec<String>, Vec<crate::config::Probl
         if !seen.insert((arch.clone(), format!("{:?}", run.model.compiled))) {
             continue;
         }
+        // The device line it logs names the threads the run will use.
+        if let Some(n) = run.cpu_threads {
+            tch::set_num_threads(n as i32);
+        }
         let device = crate::engine::model::select_device(run.device).unwrap_or(tch::Device::Cpu);
         let decided = decide(&run.model.compiled, arch, device, run.evaluation.precision);
         // A package that crashed the last starts is on trial and would not be loaded.

@@ -107,6 +107,22 @@ fn init_output_passes_check_config() {
     let out = diffmon(&["check-config", config.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stdout(&out).contains(": ok"), "{}", stdout(&out));
+    // The device line names the threads the run will use (a number no machine's default is
+    // likely to be).
+    let text = fs::read_to_string(&config).unwrap();
+    let threads = regex::Regex::new(r"(?m)^cpu_threads: \d+").unwrap();
+    assert!(threads.is_match(&text), "{text}");
+    fs::write(&config, threads.replace(&text, "cpu_threads: 7").as_ref()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_diffmon"))
+        .args(["check-config", config.to_str().unwrap()])
+        .env("DIFFMON_LOG", "info")
+        .output()
+        .unwrap();
+    assert!(
+        stderr(&out).contains("; 7 CPU threads (cpu_threads)"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]
