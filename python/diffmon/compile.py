@@ -393,6 +393,9 @@ def options(args, argv) -> Optional[dict]:
     """The :func:`compile_contract` keywords the flags ask for (``None`` without --compile)."""
     if not args.compile:
         return None
+    # The command as it was run, with the PYTHONPATH that made --factory importable.
+    path = os.environ.get("PYTHONPATH")
+    prefix = f"PYTHONPATH={shlex.quote(path)} " if path else ""
     return {"device": args.compile_device, "precision": args.compile_precision,
             "min_batch": args.compile_min_batch,
-            "rebuild": "diffmon-export " + shlex.join(argv)}
+            "rebuild": prefix + "diffmon-export " + shlex.join(argv)}

@@ -35,6 +35,7 @@ well-formed event whose ``event`` is ``"resolved"``, which withdraws an earlier 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -105,9 +106,20 @@ def describe_event(event: Optional[dict]) -> str:
     why = (" (the memorization ratio reached its stop level)"
            if event.get("trigger") == "memorization" else "")
     return (f"diffmon {event.get('event', 'early_stop')} on run {event.get('run')!s}{why}: "
-            f"{event.get('metric', 'metric')} best {event.get('best_value')} at step "
+            f"best {event.get('metric', 'metric')} = {_value(event.get('best_value'))} at step "
             f"{event.get('best_step')}: {_best_checkpoint(event)}; now "
-            f"{event.get('current_value')} at step {event.get('current_step')}")
+            f"{_value(event.get('current_value'))} at step {event.get('current_step')}")
+
+
+def _value(v) -> str:
+    """A value as the daemon's messages write it: at most 6 decimals, trailing zeros dropped;
+    very small or large ones in exponent form (``1.2346e-4``)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return str(v)
+    if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6):
+        mantissa, exponent = f"{v:.4e}".split("e")
+        return f"{mantissa}e{int(exponent)}"
+    return f"{v:.6f}".rstrip("0").rstrip(".")
 
 
 # ---------------------------------------------------------------------------------------------

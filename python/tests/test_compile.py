@@ -17,15 +17,20 @@ def test_compile_goes_with_a_denoiser_only():
     assert e.value.code == 2
 
 
-def test_the_flags_become_the_compile_options_and_the_rebuild_command():
+def test_the_flags_become_the_compile_options_and_the_rebuild_command(monkeypatch):
     ap = argparse.ArgumentParser()
     compiling.add_arguments(ap)
     argv = ["--compile", "--compile-precision", "bf16", "--compile-min-batch", "64"]
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     opts = compiling.options(ap.parse_args(argv), ["--factory", "m:f", "--out", "a b.ts", *argv])
     assert opts == {"device": "cpu", "precision": "bf16", "min_batch": 64,
                     "rebuild": "diffmon-export --factory m:f --out 'a b.ts' --compile "
                                "--compile-precision bf16 --compile-min-batch 64"}
     assert compiling.options(ap.parse_args([]), []) is None
+    # The PYTHONPATH that made the factory importable is part of the command.
+    monkeypatch.setenv("PYTHONPATH", "my code")
+    opts = compiling.options(ap.parse_args(argv), ["--factory", "m:f", *argv])
+    assert opts["rebuild"].startswith("PYTHONPATH='my code' diffmon-export --factory m:f --compile")
 
 
 def test_bad_arguments_are_refused_before_anything_is_compiled(tmp_path):

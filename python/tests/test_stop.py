@@ -52,8 +52,11 @@ def test_resolved_event_withdraws_the_stop(tmp_path):
 
 def test_describe_event_names_the_kept_copy_or_the_only_copy():
     assert describe_event(EVENT) == (
-        "diffmon early_stop on run toy: icr best 0.41 at step 400: runs/exp1/ckpt_000400.pt "
+        "diffmon early_stop on run toy: best icr = 0.41 at step 400: runs/exp1/ckpt_000400.pt "
         "(kept as runs/exp1/.diffmon/best/ckpt_000400.pt); now 0.45 at step 550")
+    # Values as the daemon's messages write them.
+    assert "best icr = 0.82289 at step 400" in describe_event(dict(EVENT, best_value=0.8228899064025648))
+    assert "now 1.2346e-4 at step 550" in describe_event(dict(EVENT, current_value=0.000123456))
     # Keeping failed, or early_stop.keep_best is off: the original is the only copy.
     assert ("at step 400: runs/exp1/ckpt_000400.pt (not kept: the original is the only copy); "
             in describe_event(dict(EVENT, best_checkpoint_kept=None)))
@@ -63,7 +66,7 @@ def test_describe_event_names_the_kept_copy_or_the_only_copy():
     assert describe_event(None) == "diffmon early-stop file present (no readable event)"
     # A stop the memorization ratio fired says so; one the turn fired reads as before.
     assert describe_event(dict(EVENT, trigger="memorization")).startswith(
-        "diffmon early_stop on run toy (the memorization ratio reached its stop level): icr best")
+        "diffmon early_stop on run toy (the memorization ratio reached its stop level): best icr =")
     assert describe_event(dict(EVENT, trigger="turn")) == describe_event(EVENT)
 
 
@@ -113,7 +116,7 @@ def test_callback_sets_should_stop_when_the_file_appears(tmp_path, fake_lightnin
     cb.on_train_batch_end(trainer, None, None, None, 1)
     assert trainer.should_stop is True and cb.event == EVENT
     # The message names the kept copy beside the original, which rotation may have deleted.
-    assert ("best 0.41 at step 400: runs/exp1/ckpt_000400.pt "
+    assert ("best icr = 0.41 at step 400: runs/exp1/ckpt_000400.pt "
             "(kept as runs/exp1/.diffmon/best/ckpt_000400.pt); now 0.45 at step 550; "
             "stopping training") in capsys.readouterr().out
     trainer2 = FakeTrainer()

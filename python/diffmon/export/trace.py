@@ -259,7 +259,10 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
             mismatch is an :class:`ExportError` (module docstring, "What a wrong parameterization
             does").
         warn_inconsistent: print a warning when the exported denoiser does not behave as a
-            trained one at high noise (:func:`consistency_warning`); for trained weights only.
+            trained one at high noise (:func:`consistency_warning`); for trained weights only,
+            and not where ``scheduler`` checked the parameterization exactly (an early
+            checkpoint, still far from trained at high noise, would be warned about for
+            nothing).
         verbose: print the condition applied (one line), if any.
         compile: also compile the same wrapper into an AOTInductor package beside ``path``: the
             keywords of :func:`diffmon.compile.compile_contract` (``device`` must be this
@@ -418,7 +421,7 @@ def export(module: nn.Module, feature_layer: str, path, parameterization: str = 
                     raise ExportError(f"exported {what} differs from the eager module by {diff:.3g} "
                                       f"(> {atol:g}) at batch 3: data- or shape-dependent control flow "
                                       "was probably frozen by tracing")
-        if warn_inconsistent:
+        if warn_inconsistent and sched_cfg is None:
             top = float(conv.log_sigmas[-1].exp()) if conv.log_sigmas is not None else 80.0
             warning = consistency_warning(loaded, shape, device, sigma_max=top)
             if warning:
