@@ -39,6 +39,7 @@ import os
 import platform
 import shlex
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -152,7 +153,9 @@ def compile_contract(net: nn.Module, script: Path, shape, device, *, precision: 
         x, s = _examples(shape, max(min_batch, 3), 0, device)
         batch = torch.export.Dim("batch", min=min_batch, max=max_batch)
         started = time.perf_counter()
-        with torch.no_grad():
+        # torch.export's own use of a pytree class torch deprecates, not the user's to act on.
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, message=r".*LeafSpec")
             program = torch.export.export(net, (x, s), dynamic_shapes=({0: batch}, {0: batch}),
                                           strict=False)
             # Small weights (a bias of 4 values) would otherwise be inlined as literals into the
