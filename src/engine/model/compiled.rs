@@ -926,6 +926,18 @@ mod tests {
 
     const SO: &str = "m/data/aotinductor/model/c1.wrapper.so";
 
+    /// A folder with an architecture file (and its SHA-256) and a package of it that holds a
+    /// shared object's header and no sidecar yet.
+    fn package_beside_architecture() -> (tempfile::TempDir, PathBuf, String, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let arch = dir.path().join("m.ts");
+        write(&arch, "architecture", 0o644);
+        let sha = sha256_of(&arch).unwrap();
+        let pkg = dir.path().join("m.pt2");
+        zip_of(&pkg, &[(SO, &elf())], false);
+        (dir, arch, sha, pkg)
+    }
+
     fn sidecar(torch: &str, precision: &str, sha: &str, flags: &[&str]) -> String {
         serde_json::json!({
             "format": FORMAT, "torch": torch, "device": "cpu", "arch": std::env::consts::ARCH,
@@ -940,12 +952,7 @@ mod tests {
     /// rebuild command; nothing is loaded (the package here holds no working code).
     #[test]
     fn packages_are_vetted_before_loading() {
-        let dir = tempfile::tempdir().unwrap();
-        let arch = dir.path().join("m.ts");
-        write(&arch, "architecture", 0o644);
-        let sha = sha256_of(&arch).unwrap();
-        let pkg = dir.path().join("m.pt2");
-        zip_of(&pkg, &[(SO, &elf())], false);
+        let (_dir, arch, sha, pkg) = package_beside_architecture();
         let cpu = Device::Cpu;
         let fp32 = Precision::Fp32;
         let refusal = |side: Option<String>, mode: u32| {
@@ -1030,12 +1037,7 @@ mod tests {
     /// escaped.
     #[test]
     fn the_sidecar_is_trusted_like_the_package() {
-        let dir = tempfile::tempdir().unwrap();
-        let arch = dir.path().join("m.ts");
-        write(&arch, "architecture", 0o644);
-        let sha = sha256_of(&arch).unwrap();
-        let pkg = dir.path().join("m.pt2");
-        zip_of(&pkg, &[(SO, &elf())], false);
+        let (_dir, arch, sha, pkg) = package_beside_architecture();
         let side = sidecar(&torch_version(), "fp32", &sha, &[]).replace(
             "diffmon-export --factory m:f --out m.ts --compile",
             "evil \\u001b[2J| sh",
