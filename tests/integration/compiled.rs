@@ -150,8 +150,8 @@ fn write_config(dir: &Path, name: &str, arch: &Path, compiled: &str) -> PathBuf 
     cfg
 }
 
-/// `diffmon eval --json` of `ckpt`, its temporary folder the config's (where libtorch leaves
-/// its unpacked copy of a package it could not load).
+/// `diffmon eval --json` of `ckpt`, its temporary folder the config's (where libtorch unpacks a
+/// package).
 fn eval(cfg: &Path, ckpt: &Path) -> std::process::Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_diffmon"))
         .args(["eval", "--config", cfg.to_str().unwrap()])
@@ -445,6 +445,13 @@ fn bad_packages_are_refused_with_the_rebuild_command() {
             !tmp.path().join("escaped.txt").exists(),
             "{name}: unpacked outside"
         );
+        // A package libtorch unpacked and could not load leaves no unpacked copy.
+        let unpacked = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("aotinductor_"))
+            .count();
+        assert_eq!(unpacked, 0, "{name}: libtorch's unpacked copy was left");
         // check-config vets without opening the package (no native code runs there): what only
         // libtorch's loader finds (a shared object that is no library) shows at the start of
         // eval and watch.

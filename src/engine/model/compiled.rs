@@ -291,16 +291,23 @@ fn read_sidecar(package: &Path) -> Result<Sidecar, String> {
 /// The most entries a package's archive may hold, and how many times its size it may unpack to
 /// (torch writes its entries stored, about once its size): libtorch unpacks every entry of
 /// its model into a temporary folder before it loads one.
-const ARCHIVE_MAX_ENTRIES: usize = 10_000;
+const ARCHIVE_MAX_ENTRIES: usize = 100_000;
 const ARCHIVE_MAX_EXPANSION: u64 = 8;
 /// Where in the archive the model's files are, the shared object among them.
 const MODEL_FOLDER: &[u8] = b"data/aotinductor/model/";
+/// The files from which libtorch would compile a package without a shared object, running the
+/// compiler they name (`package_cpp_only` packages; diffmon-export never writes one).
+const BUILD_FILES: [&[u8]; 2] = [b"_compile_flags.json", b"_linker_flags.json"];
+/// The Info-ZIP Unicode Path extra field: a second name for an entry, which Rust's `zip` reads
+/// in place of the name and libtorch's zip reader (miniz) ignores.
+const UNICODE_PATH_FIELD: u16 = 0x7075;
 
-/// What libtorch will unpack, checked before it does: every name stays inside its folder, the
-/// whole is bounded, and the model's shared object is there, an ELF file for this machine
-/// (without one libtorch would compile the package's C++ source with the compiler its files
-/// name: diffmon runs no compiler).
-fn check_archive(file: &File) -> Result<(), String> {
+/// What libtorch will unpack, checked before it does, by the names libtorch reads: every name
+/// stays inside its folder, no entry carries a second name, the whole is bounded, the model's
+/// shared object is there and every shared object is an ELF file for this machine, and nothing
+/// is there to compile one from (libtorch would run the compiler its files name: diffmon runs
+/// no compiler). Returns the model's shared object's entry name.
+fn check_archive(file: &File) -> Result<String, String> {
     let len = file
         .metadata()
         .map_err(|e| format!("cannot read it: {e}"))?
@@ -313,12 +320,21 @@ fn check_archive(file: &File) -> Result<(), String> {
             zip.len()
         ));
     }
-    let (mut total, mut objects) = (0u64, Vec::new());
+    let shown = |name: &[u8]| crate::weights::quote(&String::from_utf8_lossy(name));
+    let (mut total, mut objects, mut model) = (0u64, Vec::new(), None);
+    let mut seen = std::collections::HashSet::new();
     for i in 0..zip.len() {
         let entry = zip
             .by_index_raw(i)
             .map_err(|e| format!("its entry {i} cannot be read: {e}"))?;
         let name = entry.name_raw();
+        if has_field(entry.extra_data().unwrap_or_default(), UNICODE_PATH_FIELD) {
+            return Err(format!(
+                "its entry `{}` carries a second name (a Unicode Path field), which libtorch \
+                 would not read",
+                shown(name)
+            ));
+        }
         let outside = name.first() == Some(&b'/')
             || name.contains(&b'\\')
             || name.contains(&0)
@@ -326,13 +342,29 @@ fn check_archive(file: &File) -> Result<(), String> {
         if outside {
             return Err(format!(
                 "its entry `{}` would be unpacked outside libtorch's folder",
-                crate::weights::quote(&String::from_utf8_lossy(name))
+                shown(name)
+            ));
+        }
+        // libtorch finds an entry by its name regardless of case.
+        if !seen.insert(name.to_ascii_lowercase()) {
+            return Err(format!(
+                "its entry `{}` is there twice (as libtorch compares names)",
+                shown(name)
+            ));
+        }
+        if BUILD_FILES.iter().any(|b| name.ends_with(b)) {
+            return Err(format!(
+                "it holds `{}`, from which libtorch would compile it, running the compiler \
+                 that file names: diffmon loads only a package's compiled shared object",
+                shown(name)
             ));
         }
         total = total.saturating_add(entry.size());
-        let in_model = name.windows(MODEL_FOLDER.len()).any(|w| w == MODEL_FOLDER);
-        if in_model && name.ends_with(b".so") {
+        if name.to_ascii_lowercase().ends_with(b".so") {
             objects.push(i);
+            if name.windows(MODEL_FOLDER.len()).any(|w| w == MODEL_FOLDER) {
+                model = Some(String::from_utf8_lossy(name).into_owned());
+            }
         }
     }
     if total > len.saturating_mul(ARCHIVE_MAX_EXPANSION) {
@@ -342,13 +374,13 @@ fn check_archive(file: &File) -> Result<(), String> {
             len >> 20
         ));
     }
-    if objects.is_empty() {
+    let Some(model) = model else {
         return Err(
             "it holds no compiled shared object (data/aotinductor/model/*.so): libtorch \
-                    would compile its C++ source, which diffmon does not do"
+             would compile its C++ source, which diffmon does not do"
                 .into(),
         );
-    }
+    };
     let machine: Option<u16> = match std::env::consts::ARCH {
         "x86_64" => Some(62),
         "aarch64" => Some(183),
@@ -371,7 +403,48 @@ fn check_archive(file: &File) -> Result<(), String> {
             ));
         }
     }
-    Ok(())
+    Ok(model)
+}
+
+/// Whether a zip entry's extra field (blocks of a 2-byte id, a 2-byte length, the data) holds
+/// a block `id`.
+fn has_field(extra: &[u8], id: u16) -> bool {
+    let mut rest = extra;
+    while rest.len() >= 4 {
+        if u16::from_le_bytes([rest[0], rest[1]]) == id {
+            return true;
+        }
+        let len = u16::from_le_bytes([rest[2], rest[3]]) as usize;
+        rest = rest.get(4 + len..).unwrap_or_default();
+    }
+    false
+}
+
+/// libtorch unpacks a package into a folder `<temp>/aotinductor_*` of its own and removes it
+/// when the package is freed, but not when its loader fails after unpacking (a shared object
+/// it cannot load): this removes such folders of this user, changed since `since`, that hold
+/// the entry `object` (the package's shared object, named by its hash). Nothing is followed.
+fn remove_unpacked(temp: &Path, object: &str, since: std::time::SystemTime) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(temp) else {
+        return;
+    };
+    let me = unsafe { libc::geteuid() };
+    let since = since - std::time::Duration::from_secs(2);
+    for entry in entries.flatten() {
+        let dir = entry.path();
+        let ours = entry
+            .file_name()
+            .as_encoded_bytes()
+            .starts_with(b"aotinductor_")
+            && std::fs::symlink_metadata(&dir).is_ok_and(|m| {
+                m.is_dir() && m.uid() == me && m.modified().is_ok_and(|t| t >= since)
+            })
+            && std::fs::symlink_metadata(dir.join(object)).is_ok_and(|m| m.is_file());
+        if ours {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
 }
 
 /// Whether a package of `precision` (the sidecar's) serves `evaluation.precision`.
@@ -386,6 +459,8 @@ fn serves(package_precision: &str, precision: Precision) -> bool {
 pub struct Vetted {
     pub sidecar: Sidecar,
     package: File,
+    /// The archive's entry of the model's shared object ([`check_archive`]).
+    object: String,
     constants: Option<File>,
 }
 
@@ -487,7 +562,7 @@ pub fn vet(
             rebuild,
         ));
     }
-    check_archive(&file).map_err(|r| refuse(r, rebuild))?;
+    let object = check_archive(&file).map_err(|r| refuse(r, rebuild))?;
     let constants = match &side.constants {
         Some(constants) => {
             let path = constants_path(package);
@@ -503,6 +578,7 @@ pub fn vet(
     Ok(Vetted {
         sidecar: side,
         package: file,
+        object,
         constants,
     })
 }
@@ -619,6 +695,7 @@ impl Package {
         let Vetted {
             sidecar,
             package: file,
+            object,
             constants,
         } = vetted;
         let rebuild = sidecar.rebuild.clone();
@@ -642,11 +719,14 @@ impl Package {
             _ => -1,
         };
         let mut err = std::ptr::null_mut();
+        let started = std::time::SystemTime::now();
         let ptr = unsafe { dm_package_load(c_path.as_ptr(), index, &mut err) };
         if ptr.is_null() {
+            // Its message names the held file: shown as its path while it is held.
+            let message = crate::store::safe_fs::unproc(&take_error(err));
+            remove_unpacked(&std::env::temp_dir(), &object, started);
             return Err(refuse(format!(
-                "libtorch cannot load it as a compiled package: {}",
-                take_error(err).replace(&held.display().to_string(), &path.display().to_string())
+                "libtorch cannot load it as a compiled package: {message}"
             )));
         }
         drop(file);
@@ -839,7 +919,10 @@ impl Package {
             let xp = padded(x, &reps).map_err(failed)?;
             let sp = padded(sigma, &[pad]).map_err(failed)?;
             let (d, f) = self.run(&xp, &sp, n)?;
-            return Ok((d.narrow(0, 0, n), f.narrow(0, 0, n)));
+            return Ok((
+                d.f_narrow(0, 0, n).map_err(failed)?,
+                f.f_narrow(0, 0, n).map_err(failed)?,
+            ));
         }
         self.run(x, sigma, n)
     }
@@ -890,6 +973,73 @@ mod tests {
     fn write(path: &Path, text: &str, mode: u32) {
         std::fs::write(path, text).unwrap();
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    /// CRC-32 (IEEE), as a zip's Unicode Path field carries it of the entry's name.
+    fn crc32(bytes: &[u8]) -> u32 {
+        let mut c = !0u32;
+        for &b in bytes {
+            c ^= b as u32;
+            for _ in 0..8 {
+                c = if c & 1 != 0 {
+                    (c >> 1) ^ 0xEDB8_8320
+                } else {
+                    c >> 1
+                };
+            }
+        }
+        !c
+    }
+
+    /// A zip, written by hand (Rust's `zip` writes no Unicode Path field with a valid CRC),
+    /// of the model's shared object and an entry `name`, as libtorch reads it, that carries
+    /// `alias` in a Unicode Path field (which Rust's `zip` reads in its place).
+    fn zip_with_alias(path: &Path, name: &str, alias: &str) {
+        let mut field = UNICODE_PATH_FIELD.to_le_bytes().to_vec();
+        field.extend(((5 + alias.len()) as u16).to_le_bytes());
+        field.push(1);
+        field.extend(crc32(name.as_bytes()).to_le_bytes());
+        field.extend(alias.as_bytes());
+        let entries: [(&str, Vec<u8>, Vec<u8>); 2] =
+            [(SO, elf(), Vec::new()), (name, b"escaped".to_vec(), field)];
+        let (mut out, mut central) = (Vec::new(), Vec::new());
+        let u16le = |v: usize| (v as u16).to_le_bytes();
+        let u32le = |v: usize| (v as u32).to_le_bytes();
+        for (name, data, extra) in &entries {
+            let (crc, offset) = (crc32(data), out.len());
+            // Version 20, no flags, stored, no time or date: then the CRC, both sizes and the
+            // name's.
+            let common = [
+                &u16le(20)[..],
+                &[0; 8],
+                &crc.to_le_bytes(),
+                &u32le(data.len()),
+                &u32le(data.len()),
+                &u16le(name.len()),
+            ]
+            .concat();
+            out.extend([&0x0403_4b50u32.to_le_bytes()[..], &common, &[0, 0]].concat());
+            out.extend(name.as_bytes());
+            out.extend(data);
+            central.extend([&0x0201_4b50u32.to_le_bytes()[..], &u16le(20), &common].concat());
+            // The extra field's size; no comment, disk 0, no attributes; the local header's offset.
+            central.extend([&u16le(extra.len())[..], &[0; 10], &u32le(offset)].concat());
+            central.extend(name.as_bytes());
+            central.extend(extra);
+        }
+        let (at, size) = (out.len(), central.len());
+        out.extend(central);
+        out.extend(
+            [
+                &0x0605_4b50u32.to_le_bytes()[..],
+                &[0; 4],
+                &u16le(2),
+                &u16le(2),
+            ]
+            .concat(),
+        );
+        out.extend([&u32le(size)[..], &u32le(at), &[0, 0]].concat());
+        std::fs::write(path, out).unwrap();
     }
 
     /// A zip holding `entries` (stored, or deflated where `deflate`).
@@ -1091,7 +1241,7 @@ mod tests {
         let mut other_machine = elf();
         other_machine[18] ^= 0x40;
         type Entries<'a> = &'a [(&'a str, &'a [u8])];
-        let cases: [(Entries, bool, &str); 7] = [
+        let cases: [(Entries, bool, &str); 11] = [
             (
                 &[
                     (SO, &elf()),
@@ -1114,10 +1264,7 @@ mod tests {
                 "unpacks to 64 MiB",
             ),
             (
-                &[
-                    ("m/data/aotinductor/model/c1.wrapper.cpp", b"int x;"),
-                    ("m/data/aotinductor/model/c1_compile_flags.json", b"{}"),
-                ],
+                &[("m/data/aotinductor/model/c1.wrapper.cpp", b"int x;")],
                 false,
                 "no compiled shared object",
             ),
@@ -1132,12 +1279,48 @@ mod tests {
                 false,
                 "not a 64-bit ELF",
             ),
+            // Whichever shared object libtorch would pick, each is checked.
+            (
+                &[(SO, &elf()), ("m/data/constants/z.SO", b"no ELF file")],
+                false,
+                "not a 64-bit ELF",
+            ),
+            // A decoy shared object outside the model's folder, and what libtorch would compile
+            // the model from, with a compiler of the package's choosing.
+            (
+                &[
+                    ("p/x/data/aotinductor/model/decoy.so", &elf()),
+                    ("m/data/aotinductor/model/c.wrapper.cpp", b"int x;"),
+                    (
+                        "m/data/aotinductor/model/c.wrapper_compile_flags.json",
+                        b"{}",
+                    ),
+                ],
+                false,
+                "running the compiler",
+            ),
+            (
+                &[
+                    (SO, &elf()),
+                    ("m/data/aotinductor/model/c_linker_flags.json", b"{}"),
+                ],
+                false,
+                "compile",
+            ),
+            (
+                &[
+                    (SO, &elf()),
+                    ("m/data/aotinductor/model/C1.wrapper.so", &elf()),
+                ],
+                false,
+                "there twice",
+            ),
         ];
         for (entries, deflate, says) in cases {
             zip_of(&pkg, entries, deflate);
             let got = check_archive(&File::open(&pkg).unwrap());
             match says {
-                "" => got.unwrap(),
+                "" => assert_eq!(got.unwrap(), SO),
                 _ => {
                     let e = got.unwrap_err();
                     assert!(e.contains(says), "{says}: {e}");
@@ -1147,6 +1330,86 @@ mod tests {
         write(&pkg, "not a zip", 0o644);
         let e = check_archive(&File::open(&pkg).unwrap()).unwrap_err();
         assert!(e.contains("not a compiled package"), "{e}");
+        // A second name that Rust's zip reads in place of the one libtorch unpacks to.
+        zip_with_alias(
+            &pkg,
+            "m/data/aotinductor/model/../../../../x.txt",
+            "m/data/aotinductor/model/notes.txt",
+        );
+        let e = check_archive(&File::open(&pkg).unwrap()).unwrap_err();
+        assert!(e.contains("carries a second name"), "{e}");
+    }
+
+    /// Only this user's libtorch folders that hold the package's shared object and changed
+    /// since the load began are removed; links are not followed.
+    #[test]
+    fn a_failed_loads_unpacked_copy_is_removed_and_nothing_else() {
+        let temp = tempfile::tempdir().unwrap();
+        let object = "m/data/aotinductor/model/c1.wrapper.so";
+        let unpacked = |name: &str, object: &str| {
+            let dir = temp.path().join(name);
+            let file = dir.join(object);
+            std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+            std::fs::write(file, b"x").unwrap();
+            dir
+        };
+        let since = std::time::SystemTime::now();
+        let failed = unpacked("aotinductor_a1", object);
+        let other_package = unpacked("aotinductor_b2", "m/data/aotinductor/model/c2.wrapper.so");
+        let not_libtorchs = unpacked("mine_c3", object);
+        let elsewhere = tempfile::tempdir().unwrap();
+        let target = elsewhere.path().join("t");
+        std::fs::create_dir_all(target.join("m/data/aotinductor/model")).unwrap();
+        std::fs::write(target.join(object), b"x").unwrap();
+        std::os::unix::fs::symlink(&target, temp.path().join("aotinductor_link")).unwrap();
+        remove_unpacked(temp.path(), object, since);
+        assert!(!failed.exists());
+        assert!(other_package.exists() && not_libtorchs.exists());
+        assert!(target.join(object).exists(), "a link was followed");
+        // One from before the load began is not this load's.
+        let older = unpacked("aotinductor_d4", object);
+        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
+        remove_unpacked(temp.path(), object, later);
+        assert!(older.exists());
+    }
+
+    /// libtorch loads the very file that was vetted, not what its path names by then; and a
+    /// shared object it cannot load leaves no unpacked copy behind.
+    #[test]
+    fn the_vetted_file_is_the_one_loaded() {
+        let (_dir, arch, sha, pkg) = package_beside_architecture();
+        // An entry name of this test's own, to find libtorch's copy by.
+        let prefix = format!("vetted{}", std::process::id());
+        let object = format!("{prefix}/data/aotinductor/model/c1.wrapper.so");
+        let metadata = format!("{prefix}/data/aotinductor/model/c1.wrapper_metadata.json");
+        let format = format!("{prefix}/archive_format");
+        let device = br#"{"AOTI_DEVICE_KEY": "cpu"}"#;
+        let entries: [(&str, &[u8]); 3] =
+            [(&object, &elf()), (&metadata, device), (&format, b"pt2")];
+        zip_of(&pkg, &entries, false);
+        let side = sidecar(&torch_version(), "fp32", &sha, &[]);
+        write(&sidecar_path(&pkg), &side, 0o644);
+        let vetted = vet(&pkg, &arch, Device::Cpu, Precision::Fp32).unwrap();
+        // Replaced after the check: by its path libtorch would read no zip at all.
+        let swap = pkg.with_extension("swap");
+        write(&swap, "not a zip", 0o644);
+        std::fs::rename(&swap, &pkg).unwrap();
+        let e = Package::load(&pkg, vetted, Device::Cpu)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        // It unpacked the vetted zip and failed at the shared object (an ELF header only).
+        assert!(e.contains("libtorch cannot load it"), "{e}");
+        assert!(
+            !e.contains("zip archive"),
+            "the replaced file was read: {e}"
+        );
+        let left = std::fs::read_dir(std::env::temp_dir())
+            .unwrap()
+            .flatten()
+            .filter(|d| d.path().join(&object).exists())
+            .count();
+        assert_eq!(left, 0, "libtorch's unpacked copy was left behind");
     }
 
     /// `auto` falls back to TorchScript (with the reason) where a path is an error; `off` and a
