@@ -16,8 +16,8 @@ pub(super) const CONSTANTS_ARE: &str = "a constants file holds what the package'
 /// Opens `path` to read it as a file of the compiled network, refusing one that another user
 /// owns (root aside) or that group or others may write, as OpenSSH refuses a private key others
 /// can read. The checks are of the open file, so what is checked is what is read, and what
-/// libtorch loads ([`Package::load`]); no wait on a FIFO. `is` says why the file is trusted that
-/// way, for the message.
+/// libtorch loads ([`super::Package::load`]); no wait on a FIFO. `is` says why the file is
+/// trusted that way, for the message.
 pub(super) fn open_trusted(path: &Path, is: &str) -> Result<File, String> {
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let file = std::fs::OpenOptions::new()
