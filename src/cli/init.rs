@@ -489,14 +489,39 @@ pub fn config_for(dir: &Path, written: &Path, s: &Survey) -> String {
     )
 }
 
-/// `s` for a comment line: line breaks shown escaped.
-fn one_line(s: &str) -> String {
-    s.replace('\r', "\\r").replace('\n', "\\n")
+/// What YAML reads as a line break or refuses in a file, besides `\n` and `\r`: the other
+/// control characters, NEL (U+0085, a control character too), and the Unicode line and
+/// paragraph separators. A file name holding one must not end a comment line or a value.
+fn breaks_yaml(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{2028}' | '\u{2029}')
 }
 
-/// `s` double-quoted, with JSON's escapes (JSON strings are YAML scalars).
+/// `s` for a comment line: line breaks and control characters shown escaped (`\n`,
+/// `\u{2028}`), so that a file name never starts a line of its own.
+fn one_line(s: &str) -> String {
+    s.chars()
+        .flat_map(|c| {
+            let escaped: Vec<char> = if breaks_yaml(c) {
+                c.escape_default().collect()
+            } else {
+                vec![c]
+            };
+            escaped
+        })
+        .collect()
+}
+
+/// `s` double-quoted, with JSON's escapes (JSON strings are YAML scalars), and `\u` escapes for
+/// the characters JSON leaves as they are and YAML does not ([`breaks_yaml`]).
 fn quoted(s: &str) -> String {
-    serde_json::to_string(s).expect("a string serializes")
+    serde_json::to_string(s)
+        .expect("a string serializes")
+        .chars()
+        .map(|c| match c {
+            c if breaks_yaml(c) => format!("\\u{:04x}", c as u32),
+            c => c.to_string(),
+        })
+        .collect()
 }
 
 /// `s` as a YAML scalar: plain when it reads back as the same string, else [`quoted`].
@@ -571,6 +596,8 @@ mod tests {
             "\"q\"",
             "back\\slash",
             "line\nbreak",
+            "line\u{2028}separator\u{2029}paragraph\u{85}next",
+            "escape\u{1b}[2J\u{7f}",
             "1000",
             "1e3",
             ".inf",
@@ -587,6 +614,18 @@ mod tests {
         }
         assert_eq!(yaml_scalar("runs/exp1/model.ts"), "runs/exp1/model.ts");
         assert_eq!(quoted("ckpt\\[1\\]_*.pt"), r#""ckpt\\[1\\]_*.pt""#);
+        // A file name in a comment line: no key of its own, whatever breaks YAML's lines.
+        for name in [
+            "heldout\u{2028}state_dir: ..\u{2028}#.h5",
+            "heldout\u{85}state_dir: ..\u{2029}#.h5",
+            "heldout\rstate_dir: ..\n#.h5",
+            "esc\u{1b}.h5",
+        ] {
+            let yaml = format!("# data.heldout_path: {} (held-out)\nk: v\n", one_line(name));
+            let v: std::collections::BTreeMap<String, serde_yaml::Value> =
+                serde_yaml::from_str(&yaml).unwrap_or_else(|e| panic!("{yaml}: {e}"));
+            assert_eq!(v.keys().collect::<Vec<_>>(), ["k"], "{yaml:?}");
+        }
     }
 
     /// The keys of a written config whose value is not the example's, but for `run.dir` (the

@@ -264,9 +264,23 @@ fn put_back(
 ) -> Result<Option<CheckpointKey>> {
     let path = &point.checkpoint;
     let shown = untrusted(path);
+    // A kept file shares its bytes with the checkpoint where it is a hard link: a job that
+    // saved over the checkpoint in place (torch.save truncates) changed both.
+    let kept_changed = keep_best::lookup(state_dir, path).filter(|kept| {
+        crate::store::history::CheckpointKey::of(kept)
+            .is_ok_and(|k| (k.size, k.mtime_ns) != (point.key.size, point.key.mtime_ns))
+    });
     if std::fs::symlink_metadata(path).is_ok() {
         let unchanged = crate::store::unit::key(path).is_ok_and(|k| k == point.key)
-            || crate::store::restore::is_copy_of_kept(state_dir, path);
+            || (kept_changed.is_none() && crate::store::restore::is_copy_of_kept(state_dir, path));
+        if let (false, Some(kept)) = (unchanged, &kept_changed) {
+            return Err(ResumeError::Failed(format!(
+                "{shown}: not the checkpoint evaluated at step {step}, and the copy diffmon kept, {}, is no longer the file evaluated at step {step} either (a kept link shares its file with the checkpoint, and the training job saved over the checkpoint in place): there is nothing to resume from at this step",
+                untrusted(kept),
+                step = point.step
+            ))
+            .into());
+        }
         if !unchanged {
             return Err(ResumeError::Failed(format!(
                 "{shown}: not the checkpoint evaluated at step {} (it changed since); move it away and run `diffmon resume` again to put back the copy diffmon kept, if it kept one",
@@ -283,6 +297,14 @@ fn put_back(
         ))
         .into());
     };
+    if let Some(kept) = kept_changed {
+        return Err(ResumeError::Failed(format!(
+            "{shown}: the copy diffmon kept, {}, is no longer the file evaluated at step {} (its size or time changed: a kept link shares its file with the checkpoint, and the training job saved over the checkpoint in place); it is not restored",
+            untrusted(&kept),
+            point.step
+        ))
+        .into());
+    }
     if dry_run {
         let _ = writeln!(
             report,

@@ -80,6 +80,10 @@ pub enum KeepBestError {
         "{path}: changed since it was evaluated (not the files that were measured): not kept; the checkpoint kept before stays"
     )]
     Changed { path: PathBuf },
+    #[error(
+        "{path}: replaced while it was being made (someone else can write its folder): what is there now is not the restored copy, and nothing was written through it"
+    )]
+    Replaced { path: PathBuf },
 }
 
 pub(super) fn io_error(path: &Path) -> impl FnOnce(io::Error) -> KeepBestError + '_ {
@@ -140,7 +144,7 @@ pub fn link_unit(from: &Path, to: &Path) -> Result<(), KeepBestError> {
             path: from.to_path_buf(),
         })
     } else if meta.is_dir() {
-        copy_tree(from, &meta, to, &link, false, &mut kept)
+        copy_tree(from, &meta, to, &link, false, &mut kept).map(|_| ())
     } else if meta.is_file() {
         link_or_copy(from, to, &link, false, &mut kept)
     } else {
@@ -198,7 +202,7 @@ fn keep_with(
                 path: source.to_path_buf(),
             })
         } else if meta.is_dir() {
-            copy_tree(source, &meta, &tmp, link, true, &mut kept)
+            copy_tree(source, &meta, &tmp, link, true, &mut kept).map(|_| ())
         } else if meta.is_file() {
             link_or_copy(source, &tmp, link, true, &mut kept)
         } else {
@@ -383,7 +387,9 @@ fn copy_file(from: &Path, to: &Path) -> Result<(), KeepBestError> {
 /// regular files linked or copied, links and special files skipped; bounded like the watcher's
 /// walk. Each folder is opened without following a link and read through its descriptor
 /// (`/proc/self/fd/<n>/<name>`), so a folder swapped for a link while it is copied is never
-/// walked into: the link is skipped, or the whole copy refused when it is `from` itself.
+/// walked into: the link is skipped, or the whole copy refused when it is `from` itself; `to`
+/// is filled through its descriptor too. Returns the device and inode of the folder made, for
+/// a caller that renames it to check that what it renamed was that folder.
 pub(super) fn copy_tree(
     from: &Path,
     meta: &fs::Metadata,
@@ -391,7 +397,7 @@ pub(super) fn copy_tree(
     link: &dyn Fn(&Path, &Path) -> io::Result<()>,
     copy: bool,
     kept: &mut Kept,
-) -> Result<(), KeepBestError> {
+) -> Result<(u64, u64), KeepBestError> {
     let mkdir = |p: &Path| {
         use std::os::unix::fs::DirBuilderExt;
         fs::DirBuilder::new()
@@ -408,6 +414,17 @@ pub(super) fn copy_tree(
         });
     }
     mkdir(to)?;
+    // `to` may be in a folder others can write (a restore into the run folder): it is filled
+    // through its descriptor, so that `to` swapped for a link never has diffmon make, link or
+    // chmod anything elsewhere; what is inside it is this user's 0700 folder's.
+    let held = open_dir(to).map_err(|e| link_or_io(to, e))?;
+    let made = held.metadata().map_err(io_error(to))?;
+    if made.uid() != unsafe { libc::geteuid() } {
+        return Err(KeepBestError::Replaced {
+            path: to.to_path_buf(),
+        });
+    }
+    let to = &fd_path(&held);
     // Each folder made and its source's permission bits, set once it is filled.
     let mut modes: Vec<(PathBuf, u32)> = vec![(to.to_path_buf(), now.mode() & 0o777)];
     let too_large = || KeepBestError::TooLarge {
@@ -477,7 +494,7 @@ pub(super) fn copy_tree(
             "links and special files of the best checkpoint are not kept"
         );
     }
-    Ok(())
+    Ok((made.dev(), made.ino()))
 }
 
 /// Opens the folder `path` without following a link at its last component.

@@ -30,23 +30,37 @@ pub fn restore(kept: &Path, to: &Path) -> Result<Kept, KeepBestError> {
         copied: 0,
     };
     let link = |a: &Path, b: &Path| fs::hard_link(a, b);
+    // A folder is made through its descriptor (`copy_tree`); its device and inode tell whether
+    // what was renamed into place is that folder (`tmp` is in a folder others may write).
     let built = if meta.file_type().is_symlink() {
         Err(KeepBestError::Link {
             path: kept.to_path_buf(),
         })
     } else if meta.is_dir() {
-        copy_tree(kept, &meta, &tmp, &link, true, &mut done)
+        copy_tree(kept, &meta, &tmp, &link, true, &mut done).map(Some)
     } else if meta.is_file() {
-        link_or_copy(kept, &tmp, &link, true, &mut done)
+        link_or_copy(kept, &tmp, &link, true, &mut done).map(|()| None)
     } else {
         Err(KeepBestError::NotRegular {
             path: kept.to_path_buf(),
         })
-    }
-    .and_then(|()| crate::store::safe_fs::rename_noreplace(&tmp, to).map_err(io_error(to)));
-    if let Err(e) = built {
+    };
+    let made = match built {
+        Ok(made) => made,
+        Err(e) => {
+            remove_entry(&tmp);
+            return Err(e);
+        }
+    };
+    if let Err(e) = crate::store::safe_fs::rename_noreplace(&tmp, to) {
         remove_entry(&tmp);
-        return Err(e);
+        return Err(io_error(to)(e));
+    }
+    let there = fs::symlink_metadata(to).map(|m| (m.dev(), m.ino()));
+    if made.is_some_and(|made| there.ok() != Some(made)) {
+        return Err(KeepBestError::Replaced {
+            path: to.to_path_buf(),
+        });
     }
     sync_dir(crate::store::safe_fs::parent(to));
     Ok(done)
@@ -180,6 +194,95 @@ mod tests {
         write(&ck.join("optimizer.bin"), b"adam");
         write(&ck.join("extra"), b"");
         assert!(!is_copy_of_kept(&state, &ck));
+    }
+
+    /// A restore builds its copy under a temporary name in the run folder, which others may
+    /// write: someone who swaps that folder for a link to a folder of theirs (atomically,
+    /// `RENAME_EXCHANGE`, while it is filled) never has diffmon make, link or chmod anything in
+    /// their folder, and what lands at the checkpoint's path is either the restored copy or an
+    /// error saying it was replaced.
+    #[test]
+    fn a_restore_is_never_written_through_a_swapped_folder() {
+        use std::ffi::CString;
+        use std::os::unix::ffi::OsStrExt;
+        use std::os::unix::fs::PermissionsExt;
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        let run = tempfile::tempdir().unwrap();
+        let state = run.path().join("state");
+        fs::create_dir(&state).unwrap();
+        let victim = tempfile::tempdir().unwrap();
+        fs::set_permissions(victim.path(), fs::Permissions::from_mode(0o700)).unwrap();
+        let ck = run.path().join("checkpoint-160");
+        for i in 0..3000 {
+            write(&ck.join(format!("shard-{i}")), b"w");
+        }
+        keep(&state, &ck, None).unwrap();
+        let kept = lookup(&state, &ck).unwrap();
+        let (stop, swaps) = (AtomicBool::new(false), AtomicUsize::new(0));
+        let link = run.path().join("link");
+        std::os::unix::fs::symlink(victim.path(), &link).unwrap();
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let Ok(entries) = fs::read_dir(run.path()) else {
+                        continue;
+                    };
+                    for e in entries.flatten() {
+                        let name = e.file_name();
+                        if !name.as_bytes().ends_with(TEMP_SUFFIX.as_bytes()) {
+                            continue;
+                        }
+                        let (a, b) = (
+                            CString::new(e.path().as_os_str().as_bytes()).unwrap(),
+                            CString::new(link.as_os_str().as_bytes()).unwrap(),
+                        );
+                        // SAFETY: two NUL-terminated paths.
+                        let rc = unsafe {
+                            libc::renameat2(
+                                libc::AT_FDCWD,
+                                a.as_ptr(),
+                                libc::AT_FDCWD,
+                                b.as_ptr(),
+                                libc::RENAME_EXCHANGE,
+                            )
+                        };
+                        if rc == 0 {
+                            swaps.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            });
+            for _ in 0..10 {
+                let _ = fs::remove_dir_all(&ck).or_else(|_| fs::remove_file(&ck));
+                match restore(&kept, &ck) {
+                    Ok(_) => assert!(fs::symlink_metadata(&ck).unwrap().is_dir()),
+                    Err(e) => assert!(
+                        matches!(
+                            e,
+                            KeepBestError::Replaced { .. }
+                                | KeepBestError::Io { .. }
+                                | KeepBestError::Link { .. }
+                        ),
+                        "{e}"
+                    ),
+                }
+                if swaps.load(Ordering::Relaxed) >= 3 {
+                    break;
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+        assert!(
+            swaps.load(Ordering::Relaxed) > 0,
+            "the folder was never swapped: the test tried nothing"
+        );
+        let mode = fs::metadata(victim.path()).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700, "the other folder was chmod-ed");
+        assert_eq!(
+            fs::read_dir(victim.path()).unwrap().count(),
+            0,
+            "something was made in the other folder"
+        );
     }
 
     /// A restored folder has the modes the training job gave its folders and files, not the

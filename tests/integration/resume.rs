@@ -56,6 +56,29 @@ fn resume_restores_the_kept_best_and_the_detector_fires_again_only_when_it_turns
     assert!(stop_file.exists());
 
     d.terminate();
+    // Saved over in place (torch.save truncates): the kept copy, a link to the same file,
+    // changed with it, so it is not taken for the checkpoint evaluated; back as it was, it is.
+    let best = dir.join("ckpt_2.pt");
+    let (bytes, mtime) = (
+        fs::read(&best).unwrap(),
+        fs::metadata(&best).unwrap().modified().unwrap(),
+    );
+    fs::write(&best, b"saved over in place").unwrap();
+    let changed = resume(dir, &["--dry-run"]);
+    assert_eq!(changed.status.code(), Some(1), "{}", stdout(&changed));
+    assert!(
+        stderr(&changed).contains("is no longer the file evaluated at step 2"),
+        "{}",
+        stderr(&changed)
+    );
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(&best)
+        .unwrap();
+    std::io::Write::write_all(&mut &f, &bytes).unwrap();
+    f.set_modified(mtime).unwrap();
+    drop(f);
     // The training job's rotation deleted the best checkpoint.
     fs::remove_file(dir.join("ckpt_2.pt")).unwrap();
     let dry = resume(dir, &["--dry-run"]);
