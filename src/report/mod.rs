@@ -328,7 +328,7 @@ mod tests {
         );
     }
 
-    const HOSTILE: &str = "</svg><script>alert('x')</script>&\"ckpt\u{1}\".pt";
+    const HOSTILE: &str = "</svg><script>alert('x')</script>&\"ckpt\u{1}\u{fffe}\u{ffff}\".pt";
 
     fn svg_of(s: &Snapshot) -> String {
         String::from_utf8(render(s, Format::Svg).unwrap()).unwrap()
@@ -448,7 +448,7 @@ mod tests {
                 .any(|t| t.contains("</svg><script>alert('x')</script>&\"ckpt")),
             "{titles:?}"
         );
-        assert!(!svg.contains('\u{1}'));
+        assert!(!svg.contains(['\u{1}', '\u{fffe}', '\u{ffff}']));
         // The report file has no refresh.
         let report =
             String::from_utf8(render(&s, Format::Html { refresh_secs: None }).unwrap()).unwrap();
