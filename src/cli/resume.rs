@@ -119,7 +119,14 @@ pub fn resume(request: &Request) -> Result<String> {
         segment + 1
     );
 
-    let restored = put_back(&state_dir, &point, request.dry_run, &mut report)?;
+    // The kept copy is read through the lock's handle on the state folder: the folder's path,
+    // in a run folder others may write, could name another folder by now.
+    let restored = put_back(
+        held.as_deref().unwrap_or(&state_dir),
+        &point,
+        request.dry_run,
+        &mut report,
+    )?;
     let set_aside = if request.keep_later {
         Vec::new()
     } else {

@@ -701,11 +701,27 @@ impl Keeper {
 }
 
 impl Drop for Keeper {
-    /// Stops the thread after the keep in progress (not waited for: a copy cut short is removed
-    /// at the next start).
+    /// Lets the keep asked for last finish (for at most [`WAIT_FOR_KEEP`]: the daemon lets go of
+    /// its state folder after this, and a run that ends names its best last), then stops the
+    /// thread; a copy cut short is removed at the next start.
     fn drop(&mut self) {
         let (slot, changed) = &*self.shared;
-        slot.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
+        let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
+        let started = *self.started.lock().unwrap_or_else(|e| e.into_inner());
+        if started && (s.wanted.is_some() || s.busy.is_some()) {
+            tracing::info!("keeping the best checkpoint before stopping");
+            let (kept, timeout) = changed
+                .wait_timeout_while(s, WAIT_FOR_KEEP, |s| s.wanted.is_some() || s.busy.is_some())
+                .unwrap_or_else(|e| e.into_inner());
+            if timeout.timed_out() {
+                tracing::warn!(
+                    "the best checkpoint is still being kept after {WAIT_FOR_KEEP:?}: stopping without it (the copy cut short is removed at the next start)"
+                );
+            }
+            s = kept;
+        }
+        s.stop = true;
+        drop(s);
         changed.notify_all();
     }
 }
@@ -999,6 +1015,24 @@ mod tests {
         // A new keeper (a restart) finds it in the folder.
         drop(keeper);
         assert_eq!(Keeper::new(&state).kept(&paths[4]), Some(kept));
+    }
+
+    /// A keeper dropped right after a request (a run that ends, `watch --until-file`) keeps that
+    /// checkpoint first: its folder of 3000 files is kept whole, and nothing is left half made.
+    #[test]
+    fn a_keeper_dropped_keeps_the_last_request_first() {
+        let run = tempfile::tempdir().unwrap();
+        let state = state_in(run.path());
+        let ck = run.path().join("checkpoint-180");
+        for i in 0..3000 {
+            write(&ck.join(format!("shard-{i}")), b"w");
+        }
+        let keeper = Keeper::new(&state);
+        keeper.keep(&ck, None, None);
+        drop(keeper);
+        assert_eq!(kept_names(&state), ["checkpoint-180"]);
+        let kept = state.join("best/checkpoint-180");
+        assert_eq!(fs::read_dir(&kept).unwrap().count(), 3000);
     }
 
     /// The hook hears how each keep ended, with the kept copy named under the shown state
