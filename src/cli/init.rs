@@ -42,6 +42,11 @@ pub struct Survey {
     /// The CPU cores this process may use (its affinity and CPU quota: a Slurm job's
     /// `--cpus-per-task`), from which `cpu_threads` is written ([`threads_beside_training`]).
     pub cores: Option<usize>,
+    /// The folder held more than [`MAX_ENTRIES`] entries: the others were not looked at.
+    pub cut: bool,
+    /// Entries whose names are not UTF-8 (lossily shown), not looked at: a config cannot name
+    /// them.
+    pub not_utf8: Vec<String>,
 }
 
 /// The `cpu_threads` init writes for a machine with `cores` cores: half of them, at least one,
@@ -119,12 +124,18 @@ pub fn survey(dir: &Path) -> std::io::Result<Survey> {
         cores: std::thread::available_parallelism().ok().map(|n| n.get()),
         ..Survey::default()
     };
-    let mut entries: Vec<_> = std::fs::read_dir(dir)?
-        .take(MAX_ENTRIES)
-        .flatten()
-        .filter_map(|e| Some((e.file_name().to_str()?.to_string(), e.path())))
-        .filter(|(n, _)| !n.starts_with('.'))
-        .collect();
+    let mut listed = std::fs::read_dir(dir)?.flatten();
+    let mut entries = Vec::new();
+    for e in listed.by_ref().take(MAX_ENTRIES) {
+        match e.file_name().to_str() {
+            Some(name) if !name.starts_with('.') => entries.push((name.to_string(), e.path())),
+            Some(_) => {}
+            None => s
+                .not_utf8
+                .push(e.file_name().to_string_lossy().into_owned()),
+        }
+    }
+    s.cut = listed.next().is_some();
     entries.sort();
     for (name, path) in entries {
         let is_dir = std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir());
@@ -197,6 +208,26 @@ pub fn survey(dir: &Path) -> std::io::Result<Survey> {
 /// key [`config_for`] fills in from the folder, named with its value (or why it was not found).
 pub fn describe(dir: &Path, s: &Survey) -> Vec<String> {
     let mut out = Vec::new();
+    if s.cut {
+        out.push(format!(
+            "the folder holds more than {MAX_ENTRIES} entries: only the first {MAX_ENTRIES} were looked at, so checkpoints may be missing below"
+        ));
+    }
+    if !s.not_utf8.is_empty() {
+        let (n, which) = match s.not_utf8.len() {
+            1 => (1, "entry whose name is not UTF-8 was"),
+            n => (n, "entries whose names are not UTF-8 were"),
+        };
+        out.push(format!(
+            "{n} {which} not looked at (a config cannot name them; the daemon skips them too): {}",
+            s.not_utf8
+                .iter()
+                .take(5)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
     let filled = |key: &str, value: &str, what: &str| format!("{key}: {value} ({what})");
     let path = |p: &PathBuf| p.display().to_string();
     match (s.checkpoints.first(), s.checkpoints.last()) {
@@ -652,6 +683,40 @@ mod tests {
         keys
     }
 
+    /// A folder of more entries than are looked at, or with names that are not UTF-8, is said
+    /// so, not surveyed as if it held nothing more.
+    #[test]
+    fn a_survey_says_what_it_did_not_look_at() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        for i in 0..MAX_ENTRIES + 1 {
+            std::fs::write(dir.path().join(format!("junk-{i}.txt")), b"").unwrap();
+        }
+        let odd = std::ffi::OsStr::from_bytes(b"ckpt_000040\xff.pt");
+        std::fs::write(dir.path().join(odd), b"").unwrap();
+        let s = survey(dir.path()).unwrap();
+        assert!(s.cut);
+        let said = describe(dir.path(), &s).join("\n");
+        assert!(
+            said.contains(&format!("more than {MAX_ENTRIES} entries")),
+            "{said}"
+        );
+        // Listed in no order: the odd name is among the first looked at or the rest.
+        if !s.not_utf8.is_empty() {
+            assert!(said.contains("ckpt_000040\u{fffd}.pt"), "{said}");
+        }
+        let small = tempfile::tempdir().unwrap();
+        std::fs::write(small.path().join(odd), b"").unwrap();
+        let s = survey(small.path()).unwrap();
+        assert!(!s.cut);
+        let said = describe(small.path(), &s).join("\n");
+        assert!(
+            said.contains("1 entry whose name is not UTF-8 was not looked at"),
+            "{said}"
+        );
+        assert!(said.contains("ckpt_000040\u{fffd}.pt"), "{said}");
+    }
+
     /// Every value `config_for` fills in from what the folder holds is named in the report
     /// (stderr and the config's header) with that value; a key it could not fill is named too.
     #[test]
@@ -672,6 +737,8 @@ mod tests {
             heldout: Some(dir.join("heldout.h5")),
             pattern: Some("ckpt_*.pt".into()),
             cores: Some(16),
+            cut: false,
+            not_utf8: Vec::new(),
         };
         let text = config_for(dir, dir, &everything);
         let keys = filled_keys(&text);
