@@ -119,6 +119,16 @@ pub fn resume(request: &Request) -> Result<String> {
         segment + 1
     );
 
+    // The stop file is removed last: one that cannot be (a folder in its place) stops the
+    // resume before anything is done, the dry run too.
+    let stop = config.run.dir.join(&config.alerts.stop_file);
+    if std::fs::symlink_metadata(&stop).is_ok_and(|m| m.is_dir()) {
+        return Err(ResumeError::Failed(format!(
+            "{}: a folder where the stop file goes (alerts.stop_file); nothing was done: remove it, then run `diffmon resume` again",
+            untrusted(&stop)
+        ))
+        .into());
+    }
     // The kept copy is read through the lock's handle on the state folder: the folder's path,
     // in a run folder others may write, could name another folder by now.
     let restored = put_back(
@@ -142,9 +152,10 @@ pub fn resume(request: &Request) -> Result<String> {
             // later checkpoints beside it (its "latest" is one of them). Nothing more is done.
             let done = report.split_once('\n').map_or("", |(_, rest)| rest);
             return Err(ResumeError::Failed(format!(
-                "resume of run `{}` from step {} not complete; done:\n{done}cannot move {} of the abandoned branch aside into {} (another file \
-                 system: the state folder must be on the run folder's file system to move them; \
-                 they are left in place), so the resume is not complete: the stop file and the \
+                "resume of run `{}` from step {} not complete; done:\n{done}cannot move {} of the abandoned branch aside into {} (the lines \
+                 above say why: another file system, where the state folder must be on the run \
+                 folder's file system to move them, or a name set aside before; they are left in \
+                 place), so the resume is not complete: the stop file and the \
                  history are unchanged{}. Move {} out of the run folder yourself (or pass \
                  --keep-later to leave them), then run `diffmon resume` again.",
                 config.run_name(),
@@ -169,7 +180,6 @@ pub fn resume(request: &Request) -> Result<String> {
         }
         moved
     };
-    let stop = config.run.dir.join(&config.alerts.stop_file);
     if std::fs::symlink_metadata(&stop).is_ok() {
         if !request.dry_run {
             std::fs::remove_file(&stop).map_err(|e| {

@@ -79,6 +79,21 @@ fn resume_restores_the_kept_best_and_the_detector_fires_again_only_when_it_turns
     std::io::Write::write_all(&mut &f, &bytes).unwrap();
     f.set_modified(mtime).unwrap();
     drop(f);
+    // A folder where the stop file goes: nothing is done (before: checkpoints were moved
+    // aside, then the resume failed at the stop file).
+    let saved = dir.join("EARLY_STOP.saved");
+    fs::rename(&stop_file, &saved).unwrap();
+    fs::create_dir(&stop_file).unwrap();
+    let blocked = resume(dir, &[]);
+    assert_eq!(blocked.status.code(), Some(1), "{}", stdout(&blocked));
+    assert!(
+        stderr(&blocked).contains("a folder where the stop file goes"),
+        "{}",
+        stderr(&blocked)
+    );
+    assert!(dir.join("ckpt_3.pt").exists(), "something was moved aside");
+    fs::remove_dir(&stop_file).unwrap();
+    fs::rename(&saved, &stop_file).unwrap();
     // The training job's rotation deleted the best checkpoint.
     fs::remove_file(dir.join("ckpt_2.pt")).unwrap();
     let dry = resume(dir, &["--dry-run"]);
