@@ -103,6 +103,17 @@ pub fn resume(request: &Request) -> Result<String> {
             &read
         }
     };
+    // Run again with nothing evaluated since the last resume: that resume stands. (Its
+    // detector's best on the shortened lineage could be an earlier step, and the checkpoint
+    // just put back would be set aside.)
+    if request.step.is_none()
+        && let Some(Entry::Resume { step, .. }) = entries.last()
+    {
+        return Ok(format!(
+            "run `{}` was resumed from step {step}, and nothing has been evaluated since: nothing to do (`--step N` resumes from another evaluated step)\n",
+            config.run_name()
+        ));
+    }
     let point = resume_point(&config, entries, request.step)?;
     let segment = segments(entries).last().map_or(1, |(s, _)| s);
     let held = lock.as_ref().map(|l| l.state().path().to_path_buf());

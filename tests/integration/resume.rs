@@ -127,6 +127,16 @@ fn resume_restores_the_kept_best_and_the_detector_fires_again_only_when_it_turns
         (last["kind"].as_str(), last["step"].as_i64()),
         (Some("resume"), Some(2))
     );
+    // Run again before anything is evaluated: that resume stands, nothing moves.
+    let twice = resume(dir, &[]);
+    assert!(twice.status.success(), "{}", stderr(&twice));
+    assert!(
+        stdout(&twice).contains("nothing to do"),
+        "{}",
+        stdout(&twice)
+    );
+    assert!(dir.join("ckpt_2.pt").exists());
+    assert_eq!(journal_entries(dir).pop().unwrap(), last);
     // A step of the abandoned branch is no resume point.
     let again = resume(dir, &["--step", "4"]);
     assert_eq!(again.status.code(), Some(2), "{}", stderr(&again));
