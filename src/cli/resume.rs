@@ -294,14 +294,15 @@ fn put_back(
     let shown = untrusted(path);
     // A kept file shares its bytes with the checkpoint where it is a hard link: a job that
     // saved over the checkpoint in place (torch.save truncates) changed both.
-    let kept_changed = keep_best::lookup(state_dir, path).filter(|kept| {
+    let kept = keep_best::lookup(state_dir, path);
+    let kept_changed = kept.as_ref().filter(|kept| {
         crate::store::history::CheckpointKey::of(kept)
             .is_ok_and(|k| (k.size, k.mtime_ns) != (point.key.size, point.key.mtime_ns))
     });
     if std::fs::symlink_metadata(path).is_ok() {
         let unchanged = crate::store::unit::key(path).is_ok_and(|k| k == point.key)
             || (kept_changed.is_none() && crate::store::restore::is_copy_of_kept(state_dir, path));
-        if let (false, Some(kept)) = (unchanged, &kept_changed) {
+        if let (false, Some(kept)) = (unchanged, kept_changed) {
             return Err(ResumeError::Failed(format!(
                 "{shown}: not the checkpoint evaluated at step {step}, and the copy diffmon kept, {}, is no longer the file evaluated at step {step} either (a kept link shares its file with the checkpoint, and the training job saved over the checkpoint in place): there is nothing to resume from at this step",
                 untrusted(kept),
@@ -319,16 +320,16 @@ fn put_back(
         let _ = writeln!(report, "  checkpoint  {shown} (in place)");
         return Ok(None);
     }
-    let Some(kept) = keep_best::lookup(state_dir, path) else {
+    let Some(kept) = kept.as_ref() else {
         return Err(ResumeError::Failed(format!(
             "{shown}: deleted (by the training job's rotation?), and diffmon keeps no copy of it: it keeps the best checkpoint only, with early_stop.keep_best"
         ))
         .into());
     };
-    if let Some(kept) = kept_changed {
+    if kept_changed.is_some() {
         return Err(ResumeError::Failed(format!(
             "{shown}: the copy diffmon kept, {}, is no longer the file evaluated at step {} (its size or time changed: a kept link shares its file with the checkpoint, and the training job saved over the checkpoint in place); it is not restored",
-            untrusted(&kept),
+            untrusted(kept),
             point.step
         ))
         .into());
@@ -337,16 +338,16 @@ fn put_back(
         let _ = writeln!(
             report,
             "  checkpoint  {shown} (would be restored from {})",
-            untrusted(&kept)
+            untrusted(kept)
         );
         return Ok(None);
     }
-    let done = crate::store::restore::restore(&kept, path)
+    let done = crate::store::restore::restore(kept, path)
         .map_err(|e| ResumeError::Failed(format!("cannot restore the kept copy: {e}")))?;
     let _ = writeln!(
         report,
         "  checkpoint  {shown} (restored from {}: {} files linked, {} copied)",
-        untrusted(&kept),
+        untrusted(kept),
         done.linked,
         done.copied
     );

@@ -705,9 +705,9 @@ impl Drop for Keeper {
     /// its state folder after this, and a run that ends names its best last), then stops the
     /// thread; a copy cut short is removed at the next start.
     fn drop(&mut self) {
+        let started = *self.started.lock().unwrap_or_else(|e| e.into_inner());
         let (slot, changed) = &*self.shared;
         let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
-        let started = *self.started.lock().unwrap_or_else(|e| e.into_inner());
         if started && (s.wanted.is_some() || s.busy.is_some()) {
             tracing::info!("keeping the best checkpoint before stopping");
             let (kept, timeout) = changed

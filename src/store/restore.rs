@@ -47,6 +47,8 @@ pub fn restore(kept: &Path, to: &Path) -> Result<Kept, KeepBestError> {
     };
     let made = match built {
         Ok(made) => made,
+        // What is at the temporary name now is not what diffmon made: not removed.
+        Err(e @ KeepBestError::Replaced { .. }) => return Err(e),
         Err(e) => {
             remove_entry(&tmp);
             return Err(e);

@@ -121,12 +121,13 @@ impl<S: Scheduler> Runner<S> {
                     }
                     if status.trim() != "0" && package_trial::ran_in_job(&folder) {
                         // Its `diffmon eval` died while a compiled package ran on trial.
-                        let message = bounded(format!(
+                        // Bounded by its parts: a status of at most 64 bytes, the output's tail.
+                        let message = format!(
                             "diffmon eval exited with status {} while the compiled package ran on \
                              trial; its output ends: {}",
                             crate::store::safe_fs::untrusted_text(status.trim()),
                             output_tail(&folder, S::OUTPUT)
-                        ));
+                        );
                         self.ended(job, JobEnd::Failed, message);
                         continue;
                     }
@@ -195,13 +196,14 @@ impl<S: Scheduler> Runner<S> {
             return Outcome::Failed(
                 item,
                 FailureReason::Error,
-                bounded(format!(
+                // Bounded by its parts (cut at its end, the output's tail would lose its reason).
+                format!(
                     "diffmon eval exited with status {} in {} job folder {}: {}",
                     crate::store::safe_fs::untrusted_text(status),
                     S::NAME,
                     folder.display(),
                     output_tail(folder, S::OUTPUT)
-                )),
+                ),
             );
         }
         let record = read_result(&folder.join("record.json"), MAX_RESULT_BYTES)
@@ -244,7 +246,7 @@ impl<S: Scheduler> Runner<S> {
             Err(e) => Outcome::Failed(
                 item,
                 FailureReason::Error,
-                bounded(format!("unreadable record in {}: {e}", folder.display())),
+                format!("unreadable record in {}: {e}", folder.display()),
             ),
         }
     }
