@@ -4,10 +4,13 @@
 //!
 //! [`serve`] runs them under bounds (`http.*` of the config): a request's headers must arrive
 //! within `header_timeout_secs` of its first byte, a connection with no request in flight is
-//! closed after `idle_timeout_secs`, and at most `max_connections` are open at once: one more
-//! is accepted and closed at once (the kernel's backlog would otherwise hold it), so a flood of
-//! slow or idle clients costs bounded memory and file descriptors, and frees its places when
-//! its connections time out.
+//! closed after `idle_timeout_secs`, and at most `max_connections` are open at once. When the
+//! cap is full, a new connection closes the one that has waited longest without a request in
+//! flight (idle, or trickling its head) and takes its place, so a liveness probe or a
+//! Prometheus scrape is answered while slow clients hold every place; only when every open
+//! connection has a request in flight is the new one closed at once (the kernel's backlog would
+//! otherwise hold it). A flood of slow or idle clients costs bounded memory and file
+//! descriptors.
 
 use crate::alerts::Event;
 use crate::config::HttpConfig;
@@ -334,8 +337,9 @@ pub async fn serve(listener: TcpListener, app: Router, limits: Limits) {
             }
         },
     ));
-    let open = Arc::new(AtomicUsize::new(0));
-    // Log the first connection refused of a burst, not every one.
+    let connections: Open = Arc::default();
+    let mut next_id = 0u64;
+    // Log the first connection at the cap of a burst, not every one.
     let mut refusing = false;
     loop {
         let stream = match listener.accept().await {
@@ -348,35 +352,64 @@ pub async fn serve(listener: TcpListener, app: Router, limits: Limits) {
                 continue;
             }
         };
-        if open.load(Ordering::Acquire) >= limits.max_connections {
-            drop(stream);
+        let full =
+            connections.lock().unwrap_or_else(|e| e.into_inner()).len() >= limits.max_connections;
+        if full {
+            let evicted = evict_longest_waiting(&connections);
             if !refusing {
-                tracing::warn!(
-                    max_connections = limits.max_connections,
-                    "too many HTTP connections open (http.max_connections): new ones are closed at once until some time out"
-                );
+                if evicted {
+                    tracing::warn!(
+                        max_connections = limits.max_connections,
+                        "HTTP connections at the cap (http.max_connections): each new one closes the one that has waited longest without a request"
+                    );
+                } else {
+                    tracing::warn!(
+                        max_connections = limits.max_connections,
+                        "HTTP connections at the cap (http.max_connections), every one with a request in flight: new ones are closed at once"
+                    );
+                }
                 refusing = true;
             }
-            continue;
+            if !evicted {
+                drop(stream);
+                continue;
+            }
+        } else {
+            refusing = false;
         }
-        refusing = false;
-        open.fetch_add(1, Ordering::AcqRel);
-        let slot = Slot(open.clone());
+        next_id += 1;
+        let activity = Arc::new(Activity::new());
+        let slot = Slot {
+            open: connections.clone(),
+            id: next_id,
+        };
+        connections
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(next_id, activity.clone());
         let app = app.clone();
         let limits = limits.clone();
         tokio::spawn(async move {
             let _slot = slot;
-            serve_connection(stream, app, limits).await;
+            serve_connection(stream, app, limits, activity).await;
         });
     }
 }
 
-/// One place of `max_connections`, freed when the connection's task ends.
-struct Slot(Arc<AtomicUsize>);
+/// One place of `max_connections`, freed when the connection's task ends. An evicted
+/// connection keeps its place until its task has ended (at its next poll), so the places in use
+/// exceed the cap only by the evictions still under way.
+struct Slot {
+    open: Open,
+    id: u64,
+}
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        self.open
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.id);
     }
 }
 
@@ -387,13 +420,65 @@ struct Activity {
     last_ms: AtomicU64,
     head_since_ms: AtomicU64,
     in_flight: AtomicUsize,
+    /// Wakes the watchdog: a request head started or a request ended (its deadline changed).
+    changed: tokio::sync::Notify,
+    /// Set (and the watchdog woken) when a new connection takes this one's place.
+    evicted: std::sync::atomic::AtomicBool,
 }
 
 impl Activity {
+    fn new() -> Activity {
+        let a = Activity {
+            origin: Instant::now(),
+            last_ms: AtomicU64::new(0),
+            head_since_ms: AtomicU64::new(0),
+            in_flight: AtomicUsize::new(0),
+            changed: tokio::sync::Notify::new(),
+            evicted: std::sync::atomic::AtomicBool::new(false),
+        };
+        a.last_ms.store(a.now_ms(), Ordering::Release);
+        a
+    }
+
     fn now_ms(&self) -> u64 {
         // +1: 0 means "none" for head_since_ms.
         self.origin.elapsed().as_millis() as u64 + 1
     }
+
+    /// Since when it has waited without a request in flight (its head's first byte, or its
+    /// last byte when idle); None while a request is in flight or once evicted.
+    fn waiting_since(&self) -> Option<Instant> {
+        if self.in_flight.load(Ordering::Acquire) > 0 || self.evicted.load(Ordering::Acquire) {
+            return None;
+        }
+        let head = self.head_since_ms.load(Ordering::Acquire);
+        let ms = if head != 0 {
+            head
+        } else {
+            self.last_ms.load(Ordering::Acquire)
+        };
+        Some(self.origin + Duration::from_millis(ms.saturating_sub(1)))
+    }
+}
+
+/// The open connections' activity, by connection number: what the cap chooses from.
+type Open = Arc<Mutex<std::collections::HashMap<u64, Arc<Activity>>>>;
+
+/// Closes the open connection that has waited longest without a request in flight; false when
+/// every one has a request in flight.
+fn evict_longest_waiting(open: &Open) -> bool {
+    let open = open.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(a) = open
+        .values()
+        .filter_map(|a| a.waiting_since().map(|t| (t, a)))
+        .min_by_key(|(t, _)| *t)
+        .map(|(_, a)| a)
+    else {
+        return false;
+    };
+    a.evicted.store(true, Ordering::Release);
+    a.changed.notify_one();
+    true
 }
 
 /// The connection's socket, noting when bytes move and when a request head starts.
@@ -414,10 +499,13 @@ impl AsyncRead for Tracked {
             let a = &self.activity;
             let now = a.now_ms();
             a.last_ms.store(now, Ordering::Release);
-            if a.in_flight.load(Ordering::Acquire) == 0 {
-                let _ =
-                    a.head_since_ms
-                        .compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire);
+            if a.in_flight.load(Ordering::Acquire) == 0
+                && a.head_since_ms
+                    .compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                // The watchdog sleeps for the idle deadline: the header deadline is shorter.
+                a.changed.notify_one();
             }
         }
         r
@@ -463,19 +551,13 @@ impl Drop for InFlight {
         let a = &self.0;
         a.last_ms.store(a.now_ms(), Ordering::Release);
         a.in_flight.fetch_sub(1, Ordering::AcqRel);
+        a.changed.notify_one();
     }
 }
 
 /// Serves one connection (HTTP/1.1, keep-alive) until the client closes it, its request head
 /// takes longer than `header_timeout`, or it stays idle for `idle_timeout`.
-async fn serve_connection(stream: TcpStream, app: Router, limits: Limits) {
-    let activity = Arc::new(Activity {
-        origin: Instant::now(),
-        last_ms: AtomicU64::new(0),
-        head_since_ms: AtomicU64::new(0),
-        in_flight: AtomicUsize::new(0),
-    });
-    activity.last_ms.store(activity.now_ms(), Ordering::Release);
+async fn serve_connection(stream: TcpStream, app: Router, limits: Limits, activity: Arc<Activity>) {
     let io = TokioIo::new(Tracked {
         inner: stream,
         activity: activity.clone(),
@@ -501,6 +583,12 @@ async fn serve_connection(stream: TcpStream, app: Router, limits: Limits) {
     let header_ms = limits.header_timeout.as_millis() as u64;
     let idle_ms = limits.idle_timeout.as_millis() as u64;
     loop {
+        if activity.evicted.load(Ordering::Acquire) {
+            tracing::debug!(
+                "HTTP connection closed: a new one took its place (http.max_connections)"
+            );
+            return;
+        }
         let now = activity.now_ms();
         let head = activity.head_since_ms.load(Ordering::Acquire);
         let busy = activity.in_flight.load(Ordering::Acquire) > 0;
@@ -529,6 +617,7 @@ async fn serve_connection(stream: TcpStream, app: Router, limits: Limits) {
                 return;
             }
             _ = tokio::time::sleep(Duration::from_millis(wait_ms)) => {}
+            _ = activity.changed.notified() => {}
         }
     }
     // Idle: close it the polite way (a response being written is finished), within bounds.

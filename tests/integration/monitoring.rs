@@ -1233,17 +1233,20 @@ fn alertmanager_gets_a_description_and_deliveries_are_counted_per_receiver() {
     assert_eq!(d.metric(&series("alertmanager", "rejected")), Some(0.0));
 }
 
-/// Issue 15: the HTTP server's bounds, with short settings. Slow clients (a request head sent a
-/// byte every 100 ms) are closed after `http.header_timeout_secs` without an answer; idle
-/// connections filling `http.max_connections` make one more be closed at once, and are closed
-/// after `http.idle_timeout_secs`, after which `/healthz` answers again.
+/// Issue 15: the HTTP server's bounds, with short settings in the defaults' ratio (the idle
+/// timeout 6 times the header timeout). Slow clients (a request head sent a byte every 100 ms)
+/// are closed after `http.header_timeout_secs` without an answer, not after the idle timeout
+/// (issue 62: the watchdog slept for the idle deadline and was not woken when a head started);
+/// idle connections filling `http.max_connections` do not keep `/healthz` from being answered:
+/// a new connection closes the one that has waited longest, and the rest are closed after
+/// `http.idle_timeout_secs`.
 #[test]
 fn slow_and_idle_http_clients_are_closed_and_the_connection_cap_frees_up() {
     let run = empty_run();
     let dir = run.path();
     let d = start_daemon_with_http(
         dir,
-        "header_timeout_secs: 1, idle_timeout_secs: 2, max_connections: 16, allowed_hosts: [trainbox]",
+        "header_timeout_secs: 1, idle_timeout_secs: 6, max_connections: 16, allowed_hosts: [trainbox]",
         "",
     );
     let port = d.port;
@@ -1312,16 +1315,32 @@ fn slow_and_idle_http_clients_are_closed_and_the_connection_cap_frees_up() {
             closed_after >= Duration::from_millis(900),
             "closed before the header timeout: {closed_after:?}"
         );
+        // 1 s after the head's first byte, with the bounds' own slack (up to 100 ms each side
+        // of the client's reads, and a loaded machine's scheduling): far from the 6 s idle
+        // timeout it was closed at before the fix.
+        assert!(
+            closed_after < Duration::from_secs(4),
+            "closed after the idle timeout, not the header timeout: {closed_after:?}"
+        );
     }
     assert_eq!(
         http_get(&format!("http://127.0.0.1:{port}/healthz")).as_deref(),
         Some("ok\n")
     );
 
-    // The cap: 16 idle connections, then one more is closed without an answer.
+    // The cap: 16 idle connections (the first one oldest), then one more is answered, and the
+    // oldest idle one is closed at once to make its place.
     let mut idle: Vec<TcpStream> = (0..16)
-        .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .map(|k| {
+            let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            if k == 0 {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            s
+        })
         .collect();
+    std::thread::sleep(Duration::from_millis(300)); // every one accepted
+    let asked = Instant::now();
     let mut extra = TcpStream::connect(("127.0.0.1", port)).unwrap();
     extra
         .set_read_timeout(Some(Duration::from_secs(30)))
@@ -1329,13 +1348,27 @@ fn slow_and_idle_http_clients_are_closed_and_the_connection_cap_frees_up() {
     let _ = write!(extra, "GET /healthz HTTP/1.0\r\n\r\n");
     let mut answer = Vec::new();
     let _ = extra.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
     assert!(
-        answer.is_empty(),
-        "an answer over the cap: {}",
-        String::from_utf8_lossy(&answer)
+        answer.starts_with("HTTP/1.0 200"),
+        "over the cap: {answer:?}"
     );
-    // The idle ones are closed by the server (EOF) after the idle timeout.
-    for s in &mut idle {
+    idle[0]
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut buf = [0u8; 16];
+    match idle[0].read(&mut buf) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("the oldest idle connection was not closed: {other:?}"),
+    }
+    assert!(
+        asked.elapsed() < Duration::from_secs(4),
+        "the oldest idle connection was closed by its idle timeout, not by the new one: {:?}",
+        asked.elapsed()
+    );
+    // The other idle ones are closed by the server (EOF) after the idle timeout.
+    for s in &mut idle[1..] {
         s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
         let mut buf = [0u8; 16];
         match s.read(&mut buf) {
@@ -1349,7 +1382,8 @@ fn slow_and_idle_http_clients_are_closed_and_the_connection_cap_frees_up() {
         Some("ok\n")
     );
     assert!(
-        d.log().contains("too many HTTP connections open"),
+        d.log()
+            .contains("each new one closes the one that has waited longest without a request"),
         "{}",
         d.log()
     );
