@@ -20,7 +20,8 @@ pub struct HttpConfig {
     pub header_timeout: Duration,
     /// `http.idle_timeout_secs`: a connection without a request in flight is closed after this.
     pub idle_timeout: Duration,
-    /// Connections open at once; one more is accepted and closed at once.
+    /// Connections open at once; at the cap, a new one closes the one that has waited longest
+    /// without a request (closed at once itself when every one has a request in flight).
     pub max_connections: NonZeroUsize,
 }
 
@@ -44,7 +45,8 @@ pub(super) struct Http {
     /// A connection without a request in flight is closed after this time. Range 0.1 to 86400.
     #[serde(default = "default_idle_timeout_secs")]
     pub(super) idle_timeout_secs: f64,
-    /// Connections open at once; one more is accepted and closed at once. Range 1 to 65536.
+    /// Connections open at once; at the cap, a new one closes the one that has waited longest
+    /// without a request. Range 1 to 65536.
     #[serde(default = "default_max_connections")]
     pub(super) max_connections: u32,
     /// Host names the server answers besides IP addresses and `localhost` (the names
