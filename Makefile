@@ -21,7 +21,7 @@ TORCH_VERSION := 2.13.0
 TEST_INSTALL_TORCH ?= 2.13.0:hidden 2.11.0:system
 APT_PACKAGES := build-essential pkg-config libhdf5-dev libssl-dev python3-venv prometheus prometheus-alertmanager time chromium fonts-dejavu-core slurm-wlm munge
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS ?= checkpoint pickle safetensors config
+FUZZ_TARGETS ?= checkpoint pickle safetensors config tensorboard
 export CARGO_TERM_COLOR := never
 
 .PHONY: setup apt venv build bin test test-gpu bench-gpu gpu-bundle test-install demo bench clean-demo lint fuzz FORCE

@@ -17,4 +17,5 @@ pub mod record;
 pub mod report;
 pub mod sign;
 pub mod store;
+pub mod trackers;
 pub mod weights;

@@ -47,6 +47,9 @@ pub struct Survey {
     /// Entries whose names are not UTF-8 (lossily shown), not looked at: a config cannot name
     /// them.
     pub not_utf8: Vec<String>,
+    /// A folder of the run holding TensorBoard event files (in it or one or two levels down:
+    /// `logs/`, `lightning_logs/`), the first by name: `trackers.tensorboard.dir`.
+    pub tensorboard: Option<PathBuf>,
 }
 
 /// The `cpu_threads` init writes for a machine with `cores` cores: half of them, at least one,
@@ -152,8 +155,12 @@ pub fn survey(dir: &Path) -> std::io::Result<Survey> {
             continue;
         }
         if is_dir && step.is_none() {
-            // A folder without a step is no checkpoint; it may hold an export (`unet/model.ts`).
+            // A folder without a step is no checkpoint; it may hold an export (`unet/model.ts`)
+            // or the training job's TensorBoard logs.
             s.architectures.extend(exported_files_in(&path));
+            if s.tensorboard.is_none() && holds_event_files(&path, 2) {
+                s.tensorboard = Some(path);
+            }
             continue;
         }
         if !cfg.pattern.is_match(&name) {
@@ -202,6 +209,29 @@ pub fn survey(dir: &Path) -> std::io::Result<Survey> {
         s.pattern = globs.pop();
     }
     Ok(s)
+}
+
+/// Entries looked at per folder by [`holds_event_files`].
+const MAX_LOG_ENTRIES: usize = 256;
+
+/// Does `folder` hold a TensorBoard event file (`tfevents` in a regular file's name), in it or
+/// up to `depth` levels down? Links are not followed; at most [`MAX_LOG_ENTRIES`] entries a
+/// folder are looked at.
+fn holds_event_files(folder: &Path, depth: usize) -> bool {
+    let Ok(listed) = std::fs::read_dir(folder) else {
+        return false;
+    };
+    let mut folders = Vec::new();
+    for e in listed.flatten().take(MAX_LOG_ENTRIES) {
+        let Ok(kind) = e.file_type() else { continue };
+        if kind.is_file() && e.file_name().to_string_lossy().contains("tfevents") {
+            return true;
+        }
+        if kind.is_dir() {
+            folders.push(e.path());
+        }
+    }
+    depth > 0 && folders.iter().any(|f| holds_event_files(f, depth - 1))
 }
 
 /// A sentence per finding, for the config's header and the terminal: the checkpoints, and each
@@ -312,6 +342,13 @@ pub fn describe(dir: &Path, s: &Survey) -> Vec<String> {
         None => out.push(
             "no held-out images (*.h5 named *heldout* or *val*) found: data.heldout_path is left out (set it for the generalization gap)".into(),
         ),
+    }
+    if let Some(t) = &s.tensorboard {
+        out.push(filled(
+            "trackers.tensorboard.dir",
+            &path(t),
+            "the training job's TensorBoard logs: diffmon's numbers go beside them, in diffmon/<run>",
+        ));
     }
     if let Some(cores) = s.cores {
         out.push(filled(
@@ -510,6 +547,17 @@ pub fn config_for(dir: &Path, written: &Path, s: &Survey) -> String {
             &threads_beside_training(cores).to_string(),
         );
     }
+    if let Some(t) = &s.tensorboard {
+        text = replace_value(
+            &text.replacen(
+                "# trackers:\n#   tensorboard:\n#     dir: ",
+                "trackers:\n  tensorboard:\n    dir: ",
+                1,
+            ),
+            "    dir: ",
+            &yaml_scalar(&rebase(t).display().to_string()),
+        );
+    }
     let header: String = describe(dir, s)
         .iter()
         .map(|l| format!("# {}\n", one_line(l)))
@@ -663,7 +711,7 @@ mod tests {
     /// folder given, not something found in it): key → value as written. Comments are left out.
     fn filled_keys(text: &str) -> std::collections::BTreeMap<String, String> {
         let example: std::collections::HashSet<&str> = EXAMPLE.lines().collect();
-        let mut section = "";
+        let (mut section, mut sub) = ("", "");
         let mut keys = std::collections::BTreeMap::new();
         for line in text.lines() {
             let code = line.split(" #").next().unwrap_or("").trim_end();
@@ -674,13 +722,58 @@ mod tests {
             if !line.starts_with("  ") || entry.starts_with('#') || example.contains(line) {
                 continue;
             }
+            // A section inside a section (`trackers:` / `  tensorboard:`) names its keys.
+            if !line.starts_with("   ") && code.ends_with(':') {
+                sub = code.trim().trim_end_matches(':');
+                continue;
+            }
             let (leaf, value) = code.trim_start().split_once(": ").expect("key: value");
-            let key = format!("{section}.{leaf}");
+            let key = if line.starts_with("    ") {
+                format!("{section}.{sub}.{leaf}")
+            } else {
+                format!("{section}.{leaf}")
+            };
             if key != "run.dir" {
                 keys.insert(key, value.trim().to_string());
             }
         }
         keys
+    }
+
+    /// A folder with TensorBoard event files two levels down (Lightning's
+    /// `lightning_logs/version_0/`) turns `trackers.tensorboard` on at it, and says so; a
+    /// folder of other files, or event files three levels down, does not.
+    #[test]
+    fn init_offers_the_tensorboard_tracker_where_it_finds_event_files() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("a_notes/x/y/z")).unwrap();
+        std::fs::write(
+            dir.path().join("a_notes/x/y/z/events.out.tfevents.1.h"),
+            b"",
+        )
+        .unwrap();
+        std::fs::create_dir_all(dir.path().join("lightning_logs/version_0")).unwrap();
+        let events = "lightning_logs/version_0/events.out.tfevents.1700000000.host.1.0";
+        std::fs::write(dir.path().join(events), b"").unwrap();
+        let s = survey(dir.path()).unwrap();
+        assert_eq!(s.tensorboard, Some(dir.path().join("lightning_logs")));
+        let text = config_for(dir.path(), Path::new("."), &s);
+        assert!(
+            text.contains("# trackers.tensorboard.dir: ") && text.contains("lightning_logs ("),
+            "{text}"
+        );
+        crate::config::ConfigFile::parse(&text, "init.yaml").unwrap();
+        let yaml: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
+        assert_eq!(
+            yaml["trackers"]["tensorboard"]["dir"].as_str(),
+            Some("lightning_logs"),
+            "{text}"
+        );
+        std::fs::remove_file(dir.path().join(events)).unwrap();
+        let s = survey(dir.path()).unwrap();
+        assert_eq!(s.tensorboard, None);
+        let text = config_for(dir.path(), Path::new("."), &s);
+        assert!(text.contains("# trackers:\n"), "{text}");
     }
 
     /// A folder of more entries than are looked at, or with names that are not UTF-8, is said
@@ -739,6 +832,7 @@ mod tests {
             cores: Some(16),
             cut: false,
             not_utf8: Vec::new(),
+            tensorboard: Some(dir.join("logs")),
         };
         let text = config_for(dir, dir, &everything);
         let keys = filled_keys(&text);
@@ -750,7 +844,8 @@ mod tests {
                 "data.heldout_path",
                 "data.path",
                 "model.architecture",
-                "model.vae"
+                "model.vae",
+                "trackers.tensorboard.dir"
             ],
             "{text}"
         );

@@ -445,6 +445,11 @@ fn one_shot(command: Command) -> Result<()> {
                 writeln!(out, "{line}")?;
             }
             writeln!(out, "{}", config.early_stop_summary())?;
+            for run in &runs {
+                for line in run.trackers.destinations(&run.run_name()) {
+                    writeln!(out, "tracker {line}")?;
+                }
+            }
             out.flush()?;
             Ok(())
         }

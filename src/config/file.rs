@@ -14,6 +14,7 @@ use super::icr::IcrConfig;
 use super::model::{DataConfig, DeviceSpec, ModelConfig};
 use super::pfd::{MemorizationConfig, PfdConfig, TailConfig};
 use super::run::{DEFAULT_MAX_RUNS, RunConfig, RunEntry};
+use super::trackers::TrackersConfig;
 use serde::Deserialize;
 use std::path::PathBuf;
 
@@ -79,6 +80,9 @@ pub struct ConfigFile {
     pub(super) http: Http,
     #[serde(default)]
     pub(super) evaluation: Evaluation,
+    /// Experiment trackers the numbers are written into; none by default.
+    #[serde(default)]
+    pub(super) trackers: TrackersConfig,
 }
 
 fn default_max_runs() -> usize {

@@ -147,6 +147,9 @@ impl ConfigFile {
         if let Some(p) = self.runs_glob.as_mut() {
             fix(p);
         }
+        if let Some(tb) = self.trackers.tensorboard.as_mut() {
+            fix(&mut tb.dir);
+        }
         for entry in self.runs.iter_mut().flatten() {
             fix(&mut entry.dir);
             if let Some(p) = entry.state_dir.as_mut() {

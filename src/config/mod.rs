@@ -12,7 +12,7 @@
 //! - `run.rs`: the `run` and `runs` keys ([`RunConfig`], a `runs` entry), run names, `max_runs`.
 //! - `checkpoints.rs`, `model.rs` (`model`, `data`, `device`), `icr.rs`, `pfd.rs` (`pfd`,
 //!   `memorization`, `tail`), `early_stop.rs`, `alerts.rs`, `http.rs`, `evaluation.rs` (with
-//!   `evaluation.slurm`): one section or family each, its struct as written where its values
+//!   `evaluation.slurm`), `trackers.rs`: one section or family each, its struct as written where its values
 //!   are parsed, its settings, defaults, and the function that checks it.
 //! - `settings.rs`: [`Config`] and what it tells (named files, run name, cost and early-stop
 //!   summaries, the confirmation `auto` resolves to), and a single run's settings, built from
@@ -47,6 +47,7 @@ mod sweep;
 #[cfg(test)]
 mod test_support;
 mod text;
+mod trackers;
 mod validate;
 mod values;
 
@@ -69,5 +70,6 @@ pub use run::{DEFAULT_MAX_RUNS, MAX_RUNS, RunConfig};
 pub use runs_glob::RunsGlob;
 pub use settings::{CONFIRM_LATENTS, Config};
 pub use text::MAX_FLOW_DEPTH;
+pub use trackers::{TensorboardConfig, TrackersConfig};
 pub use validate::Problem;
 pub use values::{Glob, SecretEnv, StepPattern, WeightsFile};

@@ -20,6 +20,7 @@ use super::pfd::{
 };
 use super::run::{MAX_RUNS, RunConfig};
 use super::runs_glob::RunsGlob;
+use super::trackers::{TrackersConfig, check_trackers};
 use super::validate::{Problem, Validator};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -56,6 +57,8 @@ pub struct Config {
     pub alerts: AlertsConfig,
     pub http: HttpConfig,
     pub evaluation: EvaluationConfig,
+    /// `trackers`: where the numbers are also written (TensorBoard); none by default.
+    pub trackers: TrackersConfig,
     /// The config file this was read from (`None`: built from text); the Slurm executor's jobs
     /// read it.
     pub source: Option<PathBuf>,
@@ -354,6 +357,7 @@ impl ConfigFile {
         let alerts = alerts(&mut v, &self.alerts, lookup);
         let http = http(&mut v, &self.http);
         let evaluation = evaluation(&mut v, &self.evaluation);
+        check_trackers(&mut v, &self.trackers);
 
         match (
             checkpoints,
@@ -387,6 +391,7 @@ impl ConfigFile {
                 alerts,
                 http,
                 evaluation,
+                trackers: self.trackers.clone(),
                 source: None,
                 implied_memorization: false,
                 implied_pf_ode: false,

@@ -1,11 +1,13 @@
 //! The outputs: where a run's evaluations and events go out once they are recorded and the run's
 //! state has taken them. [`Console`] prints a summary line per evaluation and announces events;
-//! [`Alerts`] hands events to the [`Alerter`] (stop file, webhooks, Alertmanager). Each is a
-//! [`RunOutput`]; [`RunOutputs`] passes everything to each of them in order.
+//! [`Alerts`] hands events to the [`Alerter`] (stop file, webhooks, Alertmanager);
+//! [`Tensorboard`] writes both as TensorBoard events. Each is a [`RunOutput`]; [`RunOutputs`]
+//! passes everything to each of them in order.
 
 use crate::alerts::{AlertError, Alerter, Event, EventKind};
 use crate::engine::detector::DetectorState;
 use crate::record::Evaluation;
+use crate::store::history::CheckpointKey;
 use std::time::Duration;
 
 /// How long the alerter gets, at shutdown, to finish the deliveries in progress.
@@ -20,9 +22,9 @@ pub enum OutputError {
 /// One destination of a run's evaluations and events. Every method does nothing unless the
 /// output has a use for it.
 pub trait RunOutput: Send {
-    /// An evaluation was recorded, live; `state` is the detector's state after it. (An output that
-    /// acts on the best checkpoint finds it in `state.best`.)
-    fn evaluation(&mut self, _record: &Evaluation, _state: &DetectorState) {}
+    /// An evaluation of the checkpoint `key` was recorded, live; `state` is the detector's state
+    /// after it. (An output that acts on the best checkpoint finds it in `state.best`.)
+    fn evaluation(&mut self, _key: &CheckpointKey, _record: &Evaluation, _state: &DetectorState) {}
 
     /// An event the detector decided on a live evaluation, after that evaluation's
     /// [`RunOutput::evaluation`].
@@ -46,9 +48,9 @@ impl RunOutputs {
         RunOutputs(outputs)
     }
 
-    pub fn evaluation(&mut self, record: &Evaluation, state: &DetectorState) {
+    pub fn evaluation(&mut self, key: &CheckpointKey, record: &Evaluation, state: &DetectorState) {
         for output in &mut self.0 {
-            output.evaluation(record, state);
+            output.evaluation(key, record, state);
         }
     }
 
@@ -120,7 +122,7 @@ impl Console {
 }
 
 impl RunOutput for Console {
-    fn evaluation(&mut self, record: &Evaluation, state: &DetectorState) {
+    fn evaluation(&mut self, _: &CheckpointKey, record: &Evaluation, state: &DetectorState) {
         println!("{}", self.evaluation_line(record, state));
     }
 
@@ -189,6 +191,25 @@ impl RunOutput for Alerts {
     }
 }
 
+/// `trackers.tensorboard`: TensorBoard event files (`trackers/tensorboard.rs`).
+pub struct Tensorboard(pub crate::trackers::Tensorboard);
+
+impl RunOutput for Tensorboard {
+    fn evaluation(&mut self, key: &CheckpointKey, record: &Evaluation, state: &DetectorState) {
+        self.0.evaluation(record, key, state);
+    }
+
+    fn event(&mut self, event: &Event) {
+        self.0.event(event);
+    }
+
+    /// The history's items are written once the replayed events are placed among them.
+    fn replayed(&mut self, events: &[Event]) -> Result<(), OutputError> {
+        self.0.replayed(events);
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
@@ -203,7 +224,7 @@ pub(super) mod tests {
     }
 
     impl RunOutput for Log {
-        fn evaluation(&mut self, record: &Evaluation, _: &DetectorState) {
+        fn evaluation(&mut self, _: &CheckpointKey, record: &Evaluation, _: &DetectorState) {
             let line = format!("{} evaluation {}", self.name, record.step);
             self.lines.lock().unwrap().push(line);
         }
@@ -245,7 +266,12 @@ pub(super) mod tests {
             step: 5,
             ..Evaluation::default()
         };
-        outputs.evaluation(&record, &DetectorState::default());
+        let key = CheckpointKey {
+            path: "ckpt_5.pt".into(),
+            size: 1,
+            mtime_ns: 0,
+        };
+        outputs.evaluation(&key, &record, &DetectorState::default());
         outputs.event(&event(EventKind::EarlyStop, 5));
         outputs.replayed(&[event(EventKind::Resolved, 6)]).unwrap();
         assert_eq!(

@@ -4,7 +4,7 @@
 //! and the daemon's HTTP port and tokio runtime ([`bind`], [`serve`]).
 
 use super::executor::Outcome;
-use super::outputs::{Alerts, Console, RunOutputs};
+use super::outputs::{Alerts, Console, RunOutput, RunOutputs, Tensorboard};
 use super::pace::Pace;
 use super::recorder::Recorder;
 use super::run_state::RunState;
@@ -31,8 +31,9 @@ pub(super) struct Published {
 impl Published {
     pub(super) fn recorded(&mut self, outcome: Outcome, at: &str) {
         let event = self.state.observe(&outcome, at);
-        if let Outcome::Done(_, record) = &outcome {
-            self.outputs.evaluation(record, self.state.detector());
+        if let Outcome::Done(item, record) = &outcome {
+            self.outputs
+                .evaluation(&item.key, record, self.state.detector());
             self.pace.evaluated(record);
         }
         if let Some(event) = event {
@@ -117,7 +118,16 @@ pub(super) fn open(
     // A state folder deleted under the daemon is made again empty: the alerter writes its key and
     // ledger there again, so a restart does not deliver what was delivered.
     state.on_remade(Box::new(alerter.on_state_remade()));
-    let mut outputs = RunOutputs::new(vec![Box::new(console), Box::new(Alerts(alerter))]);
+    let mut outputs: Vec<Box<dyn RunOutput>> = vec![Box::new(console), Box::new(Alerts(alerter))];
+    if let Some(tb) = &config.trackers.tensorboard {
+        outputs.push(Box::new(Tensorboard(crate::trackers::Tensorboard::open(
+            tb,
+            &run,
+            recorder.entries(),
+            config.early_stop_resolved(),
+        ))));
+    }
+    let mut outputs = RunOutputs::new(outputs);
     outputs.replayed(&replayed.events)?;
     let view = RunView {
         name: run,

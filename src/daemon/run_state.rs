@@ -121,6 +121,7 @@ impl RunState {
                     at,
                     decision,
                     state: s,
+                    ..
                 } => {
                     replayed.evaluations += 1;
                     state.metrics.record(record);

@@ -44,7 +44,7 @@
 
 use crate::config::{Confirmation, EarlyStopMetric, EarlyStopSettings, Smoother, Trigger};
 use crate::record::Evaluation;
-use crate::store::history::{Entry, segments};
+use crate::store::history::{CheckpointKey, Entry, segments};
 use serde::{Deserialize, Serialize};
 
 /// The gap's noise floor, as a fraction of the held-out loss at the best step.
@@ -513,6 +513,8 @@ pub enum Replayed<'a, 'b> {
     /// An evaluation, with the detector's decision on it and its state afterwards.
     Evaluation {
         record: &'a Evaluation,
+        /// The checkpoint's key in the journal.
+        key: &'a CheckpointKey,
         at: &'a str,
         decision: &'b Decision,
         state: &'b DetectorState,
@@ -548,11 +550,12 @@ pub fn replay<'a>(
     let mut lineage: Vec<&'a Evaluation> = Vec::new();
     for (segment, entry) in segments(entries) {
         match entry {
-            Entry::Evaluation { record, at, .. } => {
+            Entry::Evaluation { key, record, at } => {
                 let decision = detector.observe(&Observation::of(record, metric));
                 lineage.push(record);
                 each(Replayed::Evaluation {
                     record,
+                    key,
                     at,
                     decision: &decision,
                     state: &detector.state,
@@ -901,6 +904,7 @@ mod tests {
                 at,
                 decision,
                 state,
+                ..
             } = replayed
             else {
                 panic!("no resume in this history")

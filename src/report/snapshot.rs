@@ -210,6 +210,7 @@ impl Snapshot {
                         at,
                         decision,
                         state,
+                        ..
                     } => snapshot.push(record, at, decision, state),
                     Replayed::Resume {
                         step,

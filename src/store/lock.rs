@@ -189,7 +189,7 @@ fn holder_of(file: &mut File) -> String {
 }
 
 /// This machine's host name, or `unknown`.
-fn hostname() -> String {
+pub fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: the buffer is valid for its length; gethostname NUL-terminates within it or
     // truncates (the last byte stays 0).

@@ -32,4 +32,5 @@ mod stacks;
 mod state_folder;
 mod sweep;
 mod tail;
+mod trackers;
 mod units;

@@ -1,0 +1,653 @@
+//! `trackers.tensorboard`: a run's evaluations and early-stop events as TensorBoard event files
+//! (docs/design.md §21), in `<dir>/diffmon/<run>/`, so that `tensorboard --logdir <dir>` shows
+//! them beside the training job's own runs.
+//!
+//! Every evaluation is one event at the checkpoint's step, its wall time the checkpoint's
+//! modification time: a scalar `diffmon/<field>` per metric of the record
+//! ([`crate::record::FIELDS`]), the early-stop metric's smoothed value and the evaluation's
+//! seconds. An early stop or its resolution is one event at the step it was decided: the marker
+//! scalar `diffmon/early_stop` (1 fired, 0 resolved) and its sentence as text. A `diffmon resume`
+//! from step S is a `SessionLog` START at S + 1, on which TensorBoard drops the abandoned
+//! branch.
+//!
+//! Each start writes a new file, which begins with a START at the largest step (it drops nothing;
+//! TensorBoard's server purges only on the STARTs after a run's first), and nothing twice: the writer reads its own files back (bounded)
+//! and knows each item it wrote by its kind, step and wall time; the history's items not among
+//! them are written, in order. When an item in the middle is missing (a file deleted or
+//! unreadable), the whole history is written again after a START at the lowest step, so that the
+//! reader drops the older copy. A folder that cannot be written is a WARN naming it; the items
+//! wait in memory (at most [`MAX_PENDING`]) and each later evaluation tries again.
+
+use super::event_file::{self, Event, Kind, Value, What};
+use crate::alerts::{Event as StopEvent, EventKind};
+use crate::config::{EarlyStopSettings, TensorboardConfig};
+use crate::engine::detector::{self, Detector, DetectorState, Replayed};
+use crate::record::{Evaluation, FIELDS};
+use crate::store::history::{CheckpointKey, Entry};
+use crate::store::safe_fs::untrusted;
+use std::collections::{HashSet, VecDeque};
+use std::ffi::CString;
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+/// The marker scalar of the early stop (1) and its resolution (0).
+pub const EARLY_STOP_TAG: &str = "diffmon/early_stop";
+/// The early stop's sentence, as text.
+pub const EARLY_STOP_TEXT_TAG: &str = "diffmon/early_stop_summary";
+/// Every evaluation's seconds: the tag that marks an event as an evaluation when read back.
+pub const SECONDS_TAG: &str = "diffmon/evaluation_seconds";
+/// Items that wait for a folder that cannot be written; the oldest go first beyond it.
+pub const MAX_PENDING: usize = 100_000;
+/// Read-back bounds: files in the run's folder, and bytes of each.
+const MAX_FILES: usize = 4096;
+const MAX_FILE_BYTES: u64 = 64 << 20;
+
+/// One thing written, in history order.
+#[derive(Debug, Clone, PartialEq)]
+enum Item {
+    Point {
+        step: i64,
+        wall_time: f64,
+        values: Vec<(String, f32)>,
+    },
+    Stop {
+        step: i64,
+        wall_time: f64,
+        fired: bool,
+        text: String,
+    },
+    /// A resume, or the START before a history written again.
+    Start { step: i64, wall_time: f64 },
+}
+
+/// How an item is known when read back: its kind, step and wall time (bits).
+type Key = (u8, i64, u64);
+
+impl Item {
+    fn key(&self) -> Key {
+        match *self {
+            Item::Point {
+                step, wall_time, ..
+            } => (0, step, wall_time.to_bits()),
+            Item::Stop {
+                step, wall_time, ..
+            } => (1, step, wall_time.to_bits()),
+            Item::Start { step, wall_time } => (2, step, wall_time.to_bits()),
+        }
+    }
+
+    fn event(&self) -> Event {
+        match self {
+            Item::Point {
+                step,
+                wall_time,
+                values,
+            } => Event {
+                wall_time: *wall_time,
+                step: *step,
+                what: What::Summary(
+                    values
+                        .iter()
+                        .map(|(tag, v)| (tag.clone(), Value::Scalar(*v)))
+                        .collect(),
+                ),
+            },
+            Item::Stop {
+                step,
+                wall_time,
+                fired,
+                text,
+            } => Event {
+                wall_time: *wall_time,
+                step: *step,
+                what: What::Summary(vec![
+                    (
+                        EARLY_STOP_TAG.into(),
+                        Value::Scalar(if *fired { 1.0 } else { 0.0 }),
+                    ),
+                    (EARLY_STOP_TEXT_TAG.into(), Value::Text(text.clone())),
+                ]),
+            },
+            Item::Start { step, wall_time } => Event {
+                wall_time: *wall_time,
+                step: *step,
+                what: What::Start,
+            },
+        }
+    }
+}
+
+/// The key of an event read back, if it is one of the writer's items.
+fn key_of(head: &event_file::EventHead) -> Option<Key> {
+    let kind = match &head.kind {
+        Kind::Summary(tags) if tags.iter().any(|t| t == SECONDS_TAG) => 0,
+        Kind::Summary(tags) if tags.iter().any(|t| t == EARLY_STOP_TAG) => 1,
+        Kind::SessionLog(1) if head.step != i64::MAX => 2,
+        _ => return None,
+    };
+    Some((kind, head.step, head.wall_time.to_bits()))
+}
+
+/// The scalars of an evaluation (`smoothed`: the detector's value after it).
+fn point(
+    record: &Evaluation,
+    key: &CheckpointKey,
+    smoothed: Option<f64>,
+    smoothed_tag: &str,
+) -> Item {
+    let mut values: Vec<(String, f32)> = FIELDS
+        .iter()
+        .filter_map(|f| Some((format!("diffmon/{}", f.name), f.float(record)? as f32)))
+        .collect();
+    if let Some(s) = smoothed {
+        values.push((smoothed_tag.to_string(), s as f32));
+    }
+    values.push((SECONDS_TAG.into(), record.seconds as f32));
+    Item::Point {
+        step: record.step,
+        wall_time: key.mtime_ns as f64 / 1e9,
+        values,
+    }
+}
+
+fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Seconds since the epoch of an RFC 3339 time of the history, else now.
+fn wall_time(at: &str) -> f64 {
+    crate::metrics::parse_rfc3339_utc(at).unwrap_or_else(now)
+}
+
+fn stop(event: &StopEvent) -> Item {
+    Item::Stop {
+        step: event.current_step,
+        wall_time: wall_time(&event.fired_at),
+        fired: event.event == EventKind::EarlyStop,
+        text: format!(
+            "{}\n\nEvent `{}`, decided at {}.",
+            crate::alerts::summary(event),
+            event.id,
+            event.fired_at
+        ),
+    }
+}
+
+/// The writer of one run.
+pub struct Tensorboard {
+    /// `<dir>`, as configured, and the run's name (its folder under `<dir>/diffmon/`).
+    dir: PathBuf,
+    run: String,
+    /// The items not written yet, in order.
+    pending: VecDeque<Item>,
+    /// The history's evaluations and resumes as (journal time, step, item index), until the
+    /// replayed events are placed after the entry that decided them.
+    placed: Vec<(String, i64, usize)>,
+    /// The open file, once the folder was set up and read back.
+    file: Option<File>,
+    /// The last problem, said once until it changes or clears.
+    failing: Option<String>,
+    smoothed_tag: String,
+    dropped: usize,
+}
+
+impl Tensorboard {
+    /// The writer of run `run`, holding the history's items (`entries`: the journal, replayed
+    /// with the run's early-stop settings for the smoothed values). Nothing is written until the
+    /// replayed events are placed ([`Tensorboard::replayed`]) or the next evaluation.
+    pub fn open(
+        config: &TensorboardConfig,
+        run: &str,
+        entries: &[Entry],
+        early_stop: EarlyStopSettings,
+    ) -> Tensorboard {
+        let metric = early_stop.metric;
+        let smoothed_tag = format!("diffmon/{}_smoothed", metric.as_str());
+        let mut writer = Tensorboard {
+            dir: config.dir.clone(),
+            run: run.to_string(),
+            pending: VecDeque::new(),
+            placed: Vec::new(),
+            file: None,
+            failing: None,
+            smoothed_tag,
+            dropped: 0,
+        };
+        let mut detector = Detector::new(early_stop, DetectorState::default());
+        detector::replay(&mut detector, metric, entries, |entry| match entry {
+            Replayed::Evaluation {
+                record,
+                key,
+                at,
+                decision,
+                ..
+            } => {
+                let item = point(record, key, decision.smoothed, &writer.smoothed_tag);
+                writer
+                    .placed
+                    .push((at.to_string(), record.step, writer.pending.len()));
+                writer.pending.push_back(item);
+            }
+            Replayed::Resume { step, at, .. } => {
+                writer
+                    .placed
+                    .push((at.to_string(), step, writer.pending.len()));
+                writer.pending.push_back(Item::Start {
+                    step: step.saturating_add(1),
+                    wall_time: wall_time(at),
+                });
+            }
+        });
+        writer
+    }
+
+    /// `<dir>/diffmon/<run>`.
+    pub fn folder(&self) -> PathBuf {
+        self.dir.join(TensorboardConfig::FOLDER).join(&self.run)
+    }
+
+    /// The events the history's replay decided: each placed right after the evaluation or
+    /// resume that decided it (same journal time and step), then everything written that is not
+    /// yet.
+    pub fn replayed(&mut self, events: &[StopEvent]) {
+        let placed = std::mem::take(&mut self.placed);
+        let mut items: Vec<Item> = self.pending.drain(..).collect();
+        let mut after: Vec<Vec<Item>> = vec![Vec::new(); items.len() + 1];
+        for event in events {
+            let at = placed
+                .iter()
+                .rev()
+                .find(|(at, step, _)| *at == event.fired_at && *step == event.current_step)
+                .map_or(items.len(), |&(_, _, i)| i + 1);
+            after[at].push(stop(event));
+        }
+        let mut ordered = Vec::with_capacity(items.len() + events.len());
+        ordered.append(&mut after[0]);
+        for (i, item) in items.drain(..).enumerate() {
+            ordered.push(item);
+            ordered.append(&mut after[i + 1]);
+        }
+        self.pending = ordered.into();
+        self.flush();
+    }
+
+    /// A live evaluation of the checkpoint `key`; `state`: the detector's after it.
+    pub fn evaluation(&mut self, record: &Evaluation, key: &CheckpointKey, state: &DetectorState) {
+        let item = point(record, key, state.last_smoothed, &self.smoothed_tag);
+        self.push(item);
+    }
+
+    /// A live early stop or resolution.
+    pub fn event(&mut self, event: &StopEvent) {
+        self.push(stop(event));
+    }
+
+    fn push(&mut self, item: Item) {
+        if self.pending.len() >= MAX_PENDING {
+            self.pending.pop_front();
+            self.dropped += 1;
+            if self.dropped == 1 {
+                tracing::warn!(folder = %untrusted(&self.folder()),
+                    "trackers.tensorboard: over {MAX_PENDING} items wait for the folder; the oldest are dropped");
+            }
+        }
+        self.pending.push_back(item);
+        self.flush();
+    }
+
+    /// Writes what waits: opens the folder first if needed (reading back what earlier starts
+    /// wrote). A problem is said once (WARN, naming the folder and the key) and tried again at
+    /// the next item.
+    fn flush(&mut self) {
+        if self.pending.is_empty() && self.file.is_some() {
+            return;
+        }
+        let result = self.write_pending();
+        match (result, &self.failing) {
+            (Ok(()), Some(_)) => {
+                tracing::info!(folder = %untrusted(&self.folder()), "trackers.tensorboard: writing again");
+                self.failing = None;
+            }
+            (Ok(()), None) => {}
+            (Err(e), failing) => {
+                self.file = None;
+                let message = e.to_string();
+                if failing.as_deref() != Some(message.as_str()) {
+                    tracing::warn!(folder = %untrusted(&self.folder()), waiting = self.pending.len(),
+                        "trackers.tensorboard.dir: cannot write the TensorBoard events ({message}); the evaluations go on and the events wait in memory");
+                    self.failing = Some(message);
+                }
+            }
+        }
+    }
+
+    fn write_pending(&mut self) -> io::Result<()> {
+        if self.file.is_none() {
+            let folder = open_run_folder(&self.dir, &self.run)?;
+            let written = read_back(&folder, &self.folder());
+            self.pending = to_write(std::mem::take(&mut self.pending), &written).into();
+            let mut file = new_file(&folder)?;
+            // The version, then a START that drops nothing: TensorBoard's server takes the
+            // first START of a run as its beginning and purges only on later ones.
+            for (step, what) in [(0, What::FileVersion), (i64::MAX, What::Start)] {
+                let event = Event {
+                    wall_time: now(),
+                    step,
+                    what,
+                };
+                file.write_all(&event_file::record(&event.encode()))?;
+            }
+            self.file = Some(file);
+        }
+        let file = self.file.as_mut().expect("opened above");
+        while let Some(item) = self.pending.front() {
+            file.write_all(&event_file::record(&item.event().encode()))?;
+            self.pending.pop_front();
+        }
+        Ok(())
+    }
+}
+
+/// What of `items` to write, given the keys `written` earlier: nothing already there. When an
+/// item is missing before one that is there (a gap, not a missing tail), all of them after a
+/// START at the lowest step, so that TensorBoard drops the earlier copy.
+fn to_write(items: VecDeque<Item>, written: &HashSet<Key>) -> Vec<Item> {
+    let Some(first) = items.iter().position(|i| !written.contains(&i.key())) else {
+        return Vec::new();
+    };
+    let gap = items.iter().skip(first).any(|i| written.contains(&i.key()));
+    if !gap {
+        return items.into_iter().skip(first).collect();
+    }
+    let start = Item::Start {
+        step: i64::MIN,
+        wall_time: now(),
+    };
+    std::iter::once(start).chain(items).collect()
+}
+
+fn c_name(name: &str) -> io::Result<CString> {
+    CString::new(name).map_err(|_| io::Error::other("a NUL in the name"))
+}
+
+/// Opens `name` in the folder `at` (or the path `name` itself with `at` `None`) as a folder,
+/// creating it if it is absent; never through a symbolic link.
+fn open_folder(at: Option<&OwnedFd>, name: &Path) -> io::Result<OwnedFd> {
+    let c = CString::new(name.as_os_str().as_bytes())
+        .map_err(|_| io::Error::other("a NUL in the path"))?;
+    let dirfd = at.map_or(libc::AT_FDCWD, |fd| fd.as_raw_fd());
+    let flags = libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_RDONLY;
+    for attempt in 0..2 {
+        // SAFETY: `c` is a valid NUL-terminated string; the fd is owned on success.
+        let fd = unsafe { libc::openat(dirfd, c.as_ptr(), flags) };
+        if fd >= 0 {
+            // SAFETY: a fresh descriptor this function owns.
+            return Ok(unsafe { OwnedFd::from_raw_fd(fd) });
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::ELOOP) | Some(libc::ENOTDIR) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "{} is a symbolic link or not a folder: diffmon writes through no link",
+                        untrusted(name)
+                    ),
+                ));
+            }
+            Some(libc::ENOENT) if attempt == 0 => {
+                if at.is_none() {
+                    std::fs::create_dir_all(name)?;
+                } else {
+                    // SAFETY: as above.
+                    let rc = unsafe { libc::mkdirat(dirfd, c.as_ptr(), 0o755) };
+                    if rc != 0 {
+                        let e = io::Error::last_os_error();
+                        if e.kind() != io::ErrorKind::AlreadyExists {
+                            return Err(e);
+                        }
+                    }
+                }
+            }
+            _ => return Err(e),
+        }
+    }
+    Err(io::Error::other("the folder vanished as it was made"))
+}
+
+/// `<dir>/diffmon/<run>`, opened (made where absent) without following a link.
+fn open_run_folder(dir: &Path, run: &str) -> io::Result<OwnedFd> {
+    let top = open_folder(None, dir)?;
+    let diffmon = open_folder(Some(&top), Path::new(TensorboardConfig::FOLDER))?;
+    open_folder(Some(&diffmon), Path::new(run))
+}
+
+/// Opens `name` in `folder`: to read (a regular file, no link followed, no wait on a FIFO) or
+/// to create (exclusively).
+fn open_in(folder: &OwnedFd, name: &str, create: bool) -> io::Result<File> {
+    let c = c_name(name)?;
+    let flags = libc::O_NOFOLLOW
+        | libc::O_CLOEXEC
+        | if create {
+            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL
+        } else {
+            libc::O_RDONLY | libc::O_NONBLOCK
+        };
+    // SAFETY: valid fd and NUL-terminated name; the fd is owned on success.
+    let fd = unsafe { libc::openat(folder.as_raw_fd(), c.as_ptr(), flags, 0o644 as libc::c_uint) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor this function owns.
+    let file = unsafe { File::from_raw_fd(fd) };
+    if !create && !file.metadata()?.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "not a regular file",
+        ));
+    }
+    Ok(file)
+}
+
+/// The names of the event files in `folder` (TensorBoard's rule: `tfevents` in the name),
+/// sorted; at most [`MAX_FILES`].
+fn event_files(folder: &OwnedFd) -> io::Result<Vec<String>> {
+    let path = format!("/proc/self/fd/{}", folder.as_raw_fd());
+    let mut names: Vec<String> = std::fs::read_dir(path)?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.contains("tfevents"))
+        .take(MAX_FILES + 1)
+        .collect();
+    if names.len() > MAX_FILES {
+        return Err(io::Error::other(format!(
+            "over {MAX_FILES} event files: not read back"
+        )));
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// The keys of the items earlier starts wrote in `folder` (shown as `shown`). A file that
+/// cannot be read is a WARN; its items count as missing, and so are written again.
+fn read_back(folder: &OwnedFd, shown: &Path) -> HashSet<Key> {
+    let mut keys = HashSet::new();
+    let names = match event_files(folder) {
+        Ok(names) => names,
+        Err(e) => {
+            tracing::warn!(folder = %untrusted(shown), "trackers.tensorboard: cannot list the event files ({e}); writing the history again");
+            return keys;
+        }
+    };
+    for name in names {
+        let read = open_in(folder, &name, false).and_then(|f| {
+            let mut bytes = Vec::new();
+            f.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes)?;
+            if bytes.len() as u64 > MAX_FILE_BYTES {
+                return Err(io::Error::other(format!(
+                    "over {MAX_FILE_BYTES} bytes: not read"
+                )));
+            }
+            Ok(bytes)
+        });
+        let bytes = match read {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                tracing::warn!(file = %untrusted(&shown.join(&name)), "trackers.tensorboard: cannot read back an event file ({e})");
+                continue;
+            }
+        };
+        // What is readable counts, up to a corrupt record.
+        let (records, error) = match event_file::records(&bytes) {
+            Ok((records, _torn)) => (records, None),
+            Err(e) => (Vec::new(), Some(e)),
+        };
+        if let Some(e) = error {
+            tracing::warn!(file = %untrusted(&shown.join(&name)), "trackers.tensorboard: an event file is corrupt ({e}); what it held is written again");
+        }
+        keys.extend(
+            records
+                .iter()
+                .filter_map(|r| event_file::decode(r).ok())
+                .filter_map(|head| key_of(&head)),
+        );
+    }
+    keys
+}
+
+/// A new event file in `folder`: `events.out.tfevents.<secs>.<host>.<pid>.diffmon`, its seconds
+/// later than every file's there, so that it sorts last (TensorBoard reads a folder's files in
+/// name order).
+fn new_file(folder: &OwnedFd) -> io::Result<File> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let latest = event_files(folder)?
+        .iter()
+        .filter_map(|n| {
+            n.strip_prefix("events.out.tfevents.")?
+                .split('.')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .max();
+    let secs = latest.map_or(now, |l| now.max(l + 1));
+    let host: String = crate::store::lock::hostname()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(64)
+        .collect();
+    let name = format!(
+        "events.out.tfevents.{secs:010}.{host}.{}.diffmon",
+        std::process::id()
+    );
+    open_in(folder, &name, true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pt(step: i64, t: f64) -> Item {
+        Item::Point {
+            step,
+            wall_time: t,
+            values: vec![(SECONDS_TAG.into(), 1.0)],
+        }
+    }
+
+    #[test]
+    fn only_the_missing_tail_is_written_and_a_gap_writes_everything_after_a_start() {
+        let items: VecDeque<Item> = (0..5).map(|i| pt(i * 100, i as f64)).collect();
+        let keys =
+            |r: std::ops::Range<usize>| -> HashSet<Key> { r.map(|i| items[i].key()).collect() };
+        assert_eq!(to_write(items.clone(), &keys(0..5)), []);
+        assert_eq!(
+            to_write(items.clone(), &keys(0..3)),
+            items.range(3..).cloned().collect::<Vec<_>>()
+        );
+        assert_eq!(
+            to_write(items.clone(), &HashSet::new()),
+            Vec::from(items.clone())
+        );
+        let mut gap = keys(0..5);
+        gap.remove(&items[1].key());
+        let out = to_write(items.clone(), &gap);
+        assert!(
+            matches!(out[0], Item::Start { step: i64::MIN, .. }),
+            "{out:?}"
+        );
+        assert_eq!(out[1..], Vec::from(items));
+    }
+
+    /// An item read back is known by the same key it was written with.
+    #[test]
+    fn items_are_known_again_when_read_back() {
+        let stop = Item::Stop {
+            step: 7,
+            wall_time: 3.5,
+            fired: true,
+            text: "t".into(),
+        };
+        for item in [
+            pt(5, 1.25),
+            stop,
+            Item::Start {
+                step: 9,
+                wall_time: 2.0,
+            },
+        ] {
+            let head = event_file::decode(&item.event().encode()).unwrap();
+            assert_eq!(key_of(&head), Some(item.key()), "{item:?}");
+        }
+    }
+
+    #[test]
+    fn a_symlinked_folder_is_refused_naming_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let real = tmp.path().join("real");
+        std::fs::create_dir(&real).unwrap();
+        std::os::unix::fs::symlink(&real, tmp.path().join("logs")).unwrap();
+        let e = open_run_folder(&tmp.path().join("logs"), "r").unwrap_err();
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        // Below the configured folder too.
+        std::fs::create_dir(tmp.path().join("top")).unwrap();
+        std::os::unix::fs::symlink(&real, tmp.path().join("top/diffmon")).unwrap();
+        let e = open_run_folder(&tmp.path().join("top"), "r").unwrap_err();
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        assert_eq!(
+            std::fs::read_dir(&real).unwrap().count(),
+            0,
+            "nothing written through a link"
+        );
+        // A missing folder is made, with the run's below it.
+        open_run_folder(&tmp.path().join("new/logs"), "r").unwrap();
+        assert!(tmp.path().join("new/logs/diffmon/r").is_dir());
+    }
+
+    #[test]
+    fn each_new_file_sorts_after_the_ones_there() {
+        let tmp = tempfile::tempdir().unwrap();
+        let folder = open_run_folder(tmp.path(), "r").unwrap();
+        let later = now() as u64 + 1000;
+        let planted = format!("events.out.tfevents.{later}.h.1.diffmon");
+        std::fs::write(tmp.path().join("diffmon/r").join(&planted), b"").unwrap();
+        new_file(&folder).unwrap();
+        let names = event_files(&folder).unwrap();
+        assert_eq!(names.len(), 2);
+        assert_eq!(names[0], planted);
+        let want = format!("events.out.tfevents.{}.", later + 1);
+        assert!(names[1].starts_with(&want), "{names:?}");
+    }
+}

@@ -1,0 +1,220 @@
+//! `trackers.tensorboard` end to end (docs/design.md §21): the daemon's event files read back
+//! by TensorBoard's own event accumulator and file loader (`tensorboard_reader.py`), over a
+//! U-shaped ICR curve that fires, a SIGKILL and restart, and a `diffmon resume`.
+
+use crate::common::{diffmon, run_python, stderr};
+use crate::daemon::{Daemon, empty_run, journal_entries};
+use crate::early_stop::{checkpoints_by_icr, detector_config, place, write_base_config};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+/// What TensorBoard reads in `folder` (see `tensorboard_reader.py`).
+fn tensorboard(folder: &Path) -> Value {
+    let out = run_python(&[
+        "tests/integration/tensorboard_reader.py",
+        folder.to_str().unwrap(),
+    ]);
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The steps of `tag` in the reader's `section`.
+fn steps(tb: &Value, section: &str, tag: &str) -> Vec<i64> {
+    let rows = tb[section][tag].as_array().cloned().unwrap_or_default();
+    rows.iter()
+        .map(|r| r.as_i64().unwrap_or_else(|| r[0].as_i64().unwrap()))
+        .collect()
+}
+
+/// Every numeric field of the journal's evaluations of the current lineage, by step:
+/// `{step: {field: value}}` (a later entry for the same step replaces the earlier).
+fn journal_values(dir: &Path) -> BTreeMap<i64, BTreeMap<String, f64>> {
+    let mut out = BTreeMap::new();
+    for entry in journal_entries(dir) {
+        if entry["kind"] == "resume" {
+            let step = entry["step"].as_i64().unwrap();
+            out.retain(|s, _| *s <= step);
+        }
+        if entry["kind"] != "evaluation" {
+            continue;
+        }
+        let record = entry["record"].as_object().unwrap();
+        let fields = record
+            .iter()
+            .filter(|(k, _)| !["step", "seconds", "stages"].contains(&k.as_str()))
+            .filter_map(|(k, v)| Some((k.clone(), v.as_f64()?)))
+            .collect();
+        out.insert(record["step"].as_i64().unwrap(), fields);
+    }
+    out
+}
+
+/// The reader's scalars agree with the journal: each field of each evaluation at its step, as
+/// the float32 TensorBoard keeps (relative 1e-6: float32's 24-bit mantissa rounds at 6e-8, and
+/// the sums that formed the values are the daemon's, not redone here).
+fn assert_scalars_match_the_journal(tb: &Value, dir: &Path) {
+    let journal = journal_values(dir);
+    let steps_of: Vec<i64> = journal.keys().copied().collect();
+    assert_eq!(steps(tb, "scalars", "diffmon/icr"), steps_of, "{tb}");
+    assert_eq!(steps(tb, "scalars", "diffmon/evaluation_seconds"), steps_of);
+    assert_eq!(steps(tb, "scalars", "diffmon/icr_smoothed"), steps_of);
+    for (step, fields) in &journal {
+        assert!(
+            fields.len() >= 8,
+            "few fields in the record of {step}: {fields:?}"
+        );
+        for (field, want) in fields {
+            let rows = tb["scalars"][format!("diffmon/{field}")].as_array();
+            let row = rows
+                .and_then(|rows| rows.iter().find(|r| r[0] == *step))
+                .unwrap_or_else(|| panic!("no diffmon/{field} at step {step}: {tb}"));
+            let got = row[1].as_f64().unwrap();
+            assert!(
+                (got - want).abs() <= 1e-6 * want.abs().max(1e-30),
+                "diffmon/{field} at {step}: {got} vs the journal's {want}"
+            );
+        }
+    }
+}
+
+#[test]
+fn tensorboard_shows_every_metric_and_the_early_stop_once_across_a_kill_and_a_resume() {
+    let run = empty_run();
+    let dir = run.path();
+    write_base_config(dir, "");
+    let (hi, lo, rise) = checkpoints_by_icr(dir);
+    let config = format!(
+        "checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{}\
+         trackers: {{tensorboard: {{dir: logs}}}}\n",
+        detector_config(rise)
+    );
+    let mut d = Daemon::start(dir, &config);
+    let check = diffmon(&["check-config", d.config.to_str().unwrap()]);
+    assert!(
+        String::from_utf8_lossy(&check.stdout).contains(&format!(
+            "tracker tensorboard: {}",
+            dir.join("logs/diffmon/test").display()
+        )),
+        "{}",
+        String::from_utf8_lossy(&check.stdout)
+    );
+    // High, low, low, high, high: fires at 5 with the best at 2.
+    for (step, src) in [(1, &hi), (2, &lo), (3, &lo), (4, &hi), (5, &hi)] {
+        place(dir, src, step);
+    }
+    let fired = |d: &Daemon| {
+        let status: Value =
+            serde_json::from_str(&d.get("/v1/early-stop").unwrap_or_default()).unwrap_or_default();
+        status["fired"] == true
+    };
+    d.wait_for(Duration::from_secs(240), "the early stop", fired);
+
+    // SIGKILL, whatever the writer was doing, and a restart: the points written are not
+    // written again, those not written yet are, and the run goes on.
+    d.restart();
+    place(dir, &hi, 6);
+    d.wait_for(Duration::from_secs(120), "step 6", |d| d.evaluated() >= 1.0);
+    d.terminate();
+    let folder = dir.join("logs/diffmon/test");
+    let tb = tensorboard(&folder);
+    assert_eq!(
+        tb["files"].as_array().unwrap().len(),
+        2,
+        "one file per start: {tb}"
+    );
+    assert_eq!(steps(&tb, "raw", "diffmon/icr"), [1, 2, 3, 4, 5, 6], "{tb}");
+    assert_eq!(steps(&tb, "raw", "diffmon/early_stop"), [5], "{tb}");
+    assert_scalars_match_the_journal(&tb, dir);
+    // Wall time: when the checkpoint was written.
+    let written = std::fs::metadata(dir.join("ckpt_1.pt"))
+        .unwrap()
+        .modified()
+        .unwrap()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let wall = tb["scalars"]["diffmon/icr"][0][2].as_f64().unwrap();
+    assert!(
+        (wall - written).abs() < 1e-5,
+        "{wall} vs the file's {written}"
+    );
+    let texts = &tb["texts"]["diffmon/early_stop_summary"];
+    assert_eq!(texts[0][0], 5, "{tb}");
+    let text = texts[0][1].as_str().unwrap();
+    assert!(
+        text.contains("early stop for run test") && text.contains("ckpt_2.pt"),
+        "{text}"
+    );
+    assert_eq!(tb["scalars"]["diffmon/early_stop"][0][1], 1.0);
+
+    // `diffmon resume` goes back to step 2; the new segment's 3 and 4 follow.
+    let out = diffmon(&["resume", "--config", d.config.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut d = Daemon::spawn(d.config.clone(), d.port);
+    for step in [3, 4] {
+        place(dir, &lo, step);
+    }
+    d.wait_for(Duration::from_secs(120), "the new segment", |d| {
+        d.evaluated() >= 2.0
+    });
+    d.terminate();
+    let tb = tensorboard(&folder);
+    // A START at 3 drops the abandoned branch (3 to 6) from TensorBoard's view; every file
+    // still holds each point once.
+    let starts: Vec<i64> = tb["starts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_i64().unwrap())
+        .collect();
+    let (opening, resumes): (Vec<i64>, Vec<i64>) = starts.iter().partition(|&&s| s == i64::MAX);
+    assert_eq!(
+        opening.len(),
+        3,
+        "each file opens with a START that drops nothing: {starts:?}"
+    );
+    assert_eq!(resumes, [3], "{starts:?}");
+    assert_eq!(steps(&tb, "raw", "diffmon/icr"), [1, 2, 3, 4, 5, 6, 3, 4]);
+    assert_scalars_match_the_journal(&tb, dir);
+    // The resolution, decided at the resume (step 2), is shown; the early stop at 5 was on the
+    // abandoned branch.
+    assert_eq!(steps(&tb, "scalars", "diffmon/early_stop"), [2], "{tb}");
+    assert_eq!(tb["scalars"]["diffmon/early_stop"][0][1], 0.0);
+    let text = tb["texts"]["diffmon/early_stop_summary"][0][1]
+        .as_str()
+        .unwrap();
+    assert!(text.contains("early stop resolved for run test"), "{text}");
+}
+
+/// A log folder that is a symbolic link is refused with a WARN naming the key and the folder;
+/// the evaluations go on and nothing is written through the link.
+#[test]
+fn a_symlinked_tensorboard_folder_is_refused_and_the_evaluations_go_on() {
+    let run = empty_run();
+    let dir = run.path();
+    let elsewhere = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(elsewhere.path(), dir.join("logs")).unwrap();
+    let (_, lo, _) = {
+        write_base_config(dir, "");
+        checkpoints_by_icr(dir)
+    };
+    let d = Daemon::start(
+        dir,
+        "checkpoints: {pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}\n\
+         trackers: {tensorboard: {dir: logs}}\n",
+    );
+    place(dir, &lo, 1);
+    d.wait_for(Duration::from_secs(120), "step 1", |d| d.evaluated() >= 1.0);
+    let log = d.log();
+    assert!(
+        log.contains("trackers.tensorboard.dir: cannot write the TensorBoard events")
+            && log.contains("symbolic link"),
+        "{log}"
+    );
+    assert_eq!(
+        std::fs::read_dir(elsewhere.path()).unwrap().count(),
+        0,
+        "written through the link"
+    );
+}
