@@ -1,14 +1,19 @@
-"""Python helpers for diffmon: export a network to the model contract, obey the early stop.
+"""Python helpers for diffmon: export a network to the model contract, obey the early stop, log
+diffmon's evaluations into an experiment tracker.
 
     from diffmon import export, export_vae, should_stop, read_stop_event, DiffmonEarlyStopping
+    from diffmon import log_to, Follower, METRICS   # W&B, Lightning loggers, accelerate
+
+`python -m diffmon.wandb` follows the daemon into a W&B run of its own (diffmon/wandb.py).
 """
 
 import sys as _sys
 
+from .follow import METRICS, Follower, log_to
 from .stop import DEFAULT_STOP_FILE, DiffmonEarlyStopping, read_stop_event, should_stop
 
 __all__ = ["export", "export_vae", "ExportError", "should_stop", "read_stop_event", "DiffmonEarlyStopping",
-           "DEFAULT_STOP_FILE"]
+           "DEFAULT_STOP_FILE", "log_to", "Follower", "METRICS"]
 __version__ = "0.1.0"
 
 if _sys.argv[:1] == ["-m"]:

@@ -25,6 +25,8 @@ Plain loop::
 PyTorch Lightning::
 
     trainer = L.Trainer(callbacks=[DiffmonEarlyStopping(run_dir)])
+    # ... and diffmon's evaluations into the trainer's loggers, at the checkpoints' steps:
+    trainer = L.Trainer(callbacks=[DiffmonEarlyStopping(run_dir, log_evaluations=True)])
 
 Lightning is imported only when the callback is created, so this module works without it.
 
@@ -170,6 +172,13 @@ class DiffmonEarlyStopping:
     validation run. In distributed training the decision is shared across ranks (any rank that
     sees the file stops them all) when the trainer's strategy offers ``reduce_boolean_decision``.
 
+    ``log_evaluations=True`` also logs diffmon's evaluations and its early stop into the
+    trainer's loggers (``trainer.loggers``: TensorBoard, CSV, W&B, MLflow...) at each check and
+    at the end of training, on global rank zero: ``logger.log_metrics({"diffmon/icr": ...},
+    step=<the checkpoint's step>)``, read from the daemon's journal (``<run_dir>/.diffmon``, or
+    ``state_dir``) by a :class:`diffmon.follow.Follower`; the names are
+    ``diffmon.follow.METRICS``'s.
+
     Creating an instance without Lightning installed raises ImportError. The created object is an
     instance of both this class and Lightning's ``Callback``.
     """
@@ -179,7 +188,8 @@ class DiffmonEarlyStopping:
 
     def __init__(self, run_dir: PathLike, stop_file: str = DEFAULT_STOP_FILE,
                  every_n_batches: int = 1, check_on_validation_end: bool = True,
-                 verbose: bool = True):
+                 verbose: bool = True, log_evaluations: bool = False,
+                 state_dir: Optional[PathLike] = None):
         super().__init__()
         if every_n_batches < 1:
             raise ValueError("every_n_batches must be >= 1")
@@ -190,8 +200,29 @@ class DiffmonEarlyStopping:
         self.verbose = verbose
         self.event: Optional[dict] = None
         self.stopped = False
+        self.log_evaluations = bool(log_evaluations)
+        self.state_dir = Path(state_dir) if state_dir is not None else None
+        self.follower = None  # made at the first check, with the trainer's loggers
+
+    def _log(self, trainer: Any, final: bool = False) -> None:
+        """Log what the daemon evaluated since the last check into the trainer's loggers."""
+        if not self.log_evaluations or not getattr(trainer, "is_global_zero", True):
+            return
+        if self.follower is None:
+            loggers = list(getattr(trainer, "loggers", None) or [])
+            if not loggers:
+                return
+            from .follow import Follower, LightningSink
+
+            self.follower = Follower([LightningSink(loggers)], self.run_dir, self.state_dir,
+                                     self.stop_file)
+        if final:
+            self.follower.stop()
+        else:
+            self.follower.poll()
 
     def _check(self, trainer: Any) -> bool:
+        self._log(trainer)
         decision = should_stop(self.run_dir, self.stop_file)
         strategy = getattr(trainer, "strategy", None)
         reduce = getattr(strategy, "reduce_boolean_decision", None)
@@ -217,3 +248,6 @@ class DiffmonEarlyStopping:
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self.check_on_validation_end and not getattr(trainer, "sanity_checking", False):
             self._check(trainer)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._log(trainer, final=True)
