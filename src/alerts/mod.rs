@@ -78,13 +78,13 @@ mod store;
 #[cfg(test)]
 mod tests;
 
-pub use deliver::DeliveryPolicy;
+pub use deliver::{DeliveryPolicy, redact_url};
 pub use event::{Event, EventKind, event_id, run_instance};
 pub use format::{ALERT_NAME, summary};
 pub use outcome::{DeliveryOutcome, OutcomeHook, Receiver};
 
 use crate::config::{AlertsConfig, SecretEnv, WebhookFormat};
-use deliver::{Book, Destination, DestinationKind, Shared, Worker, redact_url, restored_active};
+use deliver::{Book, Destination, DestinationKind, Shared, Worker, restored_active};
 use sha2::{Digest, Sha256};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;

@@ -14,7 +14,7 @@ use super::icr::IcrConfig;
 use super::model::{DataConfig, DeviceSpec, ModelConfig};
 use super::pfd::{MemorizationConfig, PfdConfig, TailConfig};
 use super::run::{DEFAULT_MAX_RUNS, RunConfig, RunEntry};
-use super::trackers::TrackersConfig;
+use super::trackers::Trackers;
 use serde::Deserialize;
 use std::path::PathBuf;
 
@@ -82,7 +82,7 @@ pub struct ConfigFile {
     pub(super) evaluation: Evaluation,
     /// Experiment trackers the numbers are written into; none by default.
     #[serde(default)]
-    pub(super) trackers: TrackersConfig,
+    pub(super) trackers: Trackers,
 }
 
 fn default_max_runs() -> usize {

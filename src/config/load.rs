@@ -150,6 +150,14 @@ impl ConfigFile {
         if let Some(tb) = self.trackers.tensorboard.as_mut() {
             fix(&mut tb.dir);
         }
+        if let Some(p) = self
+            .trackers
+            .mlflow
+            .as_mut()
+            .and_then(|m| m.token_file.as_mut())
+        {
+            fix(p);
+        }
         for entry in self.runs.iter_mut().flatten() {
             fix(&mut entry.dir);
             if let Some(p) = entry.state_dir.as_mut() {

@@ -70,6 +70,6 @@ pub use run::{DEFAULT_MAX_RUNS, MAX_RUNS, RunConfig};
 pub use runs_glob::RunsGlob;
 pub use settings::{CONFIRM_LATENTS, Config};
 pub use text::MAX_FLOW_DEPTH;
-pub use trackers::{TensorboardConfig, TrackersConfig};
+pub use trackers::{MlflowConfig, MlflowRun, TensorboardConfig, Token, TrackersConfig};
 pub use validate::Problem;
 pub use values::{Glob, SecretEnv, StepPattern, WeightsFile};

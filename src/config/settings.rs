@@ -20,7 +20,7 @@ use super::pfd::{
 };
 use super::run::{MAX_RUNS, RunConfig};
 use super::runs_glob::RunsGlob;
-use super::trackers::{TrackersConfig, check_trackers};
+use super::trackers::{TrackersConfig, trackers};
 use super::validate::{Problem, Validator};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -357,7 +357,7 @@ impl ConfigFile {
         let alerts = alerts(&mut v, &self.alerts, lookup);
         let http = http(&mut v, &self.http);
         let evaluation = evaluation(&mut v, &self.evaluation);
-        check_trackers(&mut v, &self.trackers);
+        let trackers = trackers(&mut v, &self.trackers, lookup);
 
         match (
             checkpoints,
@@ -365,6 +365,7 @@ impl ConfigFile {
             alerts,
             http,
             evaluation,
+            trackers,
             &self.data,
         ) {
             (
@@ -373,6 +374,7 @@ impl ConfigFile {
                 Some(alerts),
                 Some(http),
                 Some(evaluation),
+                Some(trackers),
                 Some(data),
             ) if v.problems.is_empty() => Ok(Config {
                 run: run.clone(),
@@ -391,7 +393,7 @@ impl ConfigFile {
                 alerts,
                 http,
                 evaluation,
-                trackers: self.trackers.clone(),
+                trackers,
                 source: None,
                 implied_memorization: false,
                 implied_pf_ode: false,

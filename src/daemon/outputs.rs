@@ -1,8 +1,8 @@
 //! The outputs: where a run's evaluations and events go out once they are recorded and the run's
 //! state has taken them. [`Console`] prints a summary line per evaluation and announces events;
 //! [`Alerts`] hands events to the [`Alerter`] (stop file, webhooks, Alertmanager);
-//! [`Tensorboard`] writes both as TensorBoard events. Each is a [`RunOutput`]; [`RunOutputs`]
-//! passes everything to each of them in order.
+//! [`Tensorboard`] writes both as TensorBoard events, [`Mlflow`] logs them to an MLflow server.
+//! Each is a [`RunOutput`]; [`RunOutputs`] passes everything to each of them in order.
 
 use crate::alerts::{AlertError, Alerter, Event, EventKind};
 use crate::engine::detector::DetectorState;
@@ -207,6 +207,30 @@ impl RunOutput for Tensorboard {
     fn replayed(&mut self, events: &[Event]) -> Result<(), OutputError> {
         self.0.replayed(events);
         Ok(())
+    }
+}
+
+/// `trackers.mlflow`: an MLflow tracking server (`trackers/mlflow.rs`).
+pub struct Mlflow(pub crate::trackers::Mlflow);
+
+impl RunOutput for Mlflow {
+    fn evaluation(&mut self, key: &CheckpointKey, record: &Evaluation, state: &DetectorState) {
+        self.0.evaluation(record, key, state);
+    }
+
+    fn event(&mut self, event: &Event) {
+        self.0.event(event);
+    }
+
+    /// The history's items are sent once the replayed events are placed among them.
+    fn replayed(&mut self, events: &[Event]) -> Result<(), OutputError> {
+        self.0.replayed(events);
+        Ok(())
+    }
+
+    /// What waits gets a few seconds; the rest goes after the next start.
+    fn close(self: Box<Self>, runtime: &tokio::runtime::Runtime) {
+        self.0.close(runtime);
     }
 }
 

@@ -4,7 +4,7 @@
 //! and the daemon's HTTP port and tokio runtime ([`bind`], [`serve`]).
 
 use super::executor::Outcome;
-use super::outputs::{Alerts, Console, RunOutput, RunOutputs, Tensorboard};
+use super::outputs::{Alerts, Console, Mlflow, RunOutput, RunOutputs, Tensorboard};
 use super::pace::Pace;
 use super::recorder::Recorder;
 use super::run_state::RunState;
@@ -125,6 +125,16 @@ pub(super) fn open(
             &run,
             recorder.entries(),
             config.early_stop_resolved(),
+        ))));
+    }
+    if let Some(mlflow) = &config.trackers.mlflow {
+        outputs.push(Box::new(Mlflow(crate::trackers::Mlflow::open(
+            mlflow,
+            &run,
+            &state_dir,
+            recorder.entries(),
+            config.early_stop_resolved(),
+            runtime,
         ))));
     }
     let mut outputs = RunOutputs::new(outputs);

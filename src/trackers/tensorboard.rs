@@ -19,10 +19,13 @@
 //! wait in memory (at most [`MAX_PENDING`]) and each later evaluation tries again.
 
 use super::event_file::{self, Event, Kind, Value, What};
-use crate::alerts::{Event as StopEvent, EventKind};
+use super::timeline::{
+    EARLY_STOP_TAG, EARLY_STOP_TEXT_TAG, Item, SECONDS_TAG, Timeline, now, stop,
+};
+use crate::alerts::Event as StopEvent;
 use crate::config::{EarlyStopSettings, TensorboardConfig};
-use crate::engine::detector::{self, Detector, DetectorState, Replayed};
-use crate::record::{Evaluation, FIELDS};
+use crate::engine::detector::DetectorState;
+use crate::record::Evaluation;
 use crate::store::history::{CheckpointKey, Entry};
 use crate::store::safe_fs::untrusted;
 use std::collections::{HashSet, VecDeque};
@@ -33,90 +36,46 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-/// The marker scalar of the early stop (1) and its resolution (0).
-pub const EARLY_STOP_TAG: &str = "diffmon/early_stop";
-/// The early stop's sentence, as text.
-pub const EARLY_STOP_TEXT_TAG: &str = "diffmon/early_stop_summary";
-/// Every evaluation's seconds: the tag that marks an event as an evaluation when read back.
-pub const SECONDS_TAG: &str = "diffmon/evaluation_seconds";
 /// Items that wait for a folder that cannot be written; the oldest go first beyond it.
 pub const MAX_PENDING: usize = 100_000;
 /// Read-back bounds: files in the run's folder, and bytes of each.
 const MAX_FILES: usize = 4096;
 const MAX_FILE_BYTES: u64 = 64 << 20;
 
-/// One thing written, in history order.
-#[derive(Debug, Clone, PartialEq)]
-enum Item {
-    Point {
-        step: i64,
-        wall_time: f64,
-        values: Vec<(String, f32)>,
-    },
-    Stop {
-        step: i64,
-        wall_time: f64,
-        fired: bool,
-        text: String,
-    },
-    /// A resume, or the START before a history written again.
-    Start { step: i64, wall_time: f64 },
-}
-
 /// How an item is known when read back: its kind, step and wall time (bits).
 type Key = (u8, i64, u64);
 
-impl Item {
-    fn key(&self) -> Key {
-        match *self {
-            Item::Point {
-                step, wall_time, ..
-            } => (0, step, wall_time.to_bits()),
-            Item::Stop {
-                step, wall_time, ..
-            } => (1, step, wall_time.to_bits()),
-            Item::Start { step, wall_time } => (2, step, wall_time.to_bits()),
-        }
-    }
+fn key(item: &Item) -> Key {
+    let kind = match item {
+        Item::Point { .. } => 0,
+        Item::Stop { .. } => 1,
+        Item::Start { .. } => 2,
+    };
+    (kind, item.step(), item.wall_time().to_bits())
+}
 
-    fn event(&self) -> Event {
-        match self {
-            Item::Point {
-                step,
-                wall_time,
-                values,
-            } => Event {
-                wall_time: *wall_time,
-                step: *step,
-                what: What::Summary(
-                    values
-                        .iter()
-                        .map(|(tag, v)| (tag.clone(), Value::Scalar(*v)))
-                        .collect(),
-                ),
-            },
-            Item::Stop {
-                step,
-                wall_time,
-                fired,
-                text,
-            } => Event {
-                wall_time: *wall_time,
-                step: *step,
-                what: What::Summary(vec![
-                    (
-                        EARLY_STOP_TAG.into(),
-                        Value::Scalar(if *fired { 1.0 } else { 0.0 }),
-                    ),
-                    (EARLY_STOP_TEXT_TAG.into(), Value::Text(text.clone())),
-                ]),
-            },
-            Item::Start { step, wall_time } => Event {
-                wall_time: *wall_time,
-                step: *step,
-                what: What::Start,
-            },
-        }
+/// The item as TensorBoard's event (scalars as float32, as TensorBoard keeps them).
+fn event_of(item: &Item) -> Event {
+    let what = match item {
+        Item::Point { values, .. } => What::Summary(
+            values
+                .iter()
+                .map(|(tag, v)| (tag.clone(), Value::Scalar(*v as f32)))
+                .collect(),
+        ),
+        Item::Stop { event, text, .. } => What::Summary(vec![
+            (
+                EARLY_STOP_TAG.into(),
+                Value::Scalar(Item::marker(event) as f32),
+            ),
+            (EARLY_STOP_TEXT_TAG.into(), Value::Text(text.clone())),
+        ]),
+        Item::Start { .. } => What::Start,
+    };
+    Event {
+        wall_time: item.wall_time(),
+        step: item.step(),
+        what,
     }
 }
 
@@ -131,68 +90,19 @@ fn key_of(head: &event_file::EventHead) -> Option<Key> {
     Some((kind, head.step, head.wall_time.to_bits()))
 }
 
-/// The scalars of an evaluation (`smoothed`: the detector's value after it).
-fn point(
-    record: &Evaluation,
-    key: &CheckpointKey,
-    smoothed: Option<f64>,
-    smoothed_tag: &str,
-) -> Item {
-    let mut values: Vec<(String, f32)> = FIELDS
-        .iter()
-        .filter_map(|f| Some((format!("diffmon/{}", f.name), f.float(record)? as f32)))
-        .collect();
-    if let Some(s) = smoothed {
-        values.push((smoothed_tag.to_string(), s as f32));
-    }
-    values.push((SECONDS_TAG.into(), record.seconds as f32));
-    Item::Point {
-        step: record.step,
-        wall_time: key.mtime_ns as f64 / 1e9,
-        values,
-    }
-}
-
-fn now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// Seconds since the epoch of an RFC 3339 time of the history, else now.
-fn wall_time(at: &str) -> f64 {
-    crate::metrics::parse_rfc3339_utc(at).unwrap_or_else(now)
-}
-
-fn stop(event: &StopEvent) -> Item {
-    Item::Stop {
-        step: event.current_step,
-        wall_time: wall_time(&event.fired_at),
-        fired: event.event == EventKind::EarlyStop,
-        text: format!(
-            "{}\n\nEvent `{}`, decided at {}.",
-            crate::alerts::summary(event),
-            event.id,
-            event.fired_at
-        ),
-    }
-}
-
 /// The writer of one run.
 pub struct Tensorboard {
     /// `<dir>`, as configured, and the run's name (its folder under `<dir>/diffmon/`).
     dir: PathBuf,
     run: String,
+    /// The history's items until the replayed events are placed among them.
+    timeline: Timeline,
     /// The items not written yet, in order.
     pending: VecDeque<Item>,
-    /// The history's evaluations and resumes as (journal time, step, item index), until the
-    /// replayed events are placed after the entry that decided them.
-    placed: Vec<(String, i64, usize)>,
     /// The open file, once the folder was set up and read back.
     file: Option<File>,
     /// The last problem, said once until it changes or clears.
     failing: Option<String>,
-    smoothed_tag: String,
     dropped: usize,
 }
 
@@ -206,44 +116,15 @@ impl Tensorboard {
         entries: &[Entry],
         early_stop: EarlyStopSettings,
     ) -> Tensorboard {
-        let metric = early_stop.metric;
-        let smoothed_tag = format!("diffmon/{}_smoothed", metric.as_str());
-        let mut writer = Tensorboard {
+        Tensorboard {
             dir: config.dir.clone(),
             run: run.to_string(),
+            timeline: Timeline::of_history(entries, early_stop),
             pending: VecDeque::new(),
-            placed: Vec::new(),
             file: None,
             failing: None,
-            smoothed_tag,
             dropped: 0,
-        };
-        let mut detector = Detector::new(early_stop, DetectorState::default());
-        detector::replay(&mut detector, metric, entries, |entry| match entry {
-            Replayed::Evaluation {
-                record,
-                key,
-                at,
-                decision,
-                ..
-            } => {
-                let item = point(record, key, decision.smoothed, &writer.smoothed_tag);
-                writer
-                    .placed
-                    .push((at.to_string(), record.step, writer.pending.len()));
-                writer.pending.push_back(item);
-            }
-            Replayed::Resume { step, at, .. } => {
-                writer
-                    .placed
-                    .push((at.to_string(), step, writer.pending.len()));
-                writer.pending.push_back(Item::Start {
-                    step: step.saturating_add(1),
-                    wall_time: wall_time(at),
-                });
-            }
-        });
-        writer
+        }
     }
 
     /// `<dir>/diffmon/<run>`.
@@ -252,33 +133,17 @@ impl Tensorboard {
     }
 
     /// The events the history's replay decided: each placed right after the evaluation or
-    /// resume that decided it (same journal time and step), then everything written that is not
-    /// yet.
+    /// resume that decided it, then everything written that is not yet.
     pub fn replayed(&mut self, events: &[StopEvent]) {
-        let placed = std::mem::take(&mut self.placed);
-        let mut items: Vec<Item> = self.pending.drain(..).collect();
-        let mut after: Vec<Vec<Item>> = vec![Vec::new(); items.len() + 1];
-        for event in events {
-            let at = placed
-                .iter()
-                .rev()
-                .find(|(at, step, _)| *at == event.fired_at && *step == event.current_step)
-                .map_or(items.len(), |&(_, _, i)| i + 1);
-            after[at].push(stop(event));
-        }
-        let mut ordered = Vec::with_capacity(items.len() + events.len());
-        ordered.append(&mut after[0]);
-        for (i, item) in items.drain(..).enumerate() {
-            ordered.push(item);
-            ordered.append(&mut after[i + 1]);
-        }
-        self.pending = ordered.into();
+        let mut history: VecDeque<Item> = self.timeline.place(events).into();
+        history.append(&mut self.pending);
+        self.pending = history;
         self.flush();
     }
 
     /// A live evaluation of the checkpoint `key`; `state`: the detector's after it.
     pub fn evaluation(&mut self, record: &Evaluation, key: &CheckpointKey, state: &DetectorState) {
-        let item = point(record, key, state.last_smoothed, &self.smoothed_tag);
+        let item = self.timeline.live(record, key, state);
         self.push(item);
     }
 
@@ -346,7 +211,7 @@ impl Tensorboard {
         }
         let file = self.file.as_mut().expect("opened above");
         while let Some(item) = self.pending.front() {
-            file.write_all(&event_file::record(&item.event().encode()))?;
+            file.write_all(&event_file::record(&event_of(item).encode()))?;
             self.pending.pop_front();
         }
         Ok(())
@@ -357,10 +222,10 @@ impl Tensorboard {
 /// item is missing before one that is there (a gap, not a missing tail), all of them after a
 /// START at the lowest step, so that TensorBoard drops the earlier copy.
 fn to_write(items: VecDeque<Item>, written: &HashSet<Key>) -> Vec<Item> {
-    let Some(first) = items.iter().position(|i| !written.contains(&i.key())) else {
+    let Some(first) = items.iter().position(|i| !written.contains(&key(i))) else {
         return Vec::new();
     };
-    let gap = items.iter().skip(first).any(|i| written.contains(&i.key()));
+    let gap = items.iter().skip(first).any(|i| written.contains(&key(i)));
     if !gap {
         return items.into_iter().skip(first).collect();
     }
@@ -571,7 +436,7 @@ mod tests {
     fn only_the_missing_tail_is_written_and_a_gap_writes_everything_after_a_start() {
         let items: VecDeque<Item> = (0..5).map(|i| pt(i * 100, i as f64)).collect();
         let keys =
-            |r: std::ops::Range<usize>| -> HashSet<Key> { r.map(|i| items[i].key()).collect() };
+            |r: std::ops::Range<usize>| -> HashSet<Key> { r.map(|i| key(&items[i])).collect() };
         assert_eq!(to_write(items.clone(), &keys(0..5)), []);
         assert_eq!(
             to_write(items.clone(), &keys(0..3)),
@@ -582,7 +447,7 @@ mod tests {
             Vec::from(items.clone())
         );
         let mut gap = keys(0..5);
-        gap.remove(&items[1].key());
+        gap.remove(&key(&items[1]));
         let out = to_write(items.clone(), &gap);
         assert!(
             matches!(out[0], Item::Start { step: i64::MIN, .. }),
@@ -594,12 +459,10 @@ mod tests {
     /// An item read back is known by the same key it was written with.
     #[test]
     fn items_are_known_again_when_read_back() {
-        let stop = Item::Stop {
-            step: 7,
-            wall_time: 3.5,
-            fired: true,
-            text: "t".into(),
-        };
+        let stop = stop(&crate::trackers::timeline::tests::event(
+            7,
+            "2026-01-01T00:00:02.000Z",
+        ));
         for item in [
             pt(5, 1.25),
             stop,
@@ -608,8 +471,8 @@ mod tests {
                 wall_time: 2.0,
             },
         ] {
-            let head = event_file::decode(&item.event().encode()).unwrap();
-            assert_eq!(key_of(&head), Some(item.key()), "{item:?}");
+            let head = event_file::decode(&event_of(&item).encode()).unwrap();
+            assert_eq!(key_of(&head), Some(key(&item)), "{item:?}");
         }
     }
 

@@ -218,3 +218,223 @@ fn a_symlinked_tensorboard_folder_is_refused_and_the_evaluations_go_on() {
         "written through the link"
     );
 }
+
+// --- MLflow -------------------------------------------------------------------------------------
+
+unsafe extern "C" {
+    fn kill(pid: i32, sig: i32) -> i32;
+}
+
+/// A real `mlflow server` on 127.0.0.1 (a SQLite store in `dir`), in a process group of its
+/// own (it starts its web server as a child), killed with it.
+struct MlflowServer {
+    child: std::process::Child,
+    port: u16,
+    dir: std::path::PathBuf,
+}
+
+impl MlflowServer {
+    fn start(dir: &Path, port: u16) -> MlflowServer {
+        use std::os::unix::process::CommandExt;
+        std::fs::create_dir_all(dir).unwrap();
+        let child = std::process::Command::new(crate::common::root().join(".venv/bin/mlflow"))
+            .args([
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "--workers",
+                "1",
+            ])
+            .arg("--backend-store-uri")
+            .arg(format!("sqlite:///{}", dir.join("mlflow.db").display()))
+            .arg("--default-artifact-root")
+            .arg(dir.join("artifacts"))
+            .current_dir(dir)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::fs::File::create(dir.join("server.log")).unwrap())
+            .stderr(std::fs::File::create(dir.join("server.err")).unwrap())
+            .process_group(0)
+            .spawn()
+            .expect("mlflow (python/requirements.txt, installed by make setup)");
+        let server = MlflowServer {
+            child,
+            port,
+            dir: dir.to_path_buf(),
+        };
+        let start = std::time::Instant::now();
+        while crate::common::http_get(&format!("http://127.0.0.1:{port}/health")).is_none() {
+            assert!(
+                start.elapsed() < Duration::from_secs(180),
+                "mlflow server did not answer: {}",
+                std::fs::read_to_string(dir.join("server.err")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        server
+    }
+
+    fn stop(&mut self) {
+        unsafe { kill(-(self.child.id() as i32), 9) };
+        let _ = self.child.wait();
+    }
+
+    /// `method endpoint` of the REST API with a JSON body (or query, for GET); the answer.
+    fn call(&self, method: &str, endpoint: &str, body: &str) -> Value {
+        let script = "import json, sys, urllib.request, urllib.parse\n\
+            method, url, body = sys.argv[1:4]\n\
+            if method == 'GET':\n    url += '?' + urllib.parse.urlencode(json.loads(body)); data = None\n\
+            else:\n    data = body.encode()\n\
+            r = urllib.request.Request(url, data=data, method=method, headers={'Content-Type': 'application/json'})\n\
+            print(urllib.request.urlopen(r).read().decode())\n";
+        let url = format!("http://127.0.0.1:{}/api/2.0/mlflow/{endpoint}", self.port);
+        let out = run_python(&["-c", script, method, &url, body]);
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    /// The steps and values of a metric's history in `run`, by step.
+    fn history(&self, run: &str, key: &str) -> Vec<(i64, f64)> {
+        let body = serde_json::json!({"run_id": run, "metric_key": key, "max_results": 25000});
+        let v = self.call("GET", "metrics/get-history", &body.to_string());
+        let mut rows: Vec<(i64, f64)> = v["metrics"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .iter()
+            .map(|m| (m["step"].as_i64().unwrap(), m["value"].as_f64().unwrap()))
+            .collect();
+        rows.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        rows
+    }
+}
+
+impl Drop for MlflowServer {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = &self.dir;
+    }
+}
+
+/// The training job's run on a real `mlflow server` gets every metric of every evaluation and
+/// the early stop's tags, exactly once, although the server was down for part of the run and
+/// the daemon was killed meanwhile: the journal is the outbox.
+#[test]
+fn mlflow_gets_every_metric_once_into_the_training_run_across_an_outage_and_a_kill() {
+    let run = empty_run();
+    let dir = run.path();
+    write_base_config(dir, "");
+    let (hi, lo, rise) = checkpoints_by_icr(dir);
+    let port = crate::daemon::free_port();
+    let mut server = MlflowServer::start(&dir.join("mlflow"), port);
+    let experiment = server.call("POST", "experiments/create", r#"{"name": "training"}"#);
+    let made = server.call(
+        "POST",
+        "runs/create",
+        &serde_json::json!({"experiment_id": experiment["experiment_id"], "run_name": "job"})
+            .to_string(),
+    );
+    let run_id = made["run"]["info"]["run_id"].as_str().unwrap().to_string();
+    // The training job's environment, inherited by the daemon (a name of this test's own).
+    unsafe { std::env::set_var("DIFFMON_TEST_MLFLOW_RUN_ID", &run_id) };
+    let config = format!(
+        "checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{}\
+         trackers: {{mlflow: {{uri: 'http://127.0.0.1:{port}', run_id_env: DIFFMON_TEST_MLFLOW_RUN_ID}}}}\n",
+        detector_config(rise)
+    );
+    let mut d = Daemon::start(dir, &config);
+    let check = diffmon(&["check-config", d.config.to_str().unwrap()]);
+    assert!(
+        String::from_utf8_lossy(&check.stdout).contains(&format!(
+            "tracker mlflow: http://127.0.0.1:{port}/ (run {run_id})"
+        )),
+        "{}",
+        String::from_utf8_lossy(&check.stdout)
+    );
+    place(dir, &hi, 1);
+    place(dir, &lo, 2);
+    let wait_for = |what: &str, mut done: Box<dyn FnMut() -> bool + '_>| {
+        let start = std::time::Instant::now();
+        while !done() {
+            assert!(
+                start.elapsed() < Duration::from_secs(180),
+                "timed out waiting for {what}"
+            );
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    };
+    wait_for(
+        "steps 1 and 2 on the server",
+        Box::new(|| server.history(&run_id, "diffmon/icr").len() == 2),
+    );
+
+    // The server goes away; the run goes on and fires; the daemon is killed and restarted
+    // while the server is still down.
+    server.stop();
+    for (step, src) in [(3, &lo), (4, &hi), (5, &hi)] {
+        place(dir, src, step);
+    }
+    let fired = |d: &Daemon| {
+        let status: Value =
+            serde_json::from_str(&d.get("/v1/early-stop").unwrap_or_default()).unwrap_or_default();
+        status["fired"] == true
+    };
+    d.wait_for(Duration::from_secs(240), "the early stop", fired);
+    assert!(
+        d.log()
+            .contains("trackers.mlflow: runs/log-batch: no answer from the server"),
+        "{}",
+        d.log()
+    );
+    d.restart();
+    let server = MlflowServer::start(&dir.join("mlflow"), port);
+    wait_for(
+        "the early stop on the server",
+        Box::new(|| !server.history(&run_id, "diffmon/early_stop").is_empty()),
+    );
+    d.terminate();
+
+    let journal = journal_values(dir);
+    for field in [
+        "icr",
+        "icr_stderr",
+        "loss_train",
+        "generalization_gap",
+        "icr_samples",
+    ] {
+        let got = server.history(&run_id, &format!("diffmon/{field}"));
+        let want: Vec<(i64, f64)> = journal.iter().map(|(s, f)| (*s, f[field])).collect();
+        // Doubles all the way (JSON, SQLite REAL): the journal's values exactly, once each.
+        assert_eq!(got, want, "diffmon/{field}");
+    }
+    assert_eq!(server.history(&run_id, "diffmon/icr_smoothed").len(), 5);
+    assert_eq!(server.history(&run_id, "diffmon/early_stop"), [(5, 1.0)]);
+    let got = server.call(
+        "GET",
+        "runs/get",
+        &serde_json::json!({"run_id": run_id}).to_string(),
+    );
+    let tags: BTreeMap<String, String> = got["run"]["data"]["tags"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["key"].as_str().unwrap().into(),
+                t["value"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    assert_eq!(tags["diffmon.early_stop"], "early_stop", "{tags:?}");
+    assert_eq!(tags["diffmon.early_stop.best_step"], "2");
+    assert_eq!(tags["diffmon.early_stop.step"], "5");
+    assert!(tags["diffmon.early_stop.summary"].contains("early stop for run test"));
+    assert!(tags["diffmon.early_stop.kept_copy"].ends_with(".diffmon/best/ckpt_2.pt"));
+    // The cursor: five evaluations and the early stop accepted, into the training job's run
+    // (the server's store would also keep a resent metric once; the cursor sends none twice).
+    let cursor: Value =
+        serde_json::from_slice(&std::fs::read(dir.join(".diffmon/trackers/mlflow.json")).unwrap())
+            .unwrap();
+    assert_eq!(cursor["delivered"], 6, "{cursor}");
+    assert_eq!(cursor["run_id"], run_id.as_str());
+}
