@@ -305,6 +305,33 @@ fn is_port(s: &str) -> bool {
     !s.is_empty() && s.len() <= 5 && s.bytes().all(|b| b.is_ascii_digit())
 }
 
+/// Why a request is refused before it reaches a route, if it is: more than one `Host` header
+/// or a request line in absolute form (`GET http://name/ HTTP/1.1`: a proxy's form, whose name
+/// would stand beside the `Host` header's) are 400; a `Host` that is not one of
+/// [`host_allowed`]'s is 403.
+fn refusal(
+    headers: &header::HeaderMap,
+    uri: &axum::http::Uri,
+    allowed: &[String],
+) -> Option<(StatusCode, &'static str)> {
+    if headers.get_all(header::HOST).iter().count() > 1 {
+        return Some((StatusCode::BAD_REQUEST, "more than one Host header\n"));
+    }
+    if uri.scheme().is_some() || uri.authority().is_some() {
+        return Some((
+            StatusCode::BAD_REQUEST,
+            "a request line in absolute form is not answered: ask for the path alone\n",
+        ));
+    }
+    let host = headers
+        .get(header::HOST)
+        .map(|h| h.to_str().unwrap_or("\u{0}"));
+    (!host_allowed(host, allowed)).then_some((
+        StatusCode::FORBIDDEN,
+        "host not allowed: add its name to http.allowed_hosts (docs/guide/monitoring.md)\n",
+    ))
+}
+
 impl Limits {
     /// The bounds `http.*` set.
     pub fn of(c: &HttpConfig) -> Limits {
@@ -324,15 +351,9 @@ pub async fn serve(listener: TcpListener, app: Router, limits: Limits) {
         move |req: axum::extract::Request, next: axum::middleware::Next| {
             let allowed = allowed.clone();
             async move {
-                let host = req.headers().get(header::HOST).map(|h| h.to_str().unwrap_or("\u{0}"));
-                if host_allowed(host, &allowed) {
-                    next.run(req).await
-                } else {
-                    (
-                        StatusCode::FORBIDDEN,
-                        "host not allowed: add its name to http.allowed_hosts (docs/guide/monitoring.md)\n",
-                    )
-                        .into_response()
+                match refusal(req.headers(), req.uri(), &allowed) {
+                    None => next.run(req).await,
+                    Some(refused) => refused.into_response(),
                 }
             }
         },
@@ -668,6 +689,36 @@ mod tests {
                 "{yaml}: {problems:?}"
             );
         }
+    }
+
+    /// Two `Host` headers, or a request line in absolute form, are refused with 400 whatever
+    /// they name (they were answered); one allowed `Host` with a path goes through.
+    #[test]
+    fn duplicate_hosts_and_absolute_request_lines_are_refused() {
+        let allowed: [String; 0] = [];
+        let headers = |hosts: &[&str]| {
+            let mut h = header::HeaderMap::new();
+            for host in hosts {
+                h.append(header::HOST, host.parse().unwrap());
+            }
+            h
+        };
+        let path: axum::http::Uri = "/metrics".parse().unwrap();
+        let absolute: axum::http::Uri = "http://127.0.0.1:9464/metrics".parse().unwrap();
+        assert_eq!(
+            refusal(&headers(&["127.0.0.1:9464"]), &path, &allowed),
+            None
+        );
+        let two = refusal(
+            &headers(&["127.0.0.1", "attacker.example"]),
+            &path,
+            &allowed,
+        );
+        assert_eq!(two.map(|r| r.0), Some(StatusCode::BAD_REQUEST));
+        let abs = refusal(&headers(&["127.0.0.1"]), &absolute, &allowed);
+        assert_eq!(abs.map(|r| r.0), Some(StatusCode::BAD_REQUEST));
+        let foreign = refusal(&headers(&["attacker.example"]), &path, &allowed);
+        assert_eq!(foreign.map(|r| r.0), Some(StatusCode::FORBIDDEN));
     }
 
     /// The `Host` header (issue #45: a DNS-rebinding page could read `/v1/early-stop`): IP

@@ -1252,17 +1252,26 @@ fn slow_and_idle_http_clients_are_closed_and_the_connection_cap_frees_up() {
     let port = d.port;
     // The `Host` header (issue #45, DNS rebinding): another site's name is refused, an
     // address, localhost and a configured name are answered.
-    let with_host = |host: &str| {
+    let raw = |head: &str| {
         let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-        write!(s, "GET /v1/early-stop HTTP/1.0\r\nHost: {host}\r\n\r\n").unwrap();
+        write!(s, "{head}\r\n").unwrap();
         let mut text = String::new();
         s.read_to_string(&mut text).unwrap();
         text
     };
+    let with_host = |host: &str| raw(&format!("GET /v1/early-stop HTTP/1.0\r\nHost: {host}\r\n"));
     let refused = with_host(&format!("attacker.example:{port}"));
     assert!(refused.starts_with("HTTP/1.0 403"), "{refused}");
     assert!(refused.contains("http.allowed_hosts"), "{refused}");
+    // Issue 62: a second Host header, or a request line in absolute form, were answered.
+    let two = raw("GET /v1/early-stop HTTP/1.0\r\nHost: 127.0.0.1\r\nHost: attacker.example\r\n");
+    assert!(two.starts_with("HTTP/1.0 400"), "{two}");
+    assert!(two.contains("more than one Host header"), "{two}");
+    let absolute = raw(&format!(
+        "GET http://attacker.example/v1/early-stop HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\n"
+    ));
+    assert!(absolute.starts_with("HTTP/1.0 400"), "{absolute}");
     for host in [
         format!("127.0.0.1:{port}"),
         "localhost".into(),
