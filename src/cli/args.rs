@@ -85,6 +85,10 @@ pub enum Command {
         /// taken for a checkpoint), as --until-pid does; with both, whichever comes first.
         #[arg(long, value_name = "FILE")]
         until_file: Option<PathBuf>,
+        /// Print the end-of-run summary (checkpoints evaluated, failed and rotated, the early
+        /// stop and the best, the commands for the report and resuming) as one JSON object.
+        #[arg(long)]
+        json: bool,
     },
     /// Evaluate checkpoints once.
     Eval {

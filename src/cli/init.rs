@@ -549,11 +549,13 @@ pub fn config_for(dir: &Path, written: &Path, s: &Survey) -> String {
     }
     if let Some(t) = &s.tensorboard {
         text = replace_value(
-            &text.replacen(
-                "# trackers:\n#   tensorboard:\n#     dir: ",
-                "trackers:\n  tensorboard:\n    dir: ",
-                1,
-            ),
+            &text
+                .replacen(
+                    "# trackers:\n#   tensorboard:",
+                    "trackers:\n  tensorboard:",
+                    1,
+                )
+                .replacen("\n#     dir: ", "\n    dir: ", 1),
             "    dir: ",
             &yaml_scalar(&rebase(t).display().to_string()),
         );

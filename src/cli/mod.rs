@@ -27,6 +27,7 @@ mod output;
 mod replay;
 mod resume;
 mod sample;
+mod summary;
 
 use crate::config::{self, Config, ConfigError};
 use crate::engine::eval::EvalError;
@@ -346,16 +347,19 @@ pub fn run(command: Command) -> Result<Exit> {
             config,
             until_pid,
             until_file,
-        } => watch(&config, until_pid, until_file),
+            json,
+        } => watch(&config, until_pid, until_file, json),
         command => one_shot(command).map(|()| Exit::Success),
     }
 }
 
-/// `diffmon watch`: the daemon ([`crate::daemon::run`]).
+/// `diffmon watch`: the daemon ([`crate::daemon::run`]), then the end-of-run summary on
+/// stdout (`json`: as one object).
 fn watch(
     path: &std::path::Path,
     until_pid: Option<u32>,
     until_file: Option<std::path::PathBuf>,
+    json: bool,
 ) -> Result<Exit> {
     let mut config = Config::load(path)?;
     config.imply_memorization();
@@ -379,7 +383,25 @@ fn watch(
         tracing::warn!("standard output stays as it is: {e}");
         None
     });
-    Ok(match crate::daemon::run(config, until)? {
+    let (runs, in_sweep) = (config.runs(), config.is_sweep());
+    let ended = crate::daemon::run(config, until)?;
+    let how = match ended {
+        crate::daemon::Ended::Signalled => summary::HowEnded::Signal,
+        crate::daemon::Ended::JobEnded { .. } => summary::HowEnded::TrainingEnded,
+    };
+    // A sweep's runs as they were at the start (of `runs_glob`, those that joined later are
+    // left out).
+    let summaries: Vec<summary::RunSummary> = runs
+        .iter()
+        .map(|run| summary::RunSummary::of(run, path, in_sweep))
+        .collect();
+    let text = match json {
+        true => summary::json(how, &summaries) + "\n",
+        false => summary::text(how, &summaries),
+    };
+    let mut out = output::stdout();
+    let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+    Ok(match ended {
         crate::daemon::Ended::JobEnded {
             early_stop_fired: true,
         } => Exit::EarlyStopped,
@@ -750,6 +772,7 @@ mod tests {
             Command::Watch {
                 until_pid: Some(12),
                 until_file: Some(_),
+                json: false,
                 ..
             }
         ));

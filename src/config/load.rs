@@ -54,7 +54,13 @@ impl Config {
 
     fn load_checking(path: &Path, secrets: bool) -> Result<Config, ConfigError> {
         let text = read_bounded(path)?;
-        let base = path.parent().unwrap_or(Path::new("."));
+        // Relative paths are resolved against the file's folder made absolute: the run's
+        // checkpoints are then named the same (in the journal's keys, the records and the
+        // events) whatever folder the command was started from and however the file was named
+        // (`--config diffmon.yaml` in the run folder and `--config runs/exp1/diffmon.yaml`
+        // evaluated every checkpoint again under a second name).
+        let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+        let base = absolute.parent().unwrap_or(Path::new("."));
         let mut config = ConfigFile::parse(&text, &path.display().to_string())?;
         config.resolve_paths(base);
         let mut config = config
@@ -63,7 +69,7 @@ impl Config {
                 file: path.display().to_string(),
                 problems,
             })?;
-        config.source = Some(std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()));
+        config.source = Some(absolute);
         Ok(config)
     }
 }

@@ -10,13 +10,15 @@
 //! from step S is a `SessionLog` START at S + 1, on which TensorBoard drops the abandoned
 //! branch.
 //!
-//! Each start writes a new file, which begins with a START at the largest step (it drops nothing;
-//! TensorBoard's server purges only on the STARTs after a run's first), and nothing twice: the writer reads its own files back (bounded)
-//! and knows each item it wrote by its kind, step and wall time; the history's items not among
-//! them are written, in order. When an item in the middle is missing (a file deleted or
-//! unreadable), the whole history is written again after a START at the lowest step, so that the
-//! reader drops the older copy. A folder that cannot be written is a WARN naming it; the items
-//! wait in memory (at most [`MAX_PENDING`]) and each later evaluation tries again.
+//! Each start that has something to write makes a new file, which begins with a START at the
+//! largest step (it drops nothing: TensorBoard's server purges only on the STARTs after a run's
+//! first), and nothing is written twice: the writer reads its own files back (bounded) and knows
+//! each item it wrote by its kind, step and wall time; the history's items not among them are
+//! written, in order. When an item in the middle is missing (a file deleted), or the files
+//! cannot all be read back, the whole history is written again after a START at the lowest
+//! step, so that the reader drops the older copy. A folder that cannot be written is a WARN
+//! naming it; the items wait in memory (at most [`MAX_PENDING`]) and each later evaluation tries
+//! again.
 
 use super::event_file::{self, Event, Kind, Value, What};
 use super::timeline::{
@@ -99,7 +101,8 @@ pub struct Tensorboard {
     timeline: Timeline,
     /// The items not written yet, in order.
     pending: VecDeque<Item>,
-    /// The open file, once the folder was set up and read back.
+    /// The run's folder, once opened and read back; the open file, once something was written.
+    folder: Option<OwnedFd>,
     file: Option<File>,
     /// The last problem, said once until it changes or clears.
     failing: Option<String>,
@@ -121,6 +124,7 @@ impl Tensorboard {
             run: run.to_string(),
             timeline: Timeline::of_history(entries, early_stop),
             pending: VecDeque::new(),
+            folder: None,
             file: None,
             failing: None,
             dropped: 0,
@@ -169,7 +173,7 @@ impl Tensorboard {
     /// wrote). A problem is said once (WARN, naming the folder and the key) and tried again at
     /// the next item.
     fn flush(&mut self) {
-        if self.pending.is_empty() && self.file.is_some() {
+        if self.pending.is_empty() && self.folder.is_some() {
             return;
         }
         let result = self.write_pending();
@@ -180,7 +184,9 @@ impl Tensorboard {
             }
             (Ok(()), None) => {}
             (Err(e), failing) => {
+                // Opened and read back again at the next item: a new file.
                 self.file = None;
+                self.folder = None;
                 let message = e.to_string();
                 if failing.as_deref() != Some(message.as_str()) {
                     tracing::warn!(folder = %untrusted(&self.folder()), waiting = self.pending.len(),
@@ -192,11 +198,17 @@ impl Tensorboard {
     }
 
     fn write_pending(&mut self) -> io::Result<()> {
-        if self.file.is_none() {
+        if self.folder.is_none() {
             let folder = open_run_folder(&self.dir, &self.run)?;
             let written = read_back(&folder, &self.folder());
-            self.pending = to_write(std::mem::take(&mut self.pending), &written).into();
-            let mut file = new_file(&folder)?;
+            self.pending = to_write(std::mem::take(&mut self.pending), written.as_ref()).into();
+            self.folder = Some(folder);
+        }
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        if self.file.is_none() {
+            let mut file = new_file(self.folder.as_ref().expect("opened above"))?;
             // The version, then a START that drops nothing: TensorBoard's server takes the
             // first START of a run as its beginning and purges only on later ones.
             for (step, what) in [(0, What::FileVersion), (i64::MAX, What::Start)] {
@@ -218,15 +230,18 @@ impl Tensorboard {
     }
 }
 
-/// What of `items` to write, given the keys `written` earlier: nothing already there. When an
-/// item is missing before one that is there (a gap, not a missing tail), all of them after a
-/// START at the lowest step, so that TensorBoard drops the earlier copy.
-fn to_write(items: VecDeque<Item>, written: &HashSet<Key>) -> Vec<Item> {
+/// What of `items` to write, given the keys `written` earlier (`None`: not all of them could
+/// be read back): nothing already there. When an item is missing before one that is there (a
+/// gap, not a missing tail), or what is there is not known, all of them after a START at the
+/// lowest step, so that TensorBoard drops the earlier copy.
+fn to_write(items: VecDeque<Item>, written: Option<&HashSet<Key>>) -> Vec<Item> {
+    let none = HashSet::new();
+    let (complete, written) = (written.is_some(), written.unwrap_or(&none));
     let Some(first) = items.iter().position(|i| !written.contains(&key(i))) else {
         return Vec::new();
     };
     let gap = items.iter().skip(first).any(|i| written.contains(&key(i)));
-    if !gap {
+    if complete && !gap {
         return items.into_iter().skip(first).collect();
     }
     let start = Item::Start {
@@ -337,17 +352,19 @@ fn event_files(folder: &OwnedFd) -> io::Result<Vec<String>> {
     Ok(names)
 }
 
-/// The keys of the items earlier starts wrote in `folder` (shown as `shown`). A file that
-/// cannot be read is a WARN; its items count as missing, and so are written again.
-fn read_back(folder: &OwnedFd, shown: &Path) -> HashSet<Key> {
+/// The keys of the items earlier starts wrote in `folder` (shown as `shown`); `None` when not
+/// every file could be read (a WARN): then the whole history is written again, after a START
+/// that drops what TensorBoard read of the earlier files.
+fn read_back(folder: &OwnedFd, shown: &Path) -> Option<HashSet<Key>> {
     let mut keys = HashSet::new();
     let names = match event_files(folder) {
         Ok(names) => names,
         Err(e) => {
             tracing::warn!(folder = %untrusted(shown), "trackers.tensorboard: cannot list the event files ({e}); writing the history again");
-            return keys;
+            return None;
         }
     };
+    let mut complete = true;
     for name in names {
         let read = open_in(folder, &name, false).and_then(|f| {
             let mut bytes = Vec::new();
@@ -362,7 +379,8 @@ fn read_back(folder: &OwnedFd, shown: &Path) -> HashSet<Key> {
         let bytes = match read {
             Ok(bytes) => bytes,
             Err(e) => {
-                tracing::warn!(file = %untrusted(&shown.join(&name)), "trackers.tensorboard: cannot read back an event file ({e})");
+                tracing::warn!(file = %untrusted(&shown.join(&name)), "trackers.tensorboard: cannot read back an event file ({e}); writing the history again");
+                complete = false;
                 continue;
             }
         };
@@ -372,7 +390,8 @@ fn read_back(folder: &OwnedFd, shown: &Path) -> HashSet<Key> {
             Err(e) => (Vec::new(), Some(e)),
         };
         if let Some(e) = error {
-            tracing::warn!(file = %untrusted(&shown.join(&name)), "trackers.tensorboard: an event file is corrupt ({e}); what it held is written again");
+            tracing::warn!(file = %untrusted(&shown.join(&name)), "trackers.tensorboard: an event file is corrupt ({e}); writing the history again");
+            complete = false;
         }
         keys.extend(
             records
@@ -381,7 +400,7 @@ fn read_back(folder: &OwnedFd, shown: &Path) -> HashSet<Key> {
                 .filter_map(|head| key_of(&head)),
         );
     }
-    keys
+    complete.then_some(keys)
 }
 
 /// A new event file in `folder`: `events.out.tfevents.<secs>.<host>.<pid>.diffmon`, its seconds
@@ -437,18 +456,25 @@ mod tests {
         let items: VecDeque<Item> = (0..5).map(|i| pt(i * 100, i as f64)).collect();
         let keys =
             |r: std::ops::Range<usize>| -> HashSet<Key> { r.map(|i| key(&items[i])).collect() };
-        assert_eq!(to_write(items.clone(), &keys(0..5)), []);
+        assert_eq!(to_write(items.clone(), Some(&keys(0..5))), []);
         assert_eq!(
-            to_write(items.clone(), &keys(0..3)),
+            to_write(items.clone(), Some(&keys(0..3))),
             items.range(3..).cloned().collect::<Vec<_>>()
         );
         assert_eq!(
-            to_write(items.clone(), &HashSet::new()),
+            to_write(items.clone(), Some(&HashSet::new())),
             Vec::from(items.clone())
         );
+        // Not all read back: everything, after a START that drops the rest.
+        let unknown = to_write(items.clone(), None);
+        assert!(
+            matches!(unknown[0], Item::Start { step: i64::MIN, .. }),
+            "{unknown:?}"
+        );
+        assert_eq!(unknown[1..], Vec::from(items.clone()));
         let mut gap = keys(0..5);
         gap.remove(&key(&items[1]));
-        let out = to_write(items.clone(), &gap);
+        let out = to_write(items.clone(), Some(&gap));
         assert!(
             matches!(out[0], Item::Start { step: i64::MIN, .. }),
             "{out:?}"

@@ -81,6 +81,16 @@ fn init_with_two_architectures_asks_which() {
         "{}",
         stdout(&check)
     );
+    // Named relative to the current folder, the config's paths are still made absolute, the
+    // same as through any other name of the file (the run folder was `.`, so its checkpoints
+    // had other keys than through `--config /abs/diffmon.yaml`, and were all evaluated again).
+    let canonical = fs::canonicalize(d).unwrap();
+    let watching = format!("watching {}", canonical.display());
+    assert!(stdout(&check).contains(&watching), "{}", stdout(&check));
+    let parent = canonical.parent().unwrap();
+    let name = canonical.file_name().unwrap().to_str().unwrap();
+    let other = diffmon_in(parent, &["check-config", &format!("{name}/diffmon.yaml")]);
+    assert!(stdout(&other).contains(&watching), "{}", stdout(&other));
 }
 
 #[test]

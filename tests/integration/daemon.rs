@@ -602,7 +602,7 @@ fn training(run: &Path, go: &Path, sources: &[&PathBuf], last: &str) -> Child {
 /// high, high, the last written as the process exits): the daemon evaluates and records every
 /// checkpoint, then exits 3, the early stop having fired at the fifth. `--until-file` with a
 /// marker written after two checkpoints (no turn): exit 0, both recorded, the marker no
-/// checkpoint.
+/// checkpoint. Each prints its end-of-run summary on stdout, the second as JSON (`--json`).
 #[test]
 fn watch_ends_with_the_training_job_after_the_last_evaluation() {
     let run = empty_run();
@@ -631,14 +631,44 @@ fn watch_ends_with_the_training_job_after_the_last_evaluation() {
         (Some(2), Some(5))
     );
     job.wait().unwrap(); // a zombie until now, while the daemon ran
+    // Issue 62: the end of the run says what happened, on stdout.
+    for said in [
+        "diffmon: run `test` ended (the training job ended)",
+        "  checkpoints: 5 evaluated, 0 failed, 0 rotated away before their evaluation",
+        "  early stop: fired at step 5 (turn, ",
+        "; best checkpoint: step 2, ",
+        "pid/.diffmon/best/ckpt_2.pt",
+        "  report: diffmon report --config ",
+        "  resume from the best: diffmon resume --config ",
+    ] {
+        assert!(log.contains(said), "`{said}` is not in:\n{log}");
+    }
 
     let config = until_config(dir, "file", rise);
     let go = dir.join("go-file");
     let marker = dir.join("file/DONE");
     let touch = format!("touch '{}'\n", marker.display());
     let mut job = training(&dir.join("file"), &go, &[&hi, &lo], &touch);
-    let (code, log) = watch_until(&config, dir, &["--until-file", "file/DONE"], &go);
+    let (code, log) = watch_until(&config, dir, &["--until-file", "file/DONE", "--json"], &go);
     assert_eq!(code, Some(0), "{log}");
+    // `--json`: the summary as one object, the last line.
+    let summary: Value = serde_json::from_str(log.lines().last().unwrap()).unwrap();
+    assert_eq!(summary["ended"], "training_ended", "{summary}");
+    let r = &summary["runs"][0];
+    assert_eq!(
+        (r["run"].as_str(), r["evaluated"].as_u64()),
+        (Some("test"), Some(2))
+    );
+    assert!(
+        r["early_stop"].is_null() && r["resume"].is_null(),
+        "{summary}"
+    );
+    assert!(
+        r["report"]
+            .as_str()
+            .unwrap()
+            .starts_with("diffmon report --config ")
+    );
     assert!(marker.is_file());
     assert_eq!(journal(&dir.join("file")), (vec![1, 2], vec![]), "{log}");
     assert!(log.contains("DONE exists"), "{log}");
