@@ -110,7 +110,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     logged = 0
     try:
         while True:
-            logged += follower.poll()
+            new = follower.poll()
+            if new:
+                log.info("logged %d points (%d in all)", new, logged + new)
+            logged += new
             if not follower.caught_up:
                 continue  # more than one read's worth waits: read on at once
             if args.once or halt.is_set():

@@ -291,15 +291,34 @@ def test_sidecar_follow_ends_at_sigterm(run_dir, wandb_env, tmp_path):
     state = run_dir / ".diffmon"
     append(state, evaluation(100))
     write_stop(run_dir, stop_event(current_step=100))
-    proc = sidecar(["--run-dir", str(run_dir), "--follow", "--poll-secs", "0.2"], wandb_env)
+    # Its output in a file, read as it runs: each step waits for the poll that logged the last
+    # one (W&B's start takes seconds on a loaded machine; fixed sleeps raced it).
+    said = tmp_path / "sidecar.out"
+
+    def polls() -> int:
+        return said.read_text().count("points (") if said.exists() else 0
+
+    def wait_polls(n: int):
+        start = time.monotonic()
+        while polls() < n:
+            assert proc.poll() is None, said.read_text()
+            assert time.monotonic() - start < 120, said.read_text()
+            time.sleep(0.1)
+
+    with open(said, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "diffmon.wandb", "--run-dir", str(run_dir), "--follow",
+             "--poll-secs", "0.2"], env=dict(wandb_env, PYTHONPATH=str(PYTHON_DIR)),
+            stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
-        time.sleep(3)
+        wait_polls(1)  # the evaluation and the stop
+        time.sleep(1)
         assert proc.poll() is None  # --follow goes on past the stop
         append(state, evaluation(200))
         os.unlink(run_dir / "EARLY_STOP")  # the daemon resolved it
-        time.sleep(1.5)
+        wait_polls(2)  # the evaluation and the resolution
         proc.send_signal(signal.SIGTERM)
-        finished(proc, timeout=60)
+        assert proc.wait(timeout=60) == 0, said.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -436,7 +436,7 @@ impl Pace {
                     run = %run, seconds_per_checkpoint = seconds, checkpoint_interval = interval, pending, pinned_bytes = pinned,
                     "evaluation falls behind: {each} per checkpoint{at_once} (median of {n}), a checkpoint every {every} (median of {gaps} gaps); {wait} ({} more than {over} ago), {}. {}",
                     pending - before,
-                    pins_note(pinned),
+                    pins_note(pending, pinned),
                     self.remedies
                 )
             }
@@ -450,16 +450,26 @@ impl Pace {
     }
 }
 
-/// What the warning says of the waiting checkpoints' safety: pins protect them (up to
-/// [`crate::store::pin::MAX_PINS`]), at the cost of the disk `pinned` bytes that only the pins
+/// What the warning says of the `pending` waiting checkpoints' safety: pins protect at most
+/// [`crate::store::pin::MAX_PINS`] of them (the others may be deleted by rotation before their
+/// turn: said so, not claimed pinned), at the cost of the disk `pinned` bytes that only the pins
 /// hold once rotation deleted the originals.
-fn pins_note(pinned: u64) -> String {
+fn pins_note(pending: i64, pinned: u64) -> String {
+    let max = crate::store::pin::MAX_PINS as i64;
+    let which = if pending > max {
+        format!(
+            "only {max} of them are pinned against rotation, which may delete the other {} \
+             before their turn (they are then recorded `rotated`)",
+            pending - max
+        )
+    } else {
+        "they are pinned against rotation (unless the state folder cannot hold links to the \
+         run folder's files)"
+            .to_string()
+    };
     format!(
-        "pinned against rotation (docs/guide/watching.md, \"Rotation\"; beyond {} pins, or where \
-         the state folder cannot hold links to the run folder's files, rotation may delete one \
-         before its turn); the pins alone hold {:.1} MB of checkpoints rotation has deleted \
-         (diffmon_pinned_bytes)",
-        crate::store::pin::MAX_PINS,
+        "{which} (docs/guide/watching.md, \"Rotation\"); the pins alone hold {:.1} MB of \
+         checkpoints rotation has deleted (diffmon_pinned_bytes)",
         pinned as f64 / 1e6
     )
 }
@@ -794,9 +804,21 @@ pub(super) mod tests {
         assert!(pace.remedies.contains("icr.samples"), "{}", pace.remedies);
         // The warning says the waiting checkpoints are pinned, and what the pins hold.
         metrics.set_pinned_bytes(61_234_567);
-        let note = pins_note(metrics.pinned_bytes());
-        assert!(note.contains("pinned against rotation"), "{note}");
+        let note = pins_note(3, metrics.pinned_bytes());
+        assert!(
+            note.starts_with("they are pinned against rotation"),
+            "{note}"
+        );
         assert!(note.contains("61.2 MB"), "{note}");
+        // Over the pins' bound, the warning does not claim what did not happen (issue 62: 5 of
+        // 30 checkpoints were rotated away after it said they were pinned).
+        let over = pins_note(21, 0);
+        assert!(
+            over.starts_with(
+                "only 16 of them are pinned against rotation, which may delete the other 5"
+            ),
+            "{over}"
+        );
         assert!(!note.contains("rotation may delete them before their turn"));
         assert!(pace.remedies.contains("network calls per checkpoint"));
     }

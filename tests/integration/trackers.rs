@@ -437,4 +437,52 @@ fn mlflow_gets_every_metric_once_into_the_training_run_across_an_outage_and_a_ki
             .unwrap();
     assert_eq!(cursor["delivered"], 6, "{cursor}");
     assert_eq!(cursor["run_id"], run_id.as_str());
+
+    // A run id the server does not know: a WARN naming the key and the server's own words;
+    // the evaluations go on, nothing is counted as accepted.
+    let set_run = |config: &Path, run: &str| {
+        let text = std::fs::read_to_string(config).unwrap();
+        let text: Vec<String> = text
+            .lines()
+            .map(|l| match l.starts_with("trackers:") {
+                true => format!("trackers: {{mlflow: {{uri: 'http://127.0.0.1:{port}', {run}}}}}"),
+                false => l.to_string(),
+            })
+            .collect();
+        std::fs::write(config, text.join("\n") + "\n").unwrap();
+    };
+    set_run(&d.config, "run_id: f00d");
+    let mut d = Daemon::spawn(d.config.clone(), d.port);
+    d.wait_for(Duration::from_secs(60), "the refusal", |d| {
+        d.log()
+            .contains("trackers.mlflow.run_id: runs/log-batch answered 404")
+    });
+    assert!(d.log().contains("RESOURCE_DOES_NOT_EXIST"), "{}", d.log());
+    d.terminate();
+    // Experiment mode: a run of diffmon's own, made once in a new experiment, gets the whole
+    // history (the target changed), and a restart goes on into the same run.
+    set_run(&d.config, "experiment: diffmon-runs");
+    let mut d = Daemon::spawn(d.config.clone(), d.port);
+    let own = || -> Option<String> {
+        let c: Value =
+            serde_json::from_slice(&std::fs::read(dir.join(".diffmon/trackers/mlflow.json")).ok()?)
+                .ok()?;
+        (c["delivered"] == 6).then(|| c["run_id"].as_str().map(String::from))?
+    };
+    wait_for("diffmon's own run", Box::new(|| own().is_some()));
+    let own_id = own().unwrap();
+    assert_ne!(own_id, run_id);
+    assert_eq!(server.history(&own_id, "diffmon/icr").len(), 5);
+    d.restart();
+    place(dir, &hi, 6);
+    wait_for(
+        "step 6 in diffmon's run",
+        Box::new(|| server.history(&own_id, "diffmon/icr").len() == 6),
+    );
+    let made = server.call(
+        "GET",
+        "experiments/get-by-name",
+        r#"{"experiment_name": "diffmon-runs"}"#,
+    );
+    assert!(made["experiment"]["experiment_id"].is_string(), "{made}");
 }
