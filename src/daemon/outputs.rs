@@ -1,7 +1,7 @@
 //! The outputs: where a run's evaluations and events go out once they are recorded and the run's
 //! state has taken them. [`Console`] prints a summary line per evaluation and announces events;
 //! [`Alerts`] hands events to the [`Alerter`] (stop file, webhooks, Alertmanager);
-//! [`Tensorboard`] writes both as TensorBoard events, [`Mlflow`] logs them to an MLflow server.
+//! each [`Tracker`] writes both into an experiment tracker (TensorBoard, MLflow).
 //! Each is a [`RunOutput`]; [`RunOutputs`] passes everything to each of them in order.
 
 use crate::alerts::{AlertError, Alerter, Event, EventKind};
@@ -191,10 +191,10 @@ impl RunOutput for Alerts {
     }
 }
 
-/// `trackers.tensorboard`: TensorBoard event files (`trackers/tensorboard.rs`).
-pub struct Tensorboard(pub crate::trackers::Tensorboard);
+/// A tracker (`trackers/`: TensorBoard, MLflow), as an output.
+pub struct Tracker(pub Box<dyn crate::trackers::Tracker>);
 
-impl RunOutput for Tensorboard {
+impl RunOutput for Tracker {
     fn evaluation(&mut self, key: &CheckpointKey, record: &Evaluation, state: &DetectorState) {
         self.0.evaluation(record, key, state);
     }
@@ -203,32 +203,12 @@ impl RunOutput for Tensorboard {
         self.0.event(event);
     }
 
-    /// The history's items are written once the replayed events are placed among them.
-    fn replayed(&mut self, events: &[Event]) -> Result<(), OutputError> {
-        self.0.replayed(events);
-        Ok(())
-    }
-}
-
-/// `trackers.mlflow`: an MLflow tracking server (`trackers/mlflow.rs`).
-pub struct Mlflow(pub crate::trackers::Mlflow);
-
-impl RunOutput for Mlflow {
-    fn evaluation(&mut self, key: &CheckpointKey, record: &Evaluation, state: &DetectorState) {
-        self.0.evaluation(record, key, state);
-    }
-
-    fn event(&mut self, event: &Event) {
-        self.0.event(event);
-    }
-
-    /// The history's items are sent once the replayed events are placed among them.
+    /// The history's items go out once the replayed events are placed among them.
     fn replayed(&mut self, events: &[Event]) -> Result<(), OutputError> {
         self.0.replayed(events);
         Ok(())
     }
 
-    /// What waits gets a few seconds; the rest goes after the next start.
     fn close(self: Box<Self>, runtime: &tokio::runtime::Runtime) {
         self.0.close(runtime);
     }

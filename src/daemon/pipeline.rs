@@ -4,7 +4,7 @@
 //! and the daemon's HTTP port and tokio runtime ([`bind`], [`serve`]).
 
 use super::executor::Outcome;
-use super::outputs::{Alerts, Console, Mlflow, RunOutput, RunOutputs, Tensorboard};
+use super::outputs::{Alerts, Console, RunOutput, RunOutputs, Tracker};
 use super::pace::Pace;
 use super::recorder::Recorder;
 use super::run_state::RunState;
@@ -120,22 +120,24 @@ pub(super) fn open(
     state.on_remade(Box::new(alerter.on_state_remade()));
     let mut outputs: Vec<Box<dyn RunOutput>> = vec![Box::new(console), Box::new(Alerts(alerter))];
     if let Some(tb) = &config.trackers.tensorboard {
-        outputs.push(Box::new(Tensorboard(crate::trackers::Tensorboard::open(
-            tb,
-            &run,
-            recorder.entries(),
-            config.early_stop_resolved(),
+        outputs.push(Box::new(Tracker(Box::new(
+            crate::trackers::Tensorboard::open(
+                tb,
+                &run,
+                recorder.entries(),
+                config.early_stop_resolved(),
+            ),
         ))));
     }
     if let Some(mlflow) = &config.trackers.mlflow {
-        outputs.push(Box::new(Mlflow(crate::trackers::Mlflow::open(
+        outputs.push(Box::new(Tracker(Box::new(crate::trackers::Mlflow::open(
             mlflow,
             &run,
             &state_dir,
             recorder.entries(),
             config.early_stop_resolved(),
             runtime,
-        ))));
+        )))));
     }
     let mut outputs = RunOutputs::new(outputs);
     outputs.replayed(&replayed.events)?;

@@ -117,26 +117,29 @@ impl Mlflow {
             let _ = tx.send(items);
         }
     }
+}
 
+impl super::Tracker for Mlflow {
     /// The replay's events, placed; then the history is sent.
-    pub fn replayed(&mut self, events: &[StopEvent]) {
+    fn replayed(&mut self, events: &[StopEvent]) {
         let items = self.timeline.place(events);
         self.send(items);
     }
 
-    pub fn evaluation(&mut self, record: &Evaluation, key: &CheckpointKey, state: &DetectorState) {
+    fn evaluation(&mut self, record: &Evaluation, key: &CheckpointKey, state: &DetectorState) {
         let item = self.timeline.live(record, key, state);
         self.send(vec![item]);
     }
 
-    pub fn event(&mut self, event: &StopEvent) {
+    fn event(&mut self, event: &StopEvent) {
         self.send(vec![super::timeline::stop(event)]);
     }
 
     /// The daemon stops: what waits gets [`SHUTDOWN`]; the rest is sent after the next start.
-    pub fn close(mut self, runtime: &tokio::runtime::Runtime) {
-        self.tx = None;
-        let task = self.task;
+    fn close(self: Box<Self>, runtime: &tokio::runtime::Runtime) {
+        let mut this = *self;
+        this.tx = None;
+        let task = this.task;
         runtime.block_on(async move {
             let abort = task.abort_handle();
             if tokio::time::timeout(SHUTDOWN, task).await.is_err() {

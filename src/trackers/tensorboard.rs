@@ -136,26 +136,6 @@ impl Tensorboard {
         self.dir.join(TensorboardConfig::FOLDER).join(&self.run)
     }
 
-    /// The events the history's replay decided: each placed right after the evaluation or
-    /// resume that decided it, then everything written that is not yet.
-    pub fn replayed(&mut self, events: &[StopEvent]) {
-        let mut history: VecDeque<Item> = self.timeline.place(events).into();
-        history.append(&mut self.pending);
-        self.pending = history;
-        self.flush();
-    }
-
-    /// A live evaluation of the checkpoint `key`; `state`: the detector's after it.
-    pub fn evaluation(&mut self, record: &Evaluation, key: &CheckpointKey, state: &DetectorState) {
-        let item = self.timeline.live(record, key, state);
-        self.push(item);
-    }
-
-    /// A live early stop or resolution.
-    pub fn event(&mut self, event: &StopEvent) {
-        self.push(stop(event));
-    }
-
     fn push(&mut self, item: Item) {
         if self.pending.len() >= MAX_PENDING {
             self.pending.pop_front();
@@ -227,6 +207,28 @@ impl Tensorboard {
             self.pending.pop_front();
         }
         Ok(())
+    }
+}
+
+impl super::Tracker for Tensorboard {
+    /// The events the history's replay decided: each placed right after the evaluation or
+    /// resume that decided it, then everything written that is not yet.
+    fn replayed(&mut self, events: &[StopEvent]) {
+        let mut history: VecDeque<Item> = self.timeline.place(events).into();
+        history.append(&mut self.pending);
+        self.pending = history;
+        self.flush();
+    }
+
+    /// A live evaluation of the checkpoint `key`; `state`: the detector's after it.
+    fn evaluation(&mut self, record: &Evaluation, key: &CheckpointKey, state: &DetectorState) {
+        let item = self.timeline.live(record, key, state);
+        self.push(item);
+    }
+
+    /// A live early stop or resolution.
+    fn event(&mut self, event: &StopEvent) {
+        self.push(stop(event));
     }
 }
 
