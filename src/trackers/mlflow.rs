@@ -119,7 +119,7 @@ impl Mlflow {
     }
 }
 
-impl super::Tracker for Mlflow {
+impl super::tracker::Tracker for Mlflow {
     /// The replay's events, placed; then the history is sent.
     fn replayed(&mut self, events: &[StopEvent]) {
         let items = self.timeline.place(events);

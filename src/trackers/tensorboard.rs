@@ -210,7 +210,7 @@ impl Tensorboard {
     }
 }
 
-impl super::Tracker for Tensorboard {
+impl super::tracker::Tracker for Tensorboard {
     /// The events the history's replay decided: each placed right after the evaluation or
     /// resume that decided it, then everything written that is not yet.
     fn replayed(&mut self, events: &[StopEvent]) {
