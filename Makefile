@@ -54,9 +54,12 @@ $(VENV)/.installed: python/requirements.txt python/requirements-nodeps.txt $(TOR
 
 # Cargo.lock pins the tch release of the venv's torch first (tools/build-backend/diffmon_build.py:
 # tch 0.26 for torch 2.13, 0.24 for 2.11; an unsupported torch stops here, naming the supported).
+# Under `make test` one cargo run builds the binary and the tests: the crate in test mode then
+# compiles beside the binary's crate instead of after it.
+BUILD := $(if $(filter test,$(MAKECMDGOALS)),test --no-run,build)
 build: venv
 	$(PY) tools/build-backend/diffmon_build.py select-tch --python $(PY)
-	cargo build --release --locked
+	cargo $(BUILD) --release --locked
 
 # `. .venv/bin/activate` after `make setup` puts `diffmon` (a link to the release build),
 # `diffmon-export` (the helpers of python/, installed editable) and the venv's python on PATH:
