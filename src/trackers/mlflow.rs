@@ -16,7 +16,10 @@
 //! connection errors, 408, 429 and 5xx are retried with the alerts' backoff (0.5 s, ×2, up to
 //! 60 s, full jitter); other refusals (a wrong run id, a token refused) are a WARN naming the key
 //! and are tried again every 60 s. Evaluations never wait for the server: the items wait in
-//! memory (as many as the history holds) and a WARN says when the tracker falls behind.
+//! memory (as many as the history holds), counted while a request is out, and a WARN says when
+//! [`BEHIND`] of them wait (again at each tenfold), an INFO when the tracker has caught up. A
+//! request may take [`REQUEST_TIMEOUT`]: nothing waits on it, and a large batch to a loaded
+//! server can take longer than an alert's 10 s.
 
 use super::timeline::{EARLY_STOP_TAG, Item, Timeline};
 use crate::alerts::{DeliveryPolicy, Event as StopEvent};
@@ -38,8 +41,11 @@ pub const MAX_METRICS: usize = 1000;
 pub const MAX_TAGS: usize = 100;
 /// MLflow's longest tag value.
 const MAX_TAG_VALUE: usize = 5000;
-/// Items waiting before the tracker says it falls behind (and again at each tenfold).
-const BEHIND: usize = 100;
+/// Items waiting before the tracker says it falls behind (and again at each tenfold): ten
+/// evaluations, where a server that keeps up has a batch out and a few waiting at most.
+const BEHIND: usize = 10;
+/// How long one request may take.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the daemon's stop waits for the items still waiting.
 const SHUTDOWN: Duration = Duration::from_secs(5);
 /// The longest cursor file read.
@@ -103,11 +109,11 @@ impl Mlflow {
         runtime: &tokio::runtime::Handle,
     ) -> Mlflow {
         let (tx, rx) = mpsc::unbounded_channel();
-        let worker = Worker::new(config, run, state_dir, rx);
+        let worker = Worker::new(config, run, state_dir);
         Mlflow {
             timeline: Timeline::of_history(entries, early_stop),
             tx: Some(tx),
-            task: runtime.spawn(worker.run()),
+            task: runtime.spawn(worker.run(rx)),
         }
     }
 
@@ -172,7 +178,6 @@ struct Worker {
     /// Items received from the timeline so far (their index in it), and those not accepted yet.
     received: u64,
     pending: VecDeque<Item>,
-    rx: mpsc::UnboundedReceiver<Vec<Item>>,
     policy: DeliveryPolicy,
     failures: u32,
     failing: Option<String>,
@@ -180,17 +185,12 @@ struct Worker {
 }
 
 impl Worker {
-    fn new(
-        config: &MlflowConfig,
-        run: &str,
-        state_dir: &Path,
-        rx: mpsc::UnboundedReceiver<Vec<Item>>,
-    ) -> Worker {
+    fn new(config: &MlflowConfig, run: &str, state_dir: &Path) -> Worker {
         let policy = DeliveryPolicy::default();
         let client = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(policy.request_timeout)
-            .timeout(policy.request_timeout)
+            .timeout(REQUEST_TIMEOUT)
             .user_agent(concat!("diffmon/", env!("CARGO_PKG_VERSION")))
             .build()
             .expect("an HTTP client without TLS options builds");
@@ -229,7 +229,6 @@ impl Worker {
             cursor,
             received: 0,
             pending: VecDeque::new(),
-            rx,
             policy,
             failures: 0,
             failing: None,
@@ -245,29 +244,56 @@ impl Worker {
             }
             self.received += 1;
         }
-        if self.pending.len() >= self.behind {
-            tracing::warn!(server = %self.shown, waiting = self.pending.len(),
-                "trackers.mlflow: the tracker falls behind; the evaluations go on and the items wait");
-            self.behind *= 10;
-        }
+        self.behind = falling_behind(&self.shown, self.pending.len(), self.behind);
     }
 
-    async fn run(mut self) {
+    /// Delivers what waits until the channel closes and nothing waits.
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Vec<Item>>) {
         loop {
             if self.pending.is_empty() {
-                match self.rx.recv().await {
+                match rx.recv().await {
                     Some(items) => self.take(items),
                     None => return,
                 }
             }
-            while let Ok(items) = self.rx.try_recv() {
+            while let Ok(items) = rx.try_recv() {
                 self.take(items);
             }
-            match self.deliver().await {
+            // While a request is out, what arrives is counted (a server that hangs shows as
+            // falling behind at once) and taken after it.
+            let (waiting, mut behind) = (self.pending.len(), self.behind);
+            let to_skip = self.cursor.delivered.saturating_sub(self.received) as usize;
+            let shown = self.shown.clone();
+            let mut arrived: Vec<Item> = Vec::new();
+            let mut open = true;
+            let outcome = {
+                let delivery = self.deliver();
+                tokio::pin!(delivery);
+                loop {
+                    tokio::select! {
+                        outcome = &mut delivery => break outcome,
+                        items = rx.recv(), if open => match items {
+                            Some(items) => {
+                                arrived.extend(items);
+                                let new = arrived.len().saturating_sub(to_skip);
+                                behind = falling_behind(&shown, waiting + new, behind);
+                            }
+                            None => open = false,
+                        },
+                    }
+                }
+            };
+            self.behind = behind;
+            self.take(arrived);
+            match outcome {
                 Ok(()) => {
                     self.failures = 0;
                     if self.failing.take().is_some() {
                         tracing::info!(server = %self.shown, "trackers.mlflow: delivering again");
+                    }
+                    if self.pending.is_empty() && self.behind > BEHIND {
+                        tracing::info!(server = %self.shown, "trackers.mlflow: caught up; nothing waits");
+                        self.behind = BEHIND;
                     }
                 }
                 Err(failure) => {
@@ -433,6 +459,16 @@ impl Worker {
             Failure::Refused(message)
         })
     }
+}
+
+/// The WARN when `waiting` items reach `behind`; the next level to say it at.
+fn falling_behind(server: &str, waiting: usize, behind: usize) -> usize {
+    if waiting < behind {
+        return behind;
+    }
+    tracing::warn!(server = %server, waiting,
+        "trackers.mlflow: the tracker falls behind; the evaluations go on and the items wait");
+    behind.saturating_mul(10)
 }
 
 /// The `log-batch` body of the first items of `pending` that fit in one request, and how many

@@ -320,7 +320,7 @@ impl Drop for MlflowServer {
 /// the early stop's tags, exactly once, although the server was down for part of the run and
 /// the daemon was killed meanwhile: the journal is the outbox.
 #[test]
-fn mlflow_gets_every_metric_once_into_the_training_run_across_an_outage_and_a_kill() {
+fn mlflow_gets_every_metric_once_into_the_training_run_across_an_outage_a_kill_and_a_slow_server() {
     let run = empty_run();
     let dir = run.path();
     write_base_config(dir, "");
@@ -440,7 +440,7 @@ fn mlflow_gets_every_metric_once_into_the_training_run_across_an_outage_and_a_ki
 
     // A run id the server does not know: a WARN naming the key and the server's own words;
     // the evaluations go on, nothing is counted as accepted.
-    let set_run = |config: &Path, run: &str| {
+    let set_run = |config: &Path, port: u16, run: &str| {
         let text = std::fs::read_to_string(config).unwrap();
         let text: Vec<String> = text
             .lines()
@@ -451,7 +451,7 @@ fn mlflow_gets_every_metric_once_into_the_training_run_across_an_outage_and_a_ki
             .collect();
         std::fs::write(config, text.join("\n") + "\n").unwrap();
     };
-    set_run(&d.config, "run_id: f00d");
+    set_run(&d.config, port, "run_id: f00d");
     let mut d = Daemon::spawn(d.config.clone(), d.port);
     d.wait_for(Duration::from_secs(60), "the refusal", |d| {
         d.log()
@@ -461,7 +461,7 @@ fn mlflow_gets_every_metric_once_into_the_training_run_across_an_outage_and_a_ki
     d.terminate();
     // Experiment mode: a run of diffmon's own, made once in a new experiment, gets the whole
     // history (the target changed), and a restart goes on into the same run.
-    set_run(&d.config, "experiment: diffmon-runs");
+    set_run(&d.config, port, "experiment: diffmon-runs");
     let mut d = Daemon::spawn(d.config.clone(), d.port);
     let own = || -> Option<String> {
         let c: Value =
@@ -485,4 +485,87 @@ fn mlflow_gets_every_metric_once_into_the_training_run_across_an_outage_and_a_ki
         r#"{"experiment_name": "diffmon-runs"}"#,
     );
     assert!(made["experiment"]["experiment_id"].is_string(), "{made}");
+
+    // A server that takes its time (a proxy that holds every request until released): the
+    // evaluations go on at their pace, the tracker says it falls behind, and once the server
+    // answers, every point arrives once.
+    d.terminate();
+    let proxy = HoldingProxy::start(port);
+    set_run(&d.config, proxy.port, "experiment: diffmon-runs");
+    let mut d = Daemon::spawn(d.config.clone(), d.port);
+    for step in 7..=16 {
+        place(dir, &hi, step);
+    }
+    d.wait_for(Duration::from_secs(180), "ten more evaluations", |_| {
+        journal_values(dir).len() == 16
+    });
+    d.wait_for(Duration::from_secs(30), "the WARN", |d| {
+        d.log().contains("the tracker falls behind")
+    });
+    assert!(d.log().contains("waiting=10"), "{}", d.log());
+    assert_eq!(
+        server.history(&own_id, "diffmon/icr").len(),
+        6,
+        "through a held proxy"
+    );
+    proxy.release();
+    wait_for(
+        "steps 7 to 16 in diffmon's run",
+        Box::new(|| server.history(&own_id, "diffmon/icr").len() == 16),
+    );
+    let steps: Vec<i64> = server
+        .history(&own_id, "diffmon/icr")
+        .iter()
+        .map(|p| p.0)
+        .collect();
+    assert_eq!(steps, (1..=16).collect::<Vec<_>>(), "each step once");
+    d.wait_for(Duration::from_secs(30), "the INFO", |d| {
+        d.log().contains("trackers.mlflow: caught up")
+    });
+    d.terminate();
+}
+
+/// A TCP proxy to `127.0.0.1:<to>` that holds every connection it accepts (a server that does
+/// not answer yet) until [`HoldingProxy::release`], then forwards them and those after.
+struct HoldingProxy {
+    port: u16,
+    held: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl HoldingProxy {
+    fn start(to: u16) -> HoldingProxy {
+        use std::net::{Shutdown, TcpListener, TcpStream};
+        use std::sync::atomic::Ordering;
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let held = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let flag = held.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                let flag = flag.clone();
+                std::thread::spawn(move || {
+                    while flag.load(Ordering::SeqCst) {
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                    let Ok(server) = TcpStream::connect(("127.0.0.1", to)) else {
+                        return;
+                    };
+                    let (mut up_from, mut up_to) =
+                        (client.try_clone().unwrap(), server.try_clone().unwrap());
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut up_from, &mut up_to);
+                        let _ = up_to.shutdown(Shutdown::Write);
+                    });
+                    let (mut down_to, mut down_from) = (client, server);
+                    let _ = std::io::copy(&mut down_from, &mut down_to);
+                    let _ = down_to.shutdown(Shutdown::Both);
+                });
+            }
+        });
+        HoldingProxy { port, held }
+    }
+
+    fn release(&self) {
+        self.held.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
 }
