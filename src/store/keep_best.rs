@@ -744,6 +744,9 @@ fn run(
     shared: &(Mutex<Slot>, Condvar),
 ) {
     let (slot, changed) = shared;
+    // The last refusal: asked again for the same checkpoint (a new best that turns back, a stop
+    // that keeps the best before it ends), the same reason is not a second WARN.
+    let mut refused: Option<(PathBuf, String)> = None;
     loop {
         let (checkpoint, evaluated, pin) = {
             let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
@@ -767,6 +770,7 @@ fn run(
         s.busy = None;
         let ended = match result {
             Ok(kept) => {
+                refused = None;
                 if kept.linked + kept.copied > 0 {
                     tracing::info!(
                         checkpoint = %untrusted(&checkpoint),
@@ -781,10 +785,18 @@ fn run(
                 Some(show(state_dir, shown, kept.path))
             }
             Err(e) => {
-                tracing::warn!(
-                    "cannot keep the best checkpoint (early_stop.keep_best): {}",
-                    crate::store::safe_fs::untrusted_text(&e.to_string())
-                );
+                let why = crate::store::safe_fs::untrusted_text(&e.to_string());
+                let again = refused
+                    .as_ref()
+                    .is_some_and(|(c, w)| *c == checkpoint && *w == why);
+                if again {
+                    tracing::debug!(
+                        "cannot keep the best checkpoint (early_stop.keep_best), again: {why}"
+                    );
+                } else {
+                    tracing::warn!("cannot keep the best checkpoint (early_stop.keep_best): {why}");
+                }
+                refused = Some((checkpoint.clone(), why));
                 s.done = None;
                 None
             }

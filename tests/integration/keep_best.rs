@@ -271,3 +271,51 @@ fn the_best_checkpoint_survives_rotation_and_one_copy_is_kept() {
     assert_eq!(lines[4]["decision"], "early_stop");
     assert_eq!(lines[1]["decision"], "best");
 }
+
+/// A best checkpoint that is a symbolic link is evaluated (reading follows it) but not kept
+/// (keeping follows no link): the WARN says so once, although the run fires with that best and
+/// the daemon stops keeping it (#62).
+#[test]
+fn a_symlinked_best_checkpoint_is_refused_with_one_warning() {
+    let run = empty_run();
+    let dir = run.path();
+    write_base_config(dir, "");
+    let (hi, lo, rise) = checkpoints_by_icr(dir);
+    let outside = tempfile::tempdir().unwrap();
+    let target = outside.path().join("weights.pt");
+    fs::copy(&lo, &target).unwrap();
+    let mut d = Daemon::start(
+        dir,
+        &format!(
+            "checkpoints: {{pattern: \"ckpt_*.pt\", settle_secs: 0.2, poll_secs: 0.5}}\n{}",
+            detector_config(rise)
+        ),
+    );
+    crate::early_stop::place(dir, &hi, 1);
+    std::os::unix::fs::symlink(&target, dir.join("ckpt_2.pt")).unwrap();
+    d.wait_for(Duration::from_secs(120), "step 2", |d| d.evaluated() >= 2.0);
+    for step in 3..=5 {
+        crate::early_stop::place(dir, &hi, step);
+    }
+    let status = || -> Value {
+        serde_json::from_str(&d.get("/v1/early-stop").unwrap_or_default()).unwrap_or_default()
+    };
+    d.wait_for(Duration::from_secs(240), "the early stop", |_| {
+        let s = status();
+        s["fired"] == true && s["best_step"] == 2
+    });
+    let stop = status();
+    d.terminate();
+    let log = d.log();
+    let warned = log.matches("cannot keep the best checkpoint").count();
+    assert_eq!(warned, 1, "{log}");
+    assert!(log.contains("symbolic link"), "{log}");
+    // The link's target is never copied, and the stop does not claim a kept copy of step 2 (the
+    // copy of step 1, the best before it, may stay).
+    assert!(
+        !kept(dir).contains(&"ckpt_2.pt".to_string()),
+        "{:?}",
+        kept(dir)
+    );
+    assert!(stop["event"]["best_checkpoint_kept"].is_null(), "{stop}");
+}
