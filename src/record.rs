@@ -68,6 +68,21 @@ pub struct Evaluation {
     /// Seconds per stage (`load`, `icr`, `loss`), for the duration histogram; not serialized.
     #[serde(skip)]
     pub stages: Vec<(&'static str, f64)>,
+    /// The parameterization check, when this evaluation ran it
+    /// (`crate::engine::model::consistency`); not serialized.
+    #[serde(skip)]
+    pub parameterization: ParameterizationCheck,
+}
+
+/// What the parameterization check said of a checkpoint's weights.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum ParameterizationCheck {
+    /// Not run on this checkpoint (it passed on an earlier one).
+    #[default]
+    NotRun,
+    /// The warning, with its remedy.
+    Warned(String),
+    Passed,
 }
 
 /// ICR at one noise level of the sweep.
@@ -597,6 +612,7 @@ pub(crate) fn full_record() -> Evaluation {
         gpu_memory_peak_bytes: Some(5 << 30),
         seconds: 12.34,
         stages: vec![("icr", 1.0)],
+        parameterization: ParameterizationCheck::Passed,
     }
 }
 

@@ -457,6 +457,18 @@ fn one_shot(command: Command) -> Result<()> {
             for line in formats {
                 writeln!(out, "{line}")?;
             }
+            // What the daemon's parameterization check found on its run's checkpoints.
+            for run in &runs {
+                if let Some(w) = crate::store::parameterization::read(&run.state_dir()) {
+                    writeln!(
+                        out,
+                        "parameterization check on step {} ({}): {} (warning)",
+                        w.step,
+                        crate::store::safe_fs::untrusted_text(&w.checkpoint),
+                        crate::store::safe_fs::untrusted_text(&w.warning)
+                    )?;
+                }
+            }
             if !config.is_sweep()
                 && let Some(line) = describe::noise_summary(&config)
             {

@@ -103,6 +103,12 @@ pub(super) fn open(
     if replayed.evaluations > 0 {
         tracing::info!(run = %run, evaluations = replayed.evaluations, state = %state.shown().display(), "history restored");
     }
+    // The parameterization check's warning of an earlier start, until this one checks again.
+    if let Some(w) = crate::store::parameterization::read(&state_dir) {
+        let snapshot = run_state.snapshot();
+        let mut shown = snapshot.lock().unwrap_or_else(|e| e.into_inner());
+        shown.parameterization = Some((w.step, w.warning));
+    }
     let alerter = {
         // The alerter's delivery tasks run on this runtime.
         let _guard = runtime.enter();

@@ -188,9 +188,37 @@ impl Recorder {
                 self.stalled = false;
             }
             let (outcome, at) = self.unrecorded.pop_front().expect("the front was there");
+            if let Outcome::Done(_, record) = &outcome {
+                self.keep_parameterization(record);
+            }
             recorded(outcome, &at);
         }
         self.write_hdf5();
+    }
+
+    /// Keeps the parameterization check's warning in the state folder while it stands
+    /// ([`crate::store::parameterization`]).
+    fn keep_parameterization(&self, record: &crate::record::Evaluation) {
+        use crate::record::ParameterizationCheck;
+        use crate::store::parameterization::{Warning, clear, record as keep};
+        let dir = self.history.dir();
+        let kept = match &record.parameterization {
+            ParameterizationCheck::NotRun => return,
+            ParameterizationCheck::Warned(warning) => keep(
+                dir,
+                &Warning {
+                    step: record.step,
+                    checkpoint: record.checkpoint.clone(),
+                    warning: warning.clone(),
+                },
+            ),
+            ParameterizationCheck::Passed => clear(dir),
+        };
+        if let Err(e) = kept {
+            tracing::warn!(
+                "cannot keep the parameterization check in the state folder ({e}); check-config will not show it"
+            );
+        }
     }
 
     /// Brings `history.h5` up to date, logging the first failure of a series at WARN.

@@ -13,7 +13,7 @@ use crate::config::EarlyStopSettings;
 use crate::daemon::http::EarlyStopStatus;
 use crate::engine::detector::{self, Best, Decision, Detector, DetectorState, Observation, Signal};
 use crate::metrics::Metrics;
-use crate::record::Evaluation;
+use crate::record::{Evaluation, ParameterizationCheck};
 use crate::report::{KeptCopy, Marker, Snapshot};
 use crate::store::history::{CheckpointKey, Entry};
 use crate::store::keep_best::Keeper;
@@ -153,6 +153,13 @@ impl RunState {
                         .insert(record.checkpoint.clone(), item.key.clone());
                 }
                 self.metrics.record(record);
+                match &record.parameterization {
+                    ParameterizationCheck::NotRun => {}
+                    ParameterizationCheck::Warned(w) => {
+                        lock(&self.snapshot).parameterization = Some((record.step, w.clone()))
+                    }
+                    ParameterizationCheck::Passed => lock(&self.snapshot).parameterization = None,
+                }
                 // Its pin, should it be the best now or later: the keeper links from it.
                 if let (Some(pin), Some(_)) = (&item.pin, &self.keeper) {
                     self.held.insert(record.checkpoint.clone(), pin.clone());

@@ -9,7 +9,7 @@ use crate::engine::latent::{self, LatentError, Vae};
 use crate::engine::model::{ContractInfo, GpuLimits, Model, ModelError};
 use crate::engine::pfd::{PfdError, PfdProbe};
 use crate::metrics;
-use crate::record::{Evaluation, SweepPoint};
+use crate::record::{Evaluation, ParameterizationCheck, SweepPoint};
 use crate::weights::ReadOptions;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -204,6 +204,22 @@ pub struct Evaluator {
     pfd: Option<PfdProbe>,
     /// Checkpoints evaluated so far (for `pfd.every`).
     evaluated: usize,
+    /// The network's input shape `[C, H, W]` (the latents' for a latent model).
+    input_shape: Vec<i64>,
+    /// The parameterization the exporter's note states, for the check's warning, and the
+    /// check's noise level (`None`: the check cannot be made).
+    parameterization: Option<String>,
+    check_sigma: Option<f64>,
+    /// The parameterization check ([`crate::engine::model::consistency`]): run on the first
+    /// checkpoint and, after a warning, on each one until it passes.
+    checked: Check,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Check {
+    NotYet,
+    Warned,
+    Passed,
 }
 
 impl Evaluator {
@@ -334,6 +350,11 @@ impl Evaluator {
         } else {
             None
         };
+        let note = match crate::engine::model::export_note(&config.model.architecture) {
+            Ok(Some(crate::engine::model::ExportNote::Network(n))) => Some(n),
+            _ => None,
+        };
+        let check_sigma = crate::engine::model::consistency::check_sigma(note.as_ref());
         Ok(Evaluator {
             config: config.clone(),
             model,
@@ -343,6 +364,14 @@ impl Evaluator {
             heldout_probe,
             pfd,
             evaluated: 0,
+            parameterization: note.as_ref().and_then(|n| n.parameterization.clone()),
+            check_sigma,
+            input_shape: shape,
+            checked: if check_sigma.is_some() {
+                Check::NotYet
+            } else {
+                Check::Passed
+            },
         })
     }
 
@@ -422,6 +451,22 @@ impl Evaluator {
             checkpoint: checkpoint.display().to_string(),
             ..Evaluation::default()
         };
+        if self.checked != Check::Passed {
+            let said = check_parameterization(
+                model,
+                &self.input_shape,
+                self.parameterization.as_deref(),
+                self.check_sigma
+                    .unwrap_or(crate::engine::model::consistency::SIGMA),
+                self.checked,
+                checkpoint,
+            )?;
+            self.checked = match said {
+                ParameterizationCheck::Warned(_) => Check::Warned,
+                _ => Check::Passed,
+            };
+            record.parameterization = said;
+        }
         record
             .stages
             .push((metrics::STAGE_LOAD, started.elapsed().as_secs_f64()));
@@ -495,6 +540,38 @@ impl Evaluator {
         tracing::debug!(checkpoint = %crate::store::safe_fs::untrusted(checkpoint), stages = ?record.stages, "evaluated");
         Ok(record)
     }
+}
+
+/// The parameterization check on `checkpoint`'s weights (`before`: what the earlier checkpoints
+/// gave), said on the console: a WARN the first time it warns, an INFO when it passes after a
+/// warning (the earlier checkpoints were undertrained, or the file was exported again).
+fn check_parameterization(
+    model: &Model,
+    input_shape: &[i64],
+    parameterization: Option<&str>,
+    sigma: f64,
+    before: Check,
+    checkpoint: &Path,
+) -> Result<ParameterizationCheck, ModelError> {
+    use crate::engine::model::consistency;
+    let shown = crate::store::safe_fs::untrusted(checkpoint);
+    let rms = consistency::pure_noise_rms(model, input_shape, sigma)?;
+    Ok(match consistency::warning(rms, sigma, parameterization) {
+        Some(warning) => {
+            if before == Check::NotYet {
+                tracing::warn!(checkpoint = %shown, "parameterization check: {warning}");
+            } else {
+                tracing::debug!(checkpoint = %shown, "parameterization check: {warning}");
+            }
+            ParameterizationCheck::Warned(warning)
+        }
+        None => {
+            if before == Check::Warned {
+                tracing::info!(checkpoint = %shown, "parameterization check: passes on this checkpoint (the earlier ones looked undertrained)");
+            }
+            ParameterizationCheck::Passed
+        }
+    })
 }
 
 /// How the checkpoint readers pick and bound the weights (`checkpoints.weights_key`,

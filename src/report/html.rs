@@ -37,6 +37,7 @@ h1 {{ font-size: 1.3em; margin: 0.4em 0; }}
 svg.plot {{ display: block; width: 100%; height: auto; margin: 10px 0; border: 1px solid #eee; }}
 .status {{ margin: 0.3em 0; }}
 .fired {{ color: #d62728; font-weight: bold; }}
+.warn {{ color: #a05a00; }}
 .path {{ word-break: break-all; }}
 .table {{ overflow-x: auto; }}
 table {{ border-collapse: collapse; font-size: 0.85em; }}
@@ -63,6 +64,13 @@ td.path {{ text-align: left; }}
         r#"<p class="{class}" id="early-stop">{}</p>"#,
         escape(&note)
     );
+    if let Some((step, warning)) = &s.parameterization {
+        let _ = writeln!(
+            o,
+            r#"<p class="status warn" id="parameterization">parameterization check (step {step}): {}</p>"#,
+            escape(warning)
+        );
+    }
     if let Some(b) = s.named() {
         // Its kept copy beside it: rotation may have deleted the original (docs/design.md §17).
         let kept = match s.best_kept() {

@@ -77,6 +77,9 @@ pub struct Snapshot {
     /// The early stops of the segments a resume ended (the current one's is `fired`), oldest
     /// first: after a resume, the report and the live page still show them.
     pub earlier_stops: Vec<EarlierStop>,
+    /// The parameterization check's warning while it stands: the step it was made at, and the
+    /// warning (`crate::engine::model::consistency`).
+    pub parameterization: Option<(i64, String)>,
 }
 
 /// The early stop of a segment that a resume ended.
@@ -107,6 +110,7 @@ impl Snapshot {
             segment: 1,
             resumes: Vec::new(),
             earlier_stops: Vec::new(),
+            parameterization: None,
         }
     }
 

@@ -137,6 +137,11 @@ pub const JOURNAL_CORRUPT: &str = "history.jsonl.corrupt";
 pub const HDF5: &str = "history.h5";
 
 impl History {
+    /// The state folder it is in.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// Opens (or creates) the history in `state_dir`, reading the journal back. `history.h5` is
     /// left to [`History::write_hdf5`], so a full disk does not stop a start.
     pub fn open(state_dir: &Path) -> Result<History, HistoryError> {

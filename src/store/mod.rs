@@ -11,13 +11,15 @@
 //! - [`unit`]: what a checkpoint is in a run folder (a file, or a folder and its weights);
 //! - [`keep_best`]: the keeper of the best checkpoints; [`pin`]: checkpoints pinned against
 //!   rotation from when they are found complete until their outcome is recorded; [`restore`]:
-//!   the kept best put back for `diffmon resume`, and its copies recognized.
+//!   the kept best put back for `diffmon resume`, and its copies recognized;
+//! - [`parameterization`]: the parameterization check's warning while it stands.
 
 pub mod crash;
 pub mod history;
 pub mod keep_best;
 pub mod lock;
 pub mod package_trial;
+pub mod parameterization;
 pub mod pin;
 pub mod restore;
 pub mod safe_fs;

@@ -240,13 +240,18 @@ class _Converter:
         return t.to(self.t_dtype)
 
     def note(self) -> dict:
-        """What the file's note records of the conversion: family, path, prediction, time scale."""
+        """What the file's note records of the conversion: family, path, prediction, time scale,
+        a discrete schedule's highest sigma."""
         row = self.row
         out: dict = {"family": row.family, "path": row.path, "prediction": row.prediction}
         if row.family == "vp":
             out["schedule"] = self.schedule
         if row.family == "flow" or self.continuous:
             out["t_scale"] = self.t_scale
+        if self.log_sigmas is not None:
+            # The highest noise level of a discrete schedule: the daemon's parameterization
+            # check stays below it (src/engine/model/consistency.rs).
+            out["sigma_max"] = float(self.log_sigmas[-1].exp())
         return out
 
     # -- the whole conversion --------------------------------------------------------------------

@@ -8,9 +8,11 @@
 //! `Model`: the contract check, weights by name, the forward in batches that fit), `gpu.rs` (the
 //! GPU time and memory of the forward passes, and their limits), `compiled.rs` (the compiled
 //! network: an AOTInductor package vetted, loaded and given each checkpoint's weights),
-//! `note.rs` (what the exporter recorded in the architecture file).
+//! `note.rs` (what the exporter recorded in the architecture file), `consistency.rs` (the
+//! parameterization check on a checkpoint's trained weights).
 
 pub mod compiled;
+pub mod consistency;
 mod device;
 mod error;
 mod gpu;

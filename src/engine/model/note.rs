@@ -59,6 +59,8 @@ pub struct NetworkNote {
     pub schedule: Option<String>,
     /// A flow or continuous-VP network's time scale.
     pub t_scale: Option<f64>,
+    /// A discrete VP schedule's highest noise level (absent from files of older exporters).
+    pub sigma_max: Option<f64>,
     /// Fields this version does not know: refused in a versioned note.
     #[serde(flatten)]
     unknown: BTreeMap<String, Value>,
