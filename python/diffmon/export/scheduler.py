@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from pathlib import Path
 from typing import Optional
 
@@ -17,23 +19,74 @@ _DIFFUSERS_PREDICTIONS = {"epsilon": "eps", "v_prediction": "v", "sample": "x0"}
 _DIFFUSERS_SCHEDULES = {"linear": "linear", "scaled_linear": "scaled_linear", "squaredcos_cap_v2": "cosine"}
 
 
+# The longest scheduler config read.
+MAX_SCHEDULER_BYTES = 1 << 20
+# The most training timesteps taken (diffusers' schedulers allocate tables of this length).
+MAX_TIMESTEPS = 100_000
+# The keys compared, each with the type it must have.
+_TYPED_KEYS = {"prediction_type": (str, "a string"), "beta_schedule": (str, "a string"),
+               "beta_start": ((int, float), "a number"), "beta_end": ((int, float), "a number"),
+               "num_train_timesteps": (int, "an integer")}
+
+
 def read_scheduler_config(scheduler) -> dict:
     """A diffusers scheduler's config: ``scheduler`` is a dict, a ``scheduler_config.json`` or a
-    folder holding one (a pipeline's ``scheduler/``). Read as JSON (at most 1 MiB), never run."""
+    folder holding one (a pipeline's ``scheduler/``). Read as JSON, never run: a regular file of
+    at most 1 MiB (a FIFO or a device is refused without blocking), a ``_class_name`` naming a
+    scheduler, and the keys compared of the types diffusers gives them; anything else is a
+    ``ValueError`` naming the file and the key."""
+    where = "the scheduler config"
     if isinstance(scheduler, dict):
-        return scheduler
-    path = Path(scheduler)
-    if path.is_dir():
-        path = path / "scheduler_config.json"
-    try:
-        with open(path, "rb") as f:
-            text = f.read(1 << 20)
-        cfg = json.loads(text)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read the scheduler config {path}: {e}") from None
+        cfg = scheduler
+    else:
+        path = Path(scheduler)
+        if path.is_dir():
+            path = path / "scheduler_config.json"
+        where = f"the scheduler config {path}"
+        cfg = _read_json(path, where)
     if not isinstance(cfg, dict) or not isinstance(cfg.get("_class_name"), str):
-        raise ValueError(f"{path} is not a diffusers scheduler config (no _class_name)")
+        raise ValueError(f"{where} is not a diffusers scheduler config (no _class_name)")
+    name = cfg["_class_name"]
+    if not (name.isidentifier() and name.endswith("Scheduler") and len(name) <= 100):
+        raise ValueError(f"{where}: _class_name {name[:100]!r} does not name a diffusers scheduler")
+    for key, (kind, what) in _TYPED_KEYS.items():
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, kind) or (
+                kind != str and not math.isfinite(value)):
+            raise ValueError(f"{where}: {key} is {_shown(value)}, not {what}")
+    n = cfg.get("num_train_timesteps")
+    if n is not None and not 1 <= n <= MAX_TIMESTEPS:
+        raise ValueError(f"{where}: num_train_timesteps {n} is outside 1..{MAX_TIMESTEPS}")
     return cfg
+
+
+def _read_json(path: Path, where: str):
+    """The JSON of a regular file of at most MAX_SCHEDULER_BYTES, opened without blocking."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"cannot read {where}: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"cannot read {where}: not a regular file")
+        if st.st_size > MAX_SCHEDULER_BYTES:
+            raise ValueError(f"cannot read {where}: {st.st_size} bytes, more than a scheduler "
+                             f"config's {MAX_SCHEDULER_BYTES} at most")
+        text = f.read(MAX_SCHEDULER_BYTES + 1)
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"cannot read {where}: its JSON is nested too deeply") from None
+    except ValueError as e:
+        raise ValueError(f"cannot read {where}: {e}") from None
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def scheduler_mismatches(cfg: dict, conv: "_Converter", schedule: str, beta_min: Optional[float],
@@ -90,7 +143,12 @@ def scheduler_round_trip(cfg: dict, conv: "_Converter") -> Optional[str]:
     the scheduler class) is not importable."""
     try:
         import diffusers
-        sched = getattr(diffusers, cfg["_class_name"]).from_config(cfg)
+        cls = getattr(diffusers, cfg["_class_name"])
+        # Only a scheduler is built from the config: another class of diffusers (a model) would
+        # allocate what the file asks for.
+        if not (isinstance(cls, type) and issubclass(cls, diffusers.SchedulerMixin)):
+            return None
+        sched = cls.from_config(cfg)
     except Exception:
         return None
     if conv.row.family == "edm":
