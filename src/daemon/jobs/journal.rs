@@ -36,6 +36,35 @@ pub enum JournalLine {
     Failed { folder: String, reason: String },
 }
 
+impl JournalLine {
+    /// Are the folder, the job id and the batch's tag names of the kind the daemon writes
+    /// ([`is_plain_name`])? A line that is not (an absolute or `..` folder that would take the
+    /// daemon's reads out of `jobs/`, an id that a scheduler's command would read as an option)
+    /// was not written by the daemon and is set aside like garbage.
+    fn names_what_the_daemon_writes(&self) -> bool {
+        match self {
+            JournalLine::Submitting { folder, array, .. } => {
+                is_plain_name(folder) && array.as_ref().is_none_or(|a| is_plain_name(&a.comment))
+            }
+            JournalLine::Submitted { folder, job_id } => {
+                is_plain_name(folder) && is_plain_name(job_id)
+            }
+            JournalLine::Failed { folder, .. } => is_plain_name(folder),
+        }
+    }
+}
+
+/// A job folder's name (`<step>-<attempt>-<token>`), a scheduler's job id (`1234`, `1234_5`) or
+/// a batch's tag (`array-<token>`): 1 to 128 ASCII letters, digits, `_`, `.` and `-`, the first
+/// a letter or a digit: one path component that is neither `..` nor an option.
+fn is_plain_name(name: &str) -> bool {
+    (1..=128).contains(&name.len())
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
+}
+
 /// A task of a batch (a Slurm job array): the batch's tag (`array-<token>`; `comment` on disk,
 /// after Slurm's `--comment`) and the task's index (Slurm's `$SLURM_ARRAY_TASK_ID`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -57,9 +86,11 @@ pub(super) struct Journaled {
 /// The file beside the journal where lines that are not journal lines are kept aside.
 pub const JOURNAL_CORRUPT: &str = "jobs.jsonl.corrupt";
 
-/// Reads the journal at start: the latest attempt of each key. Repaired as the history journal
-/// is: a line that is not a journal line (garbage, bytes that are not UTF-8; a byte-order mark
-/// is dropped) is skipped with a WARN, kept aside in [`JOURNAL_CORRUPT`] and removed, and a last
+/// Reads the journal at start: the latest attempt of each key (a key journaled again and again,
+/// a forged duplicate too, is its last attempt). Repaired as the history journal is: a line
+/// that is not a journal line (garbage, bytes that are not UTF-8, names the daemon never writes:
+/// [`JournalLine::names_what_the_daemon_writes`]; a byte-order mark is dropped) is skipped
+/// with a WARN, kept aside in [`JOURNAL_CORRUPT`] and removed, and a last
 /// line cut short by a crash is dropped (its attempt was never submitted), so appends start on a
 /// line of their own. A link, a FIFO or anything but a regular file is an error, never waited on.
 pub(super) fn read_journal(path: &Path) -> Result<HashMap<CheckpointKey, Journaled>, JobsError> {
@@ -87,6 +118,7 @@ pub(super) fn read_journal(path: &Path) -> Result<HashMap<CheckpointKey, Journal
         match std::str::from_utf8(line)
             .ok()
             .and_then(|t| serde_json::from_str::<JournalLine>(t).ok())
+            .filter(JournalLine::names_what_the_daemon_writes)
         {
             Some(l) => {
                 good.extend_from_slice(line);
@@ -177,7 +209,7 @@ fn set_aside(path: &Path, bad: &[(usize, &[u8])], torn: bool) {
     tracing::warn!(
         journal = %path.display(),
         lines = %numbers.join(", "),
-        "lines of the jobs journal that are not journal lines: skipped and removed{}",
+        "lines of the jobs journal that are not lines the daemon writes: skipped and removed{}",
         match kept {
             Ok(()) => format!(", kept in {}", aside.display()),
             Err(e) => format!(" (cannot keep them in {}: {e})", aside.display()),
@@ -328,5 +360,94 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
         assert!(read_journal(&path).is_err());
+    }
+
+    /// A forged journal (issue 62's chaos suite): thousands of lines journaling one key again
+    /// and again, folders that leave `jobs/`, ids a scheduler's command would read as options.
+    /// The forged lines are set aside, the key is its last real attempt, and nothing else is
+    /// adopted.
+    #[test]
+    fn forged_and_duplicated_journal_lines_are_set_aside_or_superseded() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(JOURNAL);
+        let key = CheckpointKey {
+            path: "ckpt_1.pt".into(),
+            size: 1,
+            mtime_ns: 1,
+        };
+        let submitting = |attempt: usize, folder: &str| JournalLine::Submitting {
+            key: key.clone(),
+            step: 1,
+            attempt,
+            folder: folder.into(),
+            array: None,
+        };
+        let submitted = |folder: &str, job_id: &str| JournalLine::Submitted {
+            folder: folder.into(),
+            job_id: job_id.into(),
+        };
+        let mut lines = Vec::new();
+        for attempt in 0..5000 {
+            let folder = format!("1-{attempt}-t");
+            lines.push(submitting(attempt, &folder));
+            lines.push(submitted(&folder, &attempt.to_string()));
+        }
+        let forged = [
+            submitting(9000, "/etc"),
+            submitting(9001, "../../outside"),
+            submitting(9002, ".."),
+            submitted("1-4999-t", "--signal=KILL"),
+            submitted("1-4999-t", "7 8"),
+            JournalLine::Submitting {
+                key: key.clone(),
+                step: 1,
+                attempt: 9003,
+                folder: "1-9003-t".into(),
+                array: Some(ArrayTask {
+                    comment: "array-x/../../y".into(),
+                    index: 0,
+                }),
+            },
+            JournalLine::Failed {
+                folder: "/etc".into(),
+                reason: "cancelled".into(),
+            },
+        ];
+        let text: String = lines
+            .iter()
+            .chain(&forged)
+            .map(|l| serde_json::to_string(l).unwrap() + "\n")
+            .collect();
+        std::fs::write(&path, &text).unwrap();
+        let map = read_journal(&path).unwrap();
+        assert_eq!(
+            map[&key],
+            Journaled {
+                attempt: 4999,
+                folder: "1-4999-t".into(),
+                array: None,
+                job_id: Some("4999".into()),
+                failed: None,
+            }
+        );
+        assert_eq!(map.len(), 1);
+        let aside = std::fs::read_to_string(dir.path().join(JOURNAL_CORRUPT)).unwrap();
+        assert_eq!(aside.lines().count(), forged.len(), "{aside}");
+        for name in ["/etc", "../../outside", "--signal=KILL", "7 8", "array-x/../../y"] {
+            assert!(aside.contains(name), "{name} was not set aside: {aside}");
+        }
+        let kept = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(kept.lines().count(), lines.len());
+    }
+
+    #[test]
+    fn plain_names_are_one_component_and_never_an_option() {
+        for good in ["1-0-18c2f3a9e1b", "1234", "1234_5", "array-ab12", "v1.2"] {
+            assert!(is_plain_name(good), "{good}");
+        }
+        let long = "a".repeat(129);
+        for bad in ["", "..", ".x", "-x", "a/b", "/etc", "a b", "a\nb", "é", long.as_str()] {
+            assert!(!is_plain_name(bad), "{bad:?}");
+        }
     }
 }
