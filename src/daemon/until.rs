@@ -246,4 +246,32 @@ mod tests {
         f.finish();
         assert!(f.flag().load(Ordering::SeqCst));
     }
+
+    /// A marker that is a link (dangling, or to a FIFO that would block a reader) ends the job
+    /// as any file does, and is neither followed nor read; a PID of a process started before
+    /// the daemon, by another user's shell or by init, runs until it ends.
+    #[test]
+    fn a_linked_marker_ends_the_job_unread_and_an_old_process_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        for (name, target) in [("DANGLING", dir.path().join("nothing")), ("TO_FIFO", fifo)] {
+            let marker = dir.path().join(name);
+            let mut f = Finish::new(Until {
+                pid: None,
+                file: Some(marker.clone()),
+            });
+            assert!(f.ended.is_none());
+            std::os::unix::fs::symlink(&target, &marker).unwrap();
+            std::thread::sleep(CHECK_EVERY);
+            assert!(f.check(), "{name}: a link as the marker ends the job");
+        }
+        let init = Finish::new(Until {
+            pid: Some(1),
+            file: None,
+        });
+        assert!(init.ended.is_none(), "process 1 runs");
+    }
 }
