@@ -95,10 +95,9 @@ pub(super) fn open(
         config.early_stop_resolved(),
         recorder.entries(),
         metrics.clone(),
-        config
-            .early_stop
-            .keep_best
-            .then(|| crate::store::keep_best::Keeper::new(&state_dir).showing(state.shown())),
+        config.early_stop.keep_best.then(|| {
+            crate::store::keep_best::keeper::Keeper::new(&state_dir).showing(state.shown())
+        }),
     );
     if replayed.evaluations > 0 {
         tracing::info!(run = %run, evaluations = replayed.evaluations, state = %state.shown().display(), "history restored");

@@ -16,7 +16,7 @@ use crate::metrics::Metrics;
 use crate::record::{Evaluation, ParameterizationCheck};
 use crate::report::{KeptCopy, Marker, Snapshot};
 use crate::store::history::{CheckpointKey, Entry};
-use crate::store::keep_best::Keeper;
+use crate::store::keep_best::keeper::Keeper;
 use crate::store::pin::Pin;
 use std::collections::HashMap;
 use std::path::Path;
@@ -210,7 +210,7 @@ impl RunState {
         if let (Some(keeper), Some(best)) = (&self.keeper, self.detector.state.named()) {
             let evaluated = self.evaluated.get(&best.checkpoint).cloned();
             let pin = self.held.get(&best.checkpoint).cloned();
-            let source = pin.map(|p| crate::store::keep_best::Source {
+            let source = pin.map(|p| crate::store::keep_best::keeper::Source {
                 path: p.path().to_path_buf(),
                 hold: p,
             });
