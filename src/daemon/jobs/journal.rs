@@ -433,7 +433,13 @@ mod tests {
         assert_eq!(map.len(), 1);
         let aside = std::fs::read_to_string(dir.path().join(JOURNAL_CORRUPT)).unwrap();
         assert_eq!(aside.lines().count(), forged.len(), "{aside}");
-        for name in ["/etc", "../../outside", "--signal=KILL", "7 8", "array-x/../../y"] {
+        for name in [
+            "/etc",
+            "../../outside",
+            "--signal=KILL",
+            "7 8",
+            "array-x/../../y",
+        ] {
             assert!(aside.contains(name), "{name} was not set aside: {aside}");
         }
         let kept = std::fs::read_to_string(&path).unwrap();
@@ -446,7 +452,18 @@ mod tests {
             assert!(is_plain_name(good), "{good}");
         }
         let long = "a".repeat(129);
-        for bad in ["", "..", ".x", "-x", "a/b", "/etc", "a b", "a\nb", "é", long.as_str()] {
+        for bad in [
+            "",
+            "..",
+            ".x",
+            "-x",
+            "a/b",
+            "/etc",
+            "a b",
+            "a\nb",
+            "é",
+            long.as_str(),
+        ] {
             assert!(!is_plain_name(bad), "{bad:?}");
         }
     }
