@@ -2,6 +2,7 @@
 //! Python helpers, run in the project's virtual environment), real HDF5 files, the real binary.
 
 mod bad_input;
+mod chaos;
 mod cli;
 mod common;
 mod compiled;

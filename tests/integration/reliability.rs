@@ -611,11 +611,12 @@ fn a_checkpoint_replaced_during_its_evaluation_is_evaluated_again_as_the_new_fil
     );
 }
 
-/// A tmpfs mounted for one test (the disk-full test), unmounted when dropped.
-struct Tmpfs(PathBuf);
+/// A tmpfs mounted for one test (the disk-full tests here and in the chaos suite), unmounted
+/// when dropped.
+pub(crate) struct Tmpfs(PathBuf);
 
 impl Tmpfs {
-    fn mount(at: &Path, size: &str) -> Tmpfs {
+    pub(crate) fn mount(at: &Path, size: &str) -> Tmpfs {
         fs::create_dir_all(at).unwrap();
         let out = Command::new("mount")
             .args([
@@ -630,14 +631,14 @@ impl Tmpfs {
             .unwrap();
         assert!(
             out.status.success(),
-            "this test mounts a {size} tmpfs as the state folder, which needs root (as `make setup` does): {}",
+            "this test mounts a {size} tmpfs, which needs root (as `make setup` does): {}",
             stderr(&out)
         );
         Tmpfs(at.to_path_buf())
     }
 
     /// Fills the file system with one file, until a write fails; returns the file.
-    fn fill(&self) -> PathBuf {
+    pub(crate) fn fill(&self) -> PathBuf {
         let path = self.0.join("filler");
         let mut f = fs::File::create(&path).unwrap();
         let page = [0u8; 4096];
