@@ -73,7 +73,11 @@ fn report(case: &str, peak_kib: u64, note: &str) {
 /// The outcomes the journal of `state` records for each step: `evaluation` or the failure's
 /// reason, in order. Every line must parse (read after the daemon stopped).
 fn outcomes(state: &Path) -> BTreeMap<i64, Vec<String>> {
-    let text = fs::read_to_string(state.join("history.jsonl")).unwrap_or_default();
+    outcomes_in(&fs::read_to_string(state.join("history.jsonl")).unwrap_or_default())
+}
+
+/// [`outcomes`] of the journal's text.
+fn outcomes_in(text: &str) -> BTreeMap<i64, Vec<String>> {
     let mut out: BTreeMap<i64, Vec<String>> = BTreeMap::new();
     for (n, line) in text.lines().enumerate() {
         let v: Value = serde_json::from_str(line)
@@ -93,11 +97,9 @@ fn outcomes(state: &Path) -> BTreeMap<i64, Vec<String>> {
 
 /// Does the journal of `state` (read while the daemon runs) record an evaluation of `step`?
 fn evaluated(state: &Path, step: i64) -> bool {
-    let text = fs::read_to_string(state.join("history.jsonl")).unwrap_or_default();
-    text.lines().any(|l| {
-        serde_json::from_str::<Value>(l)
-            .is_ok_and(|v| v["kind"] == "evaluation" && v["record"]["step"] == step)
-    })
+    outcomes_while_running(state)
+        .get(&step)
+        .is_some_and(|o| o.iter().any(|w| w == "evaluation"))
 }
 
 /// The journal's invariants (module docs) over the steps the case placed and those still on
@@ -402,10 +404,7 @@ fn a_full_checkpoint_disk_makes_the_cut_checkpoint_a_failure_and_the_next_is_eva
 /// [`outcomes`] while the daemon runs: a last line still being written is left out.
 fn outcomes_while_running(state: &Path) -> BTreeMap<i64, Vec<String>> {
     let text = fs::read_to_string(state.join("history.jsonl")).unwrap_or_default();
-    let complete = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
-    let tmp = tempfile::tempdir().unwrap();
-    fs::write(tmp.path().join("history.jsonl"), complete).unwrap();
-    outcomes(tmp.path())
+    outcomes_in(&text[..text.rfind('\n').map_or(0, |i| i + 1)])
 }
 
 /// The early stop's webhook held by the receiver without an answer, and the daemon SIGKILLed
