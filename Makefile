@@ -46,10 +46,18 @@ $(TORCH_STAMP): FORCE
 	@mkdir -p $(VENV)
 	@if [ "$$(cat $@ 2>/dev/null)" != "$(TORCH_VERSION)" ]; then echo "$(TORCH_VERSION)" > $@; fi
 
+# While pip installs torch, cargo compiles the crates that need no libtorch, in the build's own
+# profile and features (`--keep-going`: torch-sys's build script fails without libtorch, and what
+# depends on it waits for `build`); on 2 cores that takes minutes off a cold set-up. Its output:
+# target/deps-build.log.
 $(VENV)/.installed: python/requirements.txt python/requirements-nodeps.txt $(TORCH_STAMP)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==$(TORCH_VERSION) -r python/requirements.txt
+	@deps=; if command -v cargo >/dev/null && [ ! -e $(VENV)/libtorch ]; then \
+	  mkdir -p target; cargo $(BUILD) --release --locked --keep-going > target/deps-build.log 2>&1 & deps=$$!; \
+	fi; \
+	$(PY) -m pip install -q torch==$(TORCH_VERSION) -r python/requirements.txt; \
+	if [ -n "$$deps" ]; then wait $$deps || true; fi
 	$(PY) -m pip install -q --no-deps -r python/requirements-nodeps.txt
 	@# tch's build reads libtorch from this link (see .cargo/config.toml).
 	ln -sfn "$$($(PY) -c 'import os, torch; print(os.path.dirname(torch.__file__))')" $(VENV)/libtorch

@@ -310,6 +310,8 @@ struct Inner {
     mtimes: BTreeMap<i64, i64>,
     recent: Recent,
     told: Told,
+    /// Whether the standing falls-behind warning said every waiting checkpoint is pinned.
+    said_all_pinned: bool,
     /// The judgments of the last span (and the one before it).
     samples: VecDeque<Sample>,
 }
@@ -417,6 +419,8 @@ impl Pace {
         let before = inner.samples.front().map_or(0, |s| s.pending);
         let (told, say) = tell(inner.told, verdict, queue(&inner.samples, span));
         inner.told = told;
+        let (said_all_pinned, outgrown) = pins_claim(inner.said_all_pinned, told, say, pending);
+        inner.said_all_pinned = said_all_pinned;
         let run = self.metrics.run();
         let at_once = match self.parallel {
             1 => String::new(),
@@ -440,6 +444,11 @@ impl Pace {
                     self.remedies
                 )
             }
+            _ if outgrown => tracing::warn!(
+                run = %run, pending,
+                "evaluation is still behind and {wait} now: {}",
+                pins_note(pending, self.metrics.pinned_bytes())
+            ),
             Some(Told::CaughtUp) => tracing::info!(
                 run = %run, seconds_per_checkpoint = seconds, checkpoint_interval = interval, pending,
                 "evaluation keeps pace again: {each} per checkpoint{at_once}, a checkpoint every {every}; at most {} waited over the last {over}",
@@ -472,6 +481,19 @@ fn pins_note(pending: i64, pinned: u64) -> String {
          checkpoints rotation has deleted (diffmon_pinned_bytes)",
         pinned as f64 / 1e6
     )
+}
+
+/// Whether the falls-behind warning, once `told` and `say` are known, now claims that every one
+/// of the `pending` checkpoints is pinned, and whether that claim `said` before has just stopped
+/// holding (more wait than the pins protect, while the run is still behind): then said once more,
+/// so that the warning that stands does not claim what is no longer so (issue 62).
+fn pins_claim(said: bool, told: Told, say: Option<Told>, pending: i64) -> (bool, bool) {
+    let fits = pending <= crate::store::pin::MAX_PINS as i64;
+    match (told, say) {
+        (Told::Behind, Some(Told::Behind)) => (fits, false),
+        (Told::Behind, _) => (said && fits, said && !fits),
+        _ => (false, false),
+    }
 }
 
 /// What makes a checkpoint cheaper or evaluation faster, as the config stands, the executor's
@@ -821,6 +843,33 @@ pub(super) mod tests {
         );
         assert!(!note.contains("rotation may delete them before their turn"));
         assert!(pace.remedies.contains("network calls per checkpoint"));
+    }
+
+    /// The falls-behind warning's claim that the waiting checkpoints are pinned is withdrawn
+    /// once, when more wait than the pins hold while the run is still behind.
+    #[test]
+    fn the_pinned_claim_is_withdrawn_once_when_the_queue_outgrows_the_pins() {
+        let mut said = false;
+        let mut told_again = Vec::new();
+        let steps = [
+            (Told::Behind, Some(Told::Behind), 5),
+            (Told::Behind, None, 12),
+            (Told::Behind, None, 17),
+            (Told::Behind, None, 30),
+            (Told::CaughtUp, Some(Told::CaughtUp), 0),
+            (Told::Behind, Some(Told::Behind), 20),
+            (Told::Behind, None, 40),
+        ];
+        for (told, say, pending) in steps {
+            let (claim, again) = pins_claim(said, told, say, pending);
+            said = claim;
+            told_again.push(again);
+        }
+        assert_eq!(
+            told_again,
+            [false, false, true, false, false, false, false],
+            "once at 17 waiting; never when the warning itself said only 16 are pinned"
+        );
     }
 
     fn lock(p: &Pace) -> std::sync::MutexGuard<'_, Inner> {
