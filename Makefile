@@ -54,7 +54,7 @@ $(VENV)/.installed: python/requirements.txt python/requirements-nodeps.txt $(TOR
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@deps=; if command -v cargo >/dev/null && [ ! -e $(VENV)/libtorch ]; then \
-	  mkdir -p target; cargo $(BUILD) --release --locked --keep-going > target/deps-build.log 2>&1 & deps=$$!; \
+	  mkdir -p target; cargo build --release --locked --keep-going $(DEPS_TARGETS) > target/deps-build.log 2>&1 & deps=$$!; \
 	fi; \
 	$(PY) -m pip install -q torch==$(TORCH_VERSION) -r python/requirements.txt; \
 	if [ -n "$$deps" ]; then wait $$deps || true; fi
@@ -68,6 +68,8 @@ $(VENV)/.installed: python/requirements.txt python/requirements-nodeps.txt $(TOR
 # Under `make test` one cargo run builds the binary and the tests: the crate in test mode then
 # compiles beside the binary's crate instead of after it.
 BUILD := $(if $(filter test,$(MAKECMDGOALS)),test --no-run,build)
+# The targets of the venv's early build: the build's own (`cargo test` has no `--keep-going`).
+DEPS_TARGETS := $(if $(filter test,$(MAKECMDGOALS)),--tests)
 build: venv
 	$(PY) tools/build-backend/diffmon_build.py select-tch --python $(PY)
 	cargo $(BUILD) --release --locked
