@@ -4,6 +4,8 @@
 #   make fuzz   set up if needed, then each fuzz target for FUZZ_SECONDS (default 60)
 #   make chaos  set up if needed, then the chaos suite, one case at a time, and its table
 #               (scripts/chaos; about 20 minutes on 2 cores; its cheap cases are in make test)
+#   make test-long   the long tier: the tests of over 40 CPU-seconds each (about 10 minutes on 2
+#               cores; CI runs it after make test)
 #   make test-studies   the studies' end-to-end runs on tiny plans (not part of make test)
 #   make test-gpu   the GPU test tier (tests/gpu); skipped, saying why, without a CUDA device
 #   make bench-gpu  the GPU benchmark (bench/bench_gpu.py; about 5 minutes on an H100)
@@ -27,7 +29,7 @@ FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?= checkpoint pickle safetensors config tensorboard
 export CARGO_TERM_COLOR := never
 
-.PHONY: setup apt venv build bin test chaos test-studies test-gpu bench-gpu gpu-bundle test-install demo bench clean-demo lint fuzz FORCE
+.PHONY: setup apt venv build bin test test-long chaos test-studies test-gpu bench-gpu gpu-bundle test-install demo bench clean-demo lint fuzz FORCE
 
 setup: apt venv build bin
 
@@ -49,14 +51,15 @@ $(TORCH_STAMP): FORCE
 # While pip installs torch, cargo compiles the crates that need no libtorch, in the build's own
 # profile and features (`--keep-going`: torch-sys's build script fails without libtorch, and what
 # depends on it waits for `build`); on 2 cores that takes minutes off a cold set-up. Its output:
-# target/deps-build.log.
+# target/deps-build.log. `--no-compile`: Python compiles the modules it imports when it first
+# does, instead of pip compiling the thousands torch ships.
 $(VENV)/.installed: python/requirements.txt python/requirements-nodeps.txt $(TORCH_STAMP)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@deps=; if command -v cargo >/dev/null && [ ! -e $(VENV)/libtorch ]; then \
 	  mkdir -p target; cargo build --release --locked --keep-going $(DEPS_TARGETS) > target/deps-build.log 2>&1 & deps=$$!; \
 	fi; \
-	$(PY) -m pip install -q torch==$(TORCH_VERSION) -r python/requirements.txt; \
+	$(PY) -m pip install -q --no-compile torch==$(TORCH_VERSION) -r python/requirements.txt; \
 	if [ -n "$$deps" ]; then wait $$deps || true; fi
 	$(PY) -m pip install -q --no-deps -r python/requirements-nodeps.txt
 	@# tch's build reads libtorch from this link (see .cargo/config.toml).
@@ -86,6 +89,10 @@ $(VENV)/.helpers: python/pyproject.toml $(VENV)/.installed
 
 test: setup
 	scripts/run-tests
+
+# The tests scripts/run-tests names LONG, and pytest's `long` marker.
+test-long: setup
+	scripts/run-tests --long
 
 chaos: setup
 	scripts/chaos

@@ -29,6 +29,7 @@ def note(path) -> dict:
         return json.loads(z.read(name))
 
 
+@pytest.mark.long
 def test_the_latent_steps_reach_an_evaluated_checkpoint(tmp_path):
     if not BINARY.is_file():
         pytest.fail(f"{BINARY} is missing: run `make setup` (or `cargo build --release`) first")

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 import train_latent_toy
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+# Two trainings of the latent toy (a minute of CPU): make test-long.
+pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.long]
 
 SCRIPT = Path(train_latent_toy.__file__)
 SMALL = ["--vae-steps", "100", "--ckpt-every", "50"]
