@@ -467,7 +467,10 @@ fn mlflow_gets_every_metric_once_into_the_training_run_across_an_outage_a_kill_a
         let c: Value =
             serde_json::from_slice(&std::fs::read(dir.join(".diffmon/trackers/mlflow.json")).ok()?)
                 .ok()?;
-        (c["delivered"] == 6).then(|| c["run_id"].as_str().map(String::from))?
+        // The cursor of the training run's phase says 6 delivered too, until the daemon writes
+        // its own run's: wait for a run id that is not the training run's.
+        let id = c["run_id"].as_str()?;
+        (c["delivered"] == 6 && id != run_id).then(|| id.to_string())
     };
     wait_for("diffmon's own run", Box::new(|| own().is_some()));
     let own_id = own().unwrap();
