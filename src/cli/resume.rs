@@ -342,6 +342,14 @@ fn put_back(
         );
         return Ok(None);
     }
+    // A resume killed while it copied left its partial copy beside the checkpoint.
+    let leftovers = crate::store::restore::remove_leftovers(path);
+    if leftovers > 0 {
+        let _ = writeln!(
+            report,
+            "  removed     {leftovers} partial copy of {shown} left by an interrupted resume"
+        );
+    }
     let done = crate::store::restore::restore(kept, path)
         .map_err(|e| ResumeError::Failed(format!("cannot restore the kept copy: {e}")))?;
     let _ = writeln!(
@@ -355,7 +363,8 @@ fn put_back(
 }
 
 /// Moves the checkpoints of `run.dir` with a step after `step` into
-/// `<state_dir>/set-aside/segment-<segment>/`; returns their new paths, and the names of those
+/// `<state_dir>/set-aside/segment-<segment>/`; returns their new paths (with those a killed resume
+/// of this segment moved there already), and the names of those
 /// that could not be moved (another file system: they stay, with a line in the report).
 /// `state_dir` is (its path, the lock's handle on it); without a handle (a dry run) nothing
 /// moves.
@@ -378,11 +387,37 @@ fn set_aside(
         })
         .collect();
     later.sort();
-    if later.is_empty() {
-        return (Vec::new(), Vec::new());
-    }
     let folder = format!("{SET_ASIDE_DIR}/segment-{segment}");
     let dir = state_dir.join(&folder);
+    // What a resume of this segment that was interrupted moved aside already: part of this
+    // resume's record (one that completes starts the next segment, whose folder is new).
+    let mut earlier: Vec<(i64, String)> = std::fs::read_dir(&dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let s = c.step_regex.step_in(&name)?;
+            (c.pattern.is_match(&name) && !name.starts_with('.')).then_some((s, name))
+        })
+        .collect();
+    earlier.sort();
+    if !earlier.is_empty() {
+        let names: Vec<&str> = earlier.iter().map(|(_, n)| n.as_str()).collect();
+        let _ = writeln!(
+            report,
+            "  set aside   {} by an interrupted resume, in {}",
+            names.join(", "),
+            untrusted(&dir)
+        );
+    }
+    let earlier: Vec<String> = earlier
+        .iter()
+        .map(|(_, n)| dir.join(n).display().to_string())
+        .collect();
+    if later.is_empty() {
+        return (earlier, Vec::new());
+    }
     // Made through the lock's handle on the state folder, once.
     let target = held.map(|held| {
         let target = held.join(&folder);
@@ -390,7 +425,7 @@ fn set_aside(
             .and_then(|()| create_private_dir(&target))
             .map(|()| target)
     });
-    let mut moved = Vec::new();
+    let mut moved = earlier;
     let mut names = Vec::new();
     let mut left = Vec::new();
     for (_, path) in &later {
@@ -428,6 +463,12 @@ fn set_aside(
             untrusted(&dir)
         );
     }
+    // In step order, those a killed resume moved among them.
+    moved.sort_by_key(|p| {
+        Path::new(p)
+            .file_name()
+            .and_then(|n| c.step_regex.step_in(&n.to_string_lossy()))
+    });
     (moved, left)
 }
 

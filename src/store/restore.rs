@@ -68,6 +68,30 @@ pub fn restore(kept: &Path, to: &Path) -> Result<Kept, KeepBestError> {
     Ok(done)
 }
 
+/// Removes what a [`restore`] to `to` that was killed left beside it: entries named as its
+/// temporary copies are (`.<name>.<12 lowercase letters>.tmp`, [`temp_name`]), files or folders,
+/// no link followed. Returns how many.
+pub fn remove_leftovers(to: &Path) -> usize {
+    let Some(name) = to.file_name().and_then(|n| n.to_str()) else {
+        return 0;
+    };
+    let ours = |entry: &str| {
+        entry
+            .strip_prefix(&format!(".{name}."))
+            .and_then(|rest| rest.strip_suffix(crate::store::safe_fs::TEMP_SUFFIX))
+            .is_some_and(|r| r.len() == 12 && r.bytes().all(|b| b.is_ascii_lowercase()))
+    };
+    let dir = crate::store::safe_fs::parent(to);
+    let mut removed = 0;
+    for entry in fs::read_dir(dir).into_iter().flatten().flatten() {
+        if entry.file_name().to_str().is_some_and(ours) {
+            remove_entry(&entry.path());
+            removed += 1;
+        }
+    }
+    removed
+}
+
 /// Is the checkpoint unit `unit` a copy of the one kept in `<state_dir>/best/` under its name:
 /// the same regular files, of the same sizes and bytes (times aside: `cp -r` changes them)?
 /// Files that are links to each other are not read. The watcher asks it of a checkpoint it

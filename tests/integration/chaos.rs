@@ -58,7 +58,7 @@ fn bounded_peak(d: &Daemon) -> u64 {
 }
 
 /// One line of the chaos report: `case<TAB>peak KiB<TAB>note`.
-fn report(case: &str, peak_kib: u64, note: &str) {
+pub(crate) fn report(case: &str, peak_kib: u64, note: &str) {
     eprintln!("chaos: {case}: peak {} MiB; {note}", peak_kib / 1024);
     if let Some(path) = std::env::var_os("DIFFMON_CHAOS_REPORT") {
         let mut f = fs::OpenOptions::new()
@@ -405,6 +405,44 @@ fn a_full_checkpoint_disk_makes_the_cut_checkpoint_a_failure_and_the_next_is_eva
         "full checkpoint disk: a cut checkpoint, then room again",
         peak,
         &format!("{written} of {size} bytes written; step 2 `{failed}`; outcomes {counts:?}"),
+    );
+}
+
+/// A slow disk: a checkpoint written in place stalls half-way for 3 s, fifteen times the time a
+/// file must stay unchanged to be complete (`settle_secs` 0.2), as a write to a busy network
+/// file system does. The half file is read and cannot be parsed; it is not recorded as a
+/// failure while it may still be written (30 s unchanged), and once the write completes the
+/// checkpoint is evaluated, once.
+#[test]
+#[ignore = "make chaos runs it (make test's 30 minutes)"]
+fn a_checkpoint_stalled_half_written_on_a_slow_disk_is_evaluated_once_complete() {
+    let run = empty_run();
+    let dir = run.path();
+    let d = Daemon::start(dir, FAST);
+    let state = dir.join(".diffmon");
+    let before = files_outside_state(dir);
+    let bytes = fs::read(toy_run().join("ckpt_000060.pt")).unwrap();
+    let mut f = fs::File::create(ckpt(dir, 1)).unwrap();
+    f.write_all(&bytes[..bytes.len() / 2]).unwrap();
+    f.sync_all().unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    f.write_all(&bytes[bytes.len() / 2..]).unwrap();
+    drop(f);
+    d.wait_for(Duration::from_secs(120), "step 1's evaluation", |_| {
+        evaluated(&state, 1)
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let peak = bounded_peak(&d);
+    let mut d = d;
+    d.terminate();
+    let counts = check(&state, &[1].into(), &[1].into());
+    assert_eq!(counts.get("evaluation"), Some(&1), "{counts:?}");
+    assert_eq!(counts.len(), 1, "a failure was recorded: {counts:?}");
+    unchanged_outside_state(dir, &before, is_checkpoint);
+    report(
+        "slow disk: a checkpoint stalled half-written for 3 s",
+        peak,
+        &format!("outcomes {counts:?}"),
     );
 }
 

@@ -3,6 +3,7 @@
 
 mod bad_input;
 mod chaos;
+mod chaos_commands;
 mod cli;
 mod common;
 mod compiled;
