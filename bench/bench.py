@@ -36,6 +36,10 @@ Workloads (NAMES, comma-separated; all but the opt-in `slurm` by default, in thi
              TorchScript at the same precision, the two ICRs compared (identical draws), and the
              network GFLOP/s against this CPU's fp32 FMA peak (cores x base clock x SIMD lanes x
              2 x two FMA units).
+  scale      how the daemon's own cost grows with the work (bench/scale.py): a sweep of 64 runs
+             with 0 and 500 recorded evaluations each, one run with 0, 500 and 10 000: start-up
+             and replay time, resident memory, the pages' answer time, the bookkeeping per
+             checkpoint outside the network, `diffmon report`.
   slurm      (opt-in: about 11 min here, 2-3 with --quick; needs root, slurm-wlm and munge)
              scale-out: all of a toy run's checkpoints present when `diffmon watch` starts;
              checkpoints per minute with the local executor (the reference, first and last)
@@ -65,6 +69,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
+
+import scale
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = ROOT / "target" / "release" / "diffmon"
@@ -1105,7 +1111,8 @@ def fma_peak_gflops() -> float:
 
 ENTRIES = {"limits": bench_limits, "icr": bench_icr, "pfd": bench_pfd, "empirical": bench_empirical,
            "load": bench_load, "latency": bench_daemon, "scaling": bench_scaling, "batch": bench_batch,
-           "http": bench_http_load, "compiled": bench_compiled, "slurm": bench_slurm}
+           "http": bench_http_load, "compiled": bench_compiled, "slurm": bench_slurm,
+           "scale": lambda work, repeat, quick: scale.bench_scale(BIN, work, toy_run(work), quick)}
 OPT_IN = {"slurm"}  # run only when named in --only
 
 
