@@ -57,7 +57,7 @@ fn bounded_peak(d: &Daemon) -> u64 {
     peak
 }
 
-/// One line of the chaos report: `case<TAB>peak KiB<TAB>note`.
+/// One line of the chaos report: `case<TAB>peak KiB<TAB>note` (peak 0: not measured by the case).
 pub(crate) fn report(case: &str, peak_kib: u64, note: &str) {
     eprintln!("chaos: {case}: peak {} MiB; {note}", peak_kib / 1024);
     if let Some(path) = std::env::var_os("DIFFMON_CHAOS_REPORT") {
