@@ -84,8 +84,8 @@ def _write_history(run_dir: Path, template: dict, n: int) -> None:
 
 
 class _Watch:
-    def __init__(self, bin_: Path, cfg: Path, log: Path):
-        self.port = int(re.search(r"127\.0\.0\.1:(\d+)", cfg.read_text()).group(1))
+    def __init__(self, bin_: Path, cfg: Path, port: int, log: Path):
+        self.port = port
         self.log = open(log, "w")
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen([str(bin_), "watch", "--config", str(cfg)], stdout=self.log,
@@ -97,7 +97,7 @@ class _Watch:
         while not ok():
             if self.proc.poll() is not None or time.perf_counter() > self.t0 + limit:
                 raise SystemExit(f"diffmon watch: no {what}; see {self.log.name}")
-            time.sleep(0.02)
+            time.sleep(0.05)
         return time.perf_counter() - self.t0
 
     def get(self, path: str) -> str | None:
@@ -113,6 +113,12 @@ class _Watch:
 
     def evaluated(self) -> float:
         return self.total("diffmon_checkpoints_evaluated_total")
+
+    def last_steps(self) -> list[int]:
+        """Each run's last evaluated step (`/v1/early-stop`: one status, or one per run)."""
+        status = json.loads(self.get("/v1/early-stop") or "{}")
+        runs = [status] if "last_step" in status else list(status.values())
+        return [s.get("last_step") or 0 for s in runs] or [0]
 
     def cpu_s(self) -> float:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -143,10 +149,11 @@ class _Watch:
                 tmp = run / f".{CKPT.format(first + r)}.tmp"
                 shutil.copy(src, tmp)
                 os.replace(tmp, run / CKPT.format(first + r))
-            want = n0 + len(runs) * r  # the round before is done: keep one round waiting
-            self._until(lambda: self.evaluated() >= want, f"{want} evaluations")
-        want = n0 + len(runs) * rounds
-        self._until(lambda: self.evaluated() >= want, f"{want} evaluations")
+            # The round before is done (one round kept waiting). Asked of /v1/early-stop, which
+            # costs the daemon well under a millisecond; /metrics would cost it 12 ms a poll in
+            # a sweep, counted here as bookkeeping.
+            self._until(lambda: min(self.last_steps()) >= first + r - 1, f"step {first + r - 1}")
+        self._until(lambda: min(self.last_steps()) >= first + rounds - 1, f"step {first + rounds - 1}")
         n = self.evaluated() - n0
         cpu, own, wall = self.cpu_s() - c0, stage() - s0, time.perf_counter() - t0
         return {"checkpoints": int(n), "bookkeeping_ms": (cpu - own) / n * 1000,
@@ -169,8 +176,9 @@ def _sweep(bin_: Path, work: Path, toy: Path, template: dict, history: int, quic
     for run in runs:
         run.mkdir(parents=True)
         _write_history(run, template, history)
-    cfg = _config(at / "diffmon.yaml", toy, _free_port(), f"runs_glob: {at / 'sweep' / 'lr-*'}\nmax_runs: {runs_n}")
-    d = _Watch(bin_, cfg, at / "watch.log")
+    port = _free_port()
+    cfg = _config(at / "diffmon.yaml", toy, port, f"runs_glob: {at / 'sweep' / 'lr-*'}\nmax_runs: {runs_n}")
+    d = _Watch(bin_, cfg, port, at / "watch.log")
     try:
         def replayed() -> bool:
             status = json.loads(d.get("/v1/early-stop") or "{}")
@@ -195,8 +203,9 @@ def _one_run(bin_: Path, work: Path, toy: Path, template: dict, history: int, qu
     run = at / "run"
     run.mkdir(parents=True)
     _write_history(run, template, history)
-    cfg = _config(at / "diffmon.yaml", toy, _free_port(), f"run: {{dir: {run}}}")
-    d = _Watch(bin_, cfg, at / "watch.log")
+    port = _free_port()
+    cfg = _config(at / "diffmon.yaml", toy, port, f"run: {{dir: {run}}}")
+    d = _Watch(bin_, cfg, port, at / "watch.log")
     try:
         replay_s = d._until(lambda: json.loads(d.get("/v1/early-stop") or "{}").get("last_step")
                             == (history or None), "a replayed history")

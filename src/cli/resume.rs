@@ -347,7 +347,7 @@ fn put_back(
     if leftovers > 0 {
         let _ = writeln!(
             report,
-            "  removed     {leftovers} partial copy of {shown} left by an interrupted resume"
+            "  removed     the partial copy of {shown} an interrupted resume left ({leftovers})"
         );
     }
     let done = crate::store::restore::restore(kept, path)
@@ -375,35 +375,17 @@ fn set_aside(
     segment: u32,
     report: &mut String,
 ) -> (Vec<String>, Vec<String>) {
-    let c = &config.checkpoints;
-    let mut later: Vec<(i64, PathBuf)> = std::fs::read_dir(&config.run.dir)
+    let later: Vec<(i64, PathBuf)> = checkpoints_in(config, &config.run.dir)
         .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().into_string().ok()?;
-            let s = c.step_regex.step_in(&name)?;
-            (c.pattern.is_match(&name) && !name.starts_with('.') && s > step).then(|| (s, e.path()))
-        })
+        .filter(|(s, _)| *s > step)
         .collect();
-    later.sort();
     let folder = format!("{SET_ASIDE_DIR}/segment-{segment}");
     let dir = state_dir.join(&folder);
     // What a resume of this segment that was interrupted moved aside already: part of this
     // resume's record (one that completes starts the next segment, whose folder is new).
-    let mut earlier: Vec<(i64, String)> = std::fs::read_dir(&dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().into_string().ok()?;
-            let s = c.step_regex.step_in(&name)?;
-            (c.pattern.is_match(&name) && !name.starts_with('.')).then_some((s, name))
-        })
-        .collect();
-    earlier.sort();
+    let earlier = checkpoints_in(config, &dir);
     if !earlier.is_empty() {
-        let names: Vec<&str> = earlier.iter().map(|(_, n)| n.as_str()).collect();
+        let names: Vec<String> = earlier.iter().map(|(_, p)| file_name(p)).collect();
         let _ = writeln!(
             report,
             "  set aside   {} by an interrupted resume, in {}",
@@ -411,12 +393,14 @@ fn set_aside(
             untrusted(&dir)
         );
     }
-    let earlier: Vec<String> = earlier
-        .iter()
-        .map(|(_, n)| dir.join(n).display().to_string())
-        .collect();
+    let shown = |moved: Vec<(i64, PathBuf)>| -> Vec<String> {
+        moved
+            .into_iter()
+            .map(|(_, p)| p.display().to_string())
+            .collect()
+    };
     if later.is_empty() {
-        return (earlier, Vec::new());
+        return (shown(earlier), Vec::new());
     }
     // Made through the lock's handle on the state folder, once.
     let target = held.map(|held| {
@@ -428,7 +412,7 @@ fn set_aside(
     let mut moved = earlier;
     let mut names = Vec::new();
     let mut left = Vec::new();
-    for (_, path) in &later {
+    for (s, path) in &later {
         let Some(name) = path.file_name() else {
             continue;
         };
@@ -448,7 +432,7 @@ fn set_aside(
             }
         }
         names.push(name.to_string_lossy().into_owned());
-        moved.push(dir.join(name).display().to_string());
+        moved.push((*s, dir.join(name)));
     }
     if !names.is_empty() {
         let _ = writeln!(
@@ -464,12 +448,30 @@ fn set_aside(
         );
     }
     // In step order, those a killed resume moved among them.
-    moved.sort_by_key(|p| {
-        Path::new(p)
-            .file_name()
-            .and_then(|n| c.step_regex.step_in(&n.to_string_lossy()))
-    });
-    (moved, left)
+    moved.sort();
+    (shown(moved), left)
+}
+
+/// The checkpoints in `dir` (by `checkpoints.pattern`, hidden names left out), by step.
+fn checkpoints_in(config: &Config, dir: &Path) -> Vec<(i64, PathBuf)> {
+    let c = &config.checkpoints;
+    let mut found: Vec<(i64, PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let s = c.step_regex.step_in(&name)?;
+            (c.pattern.is_match(&name) && !name.starts_with('.')).then(|| (s, e.path()))
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
 }
 
 /// How the training stacks resume from `checkpoint`, by its shape (`is_dir`: a folder).

@@ -286,6 +286,14 @@ pub(super) fn temp_name(dir: &Path, name: &OsStr) -> PathBuf {
     }
 }
 
+/// Is `entry` a name [`temp_name`] makes for `name` (`.<name>.<12 lowercase letters>.tmp`)?
+pub(super) fn is_temp_name_of(entry: &str, name: &str) -> bool {
+    entry
+        .strip_prefix(&format!(".{name}."))
+        .and_then(|rest| rest.strip_suffix(TEMP_SUFFIX))
+        .is_some_and(|r| r.len() == 12 && r.bytes().all(|b| b.is_ascii_lowercase()))
+}
+
 /// Removes `path` without following links: a link is removed as a link, a folder with its tree.
 pub(super) fn remove_entry(path: &Path) {
     let removed = match fs::symlink_metadata(path) {
@@ -294,7 +302,7 @@ pub(super) fn remove_entry(path: &Path) {
         Err(_) => return,
     };
     if let Err(e) = removed {
-        tracing::warn!(path = %untrusted(path), "cannot remove an old kept checkpoint: {e}");
+        tracing::warn!(path = %untrusted(path), "cannot remove an old kept checkpoint or a partial copy: {e}");
     }
 }
 

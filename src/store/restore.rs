@@ -4,8 +4,8 @@
 //! (restored by `diffmon resume`, or by hand), so that it is not evaluated again.
 
 use crate::store::keep_best::{
-    KEPT_DIR, KeepBestError, Kept, copy_tree, io_error, kept_name, link_or_copy, remove_entry,
-    summary, temp_name,
+    KEPT_DIR, KeepBestError, Kept, copy_tree, io_error, is_temp_name_of, kept_name, link_or_copy,
+    remove_entry, summary, temp_name,
 };
 use crate::store::safe_fs::sync_dir;
 use std::fs::{self, OpenOptions};
@@ -69,24 +69,25 @@ pub fn restore(kept: &Path, to: &Path) -> Result<Kept, KeepBestError> {
 }
 
 /// Removes what a [`restore`] to `to` that was killed left beside it: entries named as its
-/// temporary copies are (`.<name>.<12 lowercase letters>.tmp`, [`temp_name`]), files or folders,
-/// no link followed. Returns how many.
+/// temporary copies are ([`is_temp_name_of`]), files or folders, no link followed. Returns how
+/// many are gone.
 pub fn remove_leftovers(to: &Path) -> usize {
     let Some(name) = to.file_name().and_then(|n| n.to_str()) else {
         return 0;
     };
-    let ours = |entry: &str| {
-        entry
-            .strip_prefix(&format!(".{name}."))
-            .and_then(|rest| rest.strip_suffix(crate::store::safe_fs::TEMP_SUFFIX))
-            .is_some_and(|r| r.len() == 12 && r.bytes().all(|b| b.is_ascii_lowercase()))
-    };
-    let dir = crate::store::safe_fs::parent(to);
     let mut removed = 0;
-    for entry in fs::read_dir(dir).into_iter().flatten().flatten() {
-        if entry.file_name().to_str().is_some_and(ours) {
+    for entry in fs::read_dir(crate::store::safe_fs::parent(to))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if entry
+            .file_name()
+            .to_str()
+            .is_some_and(|e| is_temp_name_of(e, name))
+        {
             remove_entry(&entry.path());
-            removed += 1;
+            removed += usize::from(fs::symlink_metadata(entry.path()).is_err());
         }
     }
     removed
